@@ -1,0 +1,92 @@
+"""Tiny random checkpoints made locally (weights, tokenizer, processor, chat template).
+
+Nothing is downloaded: the tokenizer is trained here on a few sentences, the image processor and
+chat template are written here, and weights are random with a large initializer range so greedy
+decoding is not decided by near-ties.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CORPUS = [
+    "USER: ASSISTANT: what is in this image? describe the picture in one sentence.",
+    "a red square on a blue background, a cat, a dog, the sky is green today.",
+    "hello world! how are you? I am fine, thank you. numbers 0 1 2 3 4 5 6 7 8 9",
+    "The quick brown fox jumps over the lazy dog. Tell me a story about a robot.",
+]
+
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}{% endfor %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def make_tokenizer(extra_special: list[str], vocab_size: int = 200):
+    """A byte-level BPE tokenizer trained on CORPUS; ids of specials come first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"] + extra_special
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<unk>", extra_special_tokens={t.strip("<>") + "_token": t for t in extra_special} if False else None)
+    fast.add_special_tokens({"additional_special_tokens": extra_special})
+    return fast
+
+
+def make_llava(out: Path, *, seed: int = 0, num_kv_heads: int = 2, feature_layer=-2, select_strategy="default",
+               image_size: int = 28, patch_size: int = 7, text_layers: int = 2, hidden: int = 64,
+               init_range: float = 0.2, tie: bool = False) -> Path:
+    import torch
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, GenerationConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    out = Path(out)
+    tok = make_tokenizer(["<image>"])
+    image_id = tok.convert_tokens_to_ids("<image>")
+    vocab = len(tok)
+    vc = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                          image_size=image_size, patch_size=patch_size, projection_dim=32)
+    tc = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=text_layers,
+                     num_attention_heads=4, num_key_value_heads=num_kv_heads, vocab_size=vocab,
+                     max_position_embeddings=1024, initializer_range=init_range, tie_word_embeddings=tie,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = LlavaConfig(vision_config=vc, text_config=tc, image_token_index=image_id,
+                      vision_feature_layer=feature_layer, vision_feature_select_strategy=select_strategy,
+                      initializer_range=init_range, tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # large weights so logits are far from ties
+        for name, p in model.named_parameters():
+            if "language_model" in name and p.dim() == 2:
+                p.normal_(0, init_range)
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    model.save_pretrained(out)
+    ip = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+    n_extra = 1
+    proc = LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=patch_size,
+                          vision_feature_select_strategy=select_strategy, chat_template=LLAVA_CHAT_TEMPLATE,
+                          image_token="<image>", num_additional_image_tokens=n_extra)
+    proc.save_pretrained(out)
+    return out
+
+
+def make_image(seed: int, size=(40, 30)):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8))

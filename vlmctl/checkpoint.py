@@ -1,0 +1,103 @@
+"""Reading and writing safetensors checkpoints: tensor iteration with clear errors, sharded writing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+from .errors import CheckpointError
+
+SHARD_BYTES = 4 << 30
+
+
+def weight_files(ckpt_dir: Path) -> list[Path]:
+    ckpt_dir = Path(ckpt_dir)
+    index = ckpt_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: invalid index ({e})") from None
+        files = [ckpt_dir / n for n in names]
+        missing = [str(f.name) for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{ckpt_dir}: shards listed in the index are missing: {', '.join(missing)}")
+        return files
+    files = sorted(ckpt_dir.glob("*.safetensors"))
+    if not files:
+        bins = list(ckpt_dir.glob("*.bin")) + list(ckpt_dir.glob("*.pt"))
+        hint = " (found PyTorch .bin files: re-save with safe_serialization=True)" if bins else ""
+        raise CheckpointError(f"{ckpt_dir}: no .safetensors weights{hint}")
+    return files
+
+
+def iter_tensors(ckpt_dir: Path) -> Iterator[tuple[str, "object", Path]]:
+    """Yield (name, tensor, file) for every tensor, one file open at a time."""
+    from safetensors import safe_open
+
+    for f in weight_files(ckpt_dir):
+        try:
+            handle = safe_open(str(f), framework="pt")
+            keys = list(handle.keys())
+        except Exception as e:
+            raise CheckpointError(f"{f}: not a valid safetensors file ({_short(e)})") from None
+        for k in keys:
+            try:
+                yield k, handle.get_tensor(k), f
+            except Exception as e:
+                raise CheckpointError(f"{f}: tensor {k!r} cannot be read ({_short(e)})") from None
+
+
+def _short(e: Exception) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+
+class ShardWriter:
+    """Writes tensors into model.safetensors (or numbered shards with an index when large)."""
+
+    def __init__(self, out_dir: Path, max_bytes: int = SHARD_BYTES, metadata: dict | None = None):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self.pending: dict = {}
+        self.pending_bytes = 0
+        self.shards: list[dict] = []
+
+    def add(self, name: str, tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.out_dir / f".shard-{len(self.shards):05d}.safetensors"
+        save_file(self.pending, str(path), metadata=self.metadata)
+        self.shards.append({"path": path, "names": list(self.pending), "bytes": self.pending_bytes})
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        if self.pending or not self.shards:
+            self._flush()
+        if len(self.shards) == 1:
+            final = self.out_dir / "model.safetensors"
+            self.shards[0]["path"].rename(final)
+            return [final]
+        n = len(self.shards)
+        weight_map, files = {}, []
+        for i, s in enumerate(self.shards):
+            final = self.out_dir / f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            s["path"].rename(final)
+            files.append(final)
+            weight_map.update({name: final.name for name in s["names"]})
+        index = {"metadata": {"total_size": sum(s["bytes"] for s in self.shards)}, "weight_map": weight_map}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return files
+
+
+def load_state_dict(ckpt_dir: Path) -> dict:
+    return {k: t for k, t, _ in iter_tensors(ckpt_dir)}

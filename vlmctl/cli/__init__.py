@@ -1,0 +1,1 @@
+"""Typer commands. Each module parses arguments, calls the library, and prints."""

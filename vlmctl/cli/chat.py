@@ -1,0 +1,105 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from .common import console, out, print_json
+
+
+def chat_command(
+    engine_dir: Path = typer.Argument(..., help="Engine directory made by `vlmctl build`"),
+    prompt: str = typer.Option(None, "--prompt", "-p", help="Ask one question and exit (non-interactive)"),
+    image: list[Path] = typer.Option(None, "--image", "-i", help="Image file (repeatable)"),
+    system: str = typer.Option(None, "--system", help="System message"),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Maximum new tokens"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0: no top-k filter"),
+    seed: int = typer.Option(None, "--seed"),
+    stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)"),
+    device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
+    json_: bool = typer.Option(False, "--json", help="Print {text, token_ids, prompt_tokens, completion_tokens, "
+                                                     "finish_reason}"),
+):
+    from ..runtime.engine import Engine, load_image
+    from ..runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            stop=list(stop or [])).validate()
+    images = [load_image(p) for p in image or []]  # bad paths fail before the engine loads
+    if prompt is None and (json_ or not sys.stdin.isatty()):
+        prompt = sys.stdin.read().strip() if not sys.stdin.isatty() else None
+        if not prompt:
+            from ..errors import InputError
+
+            raise InputError("--json needs --prompt (or a prompt on standard input)")
+    engine = Engine(engine_dir, device=device)
+    base = [{"role": "system", "content": system}] if system else []
+    if prompt is not None:
+        messages = base + [user_message(prompt, len(images))]
+        if json_:
+            print_json(engine.chat(messages, images, params).to_json())
+            return
+        res = engine.chat(messages, images, params, on_event=lambda ev: _stream(ev.text_delta))
+        out.print()
+        return
+    _repl(engine, params, base, images)
+
+
+def user_message(text: str, n_images: int) -> dict:
+    return {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}
+
+
+def _stream(delta: str) -> None:
+    if delta:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+
+def _repl(engine, params, base: list[dict], pending_images: list) -> None:
+    from ..errors import VlmctlError
+    from ..runtime.engine import load_image
+
+    console.print(f"[bold]vlmctl chat[/bold] — {engine.model_name} ({engine.device}). "
+                  "Commands: /image PATH, /reset, /exit")
+    history: list[dict] = list(base)
+    images: list = []
+    pending = list(pending_images)
+    while True:
+        try:
+            line = console.input("[bold cyan]you>[/bold cyan] ").strip()
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            return
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset":
+            history, images, pending = list(base), [], []
+            console.print("[dim]conversation reset[/dim]")
+            continue
+        if line.startswith("/image"):
+            path = line[len("/image"):].strip()
+            try:
+                pending.append(load_image(path))
+                console.print(f"[dim]image attached to your next message: {path}[/dim]")
+            except VlmctlError as e:
+                console.print(f"[red]error:[/red] {e}")
+            continue
+        if line.startswith("/"):
+            console.print("[red]unknown command[/red] (use /image PATH, /reset, /exit)")
+            continue
+        msg = user_message(line, len(pending))
+        try:
+            out.print("[bold green]assistant>[/bold green] ", end="")
+            res = engine.chat(history + [msg], images + pending, params, on_event=lambda ev: _stream(ev.text_delta))
+        except VlmctlError as e:
+            console.print(f"\n[red]error:[/red] {e}")
+            continue
+        out.print()
+        history += [msg, {"role": "assistant", "content": [{"type": "text", "text": res.text}]}]
+        images += pending
+        pending = []

@@ -1,0 +1,109 @@
+"""Checkpoint conversion: split a VLM checkpoint into vision (tower + projector) and decoder parts.
+
+Output layout (one directory, written atomically by the pipeline):
+  vision/     model.safetensors (vision tower + projector) + config.json (the VLM config)
+  llm/        the decoder as a plain Hugging Face causal-LM checkpoint, with its tokenizer
+  processor/  tokenizer, image processor, chat template and config, as the runtime needs them
+
+Every tensor is checked against the names, shapes and dtypes the architecture expects;
+unknown or missing tensors fail the stage.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from .checkpoint import ShardWriter, iter_tensors
+from .errors import CheckpointError
+from .models.base import DECODER, VISION
+from .models.registry import detect_family, read_config
+from .progress import Progress, ensure
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json")
+PROCESSOR_FILES = TOKENIZER_FILES + ("processor_config.json", "preprocessor_config.json", "chat_template.jinja",
+                                     "chat_template.json", "config.json", "generation_config.json",
+                                     "video_preprocessor_config.json")
+
+DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+def expected_tensors(family, config_dict: dict) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """name -> (shape, may_be_absent) for the whole VLM, from a meta-device instance of the HF class."""
+    import torch
+
+    config = family.hf_config(config_dict)
+    with torch.device("meta"):
+        model = family.hf_model_class()(config)
+    tied = set()
+    if getattr(config.get_text_config(), "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):
+        tied = {k for k in model.state_dict() if k.endswith("lm_head.weight")}
+    return {k: (tuple(v.shape), k in tied) for k, v in model.state_dict().items()}
+
+
+def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: Progress | None = None) -> dict:
+    """Convert `src` into `out` (which must not exist). Returns a summary for the manifest."""
+    import torch
+
+    progress = ensure(progress)
+    src = Path(src)
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: no such checkpoint directory")
+    config = read_config(src)
+    family = detect_family(config, where=str(src / "config.json"))
+    expected = expected_tensors(family, config)
+    target = getattr(torch, DTYPES[dtype])
+
+    out = Path(out)
+    writers = {VISION: ShardWriter(out / "vision"), DECODER: ShardWriter(out / "llm")}
+    seen: set[str] = set()
+    counts = {VISION: 0, DECODER: 0}
+    task = progress.task("convert: splitting tensors", total=len(expected))
+    for key, tensor, f in iter_tensors(src):
+        name = family.canonical_key(key)
+        if name not in expected:
+            raise CheckpointError(f"{f.name}: unexpected tensor {key!r} (not part of {config['architectures'][0]} "
+                                  "with this config)")
+        if name in seen:
+            raise CheckpointError(f"{f.name}: tensor {key!r} appears twice")
+        shape, _ = expected[name]
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(f"{f.name}: tensor {key!r} has shape {tuple(tensor.shape)}, config.json implies {shape}")
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{f.name}: tensor {key!r} has dtype {tensor.dtype}; expected floating point weights")
+        part, part_name = family.split_key(name)
+        writers[part].add(part_name, tensor.to(target))
+        seen.add(name)
+        counts[part] += 1
+        task.advance()
+    task.done()
+    missing = [k for k, (_, optional) in expected.items() if k not in seen and not optional]
+    if missing:
+        raise CheckpointError(f"{src}: {len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[:3]}")
+    for w in writers.values():
+        w.close()
+
+    # vision/: the whole VLM config (the vision wrapper needs projector and feature-layer settings)
+    config_out = dict(config)
+    config_out["torch_dtype"] = dtype
+    (out / "vision" / "config.json").write_text(json.dumps(config_out, indent=2))
+
+    # llm/: a plain causal LM
+    text_cfg = family.text_config_dict(config)
+    text_cfg["torch_dtype"] = dtype
+    text_cfg.pop("dtype", None)
+    (out / "llm" / "config.json").write_text(json.dumps(text_cfg, indent=2))
+    proc = out / "processor"
+    proc.mkdir(parents=True)
+    for name in PROCESSOR_FILES:
+        if (src / name).exists():
+            shutil.copy2(src / name, proc / name)
+            if name in TOKENIZER_FILES or name in ("generation_config.json", "chat_template.jinja"):
+                shutil.copy2(src / name, out / "llm" / name)
+    if not any((proc / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise CheckpointError(f"{src}: no tokenizer files (tokenizer.json or tokenizer.model)")
+    (out / "family.json").write_text(json.dumps({"family": family.name, "architecture": config["architectures"][0],
+                                                 "decoder_model_type": text_cfg["model_type"], "dtype": dtype}, indent=2))
+    return {"family": family.name, "vision_tensors": counts[VISION], "decoder_tensors": counts[DECODER]}

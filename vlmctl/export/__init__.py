@@ -1,0 +1,1 @@
+"""Producers of deployable artifacts: ONNX vision export, TensorRT engines, TensorRT-LLM builds."""

@@ -1,0 +1,131 @@
+"""The interface every VLM family module implements.
+
+A family module is the only place that knows a model: how its checkpoint splits into vision
+and decoder, how the vision part is wrapped for export, how images are preprocessed and how many
+feature rows each becomes, how the chat template and image placeholders expand, and which
+decoder family runs the language part. Generic code (convert, export, runtime, serve) only
+talks to this interface.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+# Roles of a tensor in the source checkpoint.
+VISION = "vision"
+DECODER = "decoder"
+
+
+@dataclass
+class ImageItem:
+    """One preprocessed image, ready for the vision runner."""
+
+    inputs: dict[str, np.ndarray]  # ONNX feed for this image (batch axis of size 1 or #crops)
+    num_tokens: int  # feature rows it becomes in the prompt
+    meta: dict[str, Any] = field(default_factory=dict)  # what postprocess_features needs
+    content_hash: str = ""
+
+
+@dataclass
+class EncodedPrompt:
+    """A tokenized prompt whose image placeholders are already expanded.
+
+    `token_ids` holds ordinary ids plus, for image k, `images[k].num_tokens` copies of
+    `image_placeholder_id`; the runtime swaps them for fake ids >= vocab_size in order.
+    """
+
+    token_ids: list[int]
+    images: list[ImageItem]
+    image_placeholder_id: int
+    text: str = ""
+
+
+class VLMFamily:
+    """Base class. Subclasses set the class attributes and override what differs."""
+
+    name: ClassVar[str]
+    architectures: ClassVar[tuple[str, ...]]
+    # Supported features, shown in `vlmctl models` and the README table.
+    multi_image: ClassVar[bool] = True
+
+    # ---- detection -------------------------------------------------------------------------
+    @classmethod
+    def matches(cls, config: dict) -> bool:
+        return any(a in cls.architectures for a in config.get("architectures") or [])
+
+    # ---- conversion ------------------------------------------------------------------------
+    def hf_config(self, config_dict: dict):
+        """The transformers config object for the whole VLM."""
+        raise NotImplementedError
+
+    def hf_model_class(self):
+        raise NotImplementedError
+
+    def canonical_key(self, key: str) -> str:
+        """Map a checkpoint tensor name (any historical layout) to the current transformers name."""
+        return key
+
+    def split_key(self, key: str) -> tuple[str, str]:
+        """(VISION or DECODER, name inside that part) for a canonical tensor name."""
+        raise NotImplementedError
+
+    def text_config_dict(self, config_dict: dict) -> dict:
+        """config.json of the standalone decoder (a plain HF causal LM)."""
+        raise NotImplementedError
+
+    def vision_module_names(self) -> list[str]:
+        """Module prefixes of the vision part in the whole-VLM checkpoint (AWQ's modules_to_not_convert)."""
+        raise NotImplementedError
+
+    # ---- vision ----------------------------------------------------------------------------
+    def build_vision_module(self, vision_dir: Path, dtype):
+        """torch module: ONNX inputs -> image features [batch, rows, decoder hidden]."""
+        raise NotImplementedError
+
+    def onnx_io(self, vision_config: dict) -> tuple[list[str], list[str], dict[str, dict[int, str]]]:
+        """ONNX input names, output names and dynamic axes."""
+        return ["pixel_values"], ["image_features"], {"pixel_values": {0: "batch"}, "image_features": {0: "batch"}}
+
+    def example_vision_inputs(self, vision_config: dict, batch: int, dtype, seed: int = 0) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def hf_image_features(self, model, inputs: dict[str, Any]):
+        """Image features through transformers' own path (reference for validation tests)."""
+        raise NotImplementedError
+
+    # ---- prompt & images -------------------------------------------------------------------
+    def load_processor(self, processor_dir: Path) -> "FamilyProcessor":
+        raise NotImplementedError
+
+    def max_image_tokens(self, config_dict: dict) -> int:
+        """Upper bound of feature rows one image becomes (sizes the prompt-embedding table)."""
+        raise NotImplementedError
+
+    # ---- decoder ---------------------------------------------------------------------------
+    def decoder_model_type(self, config_dict: dict) -> str:
+        return self.text_config_dict(config_dict)["model_type"]
+
+
+class FamilyProcessor:
+    """Built from an engine's processor/ directory: turns chat messages and images into an EncodedPrompt."""
+
+    def encode(self, messages: list[dict], images: list) -> EncodedPrompt:
+        raise NotImplementedError
+
+    def postprocess_features(self, features: np.ndarray, item: ImageItem) -> np.ndarray:
+        """Vision runner output for one image -> [num_tokens, hidden] rows for the prompt table."""
+        return features.reshape(-1, features.shape[-1])
+
+    def position_ids(self, token_ids: list[int], prompt: EncodedPrompt):
+        """None for ordinary 1-D positions; families with multi-dimensional rotary override."""
+        return None
+
+
+def read_json(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,195 @@
+"""LLaVA-1.5 (`LlavaForConditionalGeneration`): CLIP vision tower -> MLP projector -> Llama decoder.
+
+Everything vlmctl knows about LLaVA-1.5 lives here: tensor names (current and legacy), the
+feature layer and select strategy, the image-token count, and the chat-template handling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError, InputError
+from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, VLMFamily, read_json
+from .chat import load_chat_template, render_chat
+
+# Legacy (transformers 4.x, as on the hub) -> current transformers names.
+_LEGACY_PREFIXES = (
+    ("language_model.model.", "model.language_model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("vision_tower.", "model.vision_tower."),
+    ("multi_modal_projector.", "model.multi_modal_projector."),
+)
+
+
+def image_hash(image) -> str:
+    h = hashlib.sha256()
+    h.update(f"{image.mode}:{image.size}".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+class LlavaVisionWrapper:
+    """Factory for the export module (kept as a function to import torch lazily)."""
+
+    @staticmethod
+    def build(config, feature_layer, select_strategy):
+        import torch
+        from torch import nn
+        from transformers import AutoModel
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+        class Wrapper(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.vision_tower = AutoModel.from_config(config.vision_config)
+                self.multi_modal_projector = LlavaMultiModalProjector(config)
+                self.feature_layers = [feature_layer] if isinstance(feature_layer, int) else list(feature_layer)
+                self.select_strategy = select_strategy
+
+            def truncate_unused_layers(self) -> None:
+                # Layers after the deepest selected hidden state never affect the output.
+                layers = getattr(self.vision_tower, "vision_model", self.vision_tower).encoder.layers
+                n = len(layers)
+                idx = [(i if i >= 0 else n + 1 + i) for i in self.feature_layers]
+                keep = max(idx)
+                del layers[keep:]
+                self.feature_layers = idx
+
+            def forward(self, pixel_values):
+                out = self.vision_tower(pixel_values, output_hidden_states=True, return_dict=True)
+                feats = [out.hidden_states[i] for i in self.feature_layers]
+                if self.select_strategy == "default":
+                    feats = [f[:, 1:] for f in feats]
+                return self.multi_modal_projector(torch.cat(feats, dim=-1) if len(feats) > 1 else feats[0])
+
+        return Wrapper()
+
+
+class LlavaFamily(VLMFamily):
+    name = "llava"
+    architectures = ("LlavaForConditionalGeneration",)
+    multi_image = True
+
+    def hf_config(self, config_dict: dict):
+        from transformers import LlavaConfig
+
+        return LlavaConfig.from_dict(config_dict)
+
+    def hf_model_class(self):
+        from transformers import LlavaForConditionalGeneration
+
+        return LlavaForConditionalGeneration
+
+    def canonical_key(self, key: str) -> str:
+        if key.startswith(("model.", "lm_head.")):
+            return key
+        for old, new in _LEGACY_PREFIXES:
+            if key.startswith(old):
+                return new + key[len(old):]
+        return key
+
+    def split_key(self, key: str) -> tuple[str, str]:
+        if key.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
+            return VISION, key[len("model."):]
+        if key.startswith("model.language_model."):
+            return DECODER, "model." + key[len("model.language_model."):]
+        if key.startswith("lm_head."):
+            return DECODER, key
+        raise CheckpointError(f"tensor {key!r} belongs to no known part of a LLaVA checkpoint")
+
+    def text_config_dict(self, config_dict: dict) -> dict:
+        cfg = self.hf_config(config_dict)
+        text = cfg.text_config.to_dict()
+        text["architectures"] = [_causal_lm_class(text["model_type"])]
+        text.pop("_name_or_path", None)
+        return text
+
+    def vision_module_names(self) -> list[str]:
+        return ["vision_tower", "multi_modal_projector"]
+
+    # ---- vision ----------------------------------------------------------------------------
+    def build_vision_module(self, vision_dir: Path, dtype):
+        import torch
+        from safetensors.torch import load_file
+
+        config = self.hf_config(read_json(Path(vision_dir) / "config.json"))
+        wrapper = LlavaVisionWrapper.build(config, config.vision_feature_layer, config.vision_feature_select_strategy)
+        state = load_file(str(Path(vision_dir) / "model.safetensors"))
+        missing, unexpected = wrapper.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"{vision_dir}: vision weights do not match the config "
+                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        wrapper.truncate_unused_layers()
+        return wrapper.to(dtype).eval().requires_grad_(False)
+
+    def example_vision_inputs(self, vision_config: dict, batch: int, dtype, seed: int = 0) -> dict[str, Any]:
+        import torch
+
+        vc = self.hf_config(vision_config).vision_config
+        g = torch.Generator().manual_seed(seed)
+        return {"pixel_values": torch.randn(batch, 3, vc.image_size, vc.image_size, generator=g).to(dtype)}
+
+    def hf_image_features(self, model, inputs: dict[str, Any]):
+        import torch
+
+        out = model.model.get_image_features(pixel_values=inputs["pixel_values"],
+                                             vision_feature_layer=model.config.vision_feature_layer,
+                                             vision_feature_select_strategy=model.config.vision_feature_select_strategy)
+        feats = out.pooler_output if hasattr(out, "pooler_output") else out
+        return torch.stack(list(feats))
+
+    # ---- prompt ----------------------------------------------------------------------------
+    def tokens_per_image(self, config_dict: dict) -> int:
+        cfg = self.hf_config(config_dict)
+        vc = cfg.vision_config
+        n = (vc.image_size // vc.patch_size) ** 2 + 1
+        return n - 1 if cfg.vision_feature_select_strategy == "default" else n
+
+    def max_image_tokens(self, config_dict: dict) -> int:
+        return self.tokens_per_image(config_dict)
+
+    def load_processor(self, processor_dir: Path) -> "LlavaProcessorAdapter":
+        return LlavaProcessorAdapter(self, Path(processor_dir))
+
+
+class LlavaProcessorAdapter(FamilyProcessor):
+    """Chat template + CLIP image processor, expanding `<image>` as LlavaProcessor does."""
+
+    def __init__(self, family: LlavaFamily, processor_dir: Path):
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        config = read_json(processor_dir / "config.json")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(processor_dir))
+        self.image_processor = AutoImageProcessor.from_pretrained(str(processor_dir))
+        self.chat_template = load_chat_template(processor_dir, self.tokenizer)
+        self.image_token_id = int(config.get("image_token_index", config.get("image_token_id", -1)))
+        if self.image_token_id < 0:
+            raise CheckpointError(f"{processor_dir}/config.json: no image_token_index")
+        self.image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self.tokens_per_image = family.tokens_per_image(config)
+
+    def encode(self, messages: list[dict], images: list) -> EncodedPrompt:
+        text = render_chat(self.tokenizer, self.chat_template, messages)
+        n_placeholders = text.count(self.image_token)
+        if n_placeholders != len(images):
+            raise InputError(f"the prompt has {n_placeholders} image placeholder(s) but {len(images)} image(s) were given")
+        ids = self.tokenizer(text)["input_ids"]
+        expanded: list[int] = []
+        for t in ids:
+            expanded.extend([t] * self.tokens_per_image if t == self.image_token_id else [t])
+        items = []
+        for img in images:
+            pv = self.image_processor(images=[img.convert("RGB")], return_tensors="np")["pixel_values"]
+            items.append(ImageItem(inputs={"pixel_values": np.ascontiguousarray(pv, dtype=np.float32)},
+                                   num_tokens=self.tokens_per_image, content_hash=image_hash(img)))
+        return EncodedPrompt(token_ids=expanded, images=items, image_placeholder_id=self.image_token_id, text=text)
+
+
+def _causal_lm_class(model_type: str) -> str:
+    from .decoders import decoder_family
+
+    return decoder_family(model_type).causal_lm_class

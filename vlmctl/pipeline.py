@@ -1,0 +1,235 @@
+"""The stage graph: convert -> quantize -> export-vision -> build-vision -> build-llm.
+
+Each stage is a function of (recipe, work directory) that declares its settings and inputs
+(content hashes of upstream outputs) and does its work through `artifacts.run_stage`, which
+provides the cache and atomic publication. `build()` runs them in order. The work directory
+also keeps `recipe.json`, the resolved recipe, so stand-alone stage commands reuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .artifacts import STAGES, StageResult, hash_tree, read_manifest, run_stage, stage_part_hash
+from .errors import BackendUnavailableError, RecipeError, StageError
+from .models.registry import detect_family, get_family, read_config
+from .progress import Progress, ensure
+from .recipe import Recipe, resolve_source
+
+RECIPE_FILE = "recipe.json"
+
+
+def save_recipe(workdir: Path, recipe: Recipe) -> None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    data = recipe.public_dict()
+    data["base_dir"] = recipe.base_dir
+    tmp = workdir / f".{RECIPE_FILE}.tmp"
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(workdir / RECIPE_FILE)
+
+
+def load_workdir_recipe(workdir: Path, overrides: list[str] | None = None) -> Recipe:
+    """The recipe a work directory was built with, plus `--set` overrides."""
+    from .recipe import _apply_override, _format_validation_error, parse_override
+    from pydantic import ValidationError
+
+    path = Path(workdir) / RECIPE_FILE
+    if not path.exists():
+        raise StageError(f"{workdir}: no {RECIPE_FILE}; run `vlmctl convert SRC -o {workdir}` or `vlmctl build` first")
+    data = json.loads(path.read_text())
+    for item in overrides or []:
+        parts, value = parse_override(item)
+        _apply_override(data, parts, value)
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(_format_validation_error(str(path), e)) from None
+
+
+def _family(workdir: Path):
+    m = read_manifest(workdir / "convert")
+    if m is None:
+        raise StageError(f"{workdir}: stage 'convert' has not run here; run `vlmctl convert` first")
+    return get_family(m["info"]["family"])
+
+
+# ---- backends ------------------------------------------------------------------------------
+def resolve_vision_backend(recipe: Recipe) -> str:
+    from .export.tensorrt import tensorrt_available
+
+    want = recipe.vision.backend
+    if want == "auto":
+        return "tensorrt" if tensorrt_available() else "onnxruntime"
+    if want == "tensorrt" and not tensorrt_available():
+        raise BackendUnavailableError("vision.backend is tensorrt but the `tensorrt` package is not importable "
+                                      "(pip install 'vlmctl[tensorrt]' on a machine with NVIDIA's index)")
+    return want
+
+
+def resolve_decoder_backend(recipe: Recipe) -> str:
+    from .export.trtllm import trtllm_available
+
+    want = recipe.decoder.backend
+    if want == "auto":
+        return "trtllm" if trtllm_available() else "torch"
+    if want == "trtllm":
+        trtllm_available(required=True)
+    return want
+
+
+# ---- stages --------------------------------------------------------------------------------
+def stage_convert(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+    from .convert import convert_checkpoint
+
+    src = resolve_source(recipe)
+    detect_family(read_config(src), where=str(src / "config.json"))  # fail fast, before hashing
+    src_hash = hash_tree(src, [p for p in src.rglob("*") if p.is_file() and ".cache" not in p.parts])
+    settings = {"dtype": recipe.dtype}
+    return run_stage(workdir, "convert", settings, {"source": src_hash},
+                     lambda out: convert_checkpoint(src, out, recipe.dtype, progress), force=force)
+
+
+def stage_quantize(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+    q = recipe.quantization
+    if q.method == "none":
+        return StageResult("quantize", False, 0.0, workdir / "quantize", skipped="quantization.method is none")
+    from .quant.awq import quantize_workspace
+
+    inputs = {"llm": stage_part_hash(workdir, "convert", "llm"), "vision": stage_part_hash(workdir, "convert", "vision")}
+    calib = q.calibration.data
+    if calib and recipe.resolve_path(calib).is_file():
+        inputs["calibration"] = hash_tree(recipe.resolve_path(calib).parent, [recipe.resolve_path(calib)])
+    settings = q.model_dump(mode="json")
+    return run_stage(workdir, "quantize", settings, inputs,
+                     lambda out: quantize_workspace(workdir / "convert", out, q, Path(recipe.base_dir), progress),
+                     force=force)
+
+
+def stage_export_vision(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+    from .export.onnx_vision import export_vision_onnx
+
+    family = _family(workdir)
+    v = recipe.vision
+    settings = {"dtype": recipe.dtype, "opset": v.opset, "validate_batch_size": v.validate_batch_size,
+                "max_abs_error": v.max_abs_error, "min_cosine": v.min_cosine}
+    inputs = {"vision": stage_part_hash(workdir, "convert", "vision")}
+    return run_stage(workdir, "export-vision", settings, inputs,
+                     lambda out: export_vision_onnx(family, workdir / "convert" / "vision", out, dtype=recipe.dtype,
+                                                    opset=v.opset, validate_batch_size=v.validate_batch_size,
+                                                    max_abs_error=v.max_abs_error, min_cosine=v.min_cosine,
+                                                    progress=progress), force=force)
+
+
+def stage_build_vision(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+    from .export.tensorrt import build_vision_engine
+
+    backend = resolve_vision_backend(recipe)
+    lim = recipe.limits
+    max_images = max(1, lim.max_batch_size * max(lim.max_images_per_request, 1))
+    settings = {"backend": backend, "dtype": recipe.dtype, "max_images": max_images,
+                "workspace_gib": recipe.vision.workspace_gib}
+    inputs = {"onnx": stage_part_hash(workdir, "export-vision")}
+    return run_stage(workdir, "build-vision", settings, inputs,
+                     lambda out: build_vision_engine(workdir / "export-vision", out, backend=backend,
+                                                     dtype=recipe.dtype, max_batch=max_images,
+                                                     workspace_gib=recipe.vision.workspace_gib, progress=progress),
+                     force=force)
+
+
+def stage_build_llm(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+    backend = resolve_decoder_backend(recipe)
+    family = _family(workdir)
+    quantized = recipe.quantization.method != "none"
+    if quantized:
+        if read_manifest(workdir / "quantize") is None:
+            raise StageError(f"{workdir}: quantization.method is {recipe.quantization.method} but stage 'quantize' "
+                             "has not run; run `vlmctl quantize` first")
+        llm_dir, llm_hash = workdir / "quantize" / "llm", stage_part_hash(workdir, "quantize", "llm")
+    else:
+        llm_dir, llm_hash = workdir / "convert" / "llm", stage_part_hash(workdir, "convert", "llm")
+    vlm_config = json.loads((workdir / "convert" / "vision" / "config.json").read_text())
+    lim = recipe.limits
+    per_image = family.max_image_tokens(vlm_config)
+    table_size = lim.max_batch_size * lim.max_images_per_request * per_image
+    extra = {"name": recipe.name, "backend": backend, "limits": lim.model_dump(), "prompt_table_size": table_size,
+             "image_tokens_per_image": per_image, "eos_token_ids": _eos_ids(workdir / "convert" / "processor")}
+    settings = {"backend": backend, "dtype": recipe.dtype, **extra}
+    inputs = {"llm": llm_hash, "processor": stage_part_hash(workdir, "convert", "processor")}
+
+    def work(out: Path) -> dict:
+        if backend == "trtllm":
+            from .export.trtllm import build_trtllm_engine
+
+            return build_trtllm_engine(llm_dir, out, recipe=recipe, extra_config=extra, progress=progress)
+        from .runtime.layout import build_torch_layout
+
+        return build_torch_layout(llm_dir, out, dtype=recipe.dtype, extra_config=extra, progress=progress)
+
+    return run_stage(workdir, "build-llm", settings, inputs, work, force=force)
+
+
+def _eos_ids(processor_dir: Path) -> list[int]:
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        p = processor_dir / name
+        if p.exists():
+            cfg = json.loads(p.read_text())
+            for c in (cfg, cfg.get("text_config") or {}):
+                e = c.get("eos_token_id")
+                if e is not None:
+                    ids.extend(e if isinstance(e, list) else [e])
+            if ids:
+                break
+    return sorted(set(int(i) for i in ids))
+
+
+STAGE_FUNCS: dict[str, Callable[..., StageResult]] = {
+    "convert": stage_convert,
+    "quantize": stage_quantize,
+    "export-vision": stage_export_vision,
+    "build-vision": stage_build_vision,
+    "build-llm": stage_build_llm,
+}
+assert tuple(STAGE_FUNCS) == STAGES
+
+
+@dataclass
+class PlanItem:
+    stage: str
+    will_run: bool
+    reason: str
+
+
+def plan(recipe: Recipe, until: str | None = None) -> list[PlanItem]:
+    stages = STAGES[: STAGES.index(until) + 1] if until else STAGES
+    items = []
+    for s in stages:
+        if s == "quantize" and recipe.quantization.method == "none":
+            items.append(PlanItem(s, False, "quantization.method is none"))
+        else:
+            items.append(PlanItem(s, True, "runs unless its manifest matches (cache hit)"))
+    return items
+
+
+def build(recipe: Recipe, workdir: Path, *, until: str | None = None, force: bool = False,
+          progress: Progress | None = None, on_stage: Callable[[StageResult], None] | None = None) -> list[StageResult]:
+    """Run every stage in order (up to `until`); each is skipped when its cache key matches."""
+    if until is not None and until not in STAGES:
+        raise RecipeError(f"--until {until!r}: unknown stage (stages: {', '.join(STAGES)})")
+    progress = ensure(progress)
+    workdir = Path(workdir)
+    save_recipe(workdir, recipe)
+    results = []
+    for item in plan(recipe, until):
+        t0 = time.perf_counter()
+        res = STAGE_FUNCS[item.stage](recipe, workdir, force=force, progress=progress)
+        if not res.cached and not res.skipped:
+            res.seconds = time.perf_counter() - t0
+        results.append(res)
+        if on_stage:
+            on_stage(res)
+    return results

@@ -1,0 +1,248 @@
+"""Recipes: the YAML that says how to build one model.
+
+A recipe names a source checkpoint and the build settings. It may list `profiles`: names of
+shared YAML files in `configs/` merged underneath it in order (later wins, the recipe wins over
+all). `--set dotted.key=value` overrides apply last. Every validation error names the file and
+the key path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import RecipeError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RECIPES_DIR = Path(os.environ.get("VLMCTL_RECIPES_DIR", REPO_ROOT / "recipes"))
+CONFIGS_DIR = Path(os.environ.get("VLMCTL_CONFIGS_DIR", REPO_ROOT / "configs"))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class CalibrationSettings(_Strict):
+    data: str | None = Field(None, description=".txt / .jsonl file (relative to the recipe) or a datasets name; default: built-in text")
+    samples: int = Field(128, ge=1)
+    seq_len: int = Field(512, ge=16)
+
+
+class QuantizationSettings(_Strict):
+    method: Literal["none", "awq"] = "none"
+    bits: Literal[4] = 4
+    group_size: int = Field(128, ge=8)
+    zero_point: bool = True
+    duo_scaling: bool = False
+    impl: Literal["vlmctl", "autoawq"] = "vlmctl"
+    calibration: CalibrationSettings = CalibrationSettings()
+
+
+class VisionSettings(_Strict):
+    backend: Literal["auto", "tensorrt", "onnxruntime", "torch"] = "auto"
+    opset: int = Field(18, ge=18)
+    # Validation runs at a batch size the export never used, so a frozen batch axis fails.
+    validate_batch_size: int = Field(3, ge=1)
+    max_abs_error: float = Field(1e-4, gt=0)
+    min_cosine: float = Field(0.9999, gt=0, le=1)
+    workspace_gib: float = Field(4.0, gt=0)
+
+
+class DecoderSettings(_Strict):
+    backend: Literal["auto", "trtllm", "torch"] = "auto"
+
+
+class EngineLimits(_Strict):
+    max_batch_size: int = Field(8, ge=1)
+    max_input_len: int = Field(2048, ge=1)
+    max_output_len: int = Field(512, ge=1)
+    max_images_per_request: int = Field(1, ge=0)
+
+
+class Recipe(_Strict):
+    name: str = "model"
+    description: str = ""
+    profiles: list[str] = Field(default_factory=list)
+    source: str = Field(..., description="local HF checkpoint directory, or a hub id found in the local HF cache")
+    dtype: Literal["float32", "float16", "bfloat16"] = "float16"
+    quantization: QuantizationSettings = QuantizationSettings()
+    vision: VisionSettings = VisionSettings()
+    decoder: DecoderSettings = DecoderSettings()
+    limits: EngineLimits = EngineLimits()
+
+    # Where the recipe came from: relative paths in it are resolved against this directory.
+    base_dir: str = Field(".", exclude=True)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Recipe":
+        if self.limits.max_input_len + self.limits.max_output_len > 1 << 20:
+            raise ValueError("limits.max_input_len + limits.max_output_len is unreasonably large")
+        return self
+
+    def resolve_path(self, value: str) -> Path:
+        p = Path(os.path.expanduser(value))
+        return p if p.is_absolute() else (Path(self.base_dir) / p).resolve()
+
+    def public_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude={"base_dir"})
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: file not found") from None
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise RecipeError(f"{path}:{where} invalid YAML ({getattr(e, 'problem', e)})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe must be a mapping of keys to values, got {type(data).__name__}")
+    return data
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], value parsed as a YAML scalar)."""
+    if "=" not in item:
+        raise RecipeError(f"--set {item!r}: expected dotted.key=value")
+    key, raw = item.split("=", 1)
+    parts = [p for p in key.strip().split(".")]
+    if not key.strip() or any(not p for p in parts):
+        raise RecipeError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def _apply_override(data: dict, parts: list[str], value: Any) -> None:
+    node = data
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise RecipeError(f"--set {'.'.join(parts)}: {p} is not a mapping")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _format_validation_error(origin: str, err: ValidationError) -> str:
+    msgs = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            msgs.append(f"{loc}: unknown key")
+        elif e["type"] == "missing":
+            msgs.append(f"{loc}: required key is missing")
+        else:
+            msg = e["msg"]
+            if "input" in e and e["type"] not in ("value_error",) and not isinstance(e["input"], (dict, list)):
+                msg += f" (got {e['input']!r})"
+            msgs.append(f"{loc}: {msg}")
+    return f"{origin}: " + "; ".join(msgs)
+
+
+def find_recipe(name_or_path: str) -> Path:
+    """A path, or the name of a bundled recipe (`llava-1.5-7b` -> recipes/llava-1.5-7b.yaml)."""
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    for cand in (RECIPES_DIR / name_or_path, RECIPES_DIR / f"{name_or_path}.yaml"):
+        if cand.exists():
+            return cand
+    raise RecipeError(f"{name_or_path}: no such recipe file (and no bundled recipe of that name; see `vlmctl recipes`)")
+
+
+def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    path = find_recipe(str(name_or_path))
+    data = _read_yaml(path)
+    profiles = data.get("profiles", []) or []
+    if isinstance(profiles, str):
+        profiles = [profiles]
+    if not isinstance(profiles, list) or not all(isinstance(p, str) for p in profiles):
+        raise RecipeError(f"{path}: profiles: expected a list of profile names from configs/")
+    merged: dict = {}
+    for prof in profiles:
+        prof_path = CONFIGS_DIR / (prof if prof.endswith(".yaml") else f"{prof}.yaml")
+        if not prof_path.exists():
+            known = ", ".join(sorted(q.stem for q in CONFIGS_DIR.glob("*.yaml"))) or "none"
+            raise RecipeError(f"{path}: profiles: unknown profile {prof!r} (known: {known})")
+        merged = _deep_merge(merged, _read_yaml(prof_path))
+    merged = _deep_merge(merged, data)
+    for item in overrides or []:
+        parts, value = parse_override(item)
+        _apply_override(merged, parts, value)
+    merged["base_dir"] = str(path.resolve().parent)
+    origin = str(path) + (" (with --set overrides)" if overrides else "")
+    try:
+        return Recipe.model_validate(merged)
+    except ValidationError as e:
+        raise RecipeError(_format_validation_error(origin, e)) from None
+
+
+def recipe_from_source(source: str, overrides: list[str] | None = None, **fields: Any) -> Recipe:
+    """A recipe for commands given a checkpoint directly (`vlmctl convert SRC`)."""
+    data: dict = {"source": source, **fields}
+    for item in overrides or []:
+        parts, value = parse_override(item)
+        _apply_override(data, parts, value)
+    data["base_dir"] = os.getcwd()
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(_format_validation_error("settings", e)) from None
+
+
+def list_recipes() -> list[dict[str, str]]:
+    out = []
+    for p in sorted(RECIPES_DIR.glob("*.yaml")):
+        try:
+            data = _read_yaml(p)
+        except RecipeError:
+            continue
+        out.append({"name": p.stem, "source": str(data.get("source", "")), "description": str(data.get("description", "")),
+                    "path": str(p)})
+    return out
+
+
+def resolve_source(recipe: Recipe) -> Path:
+    """A local directory, or a hub id looked up in the local HF cache (never downloads)."""
+    src = recipe.source
+    local = recipe.resolve_path(src)
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise RecipeError(f"source: {src} is a file; expected a Hugging Face checkpoint directory")
+    if src.count("/") == 1 and not src.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(src, local_files_only=True))
+        except Exception:
+            raise RecipeError(
+                f"source: {src} is neither a local directory nor in the local Hugging Face cache "
+                "(vlmctl never downloads; fetch it with `huggingface-cli download` first)"
+            ) from None
+    raise RecipeError(f"source: {src}: no such directory")

@@ -1,0 +1,1 @@
+"""The embedded runtime: engine loading, vision runners, the torch decoder, KV cache, sampling, scheduling."""

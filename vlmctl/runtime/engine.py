@@ -1,0 +1,349 @@
+"""The engine: loads an engine directory and runs requests with continuous batching.
+
+One `step()` admits waiting requests into free KV-cache slots (their images go through the
+vision runner together, with features cached by image content hash), prefills them, then
+advances every running request by one token in a single batched decode. Requests join and
+leave between steps. `generate()` drives steps for an offline batch; the server runs steps in a
+background thread. A single chat is a batch of one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import EngineError, InputError, LimitError
+from ..models.base import EncodedPrompt
+from ..models.registry import get_family
+from .decoder import TorchDecoder
+from .sampling import SamplingParams, make_generator, sample
+from .vision import FeatureCache, load_vision_runner
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    logprobs: list[dict] | None = None
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "finish_reason": self.finish_reason}
+
+
+@dataclass
+class StepEvent:
+    request: "Request"
+    token_id: int
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: EncodedPrompt
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    slot: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0  # characters of `text` already handed out
+    finished: bool = False
+    finish_reason: str | None = None
+    rope_delta: int = 0
+    cache_len: int = 0
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    logprobs: list[dict] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt.token_ids)
+
+    def completion(self) -> Completion:
+        return Completion(self.id, self.text, list(self.output_ids), self.prompt_len, len(self.output_ids),
+                          self.finish_reason or "abort", self.logprobs if self.params.logprobs is not None else None)
+
+
+class Engine:
+    def __init__(self, engine_dir: Path, *, device: str | None = None, max_batch_size: int | None = None,
+                 feature_cache_size: int = 256):
+        engine_dir = Path(engine_dir)
+        self.engine_dir = engine_dir
+        llm_cfg_path = engine_dir / "build-llm" / "config.json"
+        fam_path = engine_dir / "convert" / "family.json"
+        if not llm_cfg_path.exists() or not fam_path.exists():
+            raise EngineError(f"{engine_dir}: not a vlmctl engine directory (run `vlmctl build RECIPE -o {engine_dir}`)")
+        self.config = json.loads(llm_cfg_path.read_text())
+        fam = json.loads(fam_path.read_text())
+        self.family = get_family(fam["family"])
+        self.processor = self.family.load_processor(engine_dir / "convert" / "processor")
+        self.tokenizer = self.processor.tokenizer
+        limits = self.config["limits"]
+        self.limits = dict(limits)
+        if max_batch_size:
+            self.limits["max_batch_size"] = max_batch_size
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.config.get("backend", "torch") != "torch":
+            raise EngineError(f"{engine_dir}: decoder backend {self.config.get('backend')!r} is run by its own runtime")
+        self.decoder = TorchDecoder.load(engine_dir / "build-llm", device=self.device,
+                                         max_batch=self.limits["max_batch_size"])
+        vision_manifest = json.loads((engine_dir / "build-vision" / "manifest.json").read_text())
+        self.vision_backend = vision_manifest.get("backend", "onnxruntime")
+        self.vision = load_vision_runner(engine_dir, self.family, self.vision_backend, self.config["dtype"], self.device)
+        self.feature_cache = FeatureCache(feature_cache_size)
+        self.eos_ids = set(self.config.get("eos_token_ids") or [])
+        self.model_name = self.config.get("name", engine_dir.name)
+        self.vocab_size = self.decoder.vocab_size
+
+        self._lock = threading.Lock()
+        self._waiting: deque[Request] = deque()
+        self._running: dict[str, Request] = {}
+        self._aborts: set[str] = set()
+        self._free_slots = list(range(self.limits["max_batch_size"]))[::-1]
+        self._ids = itertools.count()
+        self.max_running_seen = 0
+        self.steps = 0
+
+    # ---- requests --------------------------------------------------------------------------
+    def encode(self, messages: list[dict], images: list) -> EncodedPrompt:
+        max_images = self.limits["max_images_per_request"]
+        if len(images) > max_images:
+            raise LimitError(f"{len(images)} images in one request; this engine accepts at most {max_images}")
+        return self.processor.encode(messages, images)
+
+    def encode_text(self, text: str) -> EncodedPrompt:
+        ids = self.tokenizer(text)["input_ids"]
+        return EncodedPrompt(token_ids=list(ids), images=[], image_placeholder_id=-1, text=text)
+
+    def check_limits(self, prompt: EncodedPrompt, params: SamplingParams) -> None:
+        n, lim = len(prompt.token_ids), self.limits
+        if n > lim["max_input_len"]:
+            raise LimitError(f"the prompt has {n} tokens (images included); this engine's max_input_len is "
+                             f"{lim['max_input_len']}")
+        if params.max_tokens > lim["max_output_len"]:
+            raise LimitError(f"max_tokens {params.max_tokens} exceeds this engine's max_output_len "
+                             f"{lim['max_output_len']}")
+        if n + params.max_tokens > self.decoder.max_seq:
+            raise LimitError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is {n + params.max_tokens},"
+                             f" beyond this engine's {self.decoder.max_seq} tokens per sequence")
+
+    def submit(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        params.validate()
+        self.check_limits(prompt, params)
+        req = Request(id=request_id or f"req-{next(self._ids)}", prompt=prompt, params=params,
+                      generator=make_generator(params.seed, self.device))
+        with self._lock:
+            self._waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._aborts)
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> list[StepEvent]:
+        events: list[StepEvent] = []
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+            for rid in aborts:
+                self._waiting = deque(r for r in self._waiting if r.id != rid)
+                req = self._running.get(rid)
+                if req is not None:
+                    req.finished, req.finish_reason = True, "abort"
+                    self._release(req)
+            admitted = []
+            while self._waiting and self._free_slots:
+                req = self._waiting.popleft()
+                req.slot = self._free_slots.pop()
+                self._running[req.id] = req
+                admitted.append(req)
+        decoding = [r for r in self._running.values() if r not in admitted and not r.finished]
+        self.max_running_seen = max(self.max_running_seen, len(self._running))
+        if not admitted and not decoding:
+            return events
+        self.steps += 1
+
+        logits_rows, reqs = [], []
+        if admitted:
+            self._encode_images(admitted)
+            for req in admitted:
+                logits_rows.append(self._prefill(req)[None])
+                reqs.append(req)
+        if decoding:
+            slots = torch.tensor([r.slot for r in decoding])
+            tokens = torch.tensor([r.output_ids[-1] for r in decoding])
+            lens = torch.tensor([r.cache_len for r in decoding])
+            deltas = torch.tensor([r.rope_delta for r in decoding]) if any(r.rope_delta for r in decoding) else None
+            logits_rows.append(self.decoder.decode(slots, tokens, lens, deltas))
+            for r in decoding:
+                r.cache_len += 1
+            reqs.extend(decoding)
+        logits = torch.cat(logits_rows, 0)
+        toks, chosen, top = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        toks_list = toks.tolist()
+        now = time.perf_counter()
+        for i, req in enumerate(reqs):
+            lp = float(chosen[i]) if chosen is not None else None
+            tl = None
+            if top is not None and req.params.logprobs:
+                k = req.params.logprobs
+                tl = list(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist()))
+            events.append(self._append_token(req, toks_list[i], lp, tl, now))
+        return events
+
+    def _encode_images(self, reqs: list[Request]) -> None:
+        """Run the vision model once for every uncached image of the admitted requests."""
+        todo = []
+        for req in reqs:
+            for item in req.prompt.images:
+                if getattr(item, "features", None) is None:
+                    cached = self.feature_cache.get(item.content_hash)
+                    if cached is not None:
+                        item.features = cached
+                    else:
+                        todo.append(item)
+        if not todo:
+            return
+        # Group by input shapes so each group is one batched call.
+        groups: dict[tuple, list] = {}
+        for item in todo:
+            key = tuple((k, v.shape[1:], v.dtype.str) for k, v in item.inputs.items())
+            groups.setdefault(key, []).append(item)
+        for items in groups.values():
+            names = list(items[0].inputs)
+            feed = {n: np.concatenate([it.inputs[n] for it in items], 0) for n in names}
+            out = self.vision(feed)
+            sizes = [it.inputs[names[0]].shape[0] for it in items]
+            for it, chunk in zip(items, np.split(out, np.cumsum(sizes)[:-1])):
+                feats = self.processor.postprocess_features(chunk, it)
+                if feats.shape[0] != it.num_tokens:
+                    raise EngineError(f"vision produced {feats.shape[0]} rows for an image expected to give "
+                                      f"{it.num_tokens}")
+                it.features = feats
+                self.feature_cache.put(it.content_hash, feats)
+
+    def _prefill(self, req: Request) -> torch.Tensor:
+        prompt = req.prompt
+        ids = torch.tensor(prompt.token_ids, dtype=torch.long)
+        table = None
+        if prompt.images:
+            table = torch.from_numpy(np.concatenate([it.features for it in prompt.images], 0))
+            mask = ids == prompt.image_placeholder_id
+            n = int(mask.sum())
+            if n != table.shape[0]:
+                raise EngineError(f"prompt has {n} image positions but the images give {table.shape[0]} rows")
+            ids[mask] = self.vocab_size + torch.arange(n)
+            table = table.to(self.decoder.device)
+        positions = self.processor.position_ids(prompt.token_ids, prompt)
+        if positions is not None:
+            positions = torch.as_tensor(positions)
+            req.rope_delta = int(positions.max()) + 1 - len(prompt.token_ids)
+        logits = self.decoder.prefill(req.slot, ids, table, positions)
+        req.cache_len = len(prompt.token_ids)
+        return logits
+
+    def _append_token(self, req: Request, tok: int, lp, top, now) -> StepEvent:
+        if req.first_token_time is None:
+            req.first_token_time = now
+        p = req.params
+        finish = None
+        if not p.ignore_eos and (tok in self.eos_ids or tok in p.stop_token_ids):
+            finish = "stop"
+        else:
+            req.output_ids.append(tok)
+            if lp is not None:
+                req.logprobs.append({"token_id": tok, "logprob": lp, "top": top or []})
+            req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            for s in p.stop:
+                idx = req.text.find(s)
+                if s and idx >= 0:
+                    req.text = req.text[:idx]
+                    finish = "stop"
+                    break
+            if finish is None and len(req.output_ids) >= p.max_tokens:
+                finish = "length"
+            if finish is None and req.cache_len + 1 >= self.decoder.max_seq:
+                finish = "length"
+        # Hand out only text that can no longer change: no half UTF-8 character, no stop-string prefix.
+        safe = len(req.text)
+        if finish is None:
+            if req.text.endswith("\ufffd"):
+                safe = len(req.text.rstrip("\ufffd"))
+            for s in p.stop:
+                for k in range(min(len(s) - 1, safe), 0, -1):
+                    if req.text[:safe].endswith(s[:k]):
+                        safe -= k
+                        break
+        delta = req.text[req.emitted:safe] if safe > req.emitted else ""
+        req.emitted = max(req.emitted, safe)
+        if finish is not None:
+            req.finished, req.finish_reason, req.finish_time = True, finish, now
+            with self._lock:
+                self._release(req)
+        return StepEvent(req, tok, delta, finish is not None, finish, lp, top)
+
+    def _release(self, req: Request) -> None:
+        if self._running.pop(req.id, None) is not None and req.slot is not None:
+            self._free_slots.append(req.slot)
+            req.slot = None
+
+    # ---- offline ---------------------------------------------------------------------------
+    def generate(self, prompts: list[EncodedPrompt], params: list[SamplingParams] | SamplingParams,
+                 on_event=None) -> list[Completion]:
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        reqs = [self.submit(p, sp) for p, sp in zip(prompts, params)]
+        while any(not r.finished for r in reqs):
+            for ev in self.step():
+                if on_event is not None:
+                    on_event(ev)
+        return [r.completion() for r in reqs]
+
+    def chat(self, messages: list[dict], images: list, params: SamplingParams, on_event=None) -> Completion:
+        return self.generate([self.encode(messages, images)], params, on_event)[0]
+
+
+def load_image(path: str | Path):
+    """Open an image file with a clear error for missing or non-image files."""
+    from PIL import Image, UnidentifiedImageError
+
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{path}: no such image file")
+    if not p.is_file():
+        raise InputError(f"{path}: not a file")
+    try:
+        img = Image.open(p)
+        img.load()
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise InputError(f"{path}: not a readable image ({type(e).__name__})") from None
+    return img.convert("RGB")
