@@ -69,30 +69,34 @@ def _register_optional() -> None:
 _register()
 
 
-def run() -> None:
-    """Console-script entry: user errors become one line on stderr and a documented exit code."""
+def cli_main(argv: list[str] | None = None) -> int:
+    """Run the CLI; user errors become one line on stderr and a documented exit code (returned)."""
+    import click
+
     from ..errors import VlmctlError
 
     try:
-        app(standalone_mode=False)
+        app(args=argv, standalone_mode=False)
     except VlmctlError as e:
         sys.stderr.write(f"error: {e.message}\n")
-        sys.exit(e.exit_code)
+        return e.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
-        sys.exit(130)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except typer.Abort:
+        return 130
+    except (typer.Exit, click.exceptions.Exit) as e:
+        return e.exit_code
+    except (typer.Abort, click.exceptions.Abort):
         sys.stderr.write("aborted\n")
-        sys.exit(1)
-    except Exception as e:  # click usage errors and the like
-        import click
+        return 1
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    return 0
 
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        raise
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(cli_main())
 
 
 if __name__ == "__main__":

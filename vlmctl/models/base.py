@@ -29,6 +29,7 @@ class ImageItem:
     num_tokens: int  # feature rows it becomes in the prompt
     meta: dict[str, Any] = field(default_factory=dict)  # what postprocess_features needs
     content_hash: str = ""
+    features: np.ndarray | None = None  # filled by the engine: [num_tokens, hidden]
 
 
 @dataclass
@@ -116,6 +117,17 @@ class FamilyProcessor:
 
     def encode(self, messages: list[dict], images: list) -> EncodedPrompt:
         raise NotImplementedError
+
+    def batch_key(self, item: ImageItem) -> tuple:
+        """Images with equal keys can share one vision call (default: equal input shapes)."""
+        return tuple((k, v.shape[1:], v.dtype.str) for k, v in item.inputs.items())
+
+    def collate(self, items: list[ImageItem]) -> tuple[dict[str, np.ndarray], list[int]]:
+        """One vision feed for several images (same batch_key), and how many leading-axis rows of
+        the vision output belong to each image (default: concatenate along the batch axis)."""
+        names = list(items[0].inputs)
+        feed = {n: np.concatenate([it.inputs[n] for it in items], 0) for n in names}
+        return feed, [it.inputs[names[0]].shape[0] for it in items]
 
     def postprocess_features(self, features: np.ndarray, item: ImageItem) -> np.ndarray:
         """Vision runner output for one image -> [num_tokens, hidden] rows for the prompt table."""

@@ -55,7 +55,7 @@ class LlavaVisionWrapper:
                 layers = getattr(self.vision_tower, "vision_model", self.vision_tower).encoder.layers
                 n = len(layers)
                 idx = [(i if i >= 0 else n + 1 + i) for i in self.feature_layers]
-                keep = max(idx)
+                keep = max(max(idx), 1)  # hidden_states needs one layer to exist at all
                 del layers[keep:]
                 self.feature_layers = idx
 

@@ -225,7 +225,7 @@ class Engine:
         todo = []
         for req in reqs:
             for item in req.prompt.images:
-                if getattr(item, "features", None) is None:
+                if item.features is None:
                     cached = self.feature_cache.get(item.content_hash)
                     if cached is not None:
                         item.features = cached
@@ -233,16 +233,13 @@ class Engine:
                         todo.append(item)
         if not todo:
             return
-        # Group by input shapes so each group is one batched call.
+        # Images with the same batch key go through the vision model in one call.
         groups: dict[tuple, list] = {}
         for item in todo:
-            key = tuple((k, v.shape[1:], v.dtype.str) for k, v in item.inputs.items())
-            groups.setdefault(key, []).append(item)
+            groups.setdefault(self.processor.batch_key(item), []).append(item)
         for items in groups.values():
-            names = list(items[0].inputs)
-            feed = {n: np.concatenate([it.inputs[n] for it in items], 0) for n in names}
+            feed, sizes = self.processor.collate(items)
             out = self.vision(feed)
-            sizes = [it.inputs[names[0]].shape[0] for it in items]
             for it, chunk in zip(items, np.split(out, np.cumsum(sizes)[:-1])):
                 feats = self.processor.postprocess_features(chunk, it)
                 if feats.shape[0] != it.num_tokens:

@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny checkpoints built once per session, the CLI run in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+WIKITEXT = SHARED / "data" / "wikitext-2"
+
+
+def cli(*args: str, capsys=None, expect: int | None = 0):
+    """Run `vlmctl ARGS` in-process; return (exit code, stdout, stderr)."""
+    from vlmctl.cli.main import cli_main
+
+    code = cli_main([str(a) for a in args])
+    o, e = ("", "")
+    if capsys is not None:
+        captured = capsys.readouterr()
+        o, e = captured.out, captured.err
+    if expect is not None:
+        assert code == expect, f"vlmctl {' '.join(map(str, args))} exited {code}: {e[-2000:]}"
+    return code, o, e
+
+
+def cli_json(*args: str, capsys) -> dict:
+    _, o, _ = cli(*args, capsys=capsys)
+    return json.loads(o.strip().splitlines()[-1])
+
+
+def write_recipe(path: Path, source: Path, **extra) -> Path:
+    import yaml
+
+    data = {"name": path.stem, "source": str(source), "profiles": ["fp32-cpu"], **extra}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory) -> Path:
+    from tiny_models import make_llava
+
+    return make_llava(tmp_path_factory.mktemp("ckpt") / "llava")
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_engine(tiny_llava, tmp_path_factory) -> Path:
+    """A built engine (fp32, embedded backends) of the default tiny LLaVA."""
+    from vlmctl.pipeline import build
+    from vlmctl.recipe import load_recipe
+
+    d = tmp_path_factory.mktemp("engine")
+    recipe = load_recipe(write_recipe(d / "tiny.yaml", tiny_llava))
+    build(recipe, d / "engine")
+    return d / "engine"
