@@ -1,0 +1,109 @@
+"""Bad input: one clear line on stderr, a non-zero exit code, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import cli, write_recipe
+
+
+def run_vlmctl(*args, cwd=None):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "vlmctl", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=300)
+
+
+def assert_one_line_error(proc, code):
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+
+
+def test_help_is_instant_and_does_not_import_torch():
+    code = ("import sys; from vlmctl.cli.main import cli_main; rc = cli_main(['--help']); "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'; print(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "convert" in proc.stdout and "build" in proc.stdout
+
+
+def test_version():
+    proc = run_vlmctl("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("vlmctl ")
+
+
+def test_unknown_recipe_key_subprocess(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("source: x\nvision: {backnd: torch}\n")
+    proc = run_vlmctl("build", p, "--dry-run")
+    assert_one_line_error(proc, 2)
+    assert "vision.backnd: unknown key" in proc.stderr and str(p) in proc.stderr
+
+
+def test_wrong_value_type(tmp_path, capsys):
+    p = tmp_path / "r.yaml"
+    p.write_text("source: x\n")
+    code, _, err = cli("build", p, "--set", "limits.max_input_len=lots", "--dry-run", capsys=capsys, expect=2)
+    assert "limits.max_input_len" in err and "integer" in err
+
+
+def test_missing_source_directory(tmp_path, capsys):
+    p = write_recipe(tmp_path / "r.yaml", tmp_path / "nowhere")
+    code, _, err = cli("build", p, "-o", tmp_path / "e", capsys=capsys, expect=2)
+    assert "no such directory" in err
+    assert not (tmp_path / "e" / "convert").exists()
+
+
+def test_unsupported_architecture(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    code, _, err = cli("convert", ck, "-o", tmp_path / "w", capsys=capsys, expect=4)
+    assert "unsupported architecture BertModel" in err and "LlavaForConditionalGeneration" in err
+
+
+def test_corrupt_safetensors(tiny_llava, tmp_path, capsys):
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_llava, ck)
+    data = (ck / "model.safetensors").read_bytes()
+    (ck / "model.safetensors").write_bytes(data[: len(data) // 2])
+    code, _, err = cli("convert", ck, "-o", tmp_path / "w", capsys=capsys, expect=3)
+    assert "model.safetensors" in err and ("not a valid safetensors" in err or "cannot be read" in err)
+    assert not (tmp_path / "w" / "convert").exists()
+    assert not any(p.name.startswith(".convert.tmp") for p in (tmp_path / "w").iterdir())
+
+
+def test_missing_and_non_image_paths(tiny_llava_engine, tmp_path, capsys):
+    code, _, err = cli("chat", tiny_llava_engine, "--image", tmp_path / "nope.png", "--prompt", "hi", "--json",
+                       capsys=capsys, expect=5)
+    assert "no such image file" in err
+    bad = tmp_path / "bad.png"
+    bad.write_text("this is not an image")
+    code, _, err = cli("chat", tiny_llava_engine, "--image", bad, "--prompt", "hi", "--json", capsys=capsys,
+                       expect=5)
+    assert "not a readable image" in err
+
+
+def test_image_path_error_subprocess_has_no_traceback(tiny_llava_engine, tmp_path):
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"\x89PNG garbage")
+    proc = run_vlmctl("chat", tiny_llava_engine, "--image", bad, "--prompt", "hi", "--json")
+    assert_one_line_error(proc, 5)
+
+
+def test_not_an_engine_dir(tmp_path, capsys):
+    code, _, err = cli("chat", tmp_path, "--prompt", "hi", "--json", capsys=capsys, expect=8)
+    assert "not a vlmctl engine directory" in err
+
+
+def test_stage_before_convert(tmp_path, capsys):
+    code, _, err = cli("export-vision", tmp_path, capsys=capsys, expect=7)
+    assert "vlmctl convert" in err

@@ -1,0 +1,100 @@
+"""Stage caching, partial rebuilds, --force/--until/--dry-run/--json, and atomic outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import cli, cli_json, write_recipe
+
+
+def stages(result):
+    return {s["name"]: s for s in result["stages"]}
+
+
+def test_cache_hits_and_partial_rebuilds(tiny_llava, tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_llava)
+    eng = tmp_path / "eng"
+    first = stages(cli_json("build", recipe, "-o", eng, "--json", capsys=capsys))
+    assert [n for n, s in first.items() if s["cached"]] == []
+    assert first["quantize"]["skipped"]
+    for s in ("convert", "export-vision", "build-vision", "build-llm"):
+        assert first[s]["outputs"] and (eng / s / "manifest.json").exists()
+
+    again = stages(cli_json("build", recipe, "-o", eng, "--json", capsys=capsys))
+    assert {n for n, s in again.items() if s["cached"]} == {"convert", "export-vision", "build-vision", "build-llm"}
+
+    # A decoder limit changes build-llm and build-vision's batch profile, nothing upstream.
+    changed = stages(cli_json("build", recipe, "-o", eng, "--set", "limits.max_batch_size=3", "--json",
+                              capsys=capsys))
+    assert changed["convert"]["cached"] and changed["export-vision"]["cached"]
+    assert not changed["build-llm"]["cached"] and not changed["build-vision"]["cached"]
+
+    # A validation setting re-exports the vision model only; the decoder stays cached.
+    changed = stages(cli_json("build", recipe, "-o", eng, "--set", "limits.max_batch_size=3",
+                              "--set", "vision.validate_batch_size=5", "--json", capsys=capsys))
+    assert not changed["export-vision"]["cached"]
+    assert changed["convert"]["cached"] and changed["build-llm"]["cached"]
+
+    forced = stages(cli_json("build", recipe, "-o", eng, "--set", "limits.max_batch_size=3", "--set",
+                             "vision.validate_batch_size=5", "--force", "--json", capsys=capsys))
+    assert not any(s["cached"] for s in forced.values())
+
+    # Human output says which stages were cache hits.
+    cli("build", recipe, "-o", eng, "--set", "limits.max_batch_size=3", "--set", "vision.validate_batch_size=5",
+        capsys=capsys)
+    code, _, err = cli("build", recipe, "-o", eng, capsys=capsys)
+    assert "convert: cached" in err
+
+
+def test_until_and_dry_run(tiny_llava, tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_llava)
+    eng = tmp_path / "eng"
+    plan = cli_json("build", recipe, "-o", eng, "--dry-run", "--json", capsys=capsys)
+    assert plan["recipe"]["source"] == str(tiny_llava)
+    assert [p["stage"] for p in plan["plan"]] == ["convert", "quantize", "export-vision", "build-vision", "build-llm"]
+    assert not eng.exists()
+    res = cli_json("build", recipe, "-o", eng, "--until", "export-vision", "--json", capsys=capsys)
+    assert [s["name"] for s in res["stages"]] == ["convert", "quantize", "export-vision"]
+    assert not (eng / "build-llm").exists()
+    code, _, err = cli("build", recipe, "--until", "nope", capsys=capsys, expect=2)
+    assert "unknown stage" in err
+
+
+def test_failed_stage_leaves_nothing_half_written(tiny_llava, tmp_path, capsys, monkeypatch):
+    import vlmctl.export.onnx_vision as ov
+
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_llava)
+    eng = tmp_path / "eng"
+    cli("build", recipe, "-o", eng, "--until", "export-vision", capsys=capsys)
+    before = (eng / "export-vision" / "manifest.json").read_text()
+
+    def broken(*a, **k):
+        out = a[2]
+        (out / "model.onnx").write_bytes(b"partial")
+        raise KeyboardInterrupt  # an interruption mid-stage
+
+    monkeypatch.setattr(ov, "export_vision_onnx", broken)
+    with pytest.raises(KeyboardInterrupt):
+        from vlmctl.pipeline import build
+        from vlmctl.recipe import load_recipe
+
+        build(load_recipe(recipe, ["vision.opset=19"]), eng)
+    # the previous, finished output is untouched and no temporary directory remains
+    assert (eng / "export-vision" / "manifest.json").read_text() == before
+    assert not [p for p in eng.iterdir() if p.name.startswith(".")]
+
+
+def test_manifest_contents(tiny_llava_engine):
+    m = json.loads((tiny_llava_engine / "export-vision" / "manifest.json").read_text())
+    assert m["stage"] == "export-vision" and m["tool"] == "vlmctl" and m["tool_version"]
+    assert m["settings"]["opset"] >= 18 and m["inputs"]["vision"]
+    assert m["info"]["max_abs_error"] <= 1e-4 and m["info"]["cosine"] > 0.9999
+    assert m["info"]["validate_batch"] != m["info"]["export_batch"]
+    assert {f["path"] for f in m["files"]} >= {"model.onnx", "io.json"}
+    assert all(len(f["sha256"]) == 64 for f in m["files"])
+    v = json.loads((tiny_llava_engine / "build-vision" / "manifest.json").read_text())
+    assert v["backend"] in ("onnxruntime", "tensorrt")
+    if v["backend"] == "onnxruntime":
+        assert "ONNX Runtime runs" in v["info"]["note"]
