@@ -29,12 +29,10 @@ def chat_command(
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop=list(stop or [])).validate()
     images = [load_image(p) for p in image or []]  # bad paths fail before the engine loads
-    if prompt is None and (json_ or not sys.stdin.isatty()):
-        prompt = sys.stdin.read().strip() if not sys.stdin.isatty() else None
-        if not prompt:
-            from ..errors import InputError
+    if prompt is None and json_:
+        from ..errors import InputError
 
-            raise InputError("--json needs --prompt (or a prompt on standard input)")
+        raise InputError("--json needs --prompt (the interactive chat has no JSON form)")
     engine = Engine(engine_dir, device=device)
     base = [{"role": "system", "content": system}] if system else []
     if prompt is not None:
@@ -42,7 +40,7 @@ def chat_command(
         if json_:
             print_json(engine.chat(messages, images, params).to_json())
             return
-        res = engine.chat(messages, images, params, on_event=lambda ev: _stream(ev.text_delta))
+        engine.chat(messages, images, params, on_event=lambda ev: _stream(ev.text_delta))
         out.print()
         return
     _repl(engine, params, base, images)

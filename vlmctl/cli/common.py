@@ -10,8 +10,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-console = Console(stderr=True)
-out = Console()
+console = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
 
 SetOption = typer.Option(None, "--set", help="Override a recipe key: --set dotted.key=value (repeatable)")
 JsonOption = typer.Option(False, "--json", help="Print one machine-readable JSON object instead of progress")
