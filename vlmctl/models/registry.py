@@ -12,6 +12,8 @@ from .base import VLMFamily
 # family name -> "module:Class". One line per family; the module holds all of its knowledge.
 FAMILIES: dict[str, str] = {
     "llava": "vlmctl.models.llava:LlavaFamily",
+    "llava_next": "vlmctl.models.llava_next:LlavaNextFamily",
+    "llava_onevision": "vlmctl.models.llava_onevision:LlavaOnevisionFamily",
 }
 
 
