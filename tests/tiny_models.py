@@ -90,3 +90,88 @@ def make_image(seed: int, size=(40, 30)):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8))
+
+
+# ---- InternVL (HF format) ----------------------------------------------------------------------
+INTERNVL_SPECIALS = ["<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+# The template transformers' convert_internvl_weights_to_hf.py writes for InternVL3-*-hf.
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n'}}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+    "{% elif content['type'] == 'video' %}{{ '<video>\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "{{'<|im_end|>\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def make_internvl(out: Path, *, seed: int = 0, image_size: int = 32, patch_size: int = 4, max_patches: int = 6,
+                  feature_layer: int = -1, num_kv_heads: int = 2, tie: bool = False, qk_norm: bool = False,
+                  norm_type: str = "layer_norm", mean_pooling: bool = True, text_layers: int = 2, hidden: int = 64,
+                  init_range: float = 0.2) -> Path:
+    """A tiny InternVLForConditionalGeneration laid out like OpenGVLab/InternVL3-*-hf: Qwen2 decoder,
+    Qwen-style tokenizer (no BOS, eos <|im_end|>) with the img/context tokens as extra specials,
+    a GotOcr2 preprocessor_config.json naming the Fast class (as on the hub), the chat template."""
+    import json
+
+    import torch
+    from tokenizers import processors
+    from transformers import (GenerationConfig, GotOcr2ImageProcessorPil, InternVLConfig,
+                              InternVLForConditionalGeneration, InternVLVisionConfig, Qwen2Config)
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(INTERNVL_SPECIALS)
+    tok.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)  # Qwen2: no BOS
+    tok.chat_template = INTERNVL_CHAT_TEMPLATE
+    ids = {t: tok.convert_tokens_to_ids(t) for t in INTERNVL_SPECIALS}
+    eos = ids["<|im_end|>"]
+    vc = InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=image_size, patch_size=patch_size, use_qk_norm=qk_norm, norm_type=norm_type,
+                              use_mean_pooling=mean_pooling, attention_bias=True)
+    tc = Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=text_layers,
+                     num_attention_heads=4, num_key_value_heads=num_kv_heads, vocab_size=len(tok),
+                     max_position_embeddings=2048, initializer_range=init_range, tie_word_embeddings=tie,
+                     bos_token_id=None, eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    grid = image_size // patch_size
+    cfg = InternVLConfig(vision_config=vc, text_config=tc, image_token_id=ids["<IMG_CONTEXT>"],
+                         image_seq_length=(grid // 2) ** 2, downsample_ratio=0.5, vision_feature_layer=feature_layer,
+                         vision_feature_select_strategy="default", tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    model = InternVLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # random everywhere (HF zero-inits cls/position embeddings), large decoder weights
+        for name, p in model.named_parameters():
+            if "language_model" in name and p.dim() == 2:
+                p.normal_(0, init_range)
+            elif "language_model" not in name and not name.startswith("lm_head"):
+                if p.dim() >= 2:
+                    p.normal_(0, 0.1)
+                elif name.endswith("bias"):
+                    p.normal_(0, 0.05)
+                else:  # norm weights, layer-scale lambdas
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    tc_path = out / "tokenizer_config.json"
+    tcfg = json.loads(tc_path.read_text())
+    tcfg["extra_special_tokens"] = {"start_image_token": "<img>", "end_image_token": "</img>",
+                                    "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+    tc_path.write_text(json.dumps(tcfg, indent=2))
+    ip = GotOcr2ImageProcessorPil(size={"height": image_size, "width": image_size}, max_patches=max_patches,
+                                  min_patches=1, crop_to_patches=False, image_mean=[0.485, 0.456, 0.406],
+                                  image_std=[0.229, 0.224, 0.225])
+    ip.save_pretrained(out)
+    pp = out / "preprocessor_config.json"
+    pcfg = json.loads(pp.read_text())
+    pcfg.update({"image_processor_type": "GotOcr2ImageProcessorFast", "processor_class": "InternVLProcessor"})
+    pp.write_text(json.dumps(pcfg, indent=2))
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "InternVLProcessor",
+                                                           "image_seq_length": (grid // 2) ** 2}, indent=2))
+    (out / "chat_template.jinja").write_text(INTERNVL_CHAT_TEMPLATE)
+    return out

@@ -14,6 +14,7 @@ FAMILIES: dict[str, str] = {
     "llava": "vlmctl.models.llava:LlavaFamily",
     "llava_next": "vlmctl.models.llava_next:LlavaNextFamily",
     "llava_onevision": "vlmctl.models.llava_onevision:LlavaOnevisionFamily",
+    "internvl": "vlmctl.models.internvl:InternVLFamily",
 }
 
 
