@@ -155,3 +155,39 @@ def test_tensor_names_round_trip(built):
         "model.language_model.layers.0.mlp.up_proj.weight"
     assert fam.canonical_key("vision_tower.vision_model.post_layernorm.bias") == \
         "model.vision_tower.vision_model.post_layernorm.bias"
+
+
+def test_awq_build_matches_transformers_on_dequantized_weights(built, tmp_path, capsys):
+    """`vlmctl build --set quantization.method=awq`: the engine's greedy tokens equal transformers'
+    on the same (dequantized) decoder weights, with the vision part untouched."""
+    import shutil
+
+    pytest.importorskip("vlmctl.quant.awq", reason="vlmctl.quant (AWQ) is not in this tree")
+    from transformers import LlavaNextForConditionalGeneration, LlavaNextProcessor
+
+    from tiny_llava_anyres import dequantized_reference
+    from vlmctl.models.llava_next import LlavaNextFamily
+
+    ckpt, eng = built["mistral"]
+    awq_eng = tmp_path / "eng-awq"
+    shutil.copytree(eng, awq_eng)  # convert and export-vision are cache hits
+    cli("build", eng.parent / "r.yaml", "-o", awq_eng, "--set", "quantization.method=awq",
+        "--set", "quantization.group_size=32", "--set", "quantization.calibration.samples=8",
+        "--set", "quantization.calibration.seq_len=64", capsys=capsys)
+    assert json.loads((awq_eng / "build-llm" / "manifest.json").read_text())["info"]["quantization"] != "none"
+    images, prompt = [make_image(70, (40, 30)), make_image(71, (25, 60))], "what is in this image?"
+    for i, img in enumerate(images):
+        img.save(tmp_path / f"img{i}.png")
+    got = cli_json("chat", awq_eng, "--image", tmp_path / "img0.png", "--image", tmp_path / "img1.png",
+                   "--prompt", prompt, "--temperature", "0", "--max-tokens", "12", "--json", capsys=capsys)
+    model = dequantized_reference(LlavaNextForConditionalGeneration, ckpt, awq_eng / "quantize" / "llm",
+                                  LlavaNextFamily())
+    proc = LlavaNextProcessor.from_pretrained(ckpt)
+    messages = [{"role": "user", "content": [{"type": "image"}] * 2 + [{"type": "text", "text": prompt}]}]
+    inputs = proc(images=images, text=proc.apply_chat_template(messages, add_generation_prompt=True),
+                  return_tensors="pt")
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+    assert got["token_ids"] == strip_eos(ref)
+    vlm_cfg = json.loads((awq_eng / "quantize" / "vlm" / "config.json").read_text())
+    assert set(vlm_cfg["quantization_config"]["modules_to_not_convert"]) >= {"vision_tower", "multi_modal_projector"}

@@ -178,3 +178,35 @@ def test_onnx_and_host_packing_match_hf_image_features(built):
             rows = proc.postprocess_features(chunk, item)
             assert rows.shape == tuple(r.shape) == (item.num_tokens, r.shape[-1])
             assert np.abs(rows - r.numpy()).max() < 1e-4
+
+
+def test_awq_build_matches_transformers_on_dequantized_weights(built, tmp_path, capsys):
+    """`vlmctl build --set quantization.method=awq` on the Qwen2 decoder (q/k/v biases): greedy tokens
+    equal transformers' on the same dequantized weights."""
+    import shutil
+
+    pytest.importorskip("vlmctl.quant.awq", reason="vlmctl.quant (AWQ) is not in this tree")
+    from transformers import LlavaOnevisionForConditionalGeneration
+
+    from tiny_llava_anyres import dequantized_reference
+    from vlmctl.models.llava_onevision import LlavaOnevisionFamily
+
+    ckpt, eng = built["gqa-max9"]
+    awq_eng = tmp_path / "eng-awq"
+    shutil.copytree(eng, awq_eng)  # convert and export-vision are cache hits
+    cli("build", eng.parent / "r.yaml", "-o", awq_eng, "--set", "quantization.method=awq",
+        "--set", "quantization.group_size=32", "--set", "quantization.calibration.samples=8",
+        "--set", "quantization.calibration.seq_len=64", capsys=capsys)
+    assert json.loads((awq_eng / "build-llm" / "manifest.json").read_text())["info"]["quantization"] != "none"
+    image, prompt = make_image(72, (110, 100)), "describe the picture"
+    image.save(tmp_path / "img.png")
+    got = cli_json("chat", awq_eng, "--image", tmp_path / "img.png", "--prompt", prompt, "--temperature", "0",
+                   "--max-tokens", "12", "--json", capsys=capsys)
+    ref = Reference(ckpt)
+    ref.model = dequantized_reference(LlavaOnevisionForConditionalGeneration, ckpt, awq_eng / "quantize" / "llm",
+                                      LlavaOnevisionFamily())
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    _, ref_ids = ref.generate(messages, [image], 12)
+    assert got["token_ids"] == strip_eos(ref_ids)
+    vlm_cfg = json.loads((awq_eng / "quantize" / "vlm" / "config.json").read_text())
+    assert set(vlm_cfg["quantization_config"]["modules_to_not_convert"]) >= {"vision_tower", "multi_modal_projector"}

@@ -142,3 +142,33 @@ def make_llava_onevision(out: Path, *, seed: int = 0, num_kv_heads: int = 2, asp
         "num_image_tokens": (image_size // patch_size) ** 2, "vision_feature_select_strategy": "full",
         "vision_aspect_ratio": aspect_ratio}, indent=2))
     return out
+
+
+def dequantized_reference(model_cls, ckpt: Path, quantized_llm: Path, family):
+    """The HF VLM from `ckpt` (fp32) with its decoder replaced by an AWQ decoder's weights,
+    dequantized: the model whose greedy tokens an AWQ engine must reproduce exactly."""
+    import torch
+
+    from vlmctl.checkpoint import iter_tensors
+    from vlmctl.models.base import DECODER
+    from vlmctl.quant.packing import dequantize_gemm
+
+    quant = json.loads((Path(quantized_llm) / "config.json").read_text())["quantization_config"]
+    tensors = {k: t for k, t, _ in iter_tensors(quantized_llm)}
+    model = model_cls.from_pretrained(ckpt, dtype=torch.float32).eval()
+    state = {}
+    for name, t in tensors.items():
+        if name.endswith((".qzeros", ".scales")):
+            continue
+        if name.endswith(".qweight"):
+            base = name[: -len(".qweight")]
+            t = dequantize_gemm(t, tensors[base + ".qzeros"], tensors[base + ".scales"],
+                                bits=quant["bits"], group_size=quant["group_size"])
+            name = base + ".weight"
+        state[family.join_key(DECODER, name)] = t.to(torch.float32)
+    current = model.state_dict()
+    missing = [k for k in state if k not in current]
+    assert not missing, missing[:3]
+    assert any(k.endswith("q_proj.weight") for k in state)
+    model.load_state_dict(state, strict=False)
+    return model
