@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+from .common import console
+
+
+def serve_command(
+    engine_dir: Path = typer.Argument(..., help="Engine directory made by `vlmctl build`"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on"),
+    port: int = typer.Option(23333, "--port", help="Port to listen on"),
+    api_key: list[str] = typer.Option(None, "--api-key", help="Require `Authorization: Bearer KEY` on /v1/* "
+                                      "(repeatable; also VLMCTL_API_KEY)"),
+    model_name: str = typer.Option(None, "--model-name", help="Model id clients send (default: the engine's name)"),
+    max_batch_size: int = typer.Option(None, "--max-batch-size", help="KV-cache slots, i.e. the largest running "
+                                       "batch (default: the engine's built limit)"),
+    max_input_len: int = typer.Option(None, "--max-input-len", help="Lower the prompt-length limit (tokens)"),
+    max_output_len: int = typer.Option(None, "--max-output-len", help="Lower the max_tokens limit"),
+    max_images: int = typer.Option(None, "--max-images-per-request", help="Lower the images-per-request limit"),
+    feature_cache_size: int = typer.Option(256, "--feature-cache-size", help="Images whose features are cached"),
+    allowed_local_media_path: Path = typer.Option(None, "--allowed-local-media-path",
+                                                  help="Allow file:// image URLs under this directory only"),
+    allowed_media_domains: list[str] = typer.Option(None, "--allowed-media-domains",
+                                                    help="Allow http(s) image URLs from this host (repeatable; "
+                                                         "default: none)"),
+    media_timeout: float = typer.Option(10.0, "--media-timeout", help="Seconds allowed for one image fetch"),
+    max_media_bytes: int = typer.Option(20 * 1024 * 1024, "--max-media-bytes", help="Byte cap of one image"),
+    max_body_bytes: int = typer.Option(32 * 1024 * 1024, "--max-body-bytes", help="Byte cap of a request body "
+                                       "(413 beyond)"),
+    shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="On SIGTERM, seconds open requests "
+                                           "may take to finish"),
+    device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
+):
+    from ..errors import InputError
+    from ..serve import MediaPolicy, ServerConfig, load_app, run_server
+
+    keys = list(api_key or [])
+    if not keys and os.environ.get("VLMCTL_API_KEY"):
+        keys = [os.environ["VLMCTL_API_KEY"]]
+    local = None
+    if allowed_local_media_path is not None:
+        local = allowed_local_media_path.resolve()
+        if not local.is_dir():
+            raise InputError(f"--allowed-local-media-path {allowed_local_media_path}: not a directory")
+    for name, value in (("--max-body-bytes", max_body_bytes), ("--max-media-bytes", max_media_bytes)):
+        if value < 1:
+            raise InputError(f"{name} must be positive")
+    config = ServerConfig(model_name=model_name, api_keys=keys, max_body_bytes=max_body_bytes,
+                          media=MediaPolicy(allowed_domains=list(allowed_media_domains or []), allowed_local_path=local,
+                                            timeout_s=media_timeout, max_bytes=max_media_bytes))
+    app = load_app(engine_dir, config, device=device, max_batch_size=max_batch_size,
+                   feature_cache_size=feature_cache_size,
+                   limits={"max_input_len": max_input_len, "max_output_len": max_output_len,
+                           "max_images_per_request": max_images})
+    eng = app.state.engine
+    console.print(f"[bold]vlmctl serve[/bold] {app.state.model_name} on http://{host}:{port}/v1 "
+                  f"({eng.device}; max batch {eng.limits['max_batch_size']}; "
+                  f"{'API key required' if keys else 'no API key'})")
+    run_server(app, host, port, shutdown_timeout_s=shutdown_timeout, log_level=log_level)

@@ -1,0 +1,45 @@
+"""OpenAI-compatible HTTP serving of an engine directory (FastAPI + uvicorn).
+
+app.py builds the application, schema.py holds the request/response models, media.py loads
+images under the server's media policy, async_engine.py runs the engine's steps in a background
+thread for the event loop, metrics.py exposes Prometheus metrics. Nothing here is imported by
+`vlmctl --help`.
+"""
+
+from .app import ServerConfig, create_app, load_app
+from .media import MediaPolicy
+
+__all__ = ["MediaPolicy", "ServerConfig", "create_app", "load_app", "run_server"]
+
+
+def run_server(app, host: str = "127.0.0.1", port: int = 23333, *, shutdown_timeout_s: float = 30.0,
+               log_level: str = "info", sockets=None) -> None:
+    """Run `app` with uvicorn until SIGINT/SIGTERM. On SIGTERM uvicorn stops accepting connections,
+    lets open requests finish for up to `shutdown_timeout_s` seconds (then cancels them, which aborts
+    them in the engine), runs the app's shutdown, and this function returns normally."""
+    import signal
+    import threading
+
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
+                            timeout_graceful_shutdown=shutdown_timeout_s, lifespan="on")
+    server = uvicorn.Server(config)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn re-raises the signal it caught once it has shut down, under the handler that was
+        # installed before it started; a no-op handler here makes a graceful SIGTERM exit with 0.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, lambda *_: None)
+    try:
+        server.run(sockets=sockets)
+    except SystemExit:  # uvicorn exits when it cannot bind
+        if server.started:
+            raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not server.started:
+        from ..errors import VlmctlError
+
+        raise VlmctlError(f"the server did not start on {host}:{port} (port in use?)")

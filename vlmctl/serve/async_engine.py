@@ -1,0 +1,190 @@
+"""The bridge between the (synchronous, single-threaded) engine and the asyncio server.
+
+One background thread owns `Engine.step()`: it runs steps while there is work and sleeps on an
+event otherwise. Each request gets an asyncio queue; the thread hands every step's events to the
+event loop in one `call_soon_threadsafe` call, and the loop routes them to the queues. A request
+whose consumer goes away (client disconnect, cancellation) is aborted in the engine at once,
+which frees its KV-cache slot at the start of the next step. This module is not a scheduler: the
+engine decides admission and batching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
+
+from ..errors import VlmctlError
+
+log = logging.getLogger("vlmctl.serve")
+
+
+class EngineUnavailable(VlmctlError):
+    """The engine thread stopped (shutdown) or crashed; the server answers 503."""
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def token_appended(ev, eos_ids) -> bool:
+    """Whether the event's token became part of the output (an EOS/stop-id finish is not)."""
+    p = ev.request.params
+    return not (ev.finished and ev.finish_reason == "stop" and not p.ignore_eos
+                and (ev.token_id in eos_ids or ev.token_id in p.stop_token_ids))
+
+
+class AsyncEngine:
+    def __init__(self, engine, metrics=None, idle_wait_s: float = 0.5):
+        self.engine = engine
+        self.metrics = metrics
+        self.idle_wait_s = idle_wait_s
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Prompt encoding (tokenizer + image preprocessing) is CPU work kept off the event loop;
+        # one worker keeps the tokenizer single-threaded on this side.
+        self._encode_pool = ThreadPoolExecutor(1, thread_name_prefix="vlmctl-encode")
+        self.error: BaseException | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="vlmctl-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort what is left, stop the step thread, fail any remaining consumers."""
+        for rid in list(self._queues):
+            self.engine.abort(rid)
+        self._wake.set()
+        self._stop.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout_s)
+        for rid, q in list(self._queues.items()):
+            q.put_nowait(_Failure(EngineUnavailable("the server is shutting down")))
+        self._queues.clear()
+        self._encode_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            self._wake.clear()
+            if not eng.has_work():
+                self._wake.wait(self.idle_wait_s)
+                continue
+            try:
+                events = eng.step()
+            except Exception as e:  # a bug, not a user error: fail the affected requests, keep serving
+                log.exception("engine step failed")
+                self._loop.call_soon_threadsafe(self._fail_all, e)
+                # Wait until the loop has aborted them, so the next step does not retry the same batch.
+                done = threading.Event()
+                self._loop.call_soon_threadsafe(done.set)
+                done.wait(5)
+                continue
+            if events:
+                if self.metrics is not None:
+                    self.metrics.batch.observe(len(events))
+                self._loop.call_soon_threadsafe(self._dispatch, events)
+        log.debug("engine thread stopped")
+
+    # ---- on the event loop -------------------------------------------------------------------
+    def _dispatch(self, events) -> None:
+        eos = self.engine.eos_ids
+        n_tokens = 0
+        for ev in events:
+            if token_appended(ev, eos):
+                n_tokens += 1
+            if ev.finished and self.metrics is not None:
+                self.metrics.on_finished(ev.request)
+            q = self._queues.get(ev.request.id)
+            if q is None:  # consumer already gone (abort in flight)
+                continue
+            q.put_nowait(ev)
+            if ev.finished:
+                del self._queues[ev.request.id]
+        if self.metrics is not None and n_tokens:
+            self.metrics.generation_tokens.inc(n_tokens)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid, q in list(self._queues.items()):
+            self.engine.abort(rid)
+            q.put_nowait(_Failure(exc))
+        self._queues.clear()
+
+    # ---- API ---------------------------------------------------------------------------------
+    async def encode(self, fn, *args):
+        """Run prompt encoding (`engine.encode`, `engine.encode_text`) on the encode worker."""
+        return await asyncio.get_running_loop().run_in_executor(self._encode_pool, fn, *args)
+
+    def submit(self, prompt, params, request_id: str | None = None) -> "RequestStream":
+        """Queue a request; raises LimitError/InputError at once (before any response is sent)."""
+        if not self.alive:
+            raise EngineUnavailable("the engine is not running (shutting down)")
+        rid = request_id or uuid.uuid4().hex
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = q
+        try:
+            req = self.engine.submit(prompt, params, rid)
+        except BaseException:
+            self._queues.pop(rid, None)
+            raise
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(req.prompt_len)
+        self._wake.set()
+        return RequestStream(self, req, q)
+
+    def abort(self, request_id: str) -> None:
+        if self._queues.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
+            self._wake.set()
+            if self.metrics is not None:
+                self.metrics.aborted.inc()
+
+
+class RequestStream:
+    """Async iterator over one request's StepEvents. Always close it (`async with`): a stream
+    closed before its final event aborts the request in the engine."""
+
+    def __init__(self, owner: AsyncEngine, request, queue: asyncio.Queue):
+        self.owner, self.request, self.queue = owner, request, queue
+        self.finished = False
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.owner.abort(self.request.id)
+
+    def __aiter__(self) -> AsyncIterator:
+        return self._iter()
+
+    async def _iter(self):
+        while not self.finished:
+            item = await self.queue.get()
+            if isinstance(item, _Failure):
+                self.finished = True
+                raise item.exc
+            if item.finished:
+                self.finished = True
+            yield item

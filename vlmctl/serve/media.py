@@ -1,0 +1,143 @@
+"""Loading the images of `image_url` content parts: data: URLs, http(s) URLs, local files.
+
+Policy, not convenience: remote fetches go only to hosts named in `allowed_domains` (none by
+default), with a timeout, a byte cap and no redirects to other hosts; `file://` URLs are read only
+when they resolve (symlinks followed) inside `allowed_local_path`. Every failure is an
+`InputError` (HTTP 400) whose message says which image and why. This module is not a general
+media loader: no video, no audio.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urljoin, urlsplit
+
+from ..errors import InputError
+
+MAX_REDIRECTS = 3
+
+
+@dataclass
+class MediaPolicy:
+    allowed_domains: list[str] = field(default_factory=list)  # exact host names (case-insensitive)
+    allowed_local_path: Path | None = None
+    timeout_s: float = 10.0
+    max_bytes: int = 20 * 1024 * 1024
+
+    def host_allowed(self, host: str | None) -> bool:
+        host = (host or "").lower().rstrip(".")
+        return any(host == d.lower().rstrip(".") for d in self.allowed_domains)
+
+
+def decode_image(data: bytes, what: str):
+    """Bytes -> RGB PIL image; undecodable or oversized (decompression bomb) data is an InputError."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        img = Image.open(io.BytesIO(data))
+        img.load()
+        return img.convert("RGB")
+    except Image.DecompressionBombError as e:
+        raise InputError(f"{what}: image is too large ({e})") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise InputError(f"{what}: the data is not a decodable image ({type(e).__name__})") from None
+
+
+def parse_data_url(url: str, what: str) -> bytes:
+    """`data:[<mime>][;base64],<payload>` -> the payload bytes."""
+    head, sep, payload = url[5:].partition(",")
+    if not sep:
+        raise InputError(f"{what}: malformed data URL (no ',' before the payload)")
+    params = head.split(";")
+    mime = params[0].strip().lower()
+    if mime and not mime.startswith("image/"):
+        raise InputError(f"{what}: data URL media type {mime!r} is not an image")
+    if "base64" not in [p.strip().lower() for p in params[1:]]:
+        return unquote(payload).encode("latin-1", errors="replace")
+    try:
+        return base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InputError(f"{what}: invalid base64 in data URL ({e})") from None
+
+
+def read_local(url: str, policy: MediaPolicy, what: str) -> bytes:
+    if policy.allowed_local_path is None:
+        raise InputError(f"{what}: local files are refused (the server was started without "
+                         f"--allowed-local-media-path)")
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise InputError(f"{what}: file URLs must name a local path (file:///...)")
+    root = Path(policy.allowed_local_path).resolve()
+    path = Path(unquote(parts.path)).resolve()
+    if not path.is_relative_to(root):
+        raise InputError(f"{what}: {path} is outside the allowed local media path {root}")
+    if not path.is_file():
+        raise InputError(f"{what}: {path}: no such file")
+    size = path.stat().st_size
+    if size > policy.max_bytes:
+        raise InputError(f"{what}: {path} is {size} bytes, over the {policy.max_bytes}-byte media cap")
+    return path.read_bytes()
+
+
+async def fetch_remote(url: str, policy: MediaPolicy, what: str, client=None) -> bytes:
+    import httpx
+
+    own = client is None
+    if own:
+        client = httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=False)
+    try:
+        for _ in range(MAX_REDIRECTS + 1):
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https"):
+                raise InputError(f"{what}: redirected to a {parts.scheme!r} URL")
+            if not policy.host_allowed(parts.hostname):
+                allowed = ", ".join(policy.allowed_domains) or "none (use --allowed-media-domains)"
+                raise InputError(f"{what}: fetching images from {parts.hostname!r} is not allowed "
+                                 f"(allowed hosts: {allowed})")
+            try:
+                async with client.stream("GET", url, timeout=policy.timeout_s) as resp:
+                    if resp.is_redirect and "location" in resp.headers:
+                        url = urljoin(url, resp.headers["location"])
+                        continue
+                    if resp.status_code != 200:
+                        raise InputError(f"{what}: fetching {url} returned HTTP {resp.status_code}")
+                    declared = resp.headers.get("content-length")
+                    if declared and declared.isdigit() and int(declared) > policy.max_bytes:
+                        raise InputError(f"{what}: {url} is {declared} bytes, over the "
+                                         f"{policy.max_bytes}-byte media cap")
+                    buf = bytearray()
+                    async for chunk in resp.aiter_bytes():
+                        buf += chunk
+                        if len(buf) > policy.max_bytes:
+                            raise InputError(f"{what}: {url} is over the {policy.max_bytes}-byte media cap")
+                    return bytes(buf)
+            except httpx.TimeoutException:
+                raise InputError(f"{what}: fetching {url} timed out after {policy.timeout_s:g}s") from None
+            except httpx.HTTPError as e:
+                raise InputError(f"{what}: fetching {url} failed ({type(e).__name__}: {e})") from None
+        raise InputError(f"{what}: too many redirects")
+    finally:
+        if own:
+            await client.aclose()
+
+
+async def load_image_url(url: str, policy: MediaPolicy, what: str = "image", client=None):
+    """An image_url (data:, http(s):, file:) -> RGB PIL image. Decoding runs off the event loop."""
+    import asyncio
+
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        data = parse_data_url(url, what)
+    elif scheme in ("http", "https"):
+        data = await fetch_remote(url, policy, what, client)
+    elif scheme == "file":
+        data = read_local(url, policy, what)
+    else:
+        raise InputError(f"{what}: unsupported image URL (use a data:, http(s): or file: URL)")
+    if len(data) > policy.max_bytes:
+        raise InputError(f"{what}: {len(data)} bytes, over the {policy.max_bytes}-byte media cap")
+    return await asyncio.to_thread(decode_image, data, what)

@@ -1,0 +1,83 @@
+"""Prometheus metrics of one server (its own registry, so several apps can live in one process).
+
+Gauges and the image-feature cache counters are read from the engine when /metrics is scraped;
+latency histograms and token counters are fed by the async engine as requests progress.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "vlmctl"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class _EngineCollector:
+    """Values owned by the engine, sampled at scrape time (no locking needed: plain int reads)."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine = engine
+        self.labels = {"model_name": model_name}
+
+    def collect(self):
+        e, lab = self.engine, self.labels
+        for name, doc, value in (
+            ("num_requests_running", "Requests in the running batch (holding a KV-cache slot).", e.num_running),
+            ("num_requests_waiting", "Requests waiting for a KV-cache slot.", e.num_waiting),
+            ("num_requests_running_max", "Most requests ever held in the running batch at once.",
+             e.max_running_seen),
+            ("max_batch_size", "KV-cache slots (the largest possible running batch).", e.limits["max_batch_size"]),
+        ):
+            g = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=list(lab))
+            g.add_metric(list(lab.values()), value)
+            yield g
+        cache = e.feature_cache
+        for name, doc, value in (
+            ("image_feature_cache_hits", "Images whose features came from the content-hash cache.", cache.hits),
+            ("image_feature_cache_misses", "Images that went through the vision model.", cache.misses),
+        ):
+            c = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=list(lab))
+            c.add_metric(list(lab.values()), value)
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, engine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+        lab = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time from arrival to the first token.",
+                              lab, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
+                              "Mean time between output tokens of a request, after the first.", lab,
+                              buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Arrival to last token.", lab,
+                             buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.batch = Histogram(f"{PREFIX}_batch_size", "Requests advanced together in one engine step.", lab,
+                               buckets=BATCH_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of submitted requests (image "
+                                     "tokens included).", lab, registry=r).labels(model_name)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.", lab,
+                                         registry=r).labels(model_name)
+        self._finished = Counter(f"{PREFIX}_request_success", "Finished requests by finish reason.",
+                                 lab + ["finished_reason"], registry=r)
+        self.aborted = Counter(f"{PREFIX}_request_aborted", "Requests aborted (client gone or shutdown).", lab,
+                               registry=r).labels(model_name)
+        self.model_name = model_name
+
+    def on_finished(self, req) -> None:
+        self._finished.labels(self.model_name, req.finish_reason or "abort").inc()
+        if req.first_token_time is not None:
+            self.ttft.observe(req.first_token_time - req.arrival)
+        if req.finish_time is not None:
+            self.e2e.observe(req.finish_time - req.arrival)
+            n = len(req.output_ids)
+            if n > 1 and req.first_token_time is not None:
+                self.tpot.observe((req.finish_time - req.first_token_time) / (n - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
