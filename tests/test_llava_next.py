@@ -191,3 +191,17 @@ def test_awq_build_matches_transformers_on_dequantized_weights(built, tmp_path, 
     assert got["token_ids"] == strip_eos(ref)
     vlm_cfg = json.loads((awq_eng / "quantize" / "vlm" / "config.json").read_text())
     assert set(vlm_cfg["quantization_config"]["modules_to_not_convert"]) >= {"vision_tower", "multi_modal_projector"}
+
+
+def test_tensorrt_profile_counts_crops(built):
+    """The vision engine's batch axis is crops: its profile admits every image of a full batch at the
+    largest grid (2x2 crops + base here), not just one row per image."""
+    from vlmctl.models.llava_next import LlavaNextFamily
+
+    ckpt, _ = built["mistral"]
+    cfg = json.loads((ckpt / "config.json").read_text())
+    fam = LlavaNextFamily()
+    assert fam.max_crops(cfg) == 5
+    lo, opt, hi = fam.vision_profile(cfg, ckpt, {"max_batch_size": 2, "max_images_per_request": 2})["pixel_values"]
+    assert lo == (1, 3, 28, 28) and opt == (5, 3, 28, 28) and hi == (20, 3, 28, 28)
+    assert fam.onnx_io(cfg)[2]["pixel_values"] == {0: "crops"}

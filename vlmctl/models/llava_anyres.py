@@ -27,12 +27,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..errors import CheckpointError, InputError
+from ..errors import CheckpointError, InputError, UnsupportedModelError
 from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, read_json
 from .chat import load_chat_template, render_chat
 from .llava import LlavaFamily, LlavaVisionWrapper, image_hash
 
 NEWLINE = "image_newline"
+# Rows a vision tower adds to the patch rows of a crop (CLIP's class embedding; SigLIP has none).
+CLS_ROWS = {"clip_vision_model": 1, "siglip_vision_model": 0}
 
 
 def select_best_resolution(original_size, possible_resolutions) -> tuple[int, int]:
@@ -198,6 +200,22 @@ class AnyresLlavaFamily(LlavaFamily):
         wrapper.truncate_unused_layers()
         return wrapper.to(dtype).eval().requires_grad_(False)
 
+    def onnx_io(self, vision_config: dict) -> tuple[list[str], list[str], dict[str, dict[int, str]]]:
+        return ["pixel_values"], ["image_features"], {"pixel_values": {0: "crops"}, "image_features": {0: "crops"}}
+
+    def max_crops(self, config_dict: dict) -> int:
+        """Most crops one image becomes: the base crop plus the largest pinpoint's grid."""
+        g = self.geometry(config_dict)
+        return 1 + max((ph // g.crop) * (pw // g.crop) for ph, pw in g.pinpoints)
+
+    def vision_profile(self, config_dict: dict, processor_dir: Path, limits: dict) -> dict | None:
+        """TensorRT profile: the batch axis counts crops, up to every admitted image at its most crops."""
+        g = self.geometry(config_dict)
+        per_image = self.max_crops(config_dict)
+        hi = max(1, limits["max_batch_size"] * max(limits["max_images_per_request"], 1)) * per_image
+        rest = (3, g.crop, g.crop)
+        return {"pixel_values": ((1, *rest), (min(per_image, hi), *rest), (hi, *rest))}
+
     def hf_image_features(self, model, inputs: dict[str, Any]):
         """transformers' own path. With `image_sizes` (and for OneVision `batch_num_images`):
         `get_image_features`, i.e. the packed rows of each image (a list). Without: the per-crop
@@ -226,8 +244,10 @@ class AnyresLlavaFamily(LlavaFamily):
         cfg = self.hf_config(config_dict)
         vc = cfg.vision_config
         grid = vc.image_size // vc.patch_size
-        has_cls = vc.model_type in ("clip_vision_model",)
-        rows = grid * grid + (1 if has_cls else 0) - (1 if cfg.vision_feature_select_strategy == "default" else 0)
+        if vc.model_type not in CLS_ROWS:
+            raise UnsupportedModelError(f"{self.name}: vision tower {vc.model_type!r} is not supported "
+                                        f"(supported: {', '.join(CLS_ROWS)})")
+        rows = grid * grid + CLS_ROWS[vc.model_type] - (1 if cfg.vision_feature_select_strategy == "default" else 0)
         if rows != grid * grid:
             raise CheckpointError(f"{self.name}: vision_feature_select_strategy "
                                   f"{cfg.vision_feature_select_strategy!r} with a {vc.model_type} tower gives {rows} "
@@ -275,7 +295,8 @@ class AnyresProcessorAdapter(FamilyProcessor):
             raise CheckpointError(f"{processor_dir}/config.json: no image_token_index")
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
         self.geometry = family.geometry(config)
-        ip_pinpoints = tuple(tuple(int(v) for v in p) for p in getattr(self.image_processor, "image_grid_pinpoints", ()))
+        ip_pinpoints = tuple(tuple(int(v) for v in p)
+                             for p in getattr(self.image_processor, "image_grid_pinpoints", None) or ())
         if ip_pinpoints != self.geometry.pinpoints:
             raise CheckpointError(f"{processor_dir}: the image processor's image_grid_pinpoints {list(ip_pinpoints)} "
                                   f"differ from config.json's {list(self.geometry.pinpoints)}")
@@ -302,7 +323,8 @@ class AnyresProcessorAdapter(FamilyProcessor):
         text = render_chat(self.tokenizer, self.chat_template, messages)
         n_placeholders = text.count(self.image_token)
         if n_placeholders != len(images):
-            raise InputError(f"the prompt has {n_placeholders} image placeholder(s) but {len(images)} image(s) were given")
+            raise InputError(f"the prompt has {n_placeholders} image placeholder(s) but {len(images)} image(s) "
+                             "were given")
         ids = self.tokenizer(text)["input_ids"]
         items = self.image_items([img.convert("RGB") for img in images], [image_hash(img) for img in images])
         expanded: list[int] = []
