@@ -415,6 +415,33 @@ def test_errors_leave_the_server_serving(server):
     wait_running_zero(server, 1.0)
 
 
+def test_engine_failure_fails_the_request_not_the_server(server):
+    eng = server.app.state.engine
+    real_step = eng.step
+    calls = {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected engine failure")
+        return real_step()
+
+    eng.step = failing_step
+    try:
+        r = server.post("/chat/completions", json=chat_body())
+        assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error"
+        calls["n"] = 0
+        with httpx.stream("POST", server.v1 + "/chat/completions", json=chat_body(stream=True), timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert s.status_code == 200  # the stream had started; the failure arrives as an SSE error event
+        assert '"error"' in events[-2] and events[-1] == "[DONE]"
+    finally:
+        del eng.step
+    wait_running_zero(server, 1.0)
+    assert_serving(server)
+
+
 def test_api_key_required(server, client):
     from openai import AuthenticationError, OpenAI
 
