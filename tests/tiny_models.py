@@ -175,3 +175,111 @@ def make_internvl(out: Path, *, seed: int = 0, image_size: int = 32, patch_size:
                                                            "image_seq_length": (grid // 2) ** 2}, indent=2))
     (out / "chat_template.jinja").write_text(INTERNVL_CHAT_TEMPLATE)
     return out
+
+
+# ---- Qwen2-VL / Qwen2.5-VL ---------------------------------------------------------------------
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|image_pad|>", "<|video_pad|>"]
+
+# The chat template of Qwen/Qwen2-VL-7B-Instruct (processor chat_template), verbatim.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content"
+    " or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
+    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' "
+    "or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
+    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_qwen_tokenizer(vocab_size: int = 240):
+    """Byte-level BPE like Qwen2's: no BOS, <|endoftext|> pads, <|im_end|> ends a turn."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=QWEN_SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = CORPUS + ["system You are a helpful assistant. user assistant"]
+    tok.train_from_iterator(corpus * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS[1:]})
+    return fast
+
+
+def make_qwen2_vl(out: Path, *, version: str = "2", seed: int = 0, num_kv_heads: int = 2, text_layers: int = 2,
+                  hidden: int = 64, vision_depth: int = 3, patch_size: int = 4, min_pixels: int = 256,
+                  max_pixels: int = 4096, window_size: int = 16, fullatt_block_indexes=(1,), tie: bool = False,
+                  mrope_section=(2, 3, 3), init_range: float = 0.2, vision_init: float = 0.1) -> Path:
+    """A tiny random Qwen2-VL (version "2") or Qwen2.5-VL (version "2.5") checkpoint in the hub's layout
+    (legacy tensor names `visual.*` / `model.layers.*`, preprocessor_config.json with min/max pixels)."""
+    import json
+
+    import torch
+    from transformers import GenerationConfig
+
+    out = Path(out)
+    tok = make_qwen_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    text = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=text_layers,
+                num_attention_heads=4, num_key_value_heads=num_kv_heads, vocab_size=len(tok),
+                max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=init_range,
+                rope_parameters={"rope_type": "mrope", "rope_theta": 10000.0, "mrope_section": list(mrope_section)},
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    special = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    if version == "2":
+        from transformers import Qwen2VLConfig as Cfg
+        from transformers import Qwen2VLForConditionalGeneration as Model
+
+        vision = dict(depth=vision_depth, embed_dim=32, hidden_size=hidden, mlp_ratio=2, num_heads=4,
+                      patch_size=patch_size, spatial_merge_size=2, temporal_patch_size=2)
+    elif version == "2.5":
+        from transformers import Qwen2_5_VLConfig as Cfg
+        from transformers import Qwen2_5_VLForConditionalGeneration as Model
+
+        vision = dict(depth=vision_depth, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=hidden,
+                      patch_size=patch_size, spatial_merge_size=2, temporal_patch_size=2, window_size=window_size,
+                      fullatt_block_indexes=list(fullatt_block_indexes), tokens_per_second=2)
+    else:
+        raise ValueError(version)
+    cfg = Cfg(text_config=text, vision_config=vision, tie_word_embeddings=tie, **special)
+    torch.manual_seed(seed)
+    model = Model(cfg).eval()
+    with torch.no_grad():  # large weights so logits are far from ties, and images matter
+        for name, p in model.named_parameters():
+            if "language_model" in name and p.dim() == 2:
+                p.normal_(0, init_range)
+            elif "visual" in name and p.dim() >= 2:
+                p.normal_(0, vision_init)
+    model.generation_config = GenerationConfig(bos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"],
+                                               eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]])
+    model.save_pretrained(out)
+    # The hub's (transformers 4.x) tensor names, which vlmctl must map: visual.*, model.layers.*, lm_head.
+    from safetensors.torch import load_file, save_file
+
+    for f in out.glob("*.safetensors"):
+        state = load_file(str(f))
+        renamed = {}
+        for k, v in state.items():
+            if k.startswith("model.visual."):
+                k = k[len("model."):]
+            elif k.startswith("model.language_model."):
+                k = "model." + k[len("model.language_model."):]
+            renamed[k] = v
+        save_file(renamed, str(f), metadata={"format": "pt"})
+    tok.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": patch_size, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor" if version == "2.5" else "Qwen2VLProcessor"}, indent=2))
+    return out

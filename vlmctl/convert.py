@@ -43,8 +43,11 @@ def expected_tensors(family, config_dict: dict) -> dict[str, tuple[tuple[int, ..
     return {k: (tuple(v.shape), k in tied) for k, v in model.state_dict().items()}
 
 
-def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: Progress | None = None) -> dict:
-    """Convert `src` into `out` (which must not exist). Returns a summary for the manifest."""
+def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: Progress | None = None,
+                       image_settings: dict | None = None) -> dict:
+    """Convert `src` into `out` (which must not exist). Returns a summary for the manifest.
+
+    `image_settings` (a recipe's `image:` keys) override the checkpoint's image-processor settings."""
     import torch
 
     progress = ensure(progress)
@@ -104,6 +107,8 @@ def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: P
                 shutil.copy2(src / name, out / "llm" / name)
     if not any((proc / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise CheckpointError(f"{src}: no tokenizer files (tokenizer.json or tokenizer.model)")
+    if image_settings:
+        family.apply_image_settings(proc, image_settings)
     (out / "family.json").write_text(json.dumps({"family": family.name, "architecture": config["architectures"][0],
                                                  "decoder_model_type": text_cfg["model_type"], "dtype": dtype}, indent=2))
     return {"family": family.name, "vision_tensors": counts[VISION], "decoder_tensors": counts[DECODER]}

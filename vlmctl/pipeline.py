@@ -88,9 +88,13 @@ def stage_convert(recipe: Recipe, workdir: Path, *, force=False, progress: Progr
     src = resolve_source(recipe)
     detect_family(read_config(src), where=str(src / "config.json"))  # fail fast, before hashing
     src_hash = hash_tree(src, [p for p in src.rglob("*") if p.is_file() and ".cache" not in p.parts])
-    settings = {"dtype": recipe.dtype}
+    settings: dict = {"dtype": recipe.dtype}
+    image = recipe.image.model_dump(exclude_none=True)
+    if image:  # only when set, so engines built without it keep their cache key
+        settings["image"] = image
     return run_stage(workdir, "convert", settings, {"source": src_hash},
-                     lambda out: convert_checkpoint(src, out, recipe.dtype, progress), force=force)
+                     lambda out: convert_checkpoint(src, out, recipe.dtype, progress, image_settings=image),
+                     force=force)
 
 
 def stage_quantize(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
@@ -132,11 +136,16 @@ def stage_build_vision(recipe: Recipe, workdir: Path, *, force=False, progress: 
     max_images = max(1, lim.max_batch_size * max(lim.max_images_per_request, 1))
     settings = {"backend": backend, "dtype": recipe.dtype, "max_images": max_images,
                 "workspace_gib": recipe.vision.workspace_gib}
+    profile = _family(workdir).vision_profile(json.loads((workdir / "convert" / "vision" / "config.json").read_text()),
+                                              workdir / "convert" / "processor", lim.model_dump())
+    if profile is not None:
+        settings["profile"] = {k: [list(s) for s in v] for k, v in profile.items()}
     inputs = {"onnx": stage_part_hash(workdir, "export-vision")}
     return run_stage(workdir, "build-vision", settings, inputs,
                      lambda out: build_vision_engine(workdir / "export-vision", out, backend=backend,
                                                      dtype=recipe.dtype, max_batch=max_images,
-                                                     workspace_gib=recipe.vision.workspace_gib, progress=progress),
+                                                     workspace_gib=recipe.vision.workspace_gib, progress=progress,
+                                                     profile=profile),
                      force=force)
 
 
@@ -153,7 +162,7 @@ def stage_build_llm(recipe: Recipe, workdir: Path, *, force=False, progress: Pro
         llm_dir, llm_hash = workdir / "convert" / "llm", stage_part_hash(workdir, "convert", "llm")
     vlm_config = json.loads((workdir / "convert" / "vision" / "config.json").read_text())
     lim = recipe.limits
-    per_image = family.max_image_tokens(vlm_config)
+    per_image = family.engine_image_tokens(vlm_config, workdir / "convert" / "processor")
     table_size = lim.max_batch_size * lim.max_images_per_request * per_image
     extra = {"name": recipe.name, "backend": backend, "limits": lim.model_dump(), "prompt_table_size": table_size,
              "image_tokens_per_image": per_image, "eos_token_ids": _eos_ids(workdir / "convert" / "processor")}

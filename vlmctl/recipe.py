@@ -56,6 +56,20 @@ class DecoderSettings(_Strict):
     backend: Literal["auto", "trtllm", "torch"] = "auto"
 
 
+class ImageSettings(_Strict):
+    """Image-processor settings of dynamic-resolution families; unset keeps the checkpoint's."""
+
+    min_pixels: int | None = Field(None, ge=1, description="smallest image area after resizing, in pixels")
+    max_pixels: int | None = Field(None, ge=1, description="largest image area after resizing, in pixels "
+                                                         "(bounds the tokens an image becomes)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ImageSettings":
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels {self.min_pixels} is larger than max_pixels {self.max_pixels}")
+        return self
+
+
 class EngineLimits(_Strict):
     max_batch_size: int = Field(8, ge=1)
     max_input_len: int = Field(2048, ge=1)
@@ -72,6 +86,7 @@ class Recipe(_Strict):
     quantization: QuantizationSettings = QuantizationSettings()
     vision: VisionSettings = VisionSettings()
     decoder: DecoderSettings = DecoderSettings()
+    image: ImageSettings = ImageSettings()
     limits: EngineLimits = EngineLimits()
 
     # Where the recipe came from: relative paths in it are resolved against this directory.

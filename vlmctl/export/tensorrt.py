@@ -60,7 +60,9 @@ def profile_shapes(input_shapes: dict[str, tuple[int, ...]], max_batch: int) -> 
 
 
 def build_trt_engine(onnx_path: Path, engine_path: Path, *, max_batch: int, workspace_gib: float,
-                     progress: Progress | None = None) -> dict:
+                     progress: Progress | None = None, shapes_profile: dict | None = None) -> dict:
+    """`shapes_profile`: the family's (min, opt, max) shape per input (dynamic non-batch axes, e.g.
+    patches); by default axis 0 of every input is a batch of 1..max_batch."""
     trt = _import_trt()
     progress = ensure(progress)
     logger = trt.Logger(trt.Logger.WARNING)
@@ -75,7 +77,7 @@ def build_trt_engine(onnx_path: Path, engine_path: Path, *, max_batch: int, work
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
     shapes = {network.get_input(i).name: tuple(network.get_input(i).shape) for i in range(network.num_inputs)}
     profile = builder.create_optimization_profile()
-    for name, (lo, opt, hi) in profile_shapes(shapes, max_batch).items():
+    for name, (lo, opt, hi) in (shapes_profile or profile_shapes(shapes, max_batch)).items():
         profile.set_shape(name, lo, opt, hi)
     config.add_optimization_profile(profile)
     task = progress.task("build-vision: building TensorRT engine", total=None)
@@ -89,13 +91,13 @@ def build_trt_engine(onnx_path: Path, engine_path: Path, *, max_batch: int, work
 
 
 def build_vision_engine(export_dir: Path, out_dir: Path, *, backend: str, dtype: str, max_batch: int,
-                        workspace_gib: float, progress: Progress | None = None) -> dict:
+                        workspace_gib: float, progress: Progress | None = None, profile: dict | None = None) -> dict:
     onnx_path = Path(export_dir) / "model.onnx"
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if backend == "tensorrt":
         info = build_trt_engine(onnx_path, out_dir / "model.engine", max_batch=max_batch,
-                                workspace_gib=workspace_gib, progress=progress)
+                                workspace_gib=workspace_gib, progress=progress, shapes_profile=profile)
         runner = {"runner": "tensorrt", "engine": "model.engine"}
     else:
         import onnxruntime

@@ -107,6 +107,23 @@ class VLMFamily:
         """Upper bound of feature rows one image becomes (sizes the prompt-embedding table)."""
         raise NotImplementedError
 
+    def engine_image_tokens(self, config_dict: dict, processor_dir: Path) -> int:
+        """`max_image_tokens` under the engine's processor settings (dynamic-resolution families read
+        their max_pixels there)."""
+        return self.max_image_tokens(config_dict)
+
+    def apply_image_settings(self, processor_dir: Path, settings: dict) -> None:
+        """Write a recipe's `image:` settings (min/max pixels) into the engine's processor config."""
+        from ..errors import RecipeError
+
+        raise RecipeError(f"image.{next(iter(settings))}: the {self.name} family has no such setting "
+                          "(only dynamic-resolution models take min_pixels / max_pixels)")
+
+    def vision_profile(self, config_dict: dict, processor_dir: Path, limits: dict) -> dict | None:
+        """TensorRT optimization-profile (min, opt, max) shapes per vision input, for graphs whose
+        dynamic axis is not a batch of images; None: axis 0 is a batch of 1..max images."""
+        return None
+
     # ---- decoder ---------------------------------------------------------------------------
     def decoder_model_type(self, config_dict: dict) -> str:
         return self.text_config_dict(config_dict)["model_type"]

@@ -107,6 +107,11 @@ def rotary_tables(text_cfg: dict):
     import transformers
 
     fam = decoder_family(text_cfg["model_type"])
+    rope = text_cfg.get("rope_parameters")
+    if isinstance(rope, dict) and "mrope_section" in rope:
+        # M-RoPE only regroups the same frequencies per position component; the decoder's own config
+        # class does not know the key and would warn about it.
+        text_cfg = {**text_cfg, "rope_parameters": {k: v for k, v in rope.items() if k != "mrope_section"}}
     cfg_cls = transformers.AutoConfig.for_model(**{**text_cfg, "model_type": text_cfg["model_type"]}).__class__
     cfg = cfg_cls(**{k: v for k, v in text_cfg.items() if k != "model_type"})
     mod = importlib.import_module(f"transformers.models.{text_cfg['model_type']}.modeling_{text_cfg['model_type']}")

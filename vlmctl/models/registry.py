@@ -12,6 +12,8 @@ from .base import VLMFamily
 # family name -> "module:Class". One line per family; the module holds all of its knowledge.
 FAMILIES: dict[str, str] = {
     "llava": "vlmctl.models.llava:LlavaFamily",
+    "qwen2_vl": "vlmctl.models.qwen2_vl:Qwen2VLFamily",
+    "qwen2_5_vl": "vlmctl.models.qwen2_vl:Qwen2_5_VLFamily",
     "llava_next": "vlmctl.models.llava_next:LlavaNextFamily",
     "llava_onevision": "vlmctl.models.llava_onevision:LlavaOnevisionFamily",
     "internvl": "vlmctl.models.internvl:InternVLFamily",

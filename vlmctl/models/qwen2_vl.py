@@ -1,0 +1,535 @@
+"""Qwen2-VL (`Qwen2VLForConditionalGeneration`) and Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`).
+
+Native-resolution ViT over 14x14 patches (two frames per temporal patch, an image repeats its
+frame) -> 2x2 patch merger -> Qwen2 decoder with multimodal rotary positions (M-RoPE).
+Everything vlmctl knows about these models lives here:
+
+- tensor names (the hub's `visual.*` / `model.layers.*` and transformers 5's `model.visual.*` /
+  `model.language_model.*`);
+- image preprocessing with the checkpoint's own image processor (dynamic resolution within its
+  min/max pixels); an image becomes `t*h*w / merge**2` tokens, `<|image_pad|>` expands to that;
+- the vision graph for export. Everything that depends on an image's grid is computed on the host
+  and fed as inputs, so the ONNX graph has one dynamic axis (patches) and no data-dependent control
+  flow: 2-D rotary positions per patch, and per-patch segment ids from which the graph builds
+  block-diagonal attention masks (one block per image frame; for 2.5 also one per attention window).
+  Qwen2.5-VL's window order is applied on the host as well: patches enter the graph already grouped
+  by window, and the merged rows come back in window order and are put back in raster order in
+  `postprocess_features`;
+- the decoder's 3-D M-RoPE positions for a prompt, as `get_rope_index` computes them.
+
+The language model is a Qwen2 decoder whose rotary positions are 3-D; `llm/` holds it as a plain
+`Qwen2ForCausalLM` checkpoint that keeps `mrope_section` in `rope_parameters` (with equal 1-D
+positions, as for text, M-RoPE is ordinary RoPE).
+
+Not supported: video inputs (`<|video_pad|>`), decoders with sliding-window attention.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError, InputError, UnsupportedModelError
+from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, VLMFamily, read_json
+from .chat import load_chat_template, render_chat
+
+IMAGE_TOKEN = "<|image_pad|>"
+# transformers' image-processor defaults, used when a checkpoint's preprocessor_config.json omits them.
+DEFAULT_MIN_PIXELS = 56 * 56
+DEFAULT_MAX_PIXELS = 28 * 28 * 1280
+
+
+def image_hash(image) -> str:
+    h = hashlib.sha256()
+    h.update(f"{image.mode}:{image.size}".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+# ---- host-side grid computations (numpy; each mirrors one transformers function) -----------------
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The resized (height, width) of an image: transformers' `qwen2_vl` `smart_resize`."""
+    import math
+
+    if max(height, width) / min(height, width) > 200:
+        raise InputError(f"image aspect ratio {max(height, width) / min(height, width):.0f}:1 is beyond 200:1")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def vision_position_ids(grid_thw, merge: int) -> np.ndarray:
+    """[patches, 2] (row, column) of every patch in the processor's patch order (merge blocks
+    row-major, patches within a block row-major): `vision_utils.get_vision_position_ids`."""
+    out = []
+    for t, h, w in grid_thw:
+        hpos, wpos = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        shape = (h // merge, merge, w // merge, merge)
+        hpos = hpos.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
+        wpos = wpos.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
+        out.append(np.tile(np.stack([hpos, wpos], -1), (t, 1)))
+    return np.concatenate(out, 0).astype(np.int64)
+
+
+def frame_segments(grid_thw) -> np.ndarray:
+    """[patches] attention-block id: every frame of every image attends only within itself (cu_seqlens)."""
+    segs, k = [], 0
+    for t, h, w in grid_thw:
+        for _ in range(t):
+            segs.append(np.full(h * w, k, np.int64))
+            k += 1
+    return np.concatenate(segs)
+
+
+def window_index(grid_thw, merge: int, window_size: int, patch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(permutation of merged units into window order, units per non-empty window):
+    `vision_utils.get_vision_window_index` without its cumulative sums."""
+    ws = window_size // merge // patch_size
+    order, lengths, base = [], [], 0
+    for t, h, w in grid_thw:
+        lh, lw = h // merge, w // merge
+        index = np.arange(t * lh * lw).reshape(t, lh, lw)
+        pad_h, pad_w = ws - lh % ws, ws - lw % ws
+        nh, nw = (lh + pad_h) // ws, (lw + pad_w) // ws
+        padded = np.pad(index, ((0, 0), (0, pad_h), (0, pad_w)), constant_values=-100)
+        padded = padded.reshape(t, nh, ws, nw, ws).transpose(0, 1, 3, 2, 4).reshape(t, nh * nw, ws * ws)
+        counts = (padded != -100).sum(-1).reshape(-1)
+        flat = padded.reshape(-1)
+        order.append(flat[flat != -100] + base)
+        lengths.append(counts[counts > 0])  # empty (all-padding) windows vanish, as unique_consecutive drops them
+        base += t * lh * lw
+    return np.concatenate(order).astype(np.int64), np.concatenate(lengths).astype(np.int64)
+
+
+def mrope_positions(token_ids: list[int], image_token_id: int, grids: list, merge: int) -> np.ndarray:
+    """[3, T] M-RoPE positions of an expanded prompt: `get_rope_index` for images.
+
+    Text advances all three components by one per token; an image's tokens get (t, row, column)
+    offsets from the position where it starts, and the text after it continues at that start plus
+    the image's larger merged side.
+    """
+    T = len(token_ids)
+    pos = np.zeros((3, T), np.int64)
+    ids = np.asarray(token_ids)
+    i, cur, k = 0, 0, 0
+    while i < T:
+        if ids[i] != image_token_id:
+            pos[:, i] = cur
+            cur += 1
+            i += 1
+            continue
+        t, h, w = (int(x) for x in grids[k])
+        lh, lw = h // merge, w // merge
+        n = t * lh * lw
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(lh), np.arange(lw), indexing="ij")
+        pos[:, i:i + n] = np.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)]) + cur
+        cur += max(lh, lw)
+        i += n
+        k += 1
+    return pos
+
+
+# ---- the vision graph ----------------------------------------------------------------------------
+class QwenVisionWrapper:
+    """Factory for the export module (a function, to import torch lazily)."""
+
+    @staticmethod
+    def build(config, windowed: bool):
+        import torch
+        import torch.nn.functional as F
+        from torch import nn
+
+        if windowed:
+            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+                Qwen2_5_VisionTransformerPretrainedModel as Tower,
+            )
+            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+        else:
+            from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as Tower
+            from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+
+        vc = config.vision_config
+
+        class Wrapper(nn.Module):
+            """(pixel_values [P, C*T*p*p], vision_pos_ids [P, 2], attention_segments [P]
+            [, window_segments [P]]) -> image features [P / merge**2, decoder hidden]."""
+
+            def __init__(self):
+                super().__init__()
+                self.visual = Tower._from_config(vc)
+                rot = self.visual.rotary_pos_emb
+                # Kept as Python numbers: a float32 constant in the graph even when the weights are fp16.
+                self.inv_freq = [float(x) for x in rot.inv_freq.float()]
+                self.rope_scaling = float(getattr(rot, "attention_scaling", 1.0))
+                self.full_blocks = set(vc.fullatt_block_indexes) if windowed else set(range(vc.depth))
+                self.windowed = windowed
+
+            def _attention(self, attn, x, cos, sin, mask):
+                P = x.shape[0]
+                q, k, v = attn.qkv(x).reshape(P, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+                q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+                q, k, v = (y.transpose(0, 1)[None] for y in (q, k, v))  # [1, heads, P, d]
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+                return attn.proj(o[0].transpose(0, 1).reshape(P, -1))
+
+            @staticmethod
+            def _mask(segments, dtype):
+                """Additive [1, 1, P, P] mask in the activations' dtype: 0 within a segment, a large negative
+                number across (a boolean mask would be exported with float32 constants into an fp16 graph)."""
+                same = segments[:, None] == segments[None, :]
+                zero = torch.zeros((), dtype=dtype)
+                neg = torch.full((), torch.finfo(dtype).min, dtype=dtype)
+                return torch.where(same, zero, neg)[None, None]
+
+            def forward(self, pixel_values, vision_pos_ids, attention_segments, window_segments=None):
+                x = self.visual.patch_embed(pixel_values)
+                inv = torch.tensor(self.inv_freq, dtype=torch.float32)
+                freqs = vision_pos_ids[..., None].float() * inv  # [P, 2, d/4]
+                hw = torch.cat([freqs[:, 0], freqs[:, 1]], -1)
+                emb = torch.cat([hw, hw], -1)
+                cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
+                full = self._mask(attention_segments, x.dtype)
+                win = self._mask(window_segments, x.dtype) if self.windowed else full
+                for i, blk in enumerate(self.visual.blocks):
+                    x = x + self._attention(blk.attn, blk.norm1(x), cos, sin, full if i in self.full_blocks else win)
+                    x = x + blk.mlp(blk.norm2(x))
+                return self.visual.merger(x)
+
+        return Wrapper()
+
+
+# ---- the family ----------------------------------------------------------------------------------
+class Qwen2VLFamily(VLMFamily):
+    name = "qwen2_vl"
+    architectures = ("Qwen2VLForConditionalGeneration",)
+    multi_image = True
+    windowed = False  # Qwen2.5-VL's window attention
+
+    def hf_config(self, config_dict: dict):
+        from transformers import Qwen2VLConfig
+
+        return Qwen2VLConfig.from_dict(_strip_quant(config_dict))
+
+    def hf_model_class(self):
+        from transformers import Qwen2VLForConditionalGeneration
+
+        return Qwen2VLForConditionalGeneration
+
+    def canonical_key(self, key: str) -> str:
+        # The hub's checkpoints (transformers 4.x layout): visual.*, model.layers.*, lm_head.
+        if key.startswith("visual."):
+            return "model." + key
+        if key.startswith("model.") and not key.startswith(("model.visual.", "model.language_model.")):
+            return "model.language_model." + key[len("model."):]
+        return key
+
+    def split_key(self, key: str) -> tuple[str, str]:
+        if key.startswith("model.visual."):
+            return VISION, key[len("model."):]
+        if key.startswith("model.language_model."):
+            return DECODER, "model." + key[len("model.language_model."):]
+        if key.startswith("lm_head."):
+            return DECODER, key
+        raise CheckpointError(f"tensor {key!r} belongs to no known part of a {self.architectures[0]} checkpoint")
+
+    def join_key(self, part: str, name: str) -> str:
+        if part == VISION and name.startswith("visual."):
+            return "model." + name
+        if part == DECODER and name.startswith("model."):
+            return "model.language_model." + name[len("model."):]
+        if part == DECODER and name.startswith("lm_head."):
+            return name
+        raise CheckpointError(f"tensor {name!r} of the {part} part has no place in a "
+                              f"{self.architectures[0]} checkpoint")
+
+    def text_config_dict(self, config_dict: dict) -> dict:
+        """The decoder as a plain Qwen2 causal LM; `rope_parameters.mrope_section` stays for the runtime."""
+        from transformers import Qwen2Config
+
+        cfg = self.hf_config(config_dict)
+        tc = cfg.text_config
+        if tc.use_sliding_window:
+            raise UnsupportedModelError(f"{self.architectures[0]} with use_sliding_window=true is not supported")
+        rope = dict(tc.rope_parameters or {})
+        if not rope.get("mrope_section"):
+            raise CheckpointError("config.json: the text config has no rope_parameters.mrope_section")
+        head_dim = tc.hidden_size // tc.num_attention_heads
+        if 2 * sum(rope["mrope_section"]) != head_dim:
+            raise CheckpointError(f"config.json: mrope_section {rope['mrope_section']} does not cover half the "
+                                  f"head dimension ({head_dim // 2})")
+        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+                "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id")
+        kwargs = {k: getattr(tc, k) for k in keys if getattr(tc, k, None) is not None}
+        plain_rope = {k: v for k, v in rope.items() if k != "mrope_section"}  # what Qwen2Config validates
+        q = Qwen2Config(**kwargs, use_sliding_window=False, rope_parameters=plain_rope,
+                        tie_word_embeddings=bool(cfg.tie_word_embeddings))
+        text = q.to_dict()
+        text["rope_parameters"] = rope  # mrope_section included, for the runtime
+        text["architectures"] = ["Qwen2ForCausalLM"]
+        for k in ("_name_or_path", "transformers_version", "dtype", "id2label", "label2id"):
+            text.pop(k, None)
+        return text
+
+    def decoder_model_type(self, config_dict: dict) -> str:
+        return "qwen2"
+
+    def vision_module_names(self) -> list[str]:
+        return ["visual"]  # tower and merger both live under `visual` (AutoAWQ's and vLLM's name for Qwen2-VL)
+
+    # ---- vision ----------------------------------------------------------------------------
+    def build_vision_module(self, vision_dir: Path, dtype):
+        from safetensors.torch import load_file
+
+        config = self.hf_config(read_json(Path(vision_dir) / "config.json"))
+        wrapper = QwenVisionWrapper.build(config, self.windowed)
+        state = {}
+        for f in sorted(Path(vision_dir).glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        missing, unexpected = wrapper.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"{vision_dir}: vision weights do not match the config "
+                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        return wrapper.to(dtype).eval().requires_grad_(False)
+
+    def vision_geometry(self, config_dict: dict) -> dict:
+        vc = self.hf_config(config_dict).vision_config
+        g = {"patch_size": vc.patch_size, "temporal_patch_size": vc.temporal_patch_size, "merge": vc.spatial_merge_size,
+             "in_channels": vc.in_channels}
+        if self.windowed:
+            g["window_size"] = vc.window_size
+        return g
+
+    def onnx_io(self, vision_config: dict) -> tuple[list[str], list[str], dict[str, dict[int, str]]]:
+        ins = ["pixel_values", "vision_pos_ids", "attention_segments"] + (["window_segments"] if self.windowed else [])
+        dyn = {n: {0: "patches"} for n in ins}
+        dyn["image_features"] = {0: "tokens"}
+        return ins, ["image_features"], dyn
+
+    def example_vision_inputs(self, vision_config: dict, batch: int, dtype, seed: int = 0) -> dict[str, Any]:
+        """`batch` images of different grids (so export and validation see different patch counts)."""
+        import torch
+
+        g = self.vision_geometry(vision_config)
+        m = g["merge"]
+        grids = [(1, m * (2 + (i + seed) % 3), m * (3 + (2 * i + seed) % 4)) for i in range(batch)]
+        rng = np.random.default_rng(seed)
+        dim = g["in_channels"] * g["temporal_patch_size"] * g["patch_size"] ** 2
+        items = [ImageItem(inputs=self._vision_inputs(rng.standard_normal((t * h * w, dim)).astype(np.float32),
+                                                      (t, h, w), g), num_tokens=t * h * w // m ** 2)
+                 for t, h, w in grids]
+        feed, _ = collate_vision(items)
+        return {k: (torch.from_numpy(v).to(dtype) if v.dtype.kind == "f" else torch.from_numpy(v))
+                for k, v in feed.items()}
+
+    def _vision_inputs(self, pixel_values: np.ndarray, grid, g: dict) -> dict[str, np.ndarray]:
+        """One image's feed, in the graph's patch order (window order for Qwen2.5-VL)."""
+        m = g["merge"]
+        pos = vision_position_ids([grid], m)
+        segs = frame_segments([grid])
+        inputs = {"pixel_values": np.ascontiguousarray(pixel_values, dtype=np.float32)}
+        if not self.windowed:
+            inputs.update(vision_pos_ids=pos, attention_segments=segs)
+            return inputs
+        order, lengths = window_index([grid], m, g["window_size"], g["patch_size"])
+        unit = m * m
+        perm = (order[:, None] * unit + np.arange(unit)).reshape(-1)
+        inputs["pixel_values"] = np.ascontiguousarray(inputs["pixel_values"][perm])
+        inputs.update(vision_pos_ids=np.ascontiguousarray(pos[perm]), attention_segments=segs[perm],
+                      window_segments=np.repeat(np.arange(len(lengths)), lengths * unit).astype(np.int64))
+        return inputs
+
+    def hf_image_features(self, model, inputs: dict[str, Any]):
+        """transformers' own image features for `pixel_values` + `image_grid_thw` (the processor's output)."""
+        import torch
+
+        out = model.model.get_image_features(pixel_values=inputs["pixel_values"],
+                                             image_grid_thw=inputs["image_grid_thw"])
+        feats = out.pooler_output if hasattr(out, "pooler_output") else out
+        return torch.cat(list(feats), 0) if isinstance(feats, (list, tuple)) else feats
+
+    def vision_profile(self, config_dict: dict, processor_dir: Path, limits: dict) -> dict:
+        """TensorRT bounds of the patch axis: one vision call holds the images of one request
+        (see `batch_key`), each at most max_pixels."""
+        g = self.vision_geometry(config_dict)
+        _, max_pixels = processor_pixels(processor_dir)
+        unit = g["merge"] ** 2
+        per_image = max(unit, max_pixels // g["patch_size"] ** 2 // unit * unit)
+        hi = per_image * max(1, limits.get("max_images_per_request", 1))
+        opt = max(unit, per_image // 4 // unit * unit)
+        dim = g["in_channels"] * g["temporal_patch_size"] * g["patch_size"] ** 2
+        trailing = {"pixel_values": (dim,), "vision_pos_ids": (2,), "attention_segments": (), "window_segments": ()}
+        names, _, _ = self.onnx_io(config_dict)
+        return {n: ((unit, *trailing[n]), (opt, *trailing[n]), (hi, *trailing[n])) for n in names}
+
+    # ---- prompt ----------------------------------------------------------------------------
+    def max_image_tokens(self, config_dict: dict) -> int:
+        # Without the processor's settings: transformers' default max_pixels.
+        g = self.vision_geometry(config_dict)
+        return DEFAULT_MAX_PIXELS // (g["patch_size"] * g["merge"]) ** 2
+
+    def engine_image_tokens(self, config_dict: dict, processor_dir: Path) -> int:
+        g = self.vision_geometry(config_dict)
+        return processor_pixels(processor_dir)[1] // (g["patch_size"] * g["merge"]) ** 2
+
+    def apply_image_settings(self, processor_dir: Path, settings: dict) -> None:
+        """min_pixels / max_pixels as top-level keys of preprocessor_config.json (as the hub's files
+        have them); the image processor lets them override its `size`."""
+        import json
+
+        from ..errors import RecipeError
+
+        unknown = sorted(set(settings) - {"min_pixels", "max_pixels"})
+        if unknown:
+            raise RecipeError(f"image.{unknown[0]}: not a setting of the {self.name} image processor")
+        path = Path(processor_dir) / "preprocessor_config.json"
+        cfg = read_json(path) if path.exists() else {}
+        cfg.update({k: int(v) for k, v in settings.items()})
+        path.write_text(json.dumps(cfg, indent=2))
+        lo, hi = processor_pixels(processor_dir)
+        if lo > hi:
+            raise RecipeError(f"image: min_pixels {lo} is larger than max_pixels {hi} (with the checkpoint's values)")
+
+    def load_processor(self, processor_dir: Path) -> "QwenProcessorAdapter":
+        return QwenProcessorAdapter(self, Path(processor_dir))
+
+
+class Qwen2_5_VLFamily(Qwen2VLFamily):
+    name = "qwen2_5_vl"
+    architectures = ("Qwen2_5_VLForConditionalGeneration",)
+    windowed = True
+
+    def hf_config(self, config_dict: dict):
+        from transformers import Qwen2_5_VLConfig
+
+        return Qwen2_5_VLConfig.from_dict(_strip_quant(config_dict))
+
+    def hf_model_class(self):
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        return Qwen2_5_VLForConditionalGeneration
+
+
+def processor_pixels(processor_dir: Path) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of an engine's image processor, read as the processor reads them:
+    top-level min/max_pixels win over `size` (shortest_edge / longest_edge), else the defaults."""
+    path = Path(processor_dir) / "preprocessor_config.json"
+    cfg = read_json(path) if path.exists() else {}
+    size = cfg.get("size") or {}
+    lo = cfg.get("min_pixels") or size.get("shortest_edge") or DEFAULT_MIN_PIXELS
+    hi = cfg.get("max_pixels") or size.get("longest_edge") or DEFAULT_MAX_PIXELS
+    return int(lo), int(hi)
+
+
+def _strip_quant(config_dict: dict) -> dict:
+    # An AWQ whole-VLM config describes the decoder's packing, not the architecture.
+    return {k: v for k, v in config_dict.items() if k != "quantization_config"}
+
+
+def collate_vision(items: list[ImageItem]) -> tuple[dict[str, np.ndarray], list[int]]:
+    """Several images -> one feed: patches concatenated, segment ids offset so that each image (and
+    each window) stays its own attention block; returns the feature rows of each image."""
+    names = list(items[0].inputs)
+    feed: dict[str, list] = {n: [] for n in names}
+    offsets = {n: 0 for n in names if n.endswith("_segments")}
+    for it in items:
+        for n in names:
+            v = it.inputs[n]
+            if n in offsets:
+                feed[n].append(v + offsets[n])
+                offsets[n] += int(v.max()) + 1 if v.size else 0
+            else:
+                feed[n].append(v)
+    return {n: np.concatenate(vs, 0) for n, vs in feed.items()}, [it.num_tokens for it in items]
+
+
+class QwenProcessorAdapter(FamilyProcessor):
+    """Chat template + the checkpoint's image processor, expanding `<|image_pad|>` as Qwen2VLProcessor does."""
+
+    def __init__(self, family: Qwen2VLFamily, processor_dir: Path):
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        config = read_json(processor_dir / "config.json")
+        self.family = family
+        self.tokenizer = AutoTokenizer.from_pretrained(str(processor_dir))
+        self.image_processor = AutoImageProcessor.from_pretrained(str(processor_dir))
+        self.chat_template = load_chat_template(processor_dir, self.tokenizer)
+        self.image_token_id = int(config.get("image_token_id", -1))
+        if self.image_token_id < 0 or self.tokenizer.convert_ids_to_tokens(self.image_token_id) != IMAGE_TOKEN:
+            raise CheckpointError(f"{processor_dir}/config.json: image_token_id does not name {IMAGE_TOKEN}")
+        self.geometry = family.vision_geometry(config)
+        ip = self.image_processor
+        if (ip.patch_size, ip.merge_size, ip.temporal_patch_size) != (
+                self.geometry["patch_size"], self.geometry["merge"], self.geometry["temporal_patch_size"]):
+            raise CheckpointError(f"{processor_dir}: the image processor's patch/merge sizes disagree with config.json")
+        size = getattr(ip, "size", None) or {}
+        get = size.get if isinstance(size, dict) else (lambda k, d=None: getattr(size, k, None) or d)
+        self.min_pixels = int(get("shortest_edge", None) or DEFAULT_MIN_PIXELS)
+        self.max_pixels = int(get("longest_edge", None) or DEFAULT_MAX_PIXELS)
+
+    def num_image_tokens(self, width: int, height: int) -> int:
+        """Tokens an image of this size becomes (dynamic resolution within min/max pixels)."""
+        factor = self.geometry["patch_size"] * self.geometry["merge"]
+        h, w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
+        return (h // self.geometry["patch_size"]) * (w // self.geometry["patch_size"]) // self.geometry["merge"] ** 2
+
+    def encode(self, messages: list[dict], images: list) -> EncodedPrompt:
+        text = render_chat(self.tokenizer, self.chat_template, messages)
+        n_placeholders = text.count(IMAGE_TOKEN)
+        if n_placeholders != len(images):
+            raise InputError(f"the prompt has {n_placeholders} image placeholder(s) but {len(images)} image(s) "
+                             "were given")
+        m = self.geometry["merge"]
+        request = uuid.uuid4().hex  # images of one request share a vision call (see batch_key)
+        items = []
+        for img in images:
+            out = self.image_processor(images=[img.convert("RGB")], return_tensors="np")
+            grid = tuple(int(x) for x in out["image_grid_thw"][0])
+            n = grid[0] * grid[1] * grid[2] // m ** 2
+            inputs = self.family._vision_inputs(out["pixel_values"], grid, self.geometry)
+            meta: dict[str, Any] = {"grid_thw": grid, "request": request}
+            if self.family.windowed:
+                order, _ = window_index([grid], m, self.geometry["window_size"], self.geometry["patch_size"])
+                meta["restore"] = np.argsort(order)
+            items.append(ImageItem(inputs=inputs, num_tokens=n, meta=meta, content_hash=image_hash(img)))
+        ids = self.tokenizer(text)["input_ids"]
+        expanded: list[int] = []
+        k = 0
+        for t in ids:
+            if t == self.image_token_id:
+                expanded.extend([t] * items[k].num_tokens)
+                k += 1
+            else:
+                expanded.append(t)
+        return EncodedPrompt(token_ids=expanded, images=items, image_placeholder_id=self.image_token_id, text=text)
+
+    def batch_key(self, item: ImageItem) -> tuple:
+        # The masks are dense [patches, patches]: a joint call costs the square of the total, so only the
+        # images of one request go together (block-diagonal), never the images of a whole batch.
+        return ("request", item.meta.get("request", item.content_hash))
+
+    def collate(self, items: list[ImageItem]) -> tuple[dict[str, np.ndarray], list[int]]:
+        return collate_vision(items)
+
+    def postprocess_features(self, features: np.ndarray, item: ImageItem) -> np.ndarray:
+        features = features.reshape(-1, features.shape[-1])
+        restore = item.meta.get("restore")
+        return features[restore] if restore is not None else features
+
+    def position_ids(self, token_ids: list[int], prompt: EncodedPrompt):
+        if not prompt.images:
+            return None
+        return mrope_positions(token_ids, prompt.image_placeholder_id, [it.meta["grid_thw"] for it in prompt.images],
+                               self.geometry["merge"])
