@@ -10,6 +10,7 @@ prompt-tuning contract). Positions may be 1-D, or 3-D for multimodal rotary (M-R
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -81,9 +82,14 @@ class TorchDecoder:
             })
         self.inter = self.layers[0]["gate_up"].weight.shape[0] // 2 if self.layers else 0
         self.max_batch, self.max_seq = max_batch, max_seq
-        shape = (self.n_layers, max_batch, self.n_kv, max_seq, self.head_dim)
+        # One extra slot: padding rows of a captured decode graph write there.
+        self.scratch_slot = max_batch
+        shape = (self.n_layers, max_batch + 1, self.n_kv, max_seq, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.use_graphs = self.device.type == "cuda" and os.environ.get("VLMCTL_CUDA_GRAPHS", "1") != "0"
+        self._graphs: dict = {}
+        self._graph_pool = None
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
@@ -182,16 +188,26 @@ class TorchDecoder:
     @torch.inference_mode()
     def decode(self, slots: torch.Tensor, tokens: torch.Tensor, cache_lens: torch.Tensor,
                rope_deltas: torch.Tensor | None = None) -> torch.Tensor:
-        """One token for each slot: tokens [b] at cache position cache_lens [b]; returns logits [b, V]."""
+        """One token for each slot: tokens [b] at cache position cache_lens [b]; returns logits [b, V].
+
+        Inputs are host tensors (the scheduler's bookkeeping), so choosing the attention length
+        needs no device sync. On CUDA the step replays a captured graph per (batch, length) bucket."""
         b = slots.shape[0]
-        slots, tokens, cache_lens = slots.to(self.device), tokens.to(self.device), cache_lens.to(self.device)
-        pos = cache_lens if rope_deltas is None else cache_lens + rope_deltas.to(self.device)
+        need = int(cache_lens.max()) + 1
+        if self.use_graphs:
+            return self._decode_graphed(slots, tokens, cache_lens, rope_deltas, need)
+        dev = self.device
+        return self._decode_step(slots.to(dev), tokens.to(dev), cache_lens.to(dev),
+                                 None if rope_deltas is None else rope_deltas.to(dev), need)
+
+    def _decode_step(self, slots, tokens, cache_lens, rope_deltas, L: int) -> torch.Tensor:
+        """The decode step on device tensors, attending over the first L cache positions (static shapes)."""
+        b = slots.shape[0]
+        pos = cache_lens if rope_deltas is None else cache_lens + rope_deltas
         if self.mrope_section:
-            pos = pos[None].expand(3, b)
-            cos, sin = self._rope(pos[:, :, None])  # [3,b,1] -> [b,1,d]
+            cos, sin = self._rope(pos[None].expand(3, b)[:, :, None])  # [3,b,1] -> [b,1,d]
         else:
             cos, sin = self._rope(pos[:, None])  # [b,1,d]
-        L = int(cache_lens.max()) + 1
         mask = (torch.arange(L, device=self.device)[None] <= cache_lens[:, None])[:, None, None, :]  # [b,1,1,L]
         x = F.embedding(tokens, self.embed)[:, None]
         for li, layer in enumerate(self.layers):
@@ -204,6 +220,55 @@ class TorchDecoder:
             x = x + layer["o"](a.transpose(1, 2).reshape(b, 1, -1))
             x = x + self._mlp(layer, _rms_norm(x, layer["post_norm"], self.eps))
         return self._final(x[:, 0])
+
+    @staticmethod
+    def _bucket(n: int, cap: int, floor: int = 1) -> int:
+        b = floor
+        while b < n:
+            b *= 2
+        return min(b, cap)
+
+    def _decode_graphed(self, slots, tokens, cache_lens, rope_deltas, need: int) -> torch.Tensor:
+        b = slots.shape[0]
+        B = self._bucket(b, self.max_batch)
+        L = self._bucket(need, self.max_seq, floor=128)
+        key = (B, L)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(B, L)
+            self._graphs[key] = entry
+        graph, st, out = entry
+        # Padding rows decode into the scratch slot at position 0: harmless and never read.
+        st["slots"].fill_(self.scratch_slot)
+        st["lens"].zero_()
+        st["tokens"].zero_()
+        st["deltas"].zero_()
+        st["slots"][:b].copy_(slots, non_blocking=True)
+        st["tokens"][:b].copy_(tokens, non_blocking=True)
+        st["lens"][:b].copy_(cache_lens, non_blocking=True)
+        if rope_deltas is not None:
+            st["deltas"][:b].copy_(rope_deltas, non_blocking=True)
+        graph.replay()
+        return out[:b]
+
+    def _capture(self, B: int, L: int):
+        dev = self.device
+        st = {"slots": torch.full((B,), self.scratch_slot, dtype=torch.long, device=dev),
+              "tokens": torch.zeros(B, dtype=torch.long, device=dev),
+              "lens": torch.zeros(B, dtype=torch.long, device=dev),
+              "deltas": torch.zeros(B, dtype=torch.long, device=dev)}
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the graph (kernel selection, workspace allocation)
+                self._decode_step(st["slots"], st["tokens"], st["lens"], st["deltas"], L)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = self._decode_step(st["slots"], st["tokens"], st["lens"], st["deltas"], L)
+        if self._graph_pool is None:
+            self._graph_pool = graph.pool()
+        return graph, st, out
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
