@@ -388,3 +388,18 @@ def test_serve_openai_client_two_images(built):
     assert r.choices[0].message.content == AutoTokenizer.from_pretrained(ckpt).decode(ref, skip_special_tokens=True)
     assert r.usage.completion_tokens == len(ref)
     assert r.usage.prompt_tokens == hf_inputs(ckpt, user("compare the pictures", 2), images)["input_ids"].shape[1]
+
+
+def test_trtllm_refuses_an_mrope_decoder(built, tmp_path):
+    """A plain TensorRT-LLM causal-LM engine would rotate image tokens by 1-D positions: refused
+    before TensorRT-LLM is even needed, and the bundled recipes pick the embedded decoder."""
+    from vlmctl.errors import BackendUnavailableError
+    from vlmctl.export.trtllm import build_trtllm_engine
+    from vlmctl.recipe import load_recipe
+
+    _, _, eng = built
+    with pytest.raises(BackendUnavailableError, match="M-RoPE"):
+        build_trtllm_engine(eng / "convert" / "llm", tmp_path / "out", recipe=None, extra_config={})
+    for name in ("qwen2-vl-2b-instruct", "qwen2-vl-7b-instruct", "qwen2.5-vl-3b-instruct", "qwen2.5-vl-7b-instruct"):
+        r = load_recipe(name)
+        assert r.decoder.backend == "torch" and r.image.max_pixels == 1280 * 28 * 28

@@ -82,6 +82,12 @@ def convert_checkpoint(llm_dir: Path, ckpt_dir: Path, dtype: str) -> None:
 
 def build_trtllm_engine(llm_dir: Path, out_dir: Path, *, recipe, extra_config: dict,
                         progress: Progress | None = None) -> dict:
+    rope = json.loads((Path(llm_dir) / "config.json").read_text()).get("rope_parameters") or {}
+    if rope.get("mrope_section"):
+        # A plain causal-LM engine would apply 1-D rotary to image tokens: wrong answers, no error.
+        raise BackendUnavailableError("build-llm: this decoder uses multimodal rotary positions (M-RoPE), which "
+                                      "vlmctl's TensorRT-LLM flow (a prompt-table engine with 1-D positions) does "
+                                      "not drive; set decoder.backend: torch")
     trtllm_available(required=True)
     import importlib.metadata as md
 
