@@ -281,3 +281,23 @@ def test_awq_build_matches_transformers_on_dequantized_weights(tmp_path, capsys)
     assert not torch.equal(before, hf.model.language_model.layers[0].mlp.down_proj.weight)
     ref = hf_greedy(hf, ckpt, [user(2, "what is in this image?")], imgs)
     assert got["token_ids"] == strip_eos(ref, hf.generation_config.eos_token_id)
+
+
+def test_tensorrt_profile_counts_tiles(tmp_path):
+    """The vision engine's batch axis is tiles: its profile must cover every image at its most tiles."""
+    import json
+
+    from vlmctl.models.internvl import InternVLFamily
+    from tiny_models import make_internvl
+
+    ckpt = make_internvl(tmp_path / "ck")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    fam = InternVLFamily()
+    prof = fam.vision_profile(cfg, ckpt, {"max_batch_size": 2, "max_images_per_request": 3})
+    (lo, opt, hi) = prof["pixel_values"]
+    from vlmctl.models.internvl import _processor_max_patches
+
+    assert _processor_max_patches(ckpt) == 6  # the tiny processor's setting, not the default 12
+    per_image = fam.max_tiles(6)
+    assert lo[0] == 1 and hi[0] == 2 * 3 * per_image and lo[1:] == hi[1:]
+    assert fam.engine_image_tokens(cfg, ckpt) == fam.tokens_for_tiles(cfg, per_image)

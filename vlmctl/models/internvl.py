@@ -251,8 +251,34 @@ class InternVLFamily(VLMFamily):
         # GotOcr2 default (12), so the bound assumes it.
         return self.tokens_for_tiles(config_dict, self.max_tiles())
 
+    def engine_image_tokens(self, config_dict: dict, processor_dir: Path) -> int:
+        return self.tokens_for_tiles(config_dict, self.max_tiles(_processor_max_patches(processor_dir)))
+
+    def vision_profile(self, config_dict: dict, processor_dir: Path, limits: dict) -> dict | None:
+        """TensorRT profile: the batch axis counts tiles, up to every admitted image at its most tiles."""
+        vc = self.hf_config(config_dict).vision_config
+        h, w = _pair(vc.image_size)
+        per_image = self.max_tiles(_processor_max_patches(processor_dir))
+        hi = max(1, limits["max_batch_size"] * max(limits["max_images_per_request"], 1)) * per_image
+        rest = (vc.num_channels, h, w)
+        return {"pixel_values": ((1, *rest), (min(per_image, hi), *rest), (hi, *rest))}
+
     def load_processor(self, processor_dir: Path) -> "InternVLProcessorAdapter":
         return InternVLProcessorAdapter(self, Path(processor_dir))
+
+
+def _processor_max_patches(processor_dir: Path) -> int:
+    """The engine's max_patches from its saved image-processor settings (GotOcr2's default otherwise)."""
+    import json
+
+    for name, key in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
+        p = Path(processor_dir) / name
+        if p.exists():
+            cfg = json.loads(p.read_text())
+            cfg = cfg.get(key, {}) if key else cfg
+            if isinstance(cfg, dict) and "max_patches" in cfg:
+                return int(cfg["max_patches"])
+    return DEFAULT_MAX_PATCHES
 
 
 class InternVLProcessorAdapter(FamilyProcessor):
