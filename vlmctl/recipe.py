@@ -180,7 +180,7 @@ def _format_validation_error(origin: str, err: ValidationError) -> str:
 
 
 def find_recipe(name_or_path: str) -> Path:
-    """A path, or the name of a bundled recipe (`llava-1.5-7b` -> recipes/llava-1.5-7b.yaml)."""
+    """A path, or the name of a bundled recipe (`NAME` -> recipes/NAME.yaml)."""
     p = Path(name_or_path)
     if p.exists():
         return p
