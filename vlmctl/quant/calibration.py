@@ -3,7 +3,8 @@
 Calibration blocks are built the way AutoAWQ builds them, so both quantizers can be fed the same
 tokens: records (non-empty lines of a `.txt`, the `text` field of each `.jsonl` object, or rows of
 a dataset) are shuffled with a fixed seed, each is tokenized on its own, records longer than one
-block are skipped, and the rest are concatenated and cut into blocks of `seq_len` tokens.
+block are skipped (used only when the shorter ones do not fill the blocks asked for), and the rest
+are concatenated and cut into blocks of `seq_len` tokens.
 
 Evaluation text is different: the whole file is tokenized as one stream and cut into consecutive
 windows (the usual WikiText perplexity protocol), see `load_eval_tokens`.
@@ -116,17 +117,25 @@ def calibration_blocks(records: list[str], tokenizer, samples: int, seq_len: int
     random.Random(seed).shuffle(order)
     need = samples * seq_len
     ids: list[int] = []
+    long: list[list[int]] = []
     for i in order:
         enc = tokenizer.encode(records[i])
-        if not enc or len(enc) > seq_len:  # AutoAWQ skips records longer than one block
+        if not enc:
+            continue
+        if len(enc) > seq_len:  # AutoAWQ skips records longer than one block
+            long.append(enc)
             continue
         ids.extend(enc)
         if len(ids) >= need:
             break
+    for enc in long:  # ...unless the short ones are not enough (small data, small vocabularies)
+        if len(ids) >= need:
+            break
+        ids.extend(enc)
     n = min(samples, len(ids) // seq_len)
     if n == 0:
-        raise InputError(f"{source}: only {len(ids)} usable tokens (records up to {seq_len} tokens each); "
-                         f"need at least one block of {seq_len} (lower --calib-seq-len or give more text)")
+        raise InputError(f"{source}: only {len(ids)} tokens; need at least one block of {seq_len} "
+                         "(lower --calib-seq-len or give more text)")
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 

@@ -17,6 +17,7 @@ from typing import Callable
 
 from ..errors import CheckpointError, InputError
 from ..progress import Progress, ensure
+from ..runtime.layout import FORMAT as LAYOUT_FORMAT
 
 
 def perplexity(logits_fn: Callable, token_ids, seq_len: int, samples: int | None = None, batch_size: int = 1,
@@ -52,21 +53,28 @@ def perplexity(logits_fn: Callable, token_ids, seq_len: int, samples: int | None
 def find_decoder_dir(model: Path) -> tuple[Path, Path]:
     """(directory the decoder loads from, directory holding its tokenizer) for any accepted input.
 
-    Accepted: a Hugging Face causal-LM directory (float or AWQ GEMM), a vlmctl workspace (its llm/),
-    or an engine directory (its decoder layout, tokenizer from processor/).
+    Accepted, in this order: an engine / work directory (its build-llm/ torch layout, else
+    quantize/llm, else convert/llm), a conversion workspace or quantize output (its llm/), or a
+    Hugging Face causal-LM directory (float or AWQ GEMM).
     """
     model = Path(model)
     if not model.is_dir():
         raise InputError(f"{model}: no such model directory")
-    for sub in ("llm", "decoder"):
+    processor = model / "convert" / "processor"
+    layout = model / "build-llm" / "config.json"
+    if layout.exists() and json.loads(layout.read_text()).get("format") == LAYOUT_FORMAT:
+        return model / "build-llm", processor
+    for sub in ("quantize/llm", "convert/llm"):
         d = model / sub
         if (d / "config.json").exists():
-            tok = d if _has_tokenizer(d) else model / "processor"
-            return d, tok
+            return d, d if _has_tokenizer(d) else processor
+    if (model / "llm" / "config.json").exists():
+        d = model / "llm"
+        return d, d if _has_tokenizer(d) else model / "processor"
     if (model / "config.json").exists():
         return model, model
     raise CheckpointError(f"{model}: neither a Hugging Face causal-LM directory (config.json), a workspace (llm/) "
-                          "nor an engine directory")
+                          "nor an engine directory (build-llm/)")
 
 
 def _has_tokenizer(d: Path) -> bool:
@@ -79,7 +87,7 @@ def load_logits_fn(model: Path, dtype: str = "float32", device: str = "cpu") -> 
 
     d, tok_dir = find_decoder_dir(model)
     cfg = json.loads((d / "config.json").read_text())
-    if cfg.get("format") == "vlmctl-torch-decoder":
+    if cfg.get("format") == LAYOUT_FORMAT:
         dec = TorchDecoder.load(d, device=device, max_batch=1, max_seq=16)
         kind = "engine"
         quant = (cfg.get("decoder", {}).get("quantization") or {}).get("method", "none")
