@@ -75,6 +75,10 @@ class VLMFamily:
         """(VISION or DECODER, name inside that part) for a canonical tensor name."""
         raise NotImplementedError
 
+    def join_key(self, part: str, name: str) -> str:
+        """Inverse of `split_key`: the whole-VLM tensor name of `name` inside `part` (AWQ's VLM checkpoint)."""
+        raise NotImplementedError
+
     def text_config_dict(self, config_dict: dict) -> dict:
         """config.json of the standalone decoder (a plain HF causal LM)."""
         raise NotImplementedError

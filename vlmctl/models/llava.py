@@ -101,6 +101,15 @@ class LlavaFamily(VLMFamily):
             return DECODER, key
         raise CheckpointError(f"tensor {key!r} belongs to no known part of a LLaVA checkpoint")
 
+    def join_key(self, part: str, name: str) -> str:
+        if part == VISION and name.startswith(("vision_tower.", "multi_modal_projector.")):
+            return "model." + name
+        if part == DECODER and name.startswith("model."):
+            return "model.language_model." + name[len("model."):]
+        if part == DECODER and name.startswith("lm_head."):
+            return name
+        raise CheckpointError(f"tensor {name!r} of the {part} part has no place in a LLaVA checkpoint")
+
     def text_config_dict(self, config_dict: dict) -> dict:
         cfg = self.hf_config(config_dict)
         text = cfg.text_config.to_dict()
