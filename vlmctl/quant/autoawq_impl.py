@@ -1,0 +1,110 @@
+"""`--impl autoawq`: quantize with the `autoawq` package instead of vlmctl's own AWQ.
+
+For users who trust the original implementation. The output is the same AutoAWQ GEMM format;
+the calibration blocks are vlmctl's (the same tokens vlmctl's quantizer would see), handed to
+AutoAWQ as token lists so both implementations calibrate on identical data.
+
+AutoAWQ 0.2.9 is deprecated upstream (last tested with torch 2.6 / transformers 4.51); it imports
+`datasets` at module level even when it is handed tokens, so when `datasets` is absent a stub
+module stands in for it (its `load_dataset` raises, and is never called on this path).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+import types
+from pathlib import Path
+
+from ..errors import BackendUnavailableError, CheckpointError
+from ..progress import Progress, ensure
+
+TESTED_VERSION = "0.2.9"
+
+
+def _stub_datasets() -> None:
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        mod = types.ModuleType("datasets")
+
+        def load_dataset(*args, **kwargs):
+            raise BackendUnavailableError("AutoAWQ asked for a Hugging Face dataset but `datasets` is not installed")
+
+        mod.load_dataset = load_dataset
+        sys.modules["datasets"] = mod
+
+
+def import_autoawq():
+    """The `awq` module, or a BackendUnavailableError saying how to get it."""
+    _stub_datasets()
+    try:
+        import awq
+        from awq import AutoAWQForCausalLM  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailableError(f"--impl autoawq needs the `autoawq` package ({e}); "
+                                      f"pip install 'vlmctl[autoawq]' (autoawq=={TESTED_VERSION})") from None
+    return awq
+
+
+def autoawq_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("autoawq")
+    except Exception:
+        return None
+
+
+def quantize_with_autoawq(src_dir: Path, out_dir: Path, settings, base_dir: Path | None = None,
+                          progress: Progress | None = None, *, calib_ids=None, dtype: str = "float16") -> dict:
+    """Run AutoAWQ on the plain causal LM in `src_dir`; write its GEMM checkpoint to `out_dir`.
+
+    `dtype` is the dtype AutoAWQ loads the model in (its default, float16).
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    from .awq import copy_side_files
+    from .calibration import load_calibration
+
+    progress = ensure(progress)
+    t0 = time.perf_counter()
+    import_autoawq()
+    from awq import AutoAWQForCausalLM
+
+    src_dir, out_dir = Path(src_dir), Path(out_dir)
+    base_dir = Path(base_dir) if base_dir is not None else Path.cwd()
+    cfg = json.loads((src_dir / "config.json").read_text())
+    if cfg.get("quantization_config"):
+        raise CheckpointError(f"{src_dir}: already quantized; give a float checkpoint")
+    tokenizer = AutoTokenizer.from_pretrained(str(src_dir))
+    cal = settings.calibration
+    tokens = calib_ids if calib_ids is not None else load_calibration(cal.data, tokenizer, cal.samples, cal.seq_len,
+                                                                     base_dir)
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    task = progress.task("awq (AutoAWQ): quantizing", total=None)
+    model = AutoAWQForCausalLM.from_pretrained(str(src_dir), torch_dtype=getattr(torch, dtype), device_map=None)
+    quant_config = {"zero_point": True, "q_group_size": settings.group_size, "w_bit": settings.bits, "version": "GEMM"}
+    model.quantize(tokenizer, quant_config=quant_config, calib_data=tokens.tolist(),
+                   max_calib_samples=tokens.shape[0], max_calib_seq_len=tokens.shape[1],
+                   duo_scaling=settings.duo_scaling)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_quantized(str(out_dir))
+    task.done()
+    copy_side_files(src_dir, out_dir) if not (out_dir / "tokenizer_config.json").exists() else None
+    saved = json.loads((out_dir / "config.json").read_text())
+    q = saved.get("quantization_config") or {}
+    if q.get("quant_method") != "awq" or str(q.get("version", "")).lower() != "gemm":
+        raise CheckpointError(f"{out_dir}: AutoAWQ wrote an unexpected quantization_config {q}")
+    return {
+        "backend": "autoawq", "backend_version": autoawq_version(),
+        "method": "awq", "impl": "autoawq", "bits": settings.bits, "group_size": settings.group_size,
+        "zero_point": True, "duo_scaling": settings.duo_scaling, "autoawq_dtype": dtype,
+        "calibration": {"data": cal.data if calib_ids is None else "(given tokens)", "samples": int(tokens.shape[0]),
+                        "seq_len": int(tokens.shape[1])},
+        "wall_s": round(time.perf_counter() - t0, 2),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+    }
