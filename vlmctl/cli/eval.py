@@ -1,0 +1,41 @@
+"""`vlmctl eval ppl MODEL --data FILE`: perplexity of a float or AWQ decoder, a workspace or an engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .common import JsonOption, console, out, print_json, progress_for
+
+eval_app = typer.Typer(no_args_is_help=True, help="Evaluate a model.")
+
+
+@eval_app.command("ppl", help="Perplexity over consecutive windows of a text file (WikiText protocol).")
+def ppl_command(
+    model: Path = typer.Argument(..., help="HF causal-LM directory (float or AWQ), a workspace, or an engine directory"),
+    data: str = typer.Option(..., "--data", help=".txt or .jsonl file (or a datasets NAME:CONFIG@SPLIT, config and split optional)"),
+    seq_len: int = typer.Option(512, "--seq-len", min=2, help="Tokens per window"),
+    samples: int = typer.Option(None, "--samples", min=1, help="Windows to score (default: all)"),
+    dtype: str = typer.Option("float32", "--dtype", help="Compute dtype for HF directories"),
+    device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
+    json_: bool = JsonOption,
+):
+    from ..errors import InputError
+    from ..quant.perplexity import evaluate_perplexity
+
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise InputError(f"--dtype {dtype!r}: expected float32, float16 or bfloat16")
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    with progress_for(json_) as progress:
+        res = evaluate_perplexity(model, data, seq_len=seq_len, samples=samples, dtype=dtype, device=device,
+                                  base_dir=Path.cwd(), progress=progress)
+    if json_:
+        print_json(res)
+    else:
+        out.print(f"perplexity: {res['perplexity']:.4f}")
+        console.print(f"  {res['samples']} windows × {res['seq_len']} tokens of {data}; decoder {res['decoder_dir']} "
+                      f"({res['quantization']})")

@@ -1,0 +1,118 @@
+"""`vlmctl quantize --awq SRC`: AWQ 4-bit quantization of the language part only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .common import JsonOption, SetOption, console, print_json, progress_for, render_stage
+
+
+def quantize_command(
+    source: Path = typer.Argument(..., help="A work directory (vlmctl convert/build), a conversion workspace, a HF "
+                                            "VLM checkpoint, or a plain HF Llama-family causal LM directory"),
+    output: Path = typer.Option(None, "-o", "--output",
+                                help="Output directory (not used for a work directory: it gets quantize/)"),
+    awq: bool = typer.Option(True, "--awq", help="AWQ 4-bit weights, group-wise with zero points (the only method)"),
+    group_size: int = typer.Option(None, "--group-size", help="Input channels per quantization group (default 128)"),
+    calib_data: str = typer.Option(None, "--calib-data",
+                                   help=".txt or .jsonl file, or a Hugging Face dataset NAME:CONFIG@SPLIT "
+                                        "(config and split optional; needs `datasets`); default: a small built-in text"),
+    calib_samples: int = typer.Option(None, "--calib-samples", help="Calibration blocks (default 128)"),
+    calib_seq_len: int = typer.Option(None, "--calib-seq-len", help="Tokens per calibration block (default 512)"),
+    duo_scaling: bool = typer.Option(None, "--duo-scaling/--no-duo-scaling",
+                                     help="AutoAWQ's scale formula with a weight term (default off)"),
+    impl: str = typer.Option(None, "--impl", help="vlmctl (default) or autoawq (needs the `autoawq` package)"),
+    dtype: str = typer.Option(None, "--dtype", help="Float dtype for a VLM checkpoint's conversion (default float16)"),
+    overrides: list[str] = SetOption,
+    force: bool = typer.Option(False, "--force", help="Re-run (work directory) or replace an existing OUTPUT"),
+    json_: bool = JsonOption,
+):
+    from ..errors import InputError
+
+    sets = ["quantization.method=awq"]
+    for key, value in (("group_size", group_size), ("duo_scaling", duo_scaling), ("impl", impl),
+                       ("calibration.samples", calib_samples), ("calibration.seq_len", calib_seq_len)):
+        if value is not None:
+            sets.append(f"quantization.{key}={str(value).lower() if isinstance(value, bool) else value}")
+    if calib_data is not None:
+        sets.append(f"quantization.calibration.data={calib_data}")
+    sets += list(overrides or [])
+    if dtype:
+        sets.append(f"dtype={dtype}")
+
+    if (source / "recipe.json").exists():  # a work directory: run the pipeline stage (cached, manifest)
+        from ..pipeline import load_workdir_recipe, save_recipe, stage_quantize
+
+        if output is not None:
+            raise InputError(f"{source} is a work directory: its output goes to {source / 'quantize'} (drop -o)")
+        recipe = load_workdir_recipe(source, sets)
+        save_recipe(source, recipe)
+        with progress_for(json_) as progress:
+            res = stage_quantize(recipe, source, force=force, progress=progress)
+        if json_:
+            print_json(res.to_json())
+        else:
+            render_stage(res)
+            _render_summary(res.info)
+        return
+
+    if output is None:
+        raise InputError("-o/--output is required unless SOURCE is a work directory")
+    from ..recipe import recipe_from_source
+
+    recipe = recipe_from_source(str(source), sets)
+    with progress_for(json_) as progress:
+        summary = quantize_to(source, output, recipe, force=force, progress=progress)
+    if json_:
+        print_json(summary)
+    else:
+        console.print(f"[green]✓[/green] quantize: wrote {output}")
+        _render_summary(summary)
+
+
+def quantize_to(source: Path, output: Path, recipe, *, force: bool = False, progress=None) -> dict:
+    """Quantize into a temporary sibling of `output`, renamed into place only on success."""
+    import os
+    import shutil
+
+    from ..errors import InputError
+    from ..quant.awq import quantize_path
+
+    output = Path(output)
+    if output.exists() and not force:
+        raise InputError(f"{output} already exists (use --force to replace it)")
+    if output.resolve() == Path(source).resolve():
+        raise InputError("the output directory must differ from the source")
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        summary = quantize_path(source, tmp, recipe.quantization, Path(recipe.base_dir), progress, dtype=recipe.dtype)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if output.exists():
+        shutil.rmtree(output)
+    tmp.rename(output)
+    summary["output"] = str(output)
+    return summary
+
+
+def _render_summary(info: dict) -> None:
+    if not info:
+        return
+    parts = []
+    if "layers" in info:
+        parts.append(f"{info['layers']} layers")
+    if "group_size" in info:
+        parts.append(f"group size {info['group_size']}")
+    cal = info.get("calibration") or {}
+    if cal:
+        parts.append(f"calibration {cal.get('samples')}×{cal.get('seq_len')} tokens")
+    if "wall_s" in info:
+        parts.append(f"{info['wall_s']:.1f} s")
+    if "peak_rss_mib" in info:
+        parts.append(f"peak RSS {info['peak_rss_mib']:.0f} MiB")
+    console.print("  " + ", ".join(parts))
