@@ -4,9 +4,17 @@ For users who trust the original implementation. The output is the same AutoAWQ 
 the calibration blocks are vlmctl's (the same tokens vlmctl's quantizer would see), handed to
 AutoAWQ as token lists so both implementations calibrate on identical data.
 
-AutoAWQ 0.2.9 is deprecated upstream (last tested with torch 2.6 / transformers 4.51); it imports
-`datasets` at module level even when it is handed tokens, so when `datasets` is absent a stub
-module stands in for it (its `load_dataset` raises, and is never called on this path).
+AutoAWQ 0.2.9 is deprecated upstream (last tested with torch 2.6 / transformers 4.51). Two things
+are worked around here, both without changing its algorithm:
+- it imports `datasets` at module level even when handed tokens; when `datasets` is absent a stub
+  module stands in (its `load_dataset` raises, and is never called on this path);
+- on the CPU its scale search corrupts the weights: `_compute_best_scale` backs the block's
+  weights up with `{k: v.cpu() ...}`, which on a CPU tensor is the tensor itself, and then scales
+  the weights in place. With `duo_scaling` (its default) the first candidate scale is not all
+  ones, so every candidate is evaluated on, and the layer is left with, weights multiplied by
+  that first scale: the quantized model is broken (perplexity > 1e5 on SmolLM2-135M). On a GPU
+  `.cpu()` copies and the bug does not show. `quantize_with_autoawq` passes AutoAWQ a quantizer
+  subclass (its `quantizer_cls` extension point) whose backup is a real copy.
 """
 
 from __future__ import annotations
@@ -39,14 +47,35 @@ def _stub_datasets() -> None:
 
 def import_autoawq():
     """The `awq` module, or a BackendUnavailableError saying how to get it."""
+    import warnings
+
     _stub_datasets()
     try:
-        import awq
-        from awq import AutoAWQForCausalLM  # noqa: F401
+        with warnings.catch_warnings():  # its import prints a long deprecation notice
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import awq
+            from awq import AutoAWQForCausalLM  # noqa: F401
     except ImportError as e:
         raise BackendUnavailableError(f"--impl autoawq needs the `autoawq` package ({e}); "
                                       f"pip install 'vlmctl[autoawq]' (autoawq=={TESTED_VERSION})") from None
     return awq
+
+
+def fixed_quantizer_cls():
+    """AutoAWQ's AwqQuantizer with the CPU weight-backup aliasing fixed (see the module docstring)."""
+    from awq.quantize.quantizer import AwqQuantizer
+
+    class CopyingBackupQuantizer(AwqQuantizer):
+        def _compute_best_scale(self, x, w_mean, x_mean, module2inspect, linears2scale, fp16_output, kwargs={}):
+            live = module2inspect.state_dict
+            module2inspect.state_dict = lambda *a, **k: {n: t.clone() for n, t in live(*a, **k).items()}
+            try:
+                return super()._compute_best_scale(x, w_mean, x_mean, module2inspect, linears2scale, fp16_output,
+                                                   kwargs)
+            finally:
+                del module2inspect.state_dict
+
+    return CopyingBackupQuantizer
 
 
 def autoawq_version() -> str | None:
@@ -59,10 +88,12 @@ def autoawq_version() -> str | None:
 
 
 def quantize_with_autoawq(src_dir: Path, out_dir: Path, settings, base_dir: Path | None = None,
-                          progress: Progress | None = None, *, calib_ids=None, dtype: str = "float16") -> dict:
+                          progress: Progress | None = None, *, calib_ids=None, dtype: str = "float16",
+                          fix_cpu_backup: bool = True) -> dict:
     """Run AutoAWQ on the plain causal LM in `src_dir`; write its GEMM checkpoint to `out_dir`.
 
-    `dtype` is the dtype AutoAWQ loads the model in (its default, float16).
+    `dtype` is the dtype AutoAWQ loads the model in (its default, float16). `fix_cpu_backup=False`
+    runs AutoAWQ's own quantizer unpatched (to reproduce its CPU behaviour).
     """
     import torch
     from transformers import AutoTokenizer
@@ -90,7 +121,8 @@ def quantize_with_autoawq(src_dir: Path, out_dir: Path, settings, base_dir: Path
     quant_config = {"zero_point": True, "q_group_size": settings.group_size, "w_bit": settings.bits, "version": "GEMM"}
     model.quantize(tokenizer, quant_config=quant_config, calib_data=tokens.tolist(),
                    max_calib_samples=tokens.shape[0], max_calib_seq_len=tokens.shape[1],
-                   duo_scaling=settings.duo_scaling)
+                   duo_scaling=settings.duo_scaling,
+                   **({"quantizer_cls": fixed_quantizer_cls()} if fix_cpu_backup else {}))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_quantized(str(out_dir))
     task.done()
@@ -103,6 +135,7 @@ def quantize_with_autoawq(src_dir: Path, out_dir: Path, settings, base_dir: Path
         "backend": "autoawq", "backend_version": autoawq_version(),
         "method": "awq", "impl": "autoawq", "bits": settings.bits, "group_size": settings.group_size,
         "zero_point": True, "duo_scaling": settings.duo_scaling, "autoawq_dtype": dtype,
+        "autoawq_cpu_backup_fix": fix_cpu_backup,
         "calibration": {"data": cal.data if calib_ids is None else "(given tokens)", "samples": int(tokens.shape[0]),
                         "seq_len": int(tokens.shape[1])},
         "wall_s": round(time.perf_counter() - t0, 2),
