@@ -1,114 +1,268 @@
 """TensorRT-LLM decoder engine with prompt tuning (TensorRT-LLM 1.2.x, legacy engine flow).
 
-The flow is TensorRT-LLM's own: a TensorRT-LLM checkpoint from the HF decoder directory
-(float, or the AWQ GEMM checkpoint as W4A16_AWQ), then `trtllm-build` with
-`--max_prompt_embedding_table_size` so image features enter through the prompt table, exactly
-as the embedded runtime does. The engine flow is removed after 1.2, hence the version check.
-None of this has run on vlmctl's CI machines (TensorRT-LLM is not installable there); the
-commands are tested up to the call.
+The flow is TensorRT-LLM's own: a TensorRT-LLM checkpoint from the HF decoder directory through
+the model class's `from_hugging_face`, then `trtllm-build` with `--max_prompt_embedding_table_size`
+so image features enter through the prompt table, exactly as the embedded runtime does. The
+engine flow is removed after 1.2, hence the version check.
+
+What this module is not: a dequantize/requantize path. TensorRT-LLM reads an AutoAWQ GEMM
+checkpoint itself (QuantAlgo.W4A16_GPTQ with zero points, `use_autoawq=True` so its loader
+unpacks AutoAWQ's column order), so vlmctl's AWQ checkpoint goes in unchanged.
+
+TensorRT-LLM 1.2 pins transformers 4.57 and vlmctl needs transformers 5, so the two usually live
+in different Python environments. Conversion and `trtllm-build` therefore run as subprocesses of
+the TensorRT-LLM interpreter (`VLMCTL_TRTLLM_PYTHON`, default: this one). None of this has run on
+vlmctl's CI machines (TensorRT-LLM is not installable there); it is tested up to the call.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from ..errors import BackendUnavailableError, StageError
 from ..progress import Progress, ensure
 
 SUPPORTED = ((1, 2),)
+PYTHON_ENV = "VLMCTL_TRTLLM_PYTHON"
+ENGINE_FORMAT = "tensorrt-llm"
+# The largest context batch the engine schedules at once; TensorRT-LLM warns above 16384.
+MAX_NUM_TOKENS_CAP = 8192
+# TensorRT-LLM's weight-only groupwise GEMM (fpA_intB) kernels take these AWQ/GPTQ group sizes.
+AWQ_GROUP_SIZES = (64, 128)
+# LLaMAForCausalLM.from_hugging_face picks its weight-name mapping from substrings of the *path*
+# it is given (a directory named ".../llava-1.5-7b/..." is read as a whole LLaVA checkpoint).
+_PATH_WORDS_TRTLLM_READS = ("llava", "vila", "exaone")
+
+
+# ---- which TensorRT-LLM ---------------------------------------------------------------------
+def trtllm_python() -> str:
+    """The interpreter that has tensorrt_llm: $VLMCTL_TRTLLM_PYTHON, else this one."""
+    return os.environ.get(PYTHON_ENV) or sys.executable
+
+
+def trtllm_version(python: str | None = None) -> str | None:
+    """tensorrt_llm's installed version in `python` (None when it is not installed there)."""
+    python = python or trtllm_python()
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        try:
+            import importlib.metadata as md
+
+            return md.version("tensorrt_llm")
+        except Exception:
+            return None
+    try:
+        proc = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('tensorrt_llm'))"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return None
+    return proc.stdout.strip() or None
 
 
 def trtllm_available(required: bool = False) -> bool:
-    try:
-        import importlib.metadata as md
-
-        version = md.version("tensorrt_llm")
-    except Exception:
+    python = trtllm_python()
+    version = trtllm_version(python)
+    where = f"{python} (set {PYTHON_ENV} to another interpreter)" if os.environ.get(PYTHON_ENV) else \
+        f"this Python ({python}); TensorRT-LLM 1.2 pins transformers 4.57, so it usually lives in its own " \
+        f"environment: point {PYTHON_ENV} at that interpreter"
+    if version is None:
         if required:
-            raise BackendUnavailableError("decoder.backend is trtllm but tensorrt_llm is not installed "
-                                          "(pip install 'vlmctl[trtllm]' on a machine with NVIDIA's index)") from None
+            raise BackendUnavailableError(f"decoder.backend is trtllm but tensorrt_llm is not installed in {where}")
         return False
     major_minor = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
     if major_minor not in SUPPORTED:
         if required:
-            raise BackendUnavailableError(f"tensorrt_llm {version} is not supported: the engine flow "
-                                          "(convert_checkpoint -> trtllm-build -> ModelRunner) needs 1.2.x")
+            raise BackendUnavailableError(f"tensorrt_llm {version} in {python} is not supported: the engine flow "
+                                          "(checkpoint -> trtllm-build -> executor) needs 1.2.x")
         return False
     return True
 
 
-def trtllm_build_command(checkpoint_dir: Path, engine_dir: Path, *, max_batch_size: int, max_input_len: int,
-                         max_seq_len: int, prompt_table_size: int) -> list[str]:
-    """The exact `trtllm-build` command line for a decoder that takes image features via prompt tuning."""
-    cmd = ["trtllm-build", "--checkpoint_dir", str(checkpoint_dir), "--output_dir", str(engine_dir),
-           "--max_batch_size", str(max_batch_size), "--max_input_len", str(max_input_len),
-           "--max_seq_len", str(max_seq_len), "--max_num_tokens", str(max_batch_size * max_input_len),
-           "--max_prompt_embedding_table_size", str(prompt_table_size),
-           "--gemm_plugin", "auto", "--gpt_attention_plugin", "auto",
-           "--remove_input_padding", "enable", "--paged_kv_cache", "enable"]
-    # Quantization (W4A16 AWQ) travels in the checkpoint's config.json; trtllm-build reads it there.
-    return cmd
+def trtllm_build_executable(python: str | None = None) -> str:
+    """`trtllm-build` of the TensorRT-LLM environment (next to its interpreter), else from PATH."""
+    python = python or trtllm_python()
+    beside = Path(python).parent / "trtllm-build"
+    if os.environ.get(PYTHON_ENV) and beside.exists():
+        return str(beside)
+    return shutil.which("trtllm-build") or "trtllm-build"
 
 
-def quant_config_for(llm_dir: Path) -> dict | None:
-    """TensorRT-LLM QuantConfig fields for an AutoAWQ GEMM checkpoint (W4A16 AWQ), else None."""
-    cfg = json.loads((Path(llm_dir) / "config.json").read_text())
-    q = cfg.get("quantization_config")
+# ---- the checkpoint -------------------------------------------------------------------------
+def quant_config_for(llm_config: dict) -> dict | None:
+    """TensorRT-LLM QuantConfig fields for an AutoAWQ GEMM decoder config, else None (float).
+
+    TensorRT-LLM's own reading of `quant_method: awq` (examples/models/core/llama/convert_checkpoint.py,
+    `update_quant_config_from_hf`): W4A16_GPTQ with the checkpoint's group size and zero points,
+    plus `use_autoawq=True` for `from_hugging_face` (see `from_hf_kwargs`). W4A16_AWQ would be wrong
+    here: that is ModelOpt's format (pre-quant scales, symmetric int4)."""
+    q = llm_config.get("quantization_config")
     if not q:
         return None
-    return {"quant_algo": "W4A16_AWQ", "group_size": int(q.get("group_size", 128)),
-            "has_zero_point": bool(q.get("zero_point", True)), "pre_quant_scale": False}
+    if q.get("quant_method") != "awq" or int(q.get("bits", 4)) != 4 or str(q.get("version", "gemm")).lower() != "gemm":
+        raise StageError(f"build-llm: TensorRT-LLM reads 4-bit AutoAWQ GEMM checkpoints only (got quant_method "
+                         f"{q.get('quant_method')!r}, bits {q.get('bits')}, version {q.get('version')!r})")
+    group = int(q.get("group_size", 128))
+    if group not in AWQ_GROUP_SIZES:
+        raise StageError(f"build-llm: AWQ group size {group} has no TensorRT-LLM weight-only kernel (it takes "
+                         f"{' or '.join(map(str, AWQ_GROUP_SIZES))}); set quantization.group_size or decoder.backend: torch")
+    if not q.get("zero_point", True):
+        raise StageError("build-llm: TensorRT-LLM's AutoAWQ loader expects zero points (quantization.zero_point: true)")
+    return {"quant_algo": "W4A16_GPTQ", "group_size": group, "has_zero_point": True, "pre_quant_scale": False}
 
 
-def convert_checkpoint(llm_dir: Path, ckpt_dir: Path, dtype: str) -> None:
-    """HF decoder -> TensorRT-LLM checkpoint through the library's `from_hugging_face`."""
-    import tensorrt_llm  # noqa: F401
-    from tensorrt_llm.models import AutoModelForCausalLM
-    from tensorrt_llm.models.modeling_utils import QuantConfig
-    from tensorrt_llm.quantization import QuantAlgo
+def from_hf_kwargs(llm_config: dict) -> dict:
+    """Extra keyword arguments for `<Model>.from_hugging_face` (AutoAWQ's packing order)."""
+    return {"use_autoawq": True} if llm_config.get("quantization_config") else {}
 
-    qc = quant_config_for(llm_dir)
-    quant = QuantConfig()
-    if qc:
-        quant = QuantConfig(quant_algo=QuantAlgo.W4A16_AWQ, group_size=qc["group_size"],
-                            has_zero_point=qc["has_zero_point"])
-    model = AutoModelForCausalLM.from_hugging_face(str(llm_dir), dtype=dtype, quant_config=quant)
-    model.save_checkpoint(str(ckpt_dir), save_config=True)
+
+def hf_config_for_trtllm(text_cfg: dict) -> dict:
+    """The decoder's config.json as TensorRT-LLM 1.2's transformers (4.57) reads it.
+
+    transformers 5 writes rotary settings as `rope_parameters`; 4.57 reads `rope_theta` and
+    `rope_scaling` and would silently fall back to theta 10000 without them."""
+    from ..models.decoders import decoder_family
+
+    cfg = dict(text_cfg)
+    rope = cfg.pop("rope_parameters", None)
+    if isinstance(rope, dict):
+        rope = dict(rope)
+        if "rope_theta" in rope:
+            cfg.setdefault("rope_theta", rope.pop("rope_theta"))
+        if rope.get("rope_type", "default") != "default":
+            cfg.setdefault("rope_scaling", {**rope, "type": rope["rope_type"]})
+    cfg["architectures"] = [decoder_family(cfg.get("model_type", "")).causal_lm_class]
+    if "dtype" in cfg:
+        cfg.setdefault("torch_dtype", cfg.pop("dtype"))
+    return cfg
+
+
+def stage_input_dir(llm_dir: Path, dest: Path) -> Path:
+    """`dest`: the decoder directory as TensorRT-LLM reads it (rewritten config.json, every other
+    file linked). The path is checked because TensorRT-LLM keys its weight mapping off it."""
+    dest = Path(dest)
+    bad = [w for w in _PATH_WORDS_TRTLLM_READS if w in str(dest).lower()]
+    if bad:
+        raise StageError(f"build-llm: the staging path {dest} contains {bad[0]!r}, which TensorRT-LLM's "
+                         "from_hugging_face reads as a model name; set TMPDIR to a neutral directory")
+    dest.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((Path(llm_dir) / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps(hf_config_for_trtllm(cfg), indent=2))
+    for p in Path(llm_dir).iterdir():
+        if p.name != "config.json" and p.is_file():
+            os.symlink(p.resolve(), dest / p.name)
+    return dest
+
+
+# Runs in the TensorRT-LLM interpreter (stdlib + tensorrt_llm only); argv[1] is the JSON spec.
+CONVERT_SCRIPT = """\
+import json, sys
+spec = json.loads(sys.argv[1])
+from tensorrt_llm.models import MODEL_MAP
+from tensorrt_llm.models.modeling_utils import QuantConfig
+from tensorrt_llm.quantization import QuantAlgo
+with open(spec["hf_dir"] + "/config.json") as f:
+    arch = json.load(f)["architectures"][0]
+if arch not in MODEL_MAP:
+    sys.exit(f"TensorRT-LLM has no model class for {arch}")
+q = spec["quant"]
+quant = QuantConfig() if q is None else QuantConfig(
+    quant_algo=QuantAlgo[q["quant_algo"]], group_size=q["group_size"],
+    has_zero_point=q["has_zero_point"], pre_quant_scale=q["pre_quant_scale"])
+model = MODEL_MAP[arch].from_hugging_face(spec["hf_dir"], dtype=spec["dtype"], quant_config=quant,
+                                          **spec["hf_kwargs"])
+model.save_checkpoint(spec["out_dir"], save_config=True)
+"""
+
+
+def convert_command(hf_dir: Path, ckpt_dir: Path, dtype: str, llm_config: dict, python: str | None = None) -> list[str]:
+    """HF decoder -> TensorRT-LLM checkpoint, as a command for the TensorRT-LLM interpreter."""
+    spec = {"hf_dir": str(hf_dir), "out_dir": str(ckpt_dir), "dtype": dtype, "quant": quant_config_for(llm_config),
+            "hf_kwargs": from_hf_kwargs(llm_config)}
+    return [python or trtllm_python(), "-c", CONVERT_SCRIPT, json.dumps(spec)]
+
+
+# ---- the engine -----------------------------------------------------------------------------
+def max_num_tokens(max_batch_size: int, max_input_len: int) -> int:
+    """Tokens one engine step may carry. Without chunked context a whole prompt must fit, so
+    never below max_input_len; otherwise a batch of full prompts, capped where TensorRT-LLM
+    expects no further gain."""
+    return max(max_input_len, min(max_batch_size * max_input_len, MAX_NUM_TOKENS_CAP))
+
+
+def trtllm_build_command(checkpoint_dir: Path, engine_dir: Path, *, max_batch_size: int, max_input_len: int,
+                         max_seq_len: int, prompt_table_size: int, executable: str = "trtllm-build") -> list[str]:
+    """The exact `trtllm-build` command line for a decoder that takes image features via prompt tuning.
+
+    In-flight batching needs the GPT attention plugin, packed inputs and a paged KV cache
+    (`--kv_cache_type paged`; `--paged_kv_cache` is deprecated in 1.x). `--max_prompt_embedding_table_size`
+    (alias `--max_multimodal_len`) bounds the prompt-table rows of a whole batch. Quantization
+    (W4A16 groupwise) travels in the checkpoint's config.json; trtllm-build reads it there."""
+    return [executable, "--checkpoint_dir", str(checkpoint_dir), "--output_dir", str(engine_dir),
+            "--max_batch_size", str(max_batch_size), "--max_input_len", str(max_input_len),
+            "--max_seq_len", str(max_seq_len), "--max_num_tokens", str(max_num_tokens(max_batch_size, max_input_len)),
+            "--max_prompt_embedding_table_size", str(prompt_table_size),
+            "--gpt_attention_plugin", "auto", "--gemm_plugin", "auto",
+            "--remove_input_padding", "enable", "--kv_cache_type", "paged"]
+
+
+def _run(cmd: list[str], what: str) -> None:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise BackendUnavailableError(f"build-llm: cannot run {cmd[0]} ({e})") from None
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise StageError(f"build-llm: {what} failed: " + " | ".join(tail))
 
 
 def build_trtllm_engine(llm_dir: Path, out_dir: Path, *, recipe, extra_config: dict,
                         progress: Progress | None = None) -> dict:
-    rope = json.loads((Path(llm_dir) / "config.json").read_text()).get("rope_parameters") or {}
+    llm_dir, out_dir = Path(llm_dir), Path(out_dir)
+    llm_config = json.loads((llm_dir / "config.json").read_text())
+    rope = llm_config.get("rope_parameters") or {}
     if rope.get("mrope_section"):
         # A plain causal-LM engine would apply 1-D rotary to image tokens: wrong answers, no error.
         raise BackendUnavailableError("build-llm: this decoder uses multimodal rotary positions (M-RoPE), which "
                                       "vlmctl's TensorRT-LLM flow (a prompt-table engine with 1-D positions) does "
                                       "not drive; set decoder.backend: torch")
+    quant = quant_config_for(llm_config)
+    if quant is not None and recipe.dtype not in ("float16", "bfloat16"):
+        raise StageError(f"build-llm: TensorRT-LLM's int4 weight-only kernels run float16 or bfloat16 activations, "
+                         f"not {recipe.dtype}; use a float16/bfloat16 profile or decoder.backend: torch")
     trtllm_available(required=True)
-    import importlib.metadata as md
-
+    python = trtllm_python()
     progress = ensure(progress)
-    out_dir = Path(out_dir)
     ckpt = out_dir / "trtllm-checkpoint"
-    task = progress.task("build-llm: TensorRT-LLM checkpoint", total=None)
-    convert_checkpoint(llm_dir, ckpt, recipe.dtype)
-    task.done()
     lim = recipe.limits
-    cmd = trtllm_build_command(ckpt, out_dir / "engine", max_batch_size=lim.max_batch_size,
-                               max_input_len=lim.max_input_len, max_seq_len=lim.max_input_len + lim.max_output_len,
-                               prompt_table_size=extra_config["prompt_table_size"])
+    build_cmd = trtllm_build_command(ckpt, out_dir / "engine", max_batch_size=lim.max_batch_size,
+                                     max_input_len=lim.max_input_len,
+                                     max_seq_len=lim.max_input_len + lim.max_output_len,
+                                     prompt_table_size=extra_config["prompt_table_size"],
+                                     executable=trtllm_build_executable(python))
+    with tempfile.TemporaryDirectory(prefix="vlmctl-trtllm-") as tmp:
+        hf_dir = stage_input_dir(llm_dir, Path(tmp) / "decoder")
+        convert_cmd = convert_command(hf_dir, ckpt, recipe.dtype, llm_config, python)
+        task = progress.task("build-llm: TensorRT-LLM checkpoint", total=None)
+        _run(convert_cmd, "TensorRT-LLM checkpoint conversion")
+        task.done()
     task = progress.task("build-llm: trtllm-build", total=None)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    _run(build_cmd, "trtllm-build")
     task.done()
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        raise StageError("build-llm: trtllm-build failed: " + " | ".join(tail))
     shutil.rmtree(ckpt, ignore_errors=True)
-    (out_dir / "config.json").write_text(json.dumps({"format": "tensorrt-llm", "engine": "engine",
-                                                     "dtype": recipe.dtype, **extra_config}, indent=2))
-    return {"backend": "trtllm", "backend_version": f"tensorrt_llm {md.version('tensorrt_llm')}",
-            "command": " ".join(cmd), "python": sys.executable}
+    eos = extra_config.get("eos_token_ids") or []
+    pad = llm_config.get("pad_token_id")
+    (out_dir / "config.json").write_text(json.dumps({
+        "format": ENGINE_FORMAT, "format_version": 1, "engine": "engine", "dtype": recipe.dtype,
+        "vocab_size": int(llm_config["vocab_size"]), "quantization": quant,
+        "end_id": eos[0] if eos else None, "pad_id": pad if pad is not None else (eos[0] if eos else None),
+        **extra_config}, indent=2))
+    return {"backend": "trtllm", "backend_version": f"tensorrt_llm {trtllm_version(python)}",
+            "python": python, "convert_command": " ".join(convert_cmd[:2] + ["<CONVERT_SCRIPT>", convert_cmd[3]]),
+            "command": " ".join(build_cmd)}
