@@ -5,6 +5,11 @@ vision runner together, with features cached by image content hash), prefills th
 advances every running request by one token in a single batched decode. Requests join and
 leave between steps. `generate()` drives steps for an offline batch; the server runs steps in a
 background thread. A single chat is a batch of one.
+
+When build-llm made a TensorRT-LLM engine, the decoder is `TrtllmDecoder`, which batches and
+samples itself (`external_batching`): a step then hands admitted prompts to it and turns the
+tokens it streams back into the same events. Tokenization, vision, stop rules and text
+detokenization stay here for both backends.
 """
 
 from __future__ import annotations
@@ -101,10 +106,18 @@ class Engine:
         if max_batch_size:
             self.limits["max_batch_size"] = max_batch_size
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if self.config.get("backend", "torch") != "torch":
-            raise EngineError(f"{engine_dir}: decoder backend {self.config.get('backend')!r} is run by its own runtime")
-        self.decoder = TorchDecoder.load(engine_dir / "build-llm", device=self.device,
-                                         max_batch=self.limits["max_batch_size"])
+        backend = self.config.get("backend", "torch")
+        if backend == "trtllm":
+            from .trtllm_decoder import TrtllmDecoder
+
+            self.decoder = TrtllmDecoder.load(engine_dir / "build-llm", max_batch=self.limits["max_batch_size"])
+        elif backend == "torch":
+            self.decoder = TorchDecoder.load(engine_dir / "build-llm", device=self.device,
+                                             max_batch=self.limits["max_batch_size"])
+        else:
+            raise EngineError(f"{engine_dir}: unknown decoder backend {backend!r} in build-llm/config.json")
+        # TensorRT-LLM schedules, batches and samples itself; the torch decoder is stepped from here.
+        self._external = bool(getattr(self.decoder, "external_batching", False))
         vision_manifest = json.loads((engine_dir / "build-vision" / "manifest.json").read_text())
         self.vision_backend = vision_manifest.get("backend", "onnxruntime")
         self.vision = load_vision_runner(engine_dir, self.family, self.vision_backend, self.config["dtype"], self.device)
@@ -148,8 +161,10 @@ class Engine:
     def submit(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None) -> Request:
         params.validate()
         self.check_limits(prompt, params)
+        if self._external:
+            self.decoder.check_params(params)
         req = Request(id=request_id or f"req-{next(self._ids)}", prompt=prompt, params=params,
-                      generator=make_generator(params.seed, self.device))
+                      generator=None if self._external else make_generator(params.seed, self.device))
         with self._lock:
             self._waiting.append(req)
         return req
@@ -192,6 +207,11 @@ class Engine:
             return events
         self.steps += 1
 
+        if self._external:
+            if admitted:
+                self._encode_images(admitted)
+            return events + self._step_external(admitted)
+
         logits_rows, reqs = [], []
         if admitted:
             self._encode_images(admitted)
@@ -218,6 +238,40 @@ class Engine:
                 k = req.params.logprobs
                 tl = list(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist()))
             events.append(self._append_token(req, toks_list[i], lp, tl, now))
+        return events
+
+    def _step_external(self, admitted: list[Request]) -> list[StepEvent]:
+        """Submit the admitted prompts to the decoder, then turn what it streamed back into events."""
+        for req in admitted:
+            prompt = req.prompt
+            if self.processor.position_ids(prompt.token_ids, prompt) is not None:
+                raise EngineError("this model needs multi-dimensional rotary positions, which the TensorRT-LLM "
+                                  "decoder does not take; rebuild with decoder.backend: torch")
+            self.decoder.submit(req.id, prompt, req.params)
+        events: list[StepEvent] = []
+        # Block briefly only when nothing new was submitted, so a step never spins empty.
+        for out in self.decoder.poll(timeout=0.0 if admitted else 0.05):
+            req = self._running.get(out.request_id)
+            if req is None or req.finished:
+                continue
+            now = time.perf_counter()
+            lps = out.logprobs or []
+            for i, tok in enumerate(out.tokens):
+                lp = lps[i] if i < len(lps) else None
+                events.append(self._append_token(req, tok, lp, None, now))
+                if req.finished:
+                    break
+            if not out.final or req.finished:
+                continue
+            if out.error is None and out.reason == "stop" and self.decoder.end_id is not None:
+                # TensorRT-LLM stopped at end_id without streaming it: the step that sampled EOS.
+                events.append(self._append_token(req, int(self.decoder.end_id), None, None, now))
+                continue
+            req.finished, req.finish_reason, req.finish_time = True, "abort", now
+            with self._lock:
+                self._release(req)
+            raise EngineError(f"TensorRT-LLM ended request {req.id} early ("
+                              f"{out.error or out.reason}) before vlmctl's stop rules did")
         return events
 
     def _encode_images(self, reqs: list[Request]) -> None:
@@ -312,6 +366,8 @@ class Engine:
         if self._running.pop(req.id, None) is not None and req.slot is not None:
             self._free_slots.append(req.slot)
             req.slot = None
+            if self._external:
+                self.decoder.cancel(req.id)  # no-op once TensorRT-LLM has finished it
 
     # ---- offline ---------------------------------------------------------------------------
     def generate(self, prompts: list[EncodedPrompt], params: list[SamplingParams] | SamplingParams,
