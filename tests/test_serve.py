@@ -418,19 +418,21 @@ def test_errors_leave_the_server_serving(server):
 def test_engine_failure_fails_the_request_not_the_server(server):
     eng = server.app.state.engine
     real_step = eng.step
-    calls = {"n": 0}
+    armed = threading.Event()
 
     def failing_step():
-        calls["n"] += 1
-        if calls["n"] == 1:
+        if armed.is_set() and eng.num_waiting:  # fail the step that would admit the next request
+            armed.clear()
             raise RuntimeError("injected engine failure")
         return real_step()
 
     eng.step = failing_step
     try:
+        armed.set()
         r = server.post("/chat/completions", json=chat_body())
         assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error"
-        calls["n"] = 0
+        wait_running_zero(server, 1.0)  # the failed request has left the queue
+        armed.set()
         with httpx.stream("POST", server.v1 + "/chat/completions", json=chat_body(stream=True), timeout=60,
                           headers={"Authorization": f"Bearer {KEY}"}) as s:
             events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]

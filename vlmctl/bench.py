@@ -42,6 +42,7 @@ class BenchConfig:
     temperature: float = 0.0
     same_image: bool = False  # every request sends the same image(s): exercises the feature cache
     seed: int = 0
+    run: int = 0  # mixed into the image seeds: runs against one server or engine don't share cached features
     warmup: int = 1  # requests run (and not counted) before the clock starts
 
     def validate(self) -> "BenchConfig":
@@ -77,7 +78,7 @@ def synthetic_requests(cfg: BenchConfig, n: int, offset: int = 0) -> list[tuple[
         rng = np.random.default_rng([cfg.seed, i])
         images = []
         for k in range(cfg.images_per_request):
-            img_rng = np.random.default_rng([cfg.seed, 0 if cfg.same_image else i, k, 7])
+            img_rng = np.random.default_rng([cfg.seed, cfg.run, 0 if cfg.same_image else i, k, 7])
             images.append(Image.fromarray(img_rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB"))
         text = " ".join(rng.choice(WORDS, cfg.prompt_len)) if cfg.prompt_len else "describe"
         content = [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]

@@ -27,6 +27,7 @@ def bench_command(
     max_batch_size: int = typer.Option(None, "--max-batch-size", help="Engine mode: KV-cache slots (default: "
                                        "the engine's built limit)"),
     device: str = typer.Option(None, "--device", help="Engine mode: cpu or cuda"),
+    threads: int = typer.Option(None, "--threads", help="Engine mode: torch CPU threads (default: torch's)"),
     model: str = typer.Option(None, "--model", help="URL mode: model id (default: the server's first)"),
     api_key: str = typer.Option(None, "--api-key", envvar="VLMCTL_API_KEY", help="URL mode: bearer key"),
     timeout: float = typer.Option(600.0, "--timeout", help="URL mode: seconds allowed per request"),
@@ -45,11 +46,16 @@ def bench_command(
     levels = list(concurrency or [8])
     configs = [BenchConfig(num_requests=num_requests, concurrency=c, images_per_request=images, image_size=(w, h),
                            prompt_len=prompt_len, output_len=output_len, temperature=temperature,
-                           same_image=same_image, seed=seed, warmup=warmup).validate() for c in levels]
+                           same_image=same_image, seed=seed, run=i, warmup=warmup).validate()
+               for i, c in enumerate(levels)]
     engine = None
     if engine_dir is not None:
         from ..runtime.engine import Engine
 
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
         engine = Engine(engine_dir, device=device, max_batch_size=max_batch_size)
         slots = engine.limits["max_batch_size"]
         if max(levels) > slots and not json_:

@@ -33,6 +33,7 @@ def serve_command(
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="On SIGTERM, seconds open requests "
                                            "may take to finish"),
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
+    threads: int = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)"),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
 ):
     from ..errors import InputError
@@ -52,6 +53,10 @@ def serve_command(
     config = ServerConfig(model_name=model_name, api_keys=keys, max_body_bytes=max_body_bytes,
                           media=MediaPolicy(allowed_domains=list(allowed_media_domains or []), allowed_local_path=local,
                                             timeout_s=media_timeout, max_bytes=max_media_bytes))
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     app = load_app(engine_dir, config, device=device, max_batch_size=max_batch_size,
                    feature_cache_size=feature_cache_size,
                    limits={"max_input_len": max_input_len, "max_output_len": max_output_len,

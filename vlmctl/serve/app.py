@@ -331,14 +331,16 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             async with stream:
                 yield sse(S.ChatCompletionChunk(id=rid, model=model_name, choices=[
                     S.ChatChunkChoice(delta=S.DeltaMessage(role="assistant", content=""))]))
-                async for ev in stream:
+                async for evs in stream.batches():
+                    last, delta = evs[-1], "".join(ev.text_delta for ev in evs)
                     lps = None
-                    if body.logprobs and token_appended(ev, engine.eos_ids):
-                        lps = S.ChoiceLogprobs(content=[chat_logprob(ev)])
-                    if not ev.text_delta and lps is None and not ev.finished:
-                        continue  # a held-back token (partial UTF-8 or stop-string prefix)
-                    choice = S.ChatChunkChoice(delta=S.DeltaMessage(content=ev.text_delta or None), logprobs=lps,
-                                               finish_reason=ev.finish_reason if ev.finished else None)
+                    if body.logprobs:
+                        entries = [chat_logprob(ev) for ev in evs if token_appended(ev, engine.eos_ids)]
+                        lps = S.ChoiceLogprobs(content=entries) if entries else None
+                    if not delta and lps is None and not last.finished:
+                        continue  # held-back tokens (partial UTF-8 or stop-string prefix)
+                    choice = S.ChatChunkChoice(delta=S.DeltaMessage(content=delta or None), logprobs=lps,
+                                               finish_reason=last.finish_reason if last.finished else None)
                     yield sse(S.ChatCompletionChunk(id=rid, model=model_name, choices=[choice]))
                 if include_usage:
                     yield sse(S.ChatCompletionChunk(id=rid, model=model_name, choices=[],
@@ -390,16 +392,20 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         async def gen():
             offset = 0
             async with stream:
-                async for ev in stream:
-                    lp = None
-                    if body.logprobs is not None and token_appended(ev, engine.eos_ids):
+                async for evs in stream.batches():
+                    last, lp = evs[-1], None
+                    if body.logprobs is not None:
                         lp = S.CompletionLogprobs()
-                        add_logprobs(lp, ev, offset)
-                    offset += len(ev.text_delta)
-                    if not ev.text_delta and lp is None and not ev.finished:
+                        for ev in evs:
+                            if token_appended(ev, engine.eos_ids):
+                                add_logprobs(lp, ev, offset)
+                            offset += len(ev.text_delta)
+                        lp = lp if lp.tokens else None
+                    delta = "".join(ev.text_delta for ev in evs)
+                    if not delta and lp is None and not last.finished:
                         continue
-                    choice = S.CompletionChoice(text=ev.text_delta, logprobs=lp,
-                                                finish_reason=ev.finish_reason if ev.finished else None)
+                    choice = S.CompletionChoice(text=delta, logprobs=lp,
+                                                finish_reason=last.finish_reason if last.finished else None)
                     yield sse(S.CompletionResponse(id=rid, model=model_name, choices=[choice]))
                 if include_usage:
                     yield sse(S.CompletionResponse(id=rid, model=model_name, choices=[],

@@ -180,11 +180,26 @@ class RequestStream:
         return self._iter()
 
     async def _iter(self):
+        async for batch in self.batches():
+            for ev in batch:
+                yield ev
+
+    async def batches(self):
+        """Yield lists of the events that are ready: one event when the consumer keeps up, several
+        when it fell behind the engine (so a slow client costs fewer, larger stream chunks)."""
         while not self.finished:
-            item = await self.queue.get()
-            if isinstance(item, _Failure):
-                self.finished = True
-                raise item.exc
-            if item.finished:
-                self.finished = True
-            yield item
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            batch = []
+            for item in items:
+                if isinstance(item, _Failure):
+                    self.finished = True
+                    if batch:
+                        yield batch
+                    raise item.exc
+                batch.append(item)
+                if item.finished:
+                    self.finished = True
+                    break
+            yield batch
