@@ -1,0 +1,188 @@
+"""`vlmctl quantize --awq` and `vlmctl eval ppl` end to end on tiny models; calibration and
+perplexity helpers; the whole-VLM checkpoint and the AWQ engine on a tiny LLaVA."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import cli, cli_json, write_recipe
+from test_awq_quantize import calib_file, make_tiny_llama
+from tiny_models import make_image
+
+
+# ---- calibration & perplexity ----------------------------------------------------------------
+def _tok(tmp_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(make_tiny_llama(tmp_path / "m", layers=1))
+
+
+def test_calibration_blocks_txt_and_jsonl(tmp_path):
+    from vlmctl.quant.calibration import load_calibration
+
+    tok = _tok(tmp_path)
+    txt = calib_file(tmp_path)
+    a = load_calibration(str(txt), tok, 4, 32)
+    assert a.shape == (4, 32) and a.dtype == torch.long
+    assert torch.equal(a, load_calibration(str(txt), tok, 4, 32))  # deterministic (seeded shuffle)
+    assert not torch.equal(a, load_calibration(str(txt), tok, 4, 32, seed=1))
+    lines = [ln for ln in txt.read_text().splitlines() if ln]
+    jl = tmp_path / "c.jsonl"
+    jl.write_text("\n".join(json.dumps({"text": ln, "id": i}) for i, ln in enumerate(lines)) + "\n")
+    assert torch.equal(a, load_calibration(str(jl), tok, 4, 32))  # same records, same blocks
+    rel = load_calibration("calib.txt", tok, 4, 32, base_dir=tmp_path)  # relative to the recipe
+    assert torch.equal(a, rel)
+
+
+def test_calibration_short_data_and_errors(tmp_path):
+    from vlmctl.errors import BackendUnavailableError, InputError
+    from vlmctl.quant.calibration import load_calibration
+
+    tok = _tok(tmp_path)
+    short = tmp_path / "short.txt"
+    short.write_text("hello world\n")
+    with pytest.raises(InputError, match="need at least one block"):
+        load_calibration(str(short), tok, 4, 64)
+    one_long = tmp_path / "long.txt"
+    one_long.write_text("the quick brown fox jumps over the lazy dog " * 30 + "\n")
+    assert load_calibration(str(one_long), tok, 100, 32).shape[1] == 32  # long records used when needed
+    assert load_calibration(None, tok, 2, 32).shape == (2, 32)  # built-in text
+    with pytest.raises(InputError, match="no such calibration file"):
+        load_calibration(str(tmp_path / "missing.txt"), tok, 4, 32)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"image": "a.png", "text": "x"}\n')
+    with pytest.raises(InputError, match=r"bad.jsonl:2: image-text"):
+        load_calibration(str(bad), tok, 1, 16)
+    bad.write_text('{"text": "ok"}\nnot json\n')
+    with pytest.raises(InputError, match=r"bad.jsonl:2: invalid JSON"):
+        load_calibration(str(bad), tok, 1, 16)
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(BackendUnavailableError, match="datasets"):
+            load_calibration("some-org/some-dataset", tok, 1, 16)
+
+
+def test_perplexity_protocol():
+    from vlmctl.quant.perplexity import perplexity
+
+    vocab = 7
+    ids = torch.arange(100) % vocab
+    uniform = lambda x: torch.zeros(*x.shape, vocab)  # noqa: E731
+    assert perplexity(uniform, ids, seq_len=10, samples=5) == pytest.approx(vocab)
+
+    def perfect(x):  # always predicts the next id of the cycle with certainty
+        return torch.nn.functional.one_hot((x + 1) % vocab, vocab).float() * 100
+
+    assert perplexity(perfect, ids, seq_len=10) == pytest.approx(1.0)
+
+
+# ---- CLI on a causal LM ---------------------------------------------------------------------
+def test_quantize_and_eval_cli(tmp_path, capsys):
+    src = make_tiny_llama(tmp_path / "src")
+    data = calib_file(tmp_path)
+    out = tmp_path / "awq"
+    res = cli_json("quantize", "--awq", src, "-o", out, "--group-size", "32", "--calib-data", data,
+                   "--calib-samples", "4", "--calib-seq-len", "32", "--json", capsys=capsys)
+    assert res["group_size"] == 32 and res["layers"] == 2 and res["output"] == str(out)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["version"] == "gemm"
+    assert not list(tmp_path.glob(".awq.tmp-*"))
+
+    f = cli_json("eval", "ppl", src, "--data", data, "--seq-len", "32", "--samples", "3", "--json", capsys=capsys)
+    q = cli_json("eval", "ppl", out, "--data", data, "--seq-len", "32", "--samples", "3", "--json", capsys=capsys)
+    assert f["quantization"] == "none" and q["quantization"] == "awq" and f["samples"] == 3
+    assert math.isfinite(q["perplexity"]) and q["perplexity"] != f["perplexity"]
+    _, o, _ = cli("eval", "ppl", out, "--data", data, "--seq-len", "32", "--samples", "3", capsys=capsys)
+    assert o.startswith("perplexity: ")
+
+    code, _, err = cli("quantize", src, "-o", out, capsys=capsys, expect=None)  # exists
+    assert code == 5 and "already exists" in err and "Traceback" not in err
+    code, _, err = cli("quantize", src, "-o", tmp_path / "g", "--group-size", "48", "--calib-data", data,
+                       "--calib-samples", "2", "--calib-seq-len", "32", capsys=capsys, expect=None)
+    assert code == 5 and "group size 48" in err and "valid group sizes for this model: 8, 16, 32, 64, 128" in err
+    assert not (tmp_path / "g").exists()
+    code, _, err = cli("quantize", src, "-o", tmp_path / "x", "--impl", "nope", capsys=capsys, expect=None)
+    assert code == 2 and "quantization.impl" in err
+
+
+# ---- VLM ------------------------------------------------------------------------------------------
+def test_vlm_checkpoint_from_a_llava_checkpoint(tiny_llava, tmp_path, capsys):
+    """A VLM checkpoint in, the decoder quantized (llm/) and a whole-VLM AWQ checkpoint (vlm/) out:
+    vision tensors byte for byte, VLM tensor names, vision modules not converted."""
+    from safetensors import safe_open
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    from vlmctl.checkpoint import iter_tensors, load_state_dict
+    from vlmctl.models.llava import LlavaFamily
+
+    out = tmp_path / "q"
+    cli("quantize", tiny_llava, "-o", out, "--group-size", "32", "--calib-samples", "2", "--calib-seq-len", "32",
+        "--dtype", "float32", capsys=capsys)
+    assert (out / "llm" / "config.json").exists() and (out / "vlm" / "config.json").exists()
+    assert not (out / ".convert").exists()
+    cfg = json.loads((out / "vlm" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlavaForConditionalGeneration"]
+    assert cfg["quantization_config"]["modules_to_not_convert"] == ["vision_tower", "multi_modal_projector"]
+    assert (out / "vlm" / "tokenizer.json").exists()
+    vlm = load_state_dict(out / "vlm")
+    fam = LlavaFamily()
+    src = {fam.canonical_key(k): t for k, t, _ in iter_tensors(tiny_llava)}
+    with torch.device("meta"):
+        expected = LlavaForConditionalGeneration(LlavaConfig.from_dict(json.loads((tiny_llava / "config.json")
+                                                                                  .read_text()))).state_dict()
+    for name, t in vlm.items():
+        base, _, suffix = name.rpartition(".")
+        if suffix in ("qweight", "qzeros", "scales"):
+            assert base + ".weight" in expected and base.startswith("model.language_model.layers."), name
+        else:
+            assert name in expected, name
+        if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
+            assert torch.equal(t, src[name]), name  # untouched
+    with safe_open(str(out / "vlm" / "model.safetensors"), "pt") as f:
+        assert all(f.get_tensor(k).dtype == torch.float32 for k in f.keys() if "vision_tower" in k)
+
+
+def test_awq_engine_matches_transformers_and_keeps_vision(tiny_llava, tiny_llava_engine, tmp_path, capsys):
+    """`vlmctl build --set quantization.method=awq` + `vlmctl chat`: greedy tokens equal transformers
+    on the dequantized decoder; the vision artifacts equal the unquantized build's."""
+    import shutil
+
+    from tiny_llava_anyres import dequantized_reference
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from vlmctl.models.llava import LlavaFamily
+
+    eng = tmp_path / "eng"
+    shutil.copytree(tiny_llava_engine, eng)  # convert and vision stages are cache hits
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_llava)
+    cli("build", recipe, "-o", eng, "--set", "quantization.method=awq", "--set", "quantization.group_size=32",
+        "--set", "quantization.calibration.samples=4", "--set", "quantization.calibration.seq_len=32", capsys=capsys)
+    manifest = json.loads((eng / "build-llm" / "manifest.json").read_text())
+    assert manifest["info"]["quantization"] == "awq"
+    for stage in ("convert", "export-vision", "build-vision"):
+        a = json.loads((eng / stage / "manifest.json").read_text())["parts"]
+        b = json.loads((tiny_llava_engine / stage / "manifest.json").read_text())["parts"]
+        assert {k: v for k, v in a.items() if k != "llm"} == {k: v for k, v in b.items() if k != "llm"}, stage
+
+    img = make_image(5, (40, 30))
+    img.save(tmp_path / "img.png")
+    prompt = "what is in this image?"
+    got = cli_json("chat", eng, "--image", tmp_path / "img.png", "--prompt", prompt, "--temperature", "0",
+                   "--max-tokens", "12", "--json", capsys=capsys)
+    model = dequantized_reference(LlavaForConditionalGeneration, tiny_llava, eng / "quantize" / "llm", LlavaFamily())
+    proc = AutoProcessor.from_pretrained(tiny_llava)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    inputs = proc(images=[img], text=proc.apply_chat_template(messages, add_generation_prompt=True),
+                  return_tensors="pt")
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+    ref = ref[: ref.index(2)] if 2 in ref else ref
+    assert got["token_ids"] == ref
+    # `vlmctl eval ppl` accepts the engine directory (its build-llm layout)
+    data = calib_file(tmp_path)
+    e = cli_json("eval", "ppl", eng, "--data", data, "--seq-len", "32", "--samples", "2", "--json", capsys=capsys)
+    assert e["kind"] == "engine" and e["quantization"] == "awq" and math.isfinite(e["perplexity"])
