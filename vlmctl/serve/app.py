@@ -194,6 +194,15 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(body, name):
                 raise APIError(400, f"{name} is not supported by this server (only 0)", param=name)
+        if body.logit_bias:
+            raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
+        if body.tools:
+            raise APIError(400, "tools (function calling) are not supported by this server", param="tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise APIError(400, f"response_format {body.response_format.get('type')!r} is not supported (only "
+                                "'text')", param="response_format")
+        if body.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported by this server (only 1)", param="best_of")
 
     def sampling(body: S.SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None):
         if max_tokens is None:

@@ -63,6 +63,11 @@ class SamplingFields(_Req):
     n: int | None = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # Accepted only so that they can be refused with a clear message (not silently ignored).
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    best_of: int | None = None
     ignore_eos: bool = False  # extension (benchmarks)
     stop_token_ids: list[int] | None = None  # extension
     user: str | None = None
