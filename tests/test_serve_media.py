@@ -121,3 +121,24 @@ def test_two_images_in_one_message_match_cli(tmp_path, capsys):
                                            max_tokens=2)
     finally:
         stop()
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (("--allowed-local-media-path", "/nonexistent-dir"), "not a directory"),
+    (("--max-output-len", "100000"), "above the engine's built limit 256"),
+    (("--max-body-bytes", "0"), "must be positive"),
+])
+def test_serve_rejects_bad_options_before_listening(tiny_llava_engine, capsys, args, fragment):
+    code, _, err = cli("serve", tiny_llava_engine, *args, capsys=capsys, expect=None)
+    assert code != 0 and fragment in err
+
+
+def test_serve_options_reach_the_app(tiny_llava_engine):
+    from vlmctl.serve import ServerConfig, load_app
+
+    app = load_app(tiny_llava_engine, ServerConfig(model_name="served"), max_batch_size=3,
+                   limits={"max_output_len": 32, "max_input_len": None})
+    eng = app.state.engine
+    assert app.state.model_name == "served"
+    assert eng.limits["max_batch_size"] == 3 and eng.limits["max_output_len"] == 32
+    assert eng.limits["max_input_len"] == 1024

@@ -24,8 +24,8 @@ def serve_command(
     allowed_local_media_path: Path = typer.Option(None, "--allowed-local-media-path",
                                                   help="Allow file:// image URLs under this directory only"),
     allowed_media_domains: list[str] = typer.Option(None, "--allowed-media-domains",
-                                                    help="Allow http(s) image URLs from this host (repeatable; "
-                                                         "default: none)"),
+                                                    help="Allow http(s) image URLs from these hosts (repeatable "
+                                                         "or comma-separated; default: none)"),
     media_timeout: float = typer.Option(10.0, "--media-timeout", help="Seconds allowed for one image fetch"),
     max_media_bytes: int = typer.Option(20 * 1024 * 1024, "--max-media-bytes", help="Byte cap of one image"),
     max_body_bytes: int = typer.Option(32 * 1024 * 1024, "--max-body-bytes", help="Byte cap of a request body "
@@ -47,11 +47,12 @@ def serve_command(
         local = allowed_local_media_path.resolve()
         if not local.is_dir():
             raise InputError(f"--allowed-local-media-path {allowed_local_media_path}: not a directory")
+    domains = [d.strip() for v in allowed_media_domains or [] for d in v.split(",") if d.strip()]
     for name, value in (("--max-body-bytes", max_body_bytes), ("--max-media-bytes", max_media_bytes)):
         if value < 1:
             raise InputError(f"{name} must be positive")
     config = ServerConfig(model_name=model_name, api_keys=keys, max_body_bytes=max_body_bytes,
-                          media=MediaPolicy(allowed_domains=list(allowed_media_domains or []), allowed_local_path=local,
+                          media=MediaPolicy(allowed_domains=domains, allowed_local_path=local,
                                             timeout_s=media_timeout, max_bytes=max_media_bytes))
     if threads:
         import torch
