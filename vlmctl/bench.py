@@ -154,9 +154,10 @@ def bench_engine(engine, cfg: BenchConfig, progress: Progress | None = None) -> 
         if not events and not engine.has_work():
             raise RuntimeError("engine has requests in flight but no work")  # an engine bug, not input
         if events:
+            n_req = len({ev.request.id for ev in events})
             steps += 1
-            batch_total += len(events)
-            max_running = max(max_running, len(events))
+            batch_total += n_req
+            max_running = max(max_running, n_req)
         for ev in events:
             i = inflight[ev.request.id]
             samples[i].token_times.append(now)

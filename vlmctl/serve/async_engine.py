@@ -95,7 +95,8 @@ class AsyncEngine:
                 continue
             if events:
                 if self.metrics is not None:
-                    self.metrics.batch.observe(len(events))
+                    # requests, not events: an externally batched decoder can stream several tokens a step
+                    self.metrics.batch.observe(len({ev.request.id for ev in events}))
                 self._loop.call_soon_threadsafe(self._dispatch, events)
         log.debug("engine thread stopped")
 
