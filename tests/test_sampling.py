@@ -97,3 +97,18 @@ def test_interactive_chat_repl(tiny_llava_engine, tmp_path):
     assert "conversation reset" in proc.stderr + proc.stdout
     assert "unknown command" in proc.stderr + proc.stdout
     assert proc.stdout.count("assistant>") == 2
+
+
+def test_same_image_in_one_step_is_encoded_once(tiny_llava_engine):
+    from vlmctl.runtime.engine import Engine
+
+    eng = Engine(tiny_llava_engine)
+    calls = []
+    real = eng.vision
+    eng.vision = lambda feed: (calls.append(next(iter(feed.values())).shape[0]), real(feed))[1]
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hello"}]}]
+    prompts = [eng.encode(msgs, [make_image(9)]) for _ in range(3)]
+    res = eng.generate(prompts, SamplingParams(max_tokens=3, temperature=0))
+    assert calls == [1]  # one image through the vision model, not three
+    assert res[0].token_ids == res[1].token_ids == res[2].token_ids
+    assert eng.feature_cache.misses == 1 and eng.feature_cache.hits == 2

@@ -276,17 +276,29 @@ class Engine:
 
     def _encode_images(self, reqs: list[Request]) -> None:
         """Run the vision model once for every uncached image of the admitted requests."""
-        todo = []
+        todo, dupes, first = [], [], {}
         for req in reqs:
             for item in req.prompt.images:
-                if item.features is None:
-                    cached = self.feature_cache.get(item.content_hash)
-                    if cached is not None:
-                        item.features = cached
-                    else:
-                        todo.append(item)
-        if not todo:
-            return
+                if item.features is not None:
+                    continue
+                key = item.content_hash
+                if key and key in first:  # the same image twice in this step: encode it once
+                    dupes.append(item)
+                    continue
+                cached = self.feature_cache.get(key)
+                if cached is not None:
+                    item.features = cached
+                else:
+                    todo.append(item)
+                    if key:
+                        first[key] = item
+        if todo:
+            self._run_vision(todo)
+        for item in dupes:
+            item.features = first[item.content_hash].features
+            self.feature_cache.hits += 1
+
+    def _run_vision(self, todo: list) -> None:
         # Images with the same batch key go through the vision model in one call.
         groups: dict[tuple, list] = {}
         for item in todo:
