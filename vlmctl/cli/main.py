@@ -26,12 +26,13 @@ def main(version: bool = typer.Option(False, "--version", callback=_version, is_
 
 
 def _register() -> None:
-    from . import build, build_llm, build_vision, chat, convert, export_vision, recipes
+    # Command modules import only Typer/Rich at module level; the library is imported inside them.
+    from . import bench, build, build_llm, build_vision, chat, convert, eval, export_vision, quantize, recipes, serve
 
     app.command("recipes", help="List the bundled recipes.")(recipes.recipes_command)
     app.command("models", help="List the supported model families.")(recipes.models_command)
     app.command("convert", help="Split a HF VLM checkpoint into vision and decoder parts.")(convert.convert_command)
-    _register_optional()
+    app.command("quantize", help="AWQ 4-bit quantization of the decoder only.")(quantize.quantize_command)
     app.command("export-vision", help="Export the vision tower + projector to ONNX and validate it.")(
         export_vision.export_vision_command)
     app.command("build-vision", help="Build a TensorRT engine from the vision ONNX (or record the ONNX Runtime "
@@ -41,29 +42,9 @@ def _register() -> None:
     app.command("build", help="Run every stage of a recipe (cached per stage).")(build.build_command)
     app.command("chat", help="Chat with an engine directory (interactive, or one-shot with --prompt).")(
         chat.chat_command)
-
-
-def _register_optional() -> None:
-    """Commands from other modules; each is added when its module exists."""
-    import importlib
-
-    for module, attr, name, help_text, kind in (
-        ("quantize", "quantize_command", "quantize", "AWQ 4-bit quantization of the decoder only.", "command"),
-        ("eval", "eval_app", "eval", "Evaluate a model (perplexity).", "group"),
-        ("serve", "serve_command", "serve", "OpenAI-compatible HTTP server on an engine directory.", "command"),
-        ("bench", "bench_command", "bench", "Benchmark an engine or a running server.", "command"),
-    ):
-        try:
-            mod = importlib.import_module(f"vlmctl.cli.{module}")
-        except ModuleNotFoundError as e:
-            if e.name == f"vlmctl.cli.{module}":
-                continue
-            raise
-        obj = getattr(mod, attr)
-        if kind == "group":
-            app.add_typer(obj, name=name, help=help_text)
-        else:
-            app.command(name, help=help_text)(obj)
+    app.command("serve", help="OpenAI-compatible HTTP server on an engine directory.")(serve.serve_command)
+    app.command("bench", help="Benchmark an engine or a running server.")(bench.bench_command)
+    app.add_typer(eval.eval_app, name="eval", help="Evaluate a model (perplexity).")
 
 
 _register()
