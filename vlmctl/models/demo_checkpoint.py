@@ -51,6 +51,11 @@ def load_smollm2(dtype="float32"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf()
+    import importlib.util
+
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CheckpointError(f"loading the GGUF needs {' and '.join(missing)}: pip install 'vlmctl[demo]'")
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                  dtype=getattr(torch, dtype))
@@ -134,8 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     tmp = out.with_name(out.name + ".tmp")
     import shutil
 
+    from ..errors import VlmctlError
+
     shutil.rmtree(tmp, ignore_errors=True)
-    build_demo_checkpoint(tmp)
+    try:
+        build_demo_checkpoint(tmp)
+    except VlmctlError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        sys.stderr.write(f"error: {e}\n")
+        return e.exit_code
     tmp.rename(out)
     print(f"demo checkpoint written to {out}")
     return 0
