@@ -9,8 +9,8 @@ evaluation windows (WikiText-2 test, 40 x 512), all evaluated by vlmctl's runtim
   autoawq                   AutoAWQ 0.2.9 as shipped: fp16, duo scaling (its default)
   autoawq-noduo             AutoAWQ 0.2.9, fp16, duo scaling off
   autoawq-duo-fixed         AutoAWQ 0.2.9, fp16, duo scaling, with vlmctl's fix for its CPU backup bug
-Each quantizer runs in its own child process, one after the other; wall time, CPU time and peak
-RSS are the child's. Prints a table (and --json FILE writes the figures).
+Each quantizer runs in its own child process, one after the other: wall and CPU time are the
+child's (process start, model load and writing included), peak RSS is the child's VmHWM. Prints a table (and --json FILE writes the figures).
 
     python benchmarks/awq_smollm2.py [--runs vlmctl,autoawq-noduo,...] [--workdir DIR] [--json FILE]
 """
@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -96,8 +95,11 @@ def run_child(cmd: list[str], log: Path) -> dict:
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({code}); see {log}:\n{log.read_text()[-3000:]}")
+    # The child's own summary (last JSON line) has its peak RSS (VmHWM; wait4's ru_maxrss would
+    # include this parent's memory at fork time).
+    summary = json.loads([ln[ln.find('{"'):] for ln in log.read_text().splitlines() if '{"' in ln][-1])
     return {"wall_s": round(wall, 1), "cpu_s": round(ru.ru_utime + ru.ru_stime, 1),
-            "peak_rss_mib": round(ru.ru_maxrss / 1024, 1)}
+            "peak_rss_mib": summary["peak_rss_mib"], "quantizer_wall_s": summary["wall_s"]}
 
 
 def quantize_run(name: str, src: Path, out: Path, args) -> dict:

@@ -20,7 +20,6 @@ are worked around here, both without changing its algorithm:
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 import types
@@ -98,7 +97,7 @@ def quantize_with_autoawq(src_dir: Path, out_dir: Path, settings, base_dir: Path
     import torch
     from transformers import AutoTokenizer
 
-    from .awq import copy_side_files
+    from .awq import copy_side_files, peak_rss_mib
     from .calibration import load_calibration
 
     progress = ensure(progress)
@@ -139,5 +138,5 @@ def quantize_with_autoawq(src_dir: Path, out_dir: Path, settings, base_dir: Path
         "calibration": {"data": cal.data if calib_ids is None else "(given tokens)", "samples": int(tokens.shape[0]),
                         "seq_len": int(tokens.shape[1])},
         "wall_s": round(time.perf_counter() - t0, 2),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
     }

@@ -194,6 +194,13 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+def _sq_err(out, ref) -> float:
+    import torch
+
+    d = (out - ref).float().reshape(-1)
+    return float(torch.dot(d, d))
+
+
 def _recording_forward(m, cache: dict):
     import torch.nn.functional as F
 
@@ -336,8 +343,7 @@ class LayerQuantizer:
                     for m, w in zip(lins, weights):
                         m.weight.data = pseudo_quantize(w * s, self.group_size) / s
                     for i, (lo, hi) in enumerate(self._chunks(x)):
-                        out = _first(block(x[lo:hi], **kw))
-                        losses[k] += float((out - ref[i]).float().pow(2).sum(dtype=torch.float64))
+                        losses[k] += _sq_err(_first(block(x[lo:hi], **kw)), ref[i])
             finally:
                 for m, w in zip(lins, weights):
                     m.weight.data = w
@@ -380,8 +386,7 @@ class LayerQuantizer:
                             else:
                                 wf = w_fast[id(m)]
                                 m.forward = _delta_forward(ref_in, ref_out, None, None, lambda wf=wf: wf, fast)
-                        out = _first(block(xc, **kw))
-                        losses[k] += float((out - ref).float().pow(2).sum(dtype=torch.float64))
+                        losses[k] += _sq_err(_first(block(xc, **kw)), ref)
                     del cache, cast
         finally:
             for m in all_lins:
@@ -505,7 +510,18 @@ def check_group_size(layer, family, group_size: int, layer_name: str) -> None:
             raise InputError(f"{layer_name}.{n} has {o} output features; AWQ GEMM packing needs a multiple of 8")
 
 
-def _peak_rss_mib() -> float:
+def peak_rss_mib() -> float:
+    """This process's peak resident memory in MiB.
+
+    Linux's VmHWM is the high-water mark of the current address space; getrusage's ru_maxrss also
+    counts the parent's memory at fork/exec time, which makes a child look as big as its parent.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
@@ -636,7 +652,7 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
         "calibration": {"data": cal.data if calib_ids is None else "(given tokens)", "samples": int(n_samples),
                         "seq_len": int(seq_len)},
         "device": str(dev), "search_delta_dtype": str(delta_dtype).replace("torch.", "") if delta_dtype else "float32",
-        "wall_s": round(time.perf_counter() - t0, 2), "peak_rss_mib": round(_peak_rss_mib(), 1),
+        "wall_s": round(time.perf_counter() - t0, 2), "peak_rss_mib": round(peak_rss_mib(), 1),
     }
 
 
