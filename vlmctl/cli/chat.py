@@ -20,6 +20,8 @@ def chat_command(
     seed: int = typer.Option(None, "--seed"),
     stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)"),
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
+    threads: int = typer.Option(None, "--threads", help="torch CPU threads (default: torch's; use 1 on busy "
+                                                       "shared CPUs)"),
     json_: bool = typer.Option(False, "--json", help="Print {text, token_ids, prompt_tokens, completion_tokens, "
                                                      "finish_reason}"),
 ):
@@ -33,6 +35,10 @@ def chat_command(
         from ..errors import InputError
 
         raise InputError("--json needs --prompt (the interactive chat has no JSON form)")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     engine = Engine(engine_dir, device=device)
     base = [{"role": "system", "content": system}] if system else []
     if prompt is not None:
