@@ -164,17 +164,19 @@ def main() -> None:
     wd.mkdir(parents=True, exist_ok=True)
     src = export_smollm2(wd / "smollm2-135m-fp32")
     results: dict[str, dict] = {}
-    models = {"fp32": src, "rtn": rtn_checkpoint(src, wd / f"rtn-g{args.group_size}", args.group_size)}
-    for name in runs:  # quantizers one after the other, nothing else running in this process meanwhile
+
+    def evaluate(name: str, d: Path) -> None:
+        r = evaluate_perplexity(d, str(args.eval), seq_len=args.seq_len, samples=args.eval_samples)
+        results.setdefault(name, {})["perplexity"] = r["perplexity"]
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: {results[name]}", flush=True)
+
+    evaluate("fp32", src)
+    evaluate("rtn", rtn_checkpoint(src, wd / f"rtn-g{args.group_size}", args.group_size))
+    for name in runs:  # quantizers one after the other, in child processes; evaluation is not timed
         out = wd / f"{name}-g{args.group_size}"
         print(f"[{time.strftime('%H:%M:%S')}] quantizing: {name}", flush=True)
         results[name] = quantize_run(name, src, out, args)
-        print(f"  {results[name]}", flush=True)
-        models[name] = out
-    for name, d in models.items():
-        print(f"[{time.strftime('%H:%M:%S')}] perplexity: {name}", flush=True)
-        r = evaluate_perplexity(d, str(args.eval), seq_len=args.seq_len, samples=args.eval_samples)
-        results.setdefault(name, {})["perplexity"] = r["perplexity"]
+        evaluate(name, out)
 
     fp, rtn = results["fp32"]["perplexity"], results["rtn"]["perplexity"]
     for r in results.values():

@@ -483,6 +483,30 @@ class _Tensors:
         return self.where[name].get_tensor(name)
 
 
+def _skeleton(src_dir: Path, family):
+    """(HF config, the causal LM on the meta device, name of its input-embedding weight)."""
+    import torch
+    import transformers
+
+    hf_config = transformers.AutoConfig.from_pretrained(str(src_dir))
+    hf_config._attn_implementation = "sdpa"  # causal attention with attention_mask=None
+    cls = getattr(transformers, family.causal_lm_class)
+    with torch.device("meta"):  # module structure without memory
+        skeleton = cls(hf_config)
+    embed_mod = skeleton.get_input_embeddings()
+    embed_name = next(n for n, m in skeleton.named_modules() if m is embed_mod) + ".weight"
+    return hf_config, skeleton, embed_name
+
+
+def embedding_weight(llm_dir: Path):
+    """The input-embedding matrix of the causal LM checkpoint in `llm_dir`."""
+    from ..models.decoders import decoder_family
+
+    cfg = json.loads((Path(llm_dir) / "config.json").read_text())
+    _, _, name = _skeleton(Path(llm_dir), decoder_family(cfg.get("model_type", "")))
+    return _Tensors(Path(llm_dir)).get(name)
+
+
 def valid_group_sizes(in_features: list[int]) -> list[int]:
     g = 0
     for n in in_features:
@@ -535,14 +559,15 @@ def _load_tokenizer(src_dir: Path):
 
 
 def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | None = None,
-                       progress: Progress | None = None, *, device: str | None = None, calib_ids=None) -> dict:
+                       progress: Progress | None = None, *, device: str | None = None, calib_ids=None,
+                       calib_embeds=None) -> dict:
     """AWQ-quantize the plain HF causal LM in `src_dir` into an AutoAWQ GEMM checkpoint in `out_dir`.
 
     `settings` is a `QuantizationSettings`; `calib_ids` (LongTensor [n, T]) overrides its calibration
-    data. Returns a summary (timings, peak memory, sizes) for the manifest.
+    data, and `calib_embeds` (float [n, T, hidden], e.g. with image features) replaces the embedding
+    lookup altogether. Returns a summary (timings, peak memory, sizes) for the manifest.
     """
     import torch
-    import transformers
 
     from ..models.decoders import decoder_family
     from .calibration import load_calibration
@@ -566,7 +591,9 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
 
     tokens = calib_ids
     cal = settings.calibration
-    if tokens is None:
+    if calib_embeds is not None:
+        tokens = torch.zeros(calib_embeds.shape[:2], dtype=torch.long)  # shape only
+    elif tokens is None:
         if cal.seq_len > int(config_dict.get("max_position_embeddings", 1 << 30)):
             raise InputError(f"calibration seq_len {cal.seq_len} exceeds the model's max_position_embeddings")
         tokens = load_calibration(cal.data, _load_tokenizer(src_dir), cal.samples, cal.seq_len, base_dir)
@@ -576,21 +603,17 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     n_samples, seq_len = tokens.shape
 
-    # The model skeleton on the meta device: module structure without memory.
-    hf_config = transformers.AutoConfig.from_pretrained(str(src_dir))
-    hf_config._attn_implementation = "sdpa"  # causal attention with attention_mask=None
-    cls = getattr(transformers, family.causal_lm_class)
-    with torch.device("meta"):
-        skeleton = cls(hf_config)
+    hf_config, skeleton, embed_name = _skeleton(src_dir, family)
     layers = skeleton.get_submodule(family.layer_prefix)
     n_layers = len(layers)
     parent = skeleton.get_submodule(family.layer_prefix.rsplit(".", 1)[0]) if "." in family.layer_prefix else skeleton
-    embed_mod = skeleton.get_input_embeddings()
-    embed_name = next(n for n, m in skeleton.named_modules() if m is embed_mod) + ".weight"
 
     tensors = _Tensors(src_dir)
     with torch.inference_mode():
-        x = torch.nn.functional.embedding(tokens, tensors.get(embed_name).to(torch.float32)).to(dev)
+        if calib_embeds is not None:
+            x = calib_embeds.to(dev, torch.float32)
+        else:
+            x = torch.nn.functional.embedding(tokens, tensors.get(embed_name).to(torch.float32)).to(dev)
         rotary = type(parent.rotary_emb)(config=hf_config).to(dev)
         pos = torch.arange(seq_len, device=dev)[None]
         cos, sin = rotary(x[:1], pos)
@@ -650,7 +673,7 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
         "method": "awq", "impl": "vlmctl", "bits": BITS, "group_size": group_size, "zero_point": True,
         "duo_scaling": settings.duo_scaling, "layers": n_layers, "quantized_linears": n_linears,
         "calibration": {"data": cal.data if calib_ids is None else "(given tokens)", "samples": int(n_samples),
-                        "seq_len": int(seq_len)},
+                        "seq_len": int(seq_len), "image_text": calib_embeds is not None},
         "device": str(dev), "search_delta_dtype": str(delta_dtype).replace("torch.", "") if delta_dtype else "float32",
         "wall_s": round(time.perf_counter() - t0, 2), "peak_rss_mib": round(peak_rss_mib(), 1),
     }
@@ -721,12 +744,24 @@ def quantize_workspace(workspace: Path, out_dir: Path, settings, base_dir: Path 
     workspace, out_dir = Path(workspace), Path(out_dir)
     if not (workspace / "llm" / "config.json").exists():
         raise CheckpointError(f"{workspace}: not a conversion workspace (no llm/config.json)")
+    from .vlm_calibration import image_text_embeddings, read_image_text_records
+
+    cal = settings.calibration
+    records = read_image_text_records(cal.data, base_dir)
     if settings.impl == "autoawq":
+        if records is not None:
+            raise InputError("image-text calibration runs with --impl vlmctl only (AutoAWQ takes text)")
         from .autoawq_impl import quantize_with_autoawq
 
         summary = quantize_with_autoawq(workspace / "llm", out_dir / "llm", settings, base_dir, progress)
     else:
-        summary = quantize_causal_lm(workspace / "llm", out_dir / "llm", settings, base_dir, progress)
+        embeds = None
+        if records is not None:
+            if not (workspace / "vision").is_dir():
+                raise InputError(f"{cal.data}: image-text calibration needs a VLM workspace (vision/ is missing)")
+            embeds = image_text_embeddings(workspace, records, cal.samples, cal.seq_len, progress=progress)
+        summary = quantize_causal_lm(workspace / "llm", out_dir / "llm", settings, base_dir, progress,
+                                     calib_embeds=embeds)
     if (workspace / "vision").is_dir() and (workspace / "family.json").exists():
         summary["vlm"] = write_vlm_checkpoint(workspace, out_dir / "llm", out_dir / "vlm", progress)
     return summary

@@ -9,7 +9,8 @@ are concatenated and cut into blocks of `seq_len` tokens.
 Evaluation text is different: the whole file is tokenized as one stream and cut into consecutive
 windows (the usual WikiText perplexity protocol), see `load_eval_tokens`.
 
-This module does not know about images; image-text calibration records are rejected here.
+This module does not know about images: image-text records are handled by `vlm_calibration`
+(for VLMs) and rejected here.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def _jsonl_texts(path: Path) -> Iterator[str]:
             text = obj
         elif isinstance(obj, dict):
             if "image" in obj or "images" in obj:
-                raise InputError(f"{path}:{n}: image-text calibration records are not supported for a "
-                                 "language-model-only quantization; give text records ({{\"text\": ...}})")
+                raise InputError(f"{path}:{n}: image-text calibration records need a VLM (a checkpoint or a "
+                                 "workspace, not a language model alone) and --impl vlmctl")
             text = obj.get("text")
             if not isinstance(text, str):
                 raise InputError(f"{path}:{n}: expected an object with a string \"text\" field")

@@ -1,0 +1,131 @@
+"""Image-text calibration: decoder inputs that include the visual tokens.
+
+A `.jsonl` calibration file whose records have an `image` (a path relative to the file, or a list
+of paths) next to their `text` runs the whole VLM front end: each such record becomes a user turn
+(images, then the text) rendered by the family's own chat template and processor, its images go
+through the vision tower and projector (torch, float32), and the image feature rows replace the
+placeholder embeddings exactly as the runtime's prompt-embedding table does. Records without an
+image are plain tokenized text. The embedded sequences are concatenated and cut into blocks of
+`seq_len` rows (records are not skipped for length: one image alone is often longer than a block).
+
+Positions inside a block are 1-D (0..seq_len-1) for every family, including those with
+multi-dimensional rotary positions: this is calibration statistics, not inference.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from ..errors import InputError
+from ..progress import Progress, ensure
+from .calibration import DEFAULT_SEED, _read_text, _resolve
+
+
+def read_image_text_records(spec: str | None, base_dir: Path | None = None) -> list[dict] | None:
+    """[{"text", "images": [Path]}] when `spec` is a .jsonl file with at least one image; else None."""
+    if not spec:
+        return None
+    path = _resolve(spec, base_dir)
+    if not (path.is_file() and path.suffix in (".jsonl", ".json")):
+        return None
+    records, any_image = [], False
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+        if isinstance(obj, str):
+            obj = {"text": obj}
+        if not isinstance(obj, dict) or not isinstance(obj.get("text", ""), str):
+            raise InputError(f"{path}:{n}: expected an object with a string \"text\" field")
+        imgs = obj.get("images", obj.get("image")) or []
+        imgs = [imgs] if isinstance(imgs, str) else imgs
+        if not isinstance(imgs, list) or not all(isinstance(i, str) for i in imgs):
+            raise InputError(f"{path}:{n}: \"image\" must be a path or a list of paths")
+        paths = [(path.parent / i) if not Path(i).is_absolute() else Path(i) for i in imgs]
+        for p in paths:
+            if not p.is_file():
+                raise InputError(f"{path}:{n}: image {p} not found")
+        any_image = any_image or bool(paths)
+        records.append({"text": obj.get("text", ""), "images": paths, "line": n})
+    return records if any_image else None
+
+
+def image_text_embeddings(workspace: Path, records: list[dict], samples: int, seq_len: int,
+                          seed: int = DEFAULT_SEED, progress: Progress | None = None):
+    """Float32 decoder input embeddings [n, seq_len, hidden] from a conversion workspace."""
+    import torch
+    from PIL import Image
+
+    from ..models.registry import get_family
+    from ..runtime.vision import TorchVisionRunner
+    from .awq import embedding_weight
+
+    progress = ensure(progress)
+    workspace = Path(workspace)
+    family = get_family(json.loads((workspace / "family.json").read_text())["family"])
+    processor = family.load_processor(workspace / "processor")
+    tokenizer = processor.tokenizer
+    runner = TorchVisionRunner(family, workspace / "vision", device="cpu", dtype="float32")
+    embed = embedding_weight(workspace / "llm").to(torch.float32)
+    vocab = embed.shape[0]
+
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    need = samples * seq_len
+    pieces, total = [], 0
+    task = progress.task("awq: embedding image-text calibration records", total=len(records))
+    with torch.inference_mode():
+        for i in order:
+            rec = records[i]
+            if rec["images"]:
+                images = []
+                for p in rec["images"]:
+                    try:
+                        images.append(Image.open(p).convert("RGB"))
+                    except OSError as e:
+                        raise InputError(f"calibration record at line {rec['line']}: cannot read image {p} ({e})") from None
+                content = [{"type": "image"} for _ in images] + [{"type": "text", "text": rec["text"]}]
+                prompt = processor.encode([{"role": "user", "content": content}], images)
+                ids = torch.tensor(prompt.token_ids, dtype=torch.long)
+                rows = []
+                for item in prompt.images:
+                    feed, _ = processor.collate([item])
+                    rows.append(torch.from_numpy(processor.postprocess_features(runner(feed), item)))
+                table = torch.cat(rows).to(torch.float32)
+                mask = ids == prompt.image_placeholder_id
+                if int(mask.sum()) != table.shape[0]:
+                    raise InputError(f"calibration record at line {rec['line']}: {int(mask.sum())} image positions "
+                                     f"but the images give {table.shape[0]} feature rows")
+                x = embed[ids.clamp(max=vocab - 1)]
+                x[mask] = table
+            else:
+                ids = torch.tensor(tokenizer.encode(rec["text"]), dtype=torch.long)
+                if ids.numel() == 0:
+                    continue
+                x = embed[ids]
+            pieces.append(x)
+            total += x.shape[0]
+            task.advance()
+            if total >= need:
+                break
+    task.done()
+    n = min(samples, total // seq_len)
+    if n == 0:
+        raise InputError(f"image-text calibration gave {total} positions; need at least one block of {seq_len}")
+    return torch.cat(pieces)[: n * seq_len].view(n, seq_len, -1)
+
+
+def calibration_files(spec: str | None, base_dir: Path | None = None) -> list[Path]:
+    """Every file a calibration source reads (the .jsonl and its images), for cache keys."""
+    if not spec:
+        return []
+    path = _resolve(spec, base_dir)
+    if not path.is_file():
+        return []
+    records = read_image_text_records(spec, base_dir) or []
+    return [path] + sorted({p for r in records for p in r["images"]})
