@@ -31,7 +31,7 @@ def _pack_cols(values):
     if cols % PACK:
         raise ValueError(f"cannot pack {cols} columns: not a multiple of {PACK}")
     v = values.to(torch.int64).view(rows, cols // PACK, PACK)[:, :, list(ORDER)]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=values.device)
     words = (v << shifts).sum(-1)  # < 2**32, fits in int64
     # reinterpret the unsigned 32-bit value as int32 (two's complement)
     words = torch.where(words >= 1 << 31, words - (1 << 32), words)
@@ -43,7 +43,7 @@ def _unpack_cols(words):
     import torch
 
     rows, n = words.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=words.device)
     nib = (words.to(torch.int64)[:, :, None] >> shifts) & 0xF  # nibble k at [..., k]
     inverse = [ORDER.index(c) for c in range(PACK)]  # column c lives in nibble inverse[c]
     return nib[:, :, inverse].reshape(rows, n * PACK)

@@ -41,8 +41,8 @@ def perplexity(logits_fn: Callable, token_ids, seq_len: int, samples: int | None
         for start in range(0, n, batch_size):
             batch = windows[start:start + batch_size]
             logits = logits_fn(batch).float()
-            nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
-                                  reduction="sum")
+            targets = batch[:, 1:].reshape(-1).to(logits.device)  # the model may run on a GPU
+            nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets, reduction="sum")
             total_nll += float(nll)
             count += batch[:, 1:].numel()
             task.advance(batch.shape[0])
