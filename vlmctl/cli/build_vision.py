@@ -4,7 +4,7 @@ from pathlib import Path
 
 import typer
 
-from .common import JsonOption, SetOption, print_json, progress_for, render_stage
+from .common import JsonOption, SetOption, run_stage_command
 
 
 def build_vision_command(
@@ -13,14 +13,6 @@ def build_vision_command(
     force: bool = typer.Option(False, "--force", help="Re-run even if the cache says nothing changed"),
     json_: bool = JsonOption,
 ):
-    from ..pipeline import load_workdir_recipe, save_recipe, stage_build_vision
+    from ..pipeline import stage_build_vision
 
-    recipe = load_workdir_recipe(workdir, overrides)
-    if overrides:
-        save_recipe(workdir, recipe)
-    with progress_for(json_) as progress:
-        res = stage_build_vision(recipe, workdir, force=force, progress=progress)
-    if json_:
-        print_json(res.to_json())
-    else:
-        render_stage(res)
+    run_stage_command(stage_build_vision, workdir, overrides, force, json_)

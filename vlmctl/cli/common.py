@@ -77,3 +77,18 @@ def render_stage(res) -> None:
         note = res.info.get("note") if res.info else None
         if note:
             console.print(f"  [yellow]note:[/yellow] {note}")
+
+
+def run_stage_command(stage_fn, workdir, overrides, force: bool, json_: bool) -> None:
+    """The body of every stand-alone stage command: the work directory's recipe (+ --set), run, report."""
+    from ..pipeline import load_workdir_recipe, save_recipe
+
+    recipe = load_workdir_recipe(workdir, overrides)
+    if overrides:
+        save_recipe(workdir, recipe)
+    with progress_for(json_) as progress:
+        res = stage_fn(recipe, workdir, force=force, progress=progress)
+    if json_:
+        print_json(res.to_json())
+    else:
+        render_stage(res)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import typer
 
-from .common import JsonOption, SetOption, console, print_json, progress_for, render_stage
+from .common import JsonOption, SetOption, print_json, progress_for, render_stage
 
 
 def convert_command(

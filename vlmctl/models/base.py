@@ -67,8 +67,16 @@ class VLMFamily:
     def hf_model_class(self):
         raise NotImplementedError
 
+    # (old prefix, current prefix) pairs for checkpoints saved in an older transformers layout.
+    legacy_prefixes: ClassVar[tuple[tuple[str, str], ...]] = ()
+
     def canonical_key(self, key: str) -> str:
         """Map a checkpoint tensor name (any historical layout) to the current transformers name."""
+        if key.startswith(("model.", "lm_head.")):
+            return key
+        for old, new in self.legacy_prefixes:
+            if key.startswith(old):
+                return new + key[len(old):]
         return key
 
     def split_key(self, key: str) -> tuple[str, str]:
@@ -88,6 +96,24 @@ class VLMFamily:
         raise NotImplementedError
 
     # ---- vision ----------------------------------------------------------------------------
+    @staticmethod
+    def load_vision_weights(module, vision_dir: Path, skip: tuple[str, ...] = ()) -> None:
+        """Load convert's vision/ weights into the export wrapper; any mismatch is a checkpoint error."""
+        from safetensors.torch import load_file
+
+        from ..checkpoint import weight_files
+        from ..errors import CheckpointError
+
+        state = {}
+        for f in weight_files(Path(vision_dir)):
+            state.update(load_file(str(f)))
+        for name in skip:
+            state.pop(name, None)
+        missing, unexpected = module.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"{vision_dir}: vision weights do not match the config "
+                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+
     def build_vision_module(self, vision_dir: Path, dtype):
         """torch module: ONNX inputs -> image features [batch, rows, decoder hidden]."""
         raise NotImplementedError

@@ -124,6 +124,7 @@ class InternVLFamily(VLMFamily):
     name = "internvl"
     architectures = ("InternVLForConditionalGeneration",)
     multi_image = True
+    legacy_prefixes = _LEGACY_PREFIXES
 
     def hf_config(self, config_dict: dict):
         from transformers import InternVLConfig
@@ -157,14 +158,6 @@ class InternVLFamily(VLMFamily):
         from transformers import InternVLForConditionalGeneration
 
         return InternVLForConditionalGeneration
-
-    def canonical_key(self, key: str) -> str:
-        if key.startswith(("model.", "lm_head.")):
-            return key
-        for old, new in _LEGACY_PREFIXES:
-            if key.startswith(old):
-                return new + key[len(old):]
-        return key
 
     def split_key(self, key: str) -> tuple[str, str]:
         if key.startswith(tuple("model." + p for p in _VISION_PREFIXES)):
@@ -200,15 +193,9 @@ class InternVLFamily(VLMFamily):
 
     # ---- vision ----------------------------------------------------------------------------
     def build_vision_module(self, vision_dir: Path, dtype):
-        from safetensors.torch import load_file
-
         config = self.hf_config(read_json(Path(vision_dir) / "config.json"))
         wrapper = InternVLVisionWrapper.build(config)
-        state = load_file(str(Path(vision_dir) / "model.safetensors"))
-        missing, unexpected = wrapper.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise CheckpointError(f"{vision_dir}: vision weights do not match the config "
-                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        self.load_vision_weights(wrapper, vision_dir)
         wrapper.truncate_unused_layers()
         return wrapper.to(dtype).eval().requires_grad_(False)
 

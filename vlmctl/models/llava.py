@@ -73,6 +73,7 @@ class LlavaFamily(VLMFamily):
     name = "llava"
     architectures = ("LlavaForConditionalGeneration",)
     multi_image = True
+    legacy_prefixes = _LEGACY_PREFIXES
 
     def hf_config(self, config_dict: dict):
         from transformers import LlavaConfig
@@ -83,14 +84,6 @@ class LlavaFamily(VLMFamily):
         from transformers import LlavaForConditionalGeneration
 
         return LlavaForConditionalGeneration
-
-    def canonical_key(self, key: str) -> str:
-        if key.startswith(("model.", "lm_head.")):
-            return key
-        for old, new in _LEGACY_PREFIXES:
-            if key.startswith(old):
-                return new + key[len(old):]
-        return key
 
     def split_key(self, key: str) -> tuple[str, str]:
         if key.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
@@ -122,16 +115,9 @@ class LlavaFamily(VLMFamily):
 
     # ---- vision ----------------------------------------------------------------------------
     def build_vision_module(self, vision_dir: Path, dtype):
-        import torch
-        from safetensors.torch import load_file
-
         config = self.hf_config(read_json(Path(vision_dir) / "config.json"))
         wrapper = LlavaVisionWrapper.build(config, config.vision_feature_layer, config.vision_feature_select_strategy)
-        state = load_file(str(Path(vision_dir) / "model.safetensors"))
-        missing, unexpected = wrapper.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise CheckpointError(f"{vision_dir}: vision weights do not match the config "
-                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        self.load_vision_weights(wrapper, vision_dir)
         wrapper.truncate_unused_layers()
         return wrapper.to(dtype).eval().requires_grad_(False)
 

@@ -183,20 +183,9 @@ class AnyresLlavaFamily(LlavaFamily):
     # ---- vision ----------------------------------------------------------------------------
     def build_vision_module(self, vision_dir: Path, dtype):
         """Tower + projector per crop ([crops, 3, S, S] -> [crops, rows, hidden]); image_newline stays on the host."""
-        from safetensors.torch import load_file
-
-        from ..checkpoint import weight_files
-
         config = self.hf_config(read_json(Path(vision_dir) / "config.json"))
         wrapper = LlavaVisionWrapper.build(config, config.vision_feature_layer, config.vision_feature_select_strategy)
-        state = {}
-        for f in weight_files(Path(vision_dir)):
-            state.update(load_file(str(f)))
-        state.pop(NEWLINE, None)
-        missing, unexpected = wrapper.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise CheckpointError(f"{vision_dir}: vision weights do not match the config "
-                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        self.load_vision_weights(wrapper, vision_dir, skip=(NEWLINE,))
         wrapper.truncate_unused_layers()
         return wrapper.to(dtype).eval().requires_grad_(False)
 

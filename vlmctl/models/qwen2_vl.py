@@ -291,17 +291,9 @@ class Qwen2VLFamily(VLMFamily):
 
     # ---- vision ----------------------------------------------------------------------------
     def build_vision_module(self, vision_dir: Path, dtype):
-        from safetensors.torch import load_file
-
         config = self.hf_config(read_json(Path(vision_dir) / "config.json"))
         wrapper = QwenVisionWrapper.build(config, self.windowed)
-        state = {}
-        for f in sorted(Path(vision_dir).glob("*.safetensors")):
-            state.update(load_file(str(f)))
-        missing, unexpected = wrapper.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise CheckpointError(f"{vision_dir}: vision weights do not match the config "
-                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        self.load_vision_weights(wrapper, vision_dir)
         return wrapper.to(dtype).eval().requires_grad_(False)
 
     def vision_geometry(self, config_dict: dict) -> dict:

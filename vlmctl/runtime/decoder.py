@@ -192,7 +192,6 @@ class TorchDecoder:
 
         Inputs are host tensors (the scheduler's bookkeeping), so choosing the attention length
         needs no device sync. On CUDA the step replays a captured graph per (batch, length) bucket."""
-        b = slots.shape[0]
         need = int(cache_lens.max()) + 1
         if self.use_graphs:
             return self._decode_graphed(slots, tokens, cache_lens, rope_deltas, need)
