@@ -46,8 +46,8 @@ N_GRID = 20
 CLIP_GRID = 20
 CLIP_MAX_SHRINK = 0.5
 CLIP_TOKENS = 512
-# Rough working-set budget for one batched computation (bytes); keeps large models bounded.
-CHUNK_BYTES = 1 << 30
+# Working-set budget of one batched grid computation (bytes): bounds the temporaries.
+CHUNK_BYTES = 64 << 20
 SHARD_BYTES = 1 << 30
 FORWARD_BYTES = 16 << 20
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt")
@@ -119,7 +119,7 @@ def weight_mean(weights, group_size: int):
     return wg.reshape(w.shape).mean(0)
 
 
-def gram(x, chunk_rows: int = 1 << 14):
+def gram(x, chunk_rows: int = 4096):
     """XᵀX of x [..., in] in float32, accumulated over row chunks."""
     import torch
 
@@ -144,7 +144,7 @@ def linear_grid_losses(weights, g, scales, group_size: int):
 
     losses = torch.zeros(scales.shape[0], dtype=torch.float64, device=scales.device)
     for w in weights:
-        step = _grid_chunk(4 * w.numel() * 3, scales.shape[0])
+        step = _grid_chunk(4 * w.numel() * 8, scales.shape[0])  # ~8 weight-sized temporaries per point
         for i in range(0, scales.shape[0], step):
             s = scales[i:i + step][:, None, :]
             d = pseudo_quantize(w[None] * s, group_size) / s - w[None]
@@ -172,7 +172,7 @@ def clip_thresholds(w, x, group_size: int, n_grid: int = CLIP_GRID, max_shrink: 
     org_max = wg.abs().amax(-1, keepdim=True)  # [out, ng, 1]
     n_steps = int(max_shrink * n_grid)
     errs = []
-    step = _grid_chunk(4 * w.numel() * 4, n_steps)
+    step = _grid_chunk(4 * w.numel() * 8, n_steps)
     for i in range(0, n_steps, step):
         ratios = 1 - torch.arange(i, min(n_steps, i + step), dtype=torch.float32, device=w.device) / n_grid
         mv = org_max[None] * ratios[:, None, None, None]  # [S, out, ng, 1]
@@ -268,44 +268,55 @@ class LayerQuantizer:
         self.linear_names = names
 
     def forward_record(self, layer, x):
-        """Float layer output for x [n, T, H], and the input of every linear."""
+        """Float layer output for x [n, T, H], and the input of every linear.
+
+        Inputs are written into buffers allocated once per distinct input tensor (q/k/v share
+        one), so the recording never holds a second copy of the chunks.
+        """
         import torch
 
-        rec_in: dict[str, list] = {n: [] for n in self.linear_names}
-        hooks = []
-        for n in self.linear_names:
-            hooks.append(layer.get_submodule(n).register_forward_pre_hook(
-                lambda m, args, n=n: rec_in[n].append(args[0])))
+        n = x.shape[0]
+        buffers: dict[str, object] = {}
+        by_ptr: dict[int, object] = {}
+        state = {"lo": 0}
+
+        def record(name, t):
+            lo = state["lo"]
+            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if key in by_ptr:  # the same tensor as an earlier linear's in this chunk (q/k/v)
+                buf = by_ptr[key][1]
+            else:
+                buf = buffers.get(name)  # a later chunk: this linear's buffer
+                if buf is None:
+                    buf = torch.empty((n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+                buf[lo:lo + t.shape[0]].copy_(t)
+                by_ptr[key] = (t, buf)  # holding t: its address cannot be reused within the chunk
+            buffers[name] = buf
+
+        hooks = [layer.get_submodule(nm).register_forward_pre_hook(lambda m, args, nm=nm: record(nm, args[0]))
+                 for nm in self.linear_names]
         kw = _call_kwargs(layer, self.kwargs)
-        outs = []
+        out = torch.empty_like(x)
         try:
-            for i in range(0, x.shape[0], self.chunk):
-                outs.append(_first(layer(x[i:i + self.chunk], **kw)))
+            for lo, hi in self._chunks(x):
+                state["lo"] = lo
+                by_ptr.clear()
+                out[lo:hi] = _first(layer(x[lo:hi], **kw))
         finally:
             for h in hooks:
                 h.remove()
-        # q/k/v see the same tensor: concatenate it once
-        cat_cache: dict[tuple, object] = {}
-
-        def cat(parts):
-            key = tuple(p.data_ptr() for p in parts)
-            if key not in cat_cache:
-                cat_cache[key] = parts[0] if len(parts) == 1 else torch.cat(parts)
-            return cat_cache[key]
-
-        inputs = {n: cat(v) for n, v in rec_in.items()}
-        return (outs[0] if len(outs) == 1 else torch.cat(outs)), inputs
+        return out, buffers
 
     def search_scale(self, layer, group, x):
-        """Best scale [in] for one group, given its input x [n, T, in] and the block's float output."""
+        """Best scale [in] for one group, given the input x [n, T, in] its linears share."""
         import torch
 
         lins = [layer.get_submodule(n) for n in group.linears]
         weights = [m.weight.data for m in lins]
         x_mean = torch.zeros(x.shape[-1], dtype=torch.float64, device=x.device)
         flat = x.reshape(-1, x.shape[-1])
-        for i in range(0, flat.shape[0], 1 << 14):
-            x_mean += flat[i:i + (1 << 14)].abs().sum(0, dtype=torch.float64)
+        for i in range(0, flat.shape[0], 2048):  # small chunks: no large temporaries
+            x_mean += flat[i:i + 2048].abs().sum(0).double()
         x_mean = (x_mean / flat.shape[0]).float()
         w_mean = weight_mean(weights, self.group_size) if self.duo else None
         scales = grid_scales(x_mean, w_mean)
