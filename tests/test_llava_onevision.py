@@ -185,7 +185,6 @@ def test_awq_build_matches_transformers_on_dequantized_weights(built, tmp_path, 
     equal transformers' on the same dequantized weights."""
     import shutil
 
-    pytest.importorskip("vlmctl.quant.awq", reason="vlmctl.quant (AWQ) is not in this tree")
     from transformers import LlavaOnevisionForConditionalGeneration
 
     from tiny_llava_anyres import dequantized_reference

@@ -262,7 +262,6 @@ def dequantized_hf_model(ckpt: Path, version: str, vlm_dir: Path, group_size: in
 # One version: the decoder, its AWQ groups and the checkpoint names are the same for both.
 @pytest.mark.parametrize("family", ["qwen2_5_vl"])
 def test_awq_build_matches_transformers_on_dequantized_weights(tmp_path, capsys, family):
-    pytest.importorskip("vlmctl.quant.awq", reason="the AWQ quantizer (vlmctl.quant.awq) is not in this tree")
     version = VERSIONS[family]
     ckpt = make_qwen2_vl(tmp_path / "ckpt", version=version, seed=11)
     recipe = write_recipe(tmp_path / "r.yaml", ckpt, limits={"max_images_per_request": 2})
