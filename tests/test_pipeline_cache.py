@@ -83,7 +83,7 @@ def test_failed_stage_leaves_nothing_half_written(tiny_llava, tmp_path, capsys, 
         build(load_recipe(recipe, ["vision.opset=19"]), eng)
     # the previous, finished output is untouched and no temporary directory remains
     assert (eng / "export-vision" / "manifest.json").read_text() == before
-    assert not [p for p in eng.iterdir() if p.name.startswith(".")]
+    assert not [p for p in eng.iterdir() if p.name.startswith(".") and p.name != ".source-hashes.json"]
 
 
 def test_manifest_contents(tiny_llava_engine):
@@ -98,3 +98,31 @@ def test_manifest_contents(tiny_llava_engine):
     assert v["backend"] in ("onnxruntime", "tensorrt")
     if v["backend"] == "onnxruntime":
         assert "ONNX Runtime runs" in v["info"]["note"]
+
+
+def test_source_is_not_reread_on_a_cache_hit(tiny_llava, tmp_path, monkeypatch):
+    import os
+    import shutil
+
+    import vlmctl.artifacts as artifacts
+    from vlmctl.pipeline import stage_convert
+    from vlmctl.recipe import load_recipe
+
+    src = tmp_path / "ck"
+    shutil.copytree(tiny_llava, src)
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", src))
+    assert not stage_convert(recipe, tmp_path / "w").cached
+    read = []
+    real = artifacts.sha256_file
+    monkeypatch.setattr(artifacts, "sha256_file", lambda p, *a: (read.append(p), real(p, *a))[1])
+    assert stage_convert(recipe, tmp_path / "w").cached
+    assert not [p for p in read if src in p.parents]  # known (size, mtime): no source file re-read
+    # a changed file (new mtime) is hashed again, and its new content invalidates the stage
+    w = src / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 1
+    w.write_bytes(bytes(data))
+    os.utime(w, ns=(w.stat().st_atime_ns, w.stat().st_mtime_ns + 1_000_000))
+    read.clear()
+    assert not stage_convert(recipe, tmp_path / "w").cached
+    assert w in read

@@ -37,16 +37,35 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def hash_tree(root: Path, files: list[Path] | None = None) -> str:
-    """Content hash of a directory: relative names and file contents, in sorted order."""
+def hash_tree(root: Path, files: list[Path] | None = None, stat_cache: Path | None = None) -> str:
+    """Content hash of a directory: relative names and file contents, in sorted order.
+
+    With `stat_cache`, a file whose size and modification time match the cached entry reuses its
+    recorded SHA-256, so re-building from a multi-GB source checkpoint does not re-read it."""
     root = Path(root)
     files = sorted(files if files is not None else [p for p in root.rglob("*") if p.is_file()])
+    cache: dict = {}
+    if stat_cache is not None:
+        try:
+            cache = json.loads(Path(stat_cache).read_text())
+        except (OSError, json.JSONDecodeError):
+            cache = {}
+    fresh: dict = {}
     h = hashlib.sha256()
     for p in files:
         rel = p.relative_to(root).as_posix()
         if rel == MANIFEST:
             continue
-        h.update(rel.encode() + b"\0" + sha256_file(p).encode() + b"\n")
+        st = p.stat()
+        key = str(p.resolve())
+        hit = cache.get(key)
+        digest = hit[2] if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns else sha256_file(p)
+        fresh[key] = [st.st_size, st.st_mtime_ns, digest]
+        h.update(rel.encode() + b"\0" + digest.encode() + b"\n")
+    if stat_cache is not None:
+        tmp = Path(stat_cache).with_suffix(".tmp")
+        tmp.write_text(json.dumps(fresh))
+        tmp.replace(stat_cache)
     return h.hexdigest()
 
 

@@ -87,7 +87,10 @@ def stage_convert(recipe: Recipe, workdir: Path, *, force=False, progress: Progr
 
     src = resolve_source(recipe)
     detect_family(read_config(src), where=str(src / "config.json"))  # fail fast, before hashing
-    src_hash = hash_tree(src, [p for p in src.rglob("*") if p.is_file() and ".cache" not in p.parts])
+    workdir.mkdir(parents=True, exist_ok=True)
+    # Source hashes are remembered by (size, mtime) so a cache hit does not re-read a 14 GB checkpoint.
+    src_hash = hash_tree(src, [p for p in src.rglob("*") if p.is_file() and ".cache" not in p.parts],
+                         stat_cache=workdir / ".source-hashes.json")
     settings: dict = {"dtype": recipe.dtype}
     image = recipe.image.model_dump(exclude_none=True)
     if image:  # only when set, so engines built without it keep their cache key
