@@ -3,6 +3,9 @@ per-crop ONNX graph + host-side packing == transformers' own image-feature path.
 
 from __future__ import annotations
 
+# Families whose tiny-model parity this module proves (tests/test_registry.py checks every one is covered).
+COVERS_FAMILIES = ('llava_next',)
+
 import json
 
 import numpy as np

@@ -9,6 +9,9 @@ counts from transformers' own `LlavaOnevisionProcessor.replace_image_token`.
 
 from __future__ import annotations
 
+# Families whose tiny-model parity this module proves (tests/test_registry.py checks every one is covered).
+COVERS_FAMILIES = ('llava_onevision',)
+
 import json
 
 import numpy as np

@@ -15,6 +15,9 @@ repeated grid_thw.prod() // merge_size**2 times, mm_token_type_ids marking the i
 
 from __future__ import annotations
 
+# Families whose tiny-model parity this module proves (tests/test_registry.py checks every one is covered).
+COVERS_FAMILIES = ('qwen2_vl', 'qwen2_5_vl')
+
 import json
 from pathlib import Path
 
