@@ -185,6 +185,19 @@ class FamilyProcessor:
         return None
 
 
+def expand_placeholders(ids: list[int], placeholder_id: int, items: list[ImageItem]) -> list[int]:
+    """Each occurrence of the image placeholder id becomes `num_tokens` copies, image by image."""
+    expanded: list[int] = []
+    k = 0
+    for t in ids:
+        if t == placeholder_id:
+            expanded.extend([t] * items[k].num_tokens)
+            k += 1
+        else:
+            expanded.append(t)
+    return expanded
+
+
 def read_json(path: Path) -> dict:
     with open(path) as f:
         return json.load(f)

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import CheckpointError, InputError, UnsupportedModelError
-from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, read_json
+from .base import VISION, EncodedPrompt, FamilyProcessor, ImageItem, expand_placeholders, read_json
 from .chat import load_chat_template, render_chat
 from .llava import LlavaFamily, LlavaVisionWrapper, image_hash
 
@@ -172,13 +172,7 @@ class AnyresLlavaFamily(LlavaFamily):
     def join_key(self, part: str, name: str) -> str:
         if part == VISION and name == NEWLINE:
             return "model." + NEWLINE
-        if part == VISION and name.startswith(("vision_tower.", "multi_modal_projector.")):
-            return "model." + name
-        if part == DECODER and name.startswith("model."):
-            return "model.language_model." + name[len("model."):]
-        if part == DECODER and name.startswith("lm_head."):
-            return name
-        raise CheckpointError(f"tensor {name!r} of the {part} part has no place in a {self.name} checkpoint")
+        return super().join_key(part, name)
 
     # ---- vision ----------------------------------------------------------------------------
     def build_vision_module(self, vision_dir: Path, dtype):
@@ -316,14 +310,7 @@ class AnyresProcessorAdapter(FamilyProcessor):
                              "were given")
         ids = self.tokenizer(text)["input_ids"]
         items = self.image_items([img.convert("RGB") for img in images], [image_hash(img) for img in images])
-        expanded: list[int] = []
-        k = 0
-        for t in ids:
-            if t == self.image_token_id:
-                expanded.extend([t] * items[k].num_tokens)
-                k += 1
-            else:
-                expanded.append(t)
+        expanded = expand_placeholders(ids, self.image_token_id, items)
         return EncodedPrompt(token_ids=expanded, images=items, image_placeholder_id=self.image_token_id, text=text)
 
     def anyres_item(self, image, content_hash: str) -> ImageItem:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, InputError, UnsupportedModelError
-from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, VLMFamily, read_json
+from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, VLMFamily, expand_placeholders, read_json
 from .chat import load_chat_template, render_chat
 
 IMAGE_TOKEN = "<|image_pad|>"
@@ -497,14 +497,7 @@ class QwenProcessorAdapter(FamilyProcessor):
                 meta["restore"] = np.argsort(order)
             items.append(ImageItem(inputs=inputs, num_tokens=n, meta=meta, content_hash=image_hash(img)))
         ids = self.tokenizer(text)["input_ids"]
-        expanded: list[int] = []
-        k = 0
-        for t in ids:
-            if t == self.image_token_id:
-                expanded.extend([t] * items[k].num_tokens)
-                k += 1
-            else:
-                expanded.append(t)
+        expanded = expand_placeholders(ids, self.image_token_id, items)
         return EncodedPrompt(token_ids=expanded, images=items, image_placeholder_id=self.image_token_id, text=text)
 
     def batch_key(self, item: ImageItem) -> tuple:
