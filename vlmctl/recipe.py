@@ -37,7 +37,7 @@ class QuantizationSettings(_Strict):
     bits: Literal[4] = 4
     group_size: int = Field(128, ge=8)
     zero_point: bool = True
-    duo_scaling: bool = False
+    duo_scaling: bool = True  # AutoAWQ's default: scale formula with a weight term
     impl: Literal["vlmctl", "autoawq"] = "vlmctl"
     calibration: CalibrationSettings = CalibrationSettings()
 
