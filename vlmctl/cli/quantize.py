@@ -22,7 +22,7 @@ def quantize_command(
     calib_samples: int = typer.Option(None, "--calib-samples", help="Calibration blocks (default 128)"),
     calib_seq_len: int = typer.Option(None, "--calib-seq-len", help="Tokens per calibration block (default 512)"),
     duo_scaling: bool = typer.Option(None, "--duo-scaling/--no-duo-scaling",
-                                     help="AutoAWQ's scale formula with a weight term (default off)"),
+                                     help="AutoAWQ's scale formula with a weight term (default on, as in AutoAWQ)"),
     impl: str = typer.Option(None, "--impl", help="vlmctl (default) or autoawq (needs the `autoawq` package)"),
     dtype: str = typer.Option(None, "--dtype", help="Float dtype for a VLM checkpoint's conversion (default float16)"),
     overrides: list[str] = SetOption,
