@@ -485,29 +485,41 @@ class LayerQuantizer:
 
 # ---- the whole decoder --------------------------------------------------------------------------
 class _Tensors:
-    """Lazy access to a checkpoint's tensors by name (safetensors, memory-mapped)."""
+    """Lazy access to a checkpoint's tensors by name (safetensors, memory-mapped).
+
+    `release()` closes the files: pages of a memory-mapped file that were read stay resident (and
+    count as this process's memory) until the mapping goes, so the quantizer releases them after
+    every layer instead of accumulating the whole checkpoint.
+    """
 
     def __init__(self, ckpt_dir: Path):
         from safetensors import safe_open
 
-        self.handles = {}
-        self.where: dict[str, object] = {}
+        self.where: dict[str, Path] = {}
+        self.handles: dict[Path, object] = {}
         for f in weight_files(ckpt_dir):
             try:
                 h = safe_open(str(f), framework="pt")
             except Exception as e:
                 raise CheckpointError(f"{f}: not a valid safetensors file ({e})") from None
-            self.handles[f] = h
             for k in h.keys():
-                self.where[k] = h
+                self.where[k] = f
 
     def names(self) -> list[str]:
         return list(self.where)
 
     def get(self, name: str):
+        from safetensors import safe_open
+
         if name not in self.where:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
-        return self.where[name].get_tensor(name)
+        f = self.where[name]
+        if f not in self.handles:
+            self.handles[f] = safe_open(str(f), framework="pt")
+        return self.handles[f].get_tensor(name)
+
+    def release(self) -> None:
+        self.handles.clear()
 
 
 def _skeleton(src_dir: Path, family):
@@ -700,6 +712,7 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
             n_linears += len(packed)
             layers[i] = torch.nn.Identity()  # drop this layer's weights
             del layer, state, src, packed
+            tensors.release()
             _trim_heap()
             task.advance()
     task.done()
