@@ -493,29 +493,30 @@ class _Tensors:
     """
 
     def __init__(self, ckpt_dir: Path):
-        from safetensors import safe_open
-
         self.where: dict[str, Path] = {}
         self.handles: dict[Path, object] = {}
         for f in weight_files(ckpt_dir):
-            try:
-                h = safe_open(str(f), framework="pt")
-            except Exception as e:
-                raise CheckpointError(f"{f}: not a valid safetensors file ({e})") from None
-            for k in h.keys():
+            for k in self._open(f).keys():
                 self.where[k] = f
+
+    @staticmethod
+    def _open(f: Path):
+        from safetensors import safe_open
+
+        try:
+            return safe_open(str(f), framework="pt")
+        except Exception as e:  # also when a file changed or vanished between layers
+            raise CheckpointError(f"{f}: not a valid safetensors file ({e})") from None
 
     def names(self) -> list[str]:
         return list(self.where)
 
     def get(self, name: str):
-        from safetensors import safe_open
-
         if name not in self.where:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
         f = self.where[name]
         if f not in self.handles:
-            self.handles[f] = safe_open(str(f), framework="pt")
+            self.handles[f] = self._open(f)
         return self.handles[f].get_tensor(name)
 
     def release(self) -> None:
