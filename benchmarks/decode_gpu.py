@@ -1,11 +1,15 @@
-"""Decoder throughput of vlmctl's embedded torch runtime vs transformers on a GPU.
+"""Decode-step time of vlmctl's embedded decoder vs transformers, against the bandwidth bound (GPU).
 
-Random fp16 weights with the LLaVA-1.5-7B language model's shape (Llama-2-7B: 32 layers, hidden
-4096), made directly on the device, so no checkpoint is needed. Each request: a prompt of
-`--prompt-len` tokens of which 576 are image rows from a prompt-embedding table, then
-`--new-tokens` greedy tokens. Prints a table; --out writes JSON.
+Random weights with the LLaVA-1.5-7B language model's shape (Llama-2-7B: 32 layers, hidden 4096,
+vocab 32064), made on the device, so no checkpoint is needed. The decoder runs as the engine runs
+it by default: KV pool sized by `--gpu-memory-utilization` 0.9 in 16-token blocks, per-sequence
+limit 2048 + 512 tokens, CUDA graphs captured per batch bucket up to 64, Triton kernels. Each
+sequence first prefills a `--prompt-len` prompt (576 rows from a prompt-embedding table), then the
+timed decode steps run at a growing context. The bound: weight bytes + the KV bytes the batch
+attends, over the copy bandwidth measured in the same run.
 
-    python benchmarks/decode_gpu.py --batches 1 8 32 --new-tokens 128
+    python benchmarks/decode_gpu.py --batches 1 8 64 --steps 64
+    python benchmarks/decode_gpu.py --awq          # also the 4-bit AWQ decoder (W4A16 kernels)
 """
 
 from __future__ import annotations
@@ -14,78 +18,146 @@ import argparse
 import json
 import time
 
+import numpy as np
 import torch
 
+MAX_SEQ = 2048 + 512  # recipe defaults: max_input_len + max_output_len
+DEV = "cuda"
+SHAPE = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32, "vocab_size": 32064}
+SMOKE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "vocab_size": 1000}
 
-def llama7b_config(layers: int) -> dict:
-    return {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": layers,
-            "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064, "rms_norm_eps": 1e-5,
+
+def llama7b_config(layers: int, shape: dict = SHAPE) -> dict:
+    return {"model_type": "llama", **shape, "num_hidden_layers": layers,
+            "num_key_value_heads": shape["num_attention_heads"], "rms_norm_eps": 1e-5,
             "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False,
             "hidden_act": "silu"}
 
 
-def random_hf_state(cfg: dict, device) -> dict:
-    g = torch.Generator(device=device).manual_seed(0)
+def random_hf_state(cfg: dict, device, seed: int = 0) -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt = torch.float16 if device == "cuda" else torch.float32
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
 
-    def w(*shape):
-        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float16) * 0.02)
+    def w(*shape, std=0.02):
+        return torch.randn(*shape, generator=g, device=device, dtype=dt) * std
 
-    sd = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": torch.ones(h, device=device, dtype=torch.float16),
-          "lm_head.weight": w(v, h)}
-    for l in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{l}"
+    def ones():
+        return torch.ones(h, device=device, dtype=dt)
+
+    sd = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": ones(), "lm_head.weight": w(v, h)}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
             sd[f"{p}.self_attn.{n}.weight"] = w(h, h)
         sd[f"{p}.mlp.gate_proj.weight"] = w(i, h)
         sd[f"{p}.mlp.up_proj.weight"] = w(i, h)
         sd[f"{p}.mlp.down_proj.weight"] = w(h, i)
-        sd[f"{p}.input_layernorm.weight"] = torch.ones(h, device=device, dtype=torch.float16)
-        sd[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, device=device, dtype=torch.float16)
+        sd[f"{p}.input_layernorm.weight"] = ones()
+        sd[f"{p}.post_attention_layernorm.weight"] = ones()
     return sd
 
 
-def bench_vlmctl(cfg, sd, batch, prompt_len, new_tokens, image_rows=576, graphs=True):
-    from vlmctl.runtime.decoder import TorchDecoder
-    from vlmctl.runtime.layout import fuse_decoder
+def runtime_tensors(spec, sd: dict, dtype) -> dict:
+    """The runtime's fused tensors from HF-named ones (what the loader does from a checkpoint)."""
+    out = {}
+    for template, sources in spec.tensor_sources.items():
+        layers = range(spec.num_layers) if "{i}" in template else [None]
+        for i in layers:
+            parts = [s.format(i=i) if i is not None else s for s in sources]
+            out[template.format(i=i) if i is not None else template] = torch.cat([sd[p] for p in parts]).to(dtype)
+    return out
 
-    rcfg, weights = fuse_decoder(cfg, dict(sd), None, "float16")
-    dec = TorchDecoder({"dtype": "float16", "decoder": rcfg}, weights, device="cuda", max_batch=batch,
-                       max_seq=prompt_len + new_tokens + 8)
-    dec.use_graphs = graphs
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(25):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1000)
+    del a, b
+    return 2 * (2 << 30) / float(np.median(times[5:]))
+
+
+def make_decoder(cfg, sd, awq_group: int | None):
+    from vlmctl.models.decoders import decoder_spec
+    from vlmctl.runtime.decoder import TorchDecoder
+
+    spec = decoder_spec(cfg)
+    tensors = runtime_tensors(spec, sd, torch.float16 if DEV == "cuda" else torch.float32)
+    if awq_group:
+        from dataclasses import replace
+
+        from vlmctl.runtime.kernels.w4a16 import quantize_for_benchmark
+
+        spec = replace(spec, quantization={"method": "awq", "bits": 4, "group_size": awq_group, "layout": "w4a16"})
+        tensors = quantize_for_benchmark(tensors, awq_group)
+    return TorchDecoder(spec, tensors, dtype=torch.float16 if DEV == "cuda" else torch.float32, device=DEV,
+                        max_seq=MAX_SEQ)
+
+
+def size_cache(dec, max_batch: int, budget: int = 2048, util: float = 0.9, block: int = 16) -> int:
+    """The engine's default KV sizing (Engine._kv_blocks)."""
+    if DEV != "cuda":
+        dec.allocate_cache(max_batch * MAX_SEQ // block + 1, block)
+        return dec.num_blocks
+    free, total = torch.cuda.mem_get_info()
+    spec = dec.spec
+    act = budget * (4 * spec.hidden_size + 2 * spec.intermediate_size + spec.q_size + 2 * spec.kv_size) * 4
+    reserve = act + max(max_batch, 64) * spec.vocab_size * 8 + (2 << 30)
+    blocks = (int(total * util) - (total - free) - reserve) // (block * dec.kv_bytes_per_token()) + 1
+    dec.allocate_cache(int(blocks), block)
+    return int(blocks)
+
+
+def bench_vlmctl(dec, batch: int, prompt_len: int, steps: int, graphs: bool) -> dict:
+    from vlmctl.runtime.decoder import Chunk
+
+    dec.use_graphs = graphs and DEV == "cuda"
+    bs = dec.block_size
     V = dec.vocab_size
-    table = torch.randn(image_rows, cfg["hidden_size"], device="cuda", dtype=torch.float16) * 0.02
-    ids = torch.randint(0, V, (prompt_len,), device="cuda")
-    ids[1:1 + image_rows] = V + torch.arange(image_rows, device="cuda")
-    torch.cuda.synchronize()
+    per_seq = -(-(prompt_len + steps + 8) // bs)
+    tables = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(batch)]
+    assert tables[-1][-1] < dec.num_blocks
+    rows = 576
+    table = torch.randn(rows, dec.spec.hidden_size, device=DEV, dtype=dec.dtype) * 0.02
+    ids = np.random.default_rng(0).integers(0, V, prompt_len)
+    ids[1:1 + rows] = V + np.arange(rows)
+    sync()
     t0 = time.perf_counter()
     first = []
-    for s in range(batch):
-        first.append(int(dec.prefill(s, ids, table).argmax()))
-    torch.cuda.synchronize()
+    for s in range(0, batch, 4):  # prefill 4 sequences per forward, as the scheduler batches them
+        chunks = [Chunk(ids, np.arange(prompt_len), 0, tables[q], table) for q in range(s, min(batch, s + 4))]
+        first.extend(dec.forward(chunks).argmax(-1).tolist())
+    sync()
     t_prefill = time.perf_counter() - t0
-    # Host-side bookkeeping as the engine keeps it; one device->host copy per step (the sampled ids).
-    slots = torch.arange(batch)
-    toks = torch.tensor(first)
-    lens = torch.full((batch,), prompt_len)
-    # warm-up decode steps (kernels, allocator)
-    for _ in range(3):
-        dec.decode(slots, toks, lens)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(new_tokens):
-        logits = dec.decode(slots, toks, lens)
-        toks = logits.argmax(-1).cpu()
-        lens = lens + 1
-    torch.cuda.synchronize()
-    t_dec = time.perf_counter() - t0
-    del dec
-    torch.cuda.empty_cache()
-    return {"impl": "vlmctl" if graphs else "vlmctl-eager", "batch": batch, "prefill_s": t_prefill, "decode_ms_per_step": 1000 * t_dec / new_tokens,
-            "decode_tok_s": batch * new_tokens / t_dec}
+    toks = np.array(first, dtype=np.int64)
+    lens = np.full(batch, prompt_len, dtype=np.int64)
+    times = []
+    for step in range(steps + 3):
+        slots = np.array([tables[q][lens[q] // bs] * bs + lens[q] % bs for q in range(batch)], dtype=np.int64)
+        t = time.perf_counter()
+        logits = dec.decode(toks, lens.copy(), slots, tables, lens + 1)
+        toks = logits.argmax(-1).cpu().numpy()  # one device->host copy per step, as the engine does
+        times.append(time.perf_counter() - t)
+        lens += 1
+    ms = 1000 * float(np.median(times[3:]))
+    return {"impl": "vlmctl" if graphs else "vlmctl-eager", "batch": batch, "prefill_s": t_prefill,
+            "ms_per_step": ms, "tok_s": batch * 1000 / ms, "context": int(prompt_len + steps / 2)}
 
 
-def bench_hf(cfg, sd, batch, prompt_len, new_tokens):
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_hf(cfg, sd, batch: int, prompt_len: int, steps: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.set_default_dtype(torch.float16)
@@ -103,45 +175,80 @@ def bench_hf(cfg, sd, batch, prompt_len, new_tokens):
         torch.cuda.synchronize()
         t_prefill = time.perf_counter() - t0
         t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=new_tokens + 1, do_sample=False, min_new_tokens=new_tokens + 1)
+        model.generate(ids, max_new_tokens=steps + 1, do_sample=False, min_new_tokens=steps + 1)
         torch.cuda.synchronize()
         t_all = time.perf_counter() - t0
-    t_dec = max(t_all - t_prefill, 1e-9)
     del model
     torch.cuda.empty_cache()
-    return {"impl": "transformers", "batch": batch, "prefill_s": t_prefill,
-            "decode_ms_per_step": 1000 * t_dec / new_tokens, "decode_tok_s": batch * new_tokens / t_dec}
+    ms = 1000 * max(t_all - t_prefill, 1e-9) / steps
+    return {"impl": "transformers", "batch": batch, "prefill_s": t_prefill, "ms_per_step": ms,
+            "tok_s": batch * 1000 / ms, "context": int(prompt_len + steps / 2)}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--prompt-len", type=int, default=640)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--hf-batches", type=int, nargs="*", default=[1, 64])
+    ap.add_argument("--eager", action="store_true", help="also time the eager (uncaptured) step")
+    ap.add_argument("--awq", type=int, nargs="?", const=128, default=None, help="also the AWQ decoder (group size)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    cfg = llama7b_config(args.layers)
-    sd = random_hf_state(cfg, "cuda")
-    dev = torch.cuda.get_device_name()
-    print(f"device: {dev}, torch {torch.__version__}, layers {args.layers}, prompt {args.prompt_len}, "
-          f"new tokens {args.new_tokens}")
-    print(f"{'impl':<13}{'batch':>6}{'prefill s':>11}{'ms/step':>10}{'tok/s':>10}", flush=True)
+    global DEV
+    if args.smoke:
+        DEV = "cpu"
+        args.layers, args.prompt_len, args.steps, args.hf_batches = 2, 600, 4, []
+    cfg = llama7b_config(args.layers, SMOKE if args.smoke else SHAPE)
+    sd = random_hf_state(cfg, DEV)
+    bw = copy_bandwidth() if DEV == "cuda" else 20e9
+    name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)"
+    print(f"device {name}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
-    for b in args.batches:
-        runs = [lambda: bench_vlmctl(cfg, sd, b, args.prompt_len, args.new_tokens),
-                lambda: bench_vlmctl(cfg, sd, b, args.prompt_len, args.new_tokens, graphs=False)]
-        if not args.no_hf:
-            runs.append(lambda: bench_hf(cfg, sd, b, args.prompt_len, args.new_tokens))
-        for run in runs:
-            r = run()
-            rows.append(r)
-            print(f"{r['impl']:<13}{r['batch']:>6}{r['prefill_s']:>11.3f}{r['decode_ms_per_step']:>10.2f}"
-                  f"{r['decode_tok_s']:>10.1f}", flush=True)
+    variants = [("fp16", None)] + ([("awq", args.awq)] if args.awq else [])
+    for name, group in variants:
+        dec = make_decoder(cfg, sd, group)
+        weight_bytes = sum(t.numel() * t.element_size() for t in _decoder_tensors(dec))
+        blocks = size_cache(dec, max(args.batches))
+        dec.capture_graphs(max(args.batches))
+        print(f"[{name}] weights {weight_bytes / 1e9:.2f} GB, KV pool {blocks} blocks "
+              f"({blocks * 16 * dec.kv_bytes_per_token() / 1e9:.1f} GB)", flush=True)
+        print(f"{'impl':<14}{'batch':>6}{'ms/step':>9}{'tok/s':>9}{'bound ms':>10}{'% bound':>9}", flush=True)
+        for b in args.batches:
+            runs = [True] + ([False] if args.eager else [])
+            for graphs in runs:
+                r = bench_vlmctl(dec, b, args.prompt_len, args.steps, graphs)
+                kv = b * r["context"] * dec.kv_bytes_per_token()
+                r.update(variant=name, weight_bytes=weight_bytes, bound_ms=1000 * (weight_bytes + kv) / bw)
+                r["pct_bound"] = 100 * r["bound_ms"] / r["ms_per_step"]
+                rows.append(r)
+                print(f"{r['impl'] + '-' + name:<14}{b:>6}{r['ms_per_step']:>9.2f}{r['tok_s']:>9.0f}"
+                      f"{r['bound_ms']:>10.2f}{r['pct_bound']:>8.0f}%", flush=True)
+        del dec
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    for b in args.hf_batches:
+        r = bench_hf(cfg, sd, b, args.prompt_len, args.steps)
+        r["variant"] = "fp16"
+        rows.append(r)
+        print(f"{'transformers':<14}{b:>6}{r['ms_per_step']:>9.2f}{r['tok_s']:>9.0f}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": dev, "torch": torch.__version__, "args": vars(args), "rows": rows}, f, indent=2)
+            json.dump({"device": name, "torch": torch.__version__, "copy_bw": bw,
+                       "args": vars(args), "rows": rows}, f, indent=2)
+
+
+def _decoder_tensors(dec):
+    """What one decode step reads in full (the embedding only gathers b rows, unless it is the lm_head too)."""
+    yield dec.norm
+    yield dec.lm_head
+    for layer in dec.layers:
+        yield layer.input_norm
+        yield layer.post_norm
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            yield from lin.tensors()
 
 
 if __name__ == "__main__":

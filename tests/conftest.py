@@ -13,6 +13,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+# Without a GPU, Triton kernels run in Triton's interpreter (numpy); it must be chosen before any
+# kernel module is imported.
+if not _cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT = SHARED / "data" / "wikitext-2"
 

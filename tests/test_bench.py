@@ -40,7 +40,7 @@ def test_same_image_hits_the_feature_cache(tiny_llava_engine):
     from vlmctl.bench import BenchConfig, bench_engine
     from vlmctl.runtime.engine import Engine
 
-    eng = Engine(tiny_llava_engine)
+    eng = Engine(tiny_llava_engine, enable_prefix_caching=False)  # else the image's KV blocks are reused instead
     bench_engine(eng, BenchConfig(num_requests=4, concurrency=1, output_len=2, image_size=(16, 16), prompt_len=2,
                                   same_image=True, warmup=0))
     assert eng.feature_cache.misses == 1 and eng.feature_cache.hits == 3

@@ -76,10 +76,30 @@ def test_streamed_deltas_concatenate_to_text(tiny_llava_engine):
     res = eng.chat(msgs, [make_image(4)], SamplingParams(max_tokens=16, temperature=0),
                    on_event=lambda ev: deltas.append(ev.text_delta))
     assert "".join(deltas) == res.text
-    # the feature cache served the second encode of the same image
-    hits = eng.feature_cache.hits
+    # the same image again does not go through the vision model: its KV blocks are in the prefix cache
+    misses, hit_tokens = eng.feature_cache.misses, eng.pool.hit_tokens
     eng.chat(msgs, [make_image(4)], SamplingParams(max_tokens=2, temperature=0))
-    assert eng.feature_cache.hits == hits + 1
+    assert eng.feature_cache.misses == misses and eng.pool.hit_tokens > hit_tokens
+    # without prefix caching the feature cache serves it
+    eng = Engine(tiny_llava_engine, enable_prefix_caching=False)
+    eng.chat(msgs, [make_image(4)], SamplingParams(max_tokens=2, temperature=0))
+    eng.chat(msgs, [make_image(4)], SamplingParams(max_tokens=2, temperature=0))
+    assert (eng.feature_cache.misses, eng.feature_cache.hits) == (1, 1)
+
+
+def test_feature_cache_evicts_least_recently_used():
+    from vlmctl.runtime.vision import FeatureCache
+
+    cache = FeatureCache(2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1  # a is now the most recent
+    cache.put("c", 3)  # evicts b
+    assert cache.get("b") is None and cache.get("a") == 1 and cache.get("c") == 3
+    assert (cache.hits, cache.misses) == (3, 1)
+    cache.put("", 4)  # no content hash: never cached
+    assert len(cache.data) == 2
+    FeatureCache(0).put("x", 1)
 
 
 def test_interactive_chat_repl(tiny_llava_engine, tmp_path):
@@ -104,8 +124,9 @@ def test_same_image_in_one_step_is_encoded_once(tiny_llava_engine):
 
     eng = Engine(tiny_llava_engine)
     calls = []
-    real = eng.vision
-    eng.vision = lambda feed: (calls.append(next(iter(feed.values())).shape[0]), real(feed))[1]
+    real = eng.vision.runner
+    eng.vision.runner = lambda feed: (calls.append(next(iter(feed.values())).shape[0]), real(feed))[1]
+    eng.vision.runner.backend = real.backend
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hello"}]}]
     prompts = [eng.encode(msgs, [make_image(9)]) for _ in range(3)]
     res = eng.generate(prompts, SamplingParams(max_tokens=3, temperature=0))

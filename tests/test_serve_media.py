@@ -136,8 +136,8 @@ def test_serve_rejects_bad_options_before_listening(tiny_llava_engine, capsys, a
 def test_serve_options_reach_the_app(tiny_llava_engine):
     from vlmctl.serve import ServerConfig, load_app
 
-    app = load_app(tiny_llava_engine, ServerConfig(model_name="served"), max_batch_size=3,
-                   limits={"max_output_len": 32, "max_input_len": None})
+    app = load_app(tiny_llava_engine, ServerConfig(model_name="served"), max_batch_size=3, max_output_len=32,
+                   max_input_len=None)
     eng = app.state.engine
     assert app.state.model_name == "served"
     assert eng.limits["max_batch_size"] == 3 and eng.limits["max_output_len"] == 32

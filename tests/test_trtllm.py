@@ -231,12 +231,17 @@ def test_expand_prompt_matches_the_torch_decoder_contract():
 
     from vlmctl.runtime.decoder import TorchDecoder
 
+    from vlmctl.formats.prompt_table import fake_ids
+
     V, H = 20, 4
     dec = TorchDecoder.__new__(TorchDecoder)  # only the embedding lookup is exercised
     dec.vocab_size, dec.embed = V, torch.randn(V, H)
     img = _image(3, H, 2, "c")
     ids, table = D.expand_prompt([1, 5, 5, 5, 3], 5, [img.features], V)
-    x = dec.embed_ids(torch.tensor(ids), torch.from_numpy(table))
+    assert ids == fake_ids([1, 5, 5, 5, 3], 5, V, 3).tolist()
+    t = torch.tensor(ids)
+    fake = (t >= V).nonzero()[:, 0]
+    x = dec._embed(t, fake, t[fake] - V, torch.from_numpy(table))
     torch.testing.assert_close(x[1:4], torch.from_numpy(img.features))
     torch.testing.assert_close(x[0], dec.embed[1])
 

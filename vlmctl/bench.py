@@ -160,14 +160,17 @@ def bench_engine(engine, cfg: BenchConfig, progress: Progress | None = None) -> 
             max_running = max(max_running, n_req)
         for ev in events:
             i = inflight[ev.request.id]
-            samples[i].token_times.append(now)
+            if ev.error:
+                samples[i].error = ev.error
+            else:
+                samples[i].token_times.append(now)
             if ev.finished:
                 samples[i].output_tokens = len(ev.request.output_ids)
                 del inflight[ev.request.id]
                 task.advance()
     duration = time.perf_counter() - t0
     task.done()
-    res = {"mode": "engine", "target": str(engine.engine_dir), "model": engine.model_name, "device": engine.device,
+    res = {"mode": "engine", "target": str(engine.engine_dir), "model": engine.model_name, "device": str(engine.device),
            "max_batch_size": engine.limits["max_batch_size"], "config": _cfg_json(cfg)}
     res.update(summarize(samples, duration))
     res.update({"max_running": max_running, "mean_batch_size": round(batch_total / steps, 3) if steps else None,

@@ -49,6 +49,17 @@ def iter_tensors(ckpt_dir: Path) -> Iterator[tuple[str, "object", Path]]:
                 raise CheckpointError(f"{f}: tensor {k!r} cannot be read ({_short(e)})") from None
 
 
+def read_config_json(ckpt_dir: Path) -> dict:
+    """config.json of a checkpoint directory, with one clear error when it is missing or not JSON."""
+    path = Path(ckpt_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{ckpt_dir}: no config.json") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({_short(e)})") from None
+
+
 def _short(e: Exception) -> str:
     return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 

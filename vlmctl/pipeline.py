@@ -177,9 +177,10 @@ def stage_build_llm(recipe: Recipe, workdir: Path, *, force=False, progress: Pro
             from .export.trtllm import build_trtllm_engine
 
             return build_trtllm_engine(llm_dir, out, recipe=recipe, extra_config=extra, progress=progress)
-        from .runtime.layout import build_torch_layout
+        from .export.torch_decoder import build_torch_decoder
 
-        return build_torch_layout(llm_dir, out, dtype=recipe.dtype, extra_config=extra, progress=progress)
+        return build_torch_decoder(llm_dir, out, engine_root=workdir, dtype=recipe.dtype, extra_config=extra,
+                                   progress=progress)
 
     return run_stage(workdir, "build-llm", settings, inputs, work, force=force)
 

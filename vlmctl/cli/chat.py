@@ -22,10 +22,14 @@ def chat_command(
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
     threads: int = typer.Option(None, "--threads", help="torch CPU threads (default: torch's; use 1 on busy "
                                                        "shared CPUs)"),
+    kv_cache_tokens: int = typer.Option(None, "--kv-cache-tokens", help="KV cache size in tokens (default: from "
+                                        "free GPU memory, or max batch x max sequence on a CPU)"),
+    vision_backend: str = typer.Option("auto", "--vision-backend", help="auto, tensorrt, onnxruntime-gpu, "
+                                       "onnxruntime or torch"),
     json_: bool = typer.Option(False, "--json", help="Print {text, token_ids, prompt_tokens, completion_tokens, "
                                                      "finish_reason}"),
 ):
-    from ..runtime.engine import Engine, load_image
+    from ..runtime.engine import Engine, EngineOptions, load_image
     from ..runtime.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -39,7 +43,8 @@ def chat_command(
         import torch
 
         torch.set_num_threads(threads)
-    engine = Engine(engine_dir, device=device)
+    engine = Engine(engine_dir, EngineOptions(device=device, kv_cache_tokens=kv_cache_tokens,
+                                              vision_backend=vision_backend))
     base = [{"role": "system", "content": system}] if system else []
     if prompt is not None:
         messages = base + [user_message(prompt, len(images))]

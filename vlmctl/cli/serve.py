@@ -34,9 +34,25 @@ def serve_command(
                                            "may take to finish"),
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
     threads: int = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)"),
+    max_num_batched_tokens: int = typer.Option(None, "--max-num-batched-tokens",
+                                               help="Tokens one engine step computes: prompt chunks + decode "
+                                                    "(default: 2048 on a GPU, 512 on a CPU)"),
+    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization",
+                                                 help="Share of the GPU's memory the engine may use; the KV cache "
+                                                      "gets what weights, vision and activations leave"),
+    kv_cache_tokens: int = typer.Option(None, "--kv-cache-tokens", help="KV cache size in tokens (overrides "
+                                        "--gpu-memory-utilization; CPU default: max batch x max sequence)"),
+    prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching",
+                                        help="Reuse the KV of repeated prefixes (tokens and images)"),
+    vision_backend: str = typer.Option("auto", "--vision-backend", help="auto, tensorrt, onnxruntime-gpu, "
+                                       "onnxruntime or torch"),
+    vision_batch_size: int = typer.Option(32, "--vision-batch-size", help="Images per vision call"),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps as CUDA "
+                                     "graphs"),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
 ):
     from ..errors import InputError
+    from ..runtime.engine import EngineOptions
     from ..serve import MediaPolicy, ServerConfig, load_app, run_server
 
     keys = list(api_key or [])
@@ -58,12 +74,17 @@ def serve_command(
         import torch
 
         torch.set_num_threads(threads)
-    app = load_app(engine_dir, config, device=device, max_batch_size=max_batch_size,
-                   feature_cache_size=feature_cache_size,
-                   limits={"max_input_len": max_input_len, "max_output_len": max_output_len,
-                           "max_images_per_request": max_images})
+    options = EngineOptions(device=device, max_batch_size=max_batch_size, max_input_len=max_input_len,
+                            max_output_len=max_output_len, max_images_per_request=max_images,
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            gpu_memory_utilization=gpu_memory_utilization, kv_cache_tokens=kv_cache_tokens,
+                            enable_prefix_caching=prefix_caching, vision_backend=vision_backend,
+                            vision_batch_size=vision_batch_size, cuda_graphs=cuda_graphs,
+                            feature_cache_size=feature_cache_size)
+    app = load_app(engine_dir, config, options)
     eng = app.state.engine
     console.print(f"[bold]vlmctl serve[/bold] {app.state.model_name} on http://{host}:{port}/v1 "
-                  f"({eng.device}; max batch {eng.limits['max_batch_size']}; "
+                  f"({eng.device}; max batch {eng.limits.max_batch_size}; KV cache {eng.limits.kv_cache_tokens} "
+                  f"tokens; vision {eng.vision.backend}; "
                   f"{'API key required' if keys else 'no API key'})")
     run_server(app, host, port, shutdown_timeout_s=shutdown_timeout, log_level=log_level)

@@ -71,28 +71,45 @@ def decoder_family(model_type: str) -> DecoderFamily:
     raise UnsupportedModelError(f"unsupported decoder model_type {model_type!r} (supported: {known})")
 
 
-def runtime_config(text_cfg: dict) -> dict:
-    """The embedded runtime's decoder config, from a HF text config (plain dict)."""
+def decoder_spec(text_cfg: dict, awq=None):
+    """The runtime's `DecoderSpec` of a Hugging Face decoder config (plain dict); `awq`: its AwqGemmConfig."""
+    from ..formats.torch_layout import DecoderSpec
+
     fam = decoder_family(text_cfg.get("model_type", ""))
     hidden = text_cfg["hidden_size"]
     heads = text_cfg["num_attention_heads"]
     head_dim = text_cfg.get("head_dim") or hidden // heads
     if text_cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise UnsupportedModelError(f"decoder activation {text_cfg.get('hidden_act')!r} is not supported (only silu)")
-    return {
-        "model_type": text_cfg["model_type"],
-        "hidden_size": hidden,
-        "intermediate_size": text_cfg["intermediate_size"],
-        "num_layers": text_cfg["num_hidden_layers"],
-        "num_heads": heads,
-        "num_kv_heads": text_cfg.get("num_key_value_heads") or heads,
-        "head_dim": head_dim,
-        "vocab_size": text_cfg["vocab_size"],
-        "rms_norm_eps": text_cfg.get("rms_norm_eps", 1e-6),
-        "qkv_bias": fam.qkv_bias or bool(text_cfg.get("attention_bias", False)),
-        "tie_word_embeddings": bool(text_cfg.get("tie_word_embeddings", False)),
-        "max_position_embeddings": text_cfg.get("max_position_embeddings", 4096),
-    }
+    qkv_bias = fam.qkv_bias or bool(text_cfg.get("attention_bias", False))
+    tie = bool(text_cfg.get("tie_word_embeddings", False))
+    inv_freq, scaling = rotary_tables(text_cfg)
+    rope = text_cfg.get("rope_parameters") or text_cfg.get("rope_scaling") or {}
+    mrope = rope.get("mrope_section")
+    lp = fam.layer_prefix + ".{i}"
+    sources = {"embed": ("model.embed_tokens.weight",), "norm": ("model.norm.weight",)}
+    if not tie:
+        sources["lm_head"] = ("lm_head.weight",)
+    sources.update({
+        "layers.{i}.input_norm": (f"{lp}.{fam.input_norm}.weight",),
+        "layers.{i}.post_norm": (f"{lp}.{fam.post_norm}.weight",),
+        "layers.{i}.qkv.weight": tuple(f"{lp}.{n}.weight" for n in (fam.q, fam.k, fam.v)),
+        "layers.{i}.o.weight": (f"{lp}.{fam.o}.weight",),
+        "layers.{i}.gate_up.weight": tuple(f"{lp}.{n}.weight" for n in (fam.gate, fam.up)),
+        "layers.{i}.down.weight": (f"{lp}.{fam.down}.weight",),
+    })
+    if qkv_bias:
+        sources["layers.{i}.qkv.bias"] = tuple(f"{lp}.{n}.bias" for n in (fam.q, fam.k, fam.v))
+    return DecoderSpec(
+        model_type=text_cfg["model_type"], hidden_size=hidden, intermediate_size=text_cfg["intermediate_size"],
+        num_layers=text_cfg["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=text_cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
+        vocab_size=text_cfg["vocab_size"], rms_norm_eps=text_cfg.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=text_cfg.get("max_position_embeddings", 4096), tie_word_embeddings=tie,
+        qkv_bias=qkv_bias, activation="silu", norm="rms", rope_inv_freq=tuple(float(x) for x in inv_freq.tolist()),
+        rope_attention_scaling=scaling, mrope_section=tuple(mrope) if mrope else None, tensor_sources=sources,
+        quantization=None if awq is None else {"method": "awq", "bits": awq.bits, "group_size": awq.group_size,
+                                               "layout": "awq-gemm"})
 
 
 def rotary_tables(text_cfg: dict):

@@ -328,12 +328,13 @@ class AnyresProcessorAdapter(FamilyProcessor):
         return [self.anyres_item(img, h) for img, h in zip(images, hashes)]
 
     # ---- host-side packing (transformers' pack_image_features) -----------------------------
-    def postprocess_features(self, features: np.ndarray, item: ImageItem) -> np.ndarray:
+    def postprocess_features(self, features, item: ImageItem):
         torch = self.torch
-        feats = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
-        newline = self.newline
+        feats = features if isinstance(features, torch.Tensor) else \
+            torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
+        newline = self.newline.to(feats.device, feats.dtype)
         if feats.shape[0] == 1:  # a single crop (OneVision's multi-image form): its rows + one newline
-            return torch.cat((feats[0], newline[None]), dim=0).numpy()
+            return torch.cat((feats[0], newline[None]), dim=0)
         g = self.geometry.grid
         gh, gw = item.meta["grid"]
         fmap = feats[1:].view(gh, gw, g, g, -1).permute(4, 0, 2, 1, 3).contiguous()
@@ -343,7 +344,7 @@ class AnyresProcessorAdapter(FamilyProcessor):
         fmap = self.reduce_map(fmap)
         fmap = torch.cat((fmap, newline[:, None, None].expand(*fmap.shape[:-1], 1)), dim=-1)
         fmap = fmap.flatten(1, 2).transpose(0, 1)
-        return torch.cat((feats[0], fmap), dim=0).numpy()
+        return torch.cat((feats[0], fmap), dim=0)
 
     def reduce_map(self, fmap):
         """OneVision's anyres_max downscaling; identity for LLaVA-NeXT."""

@@ -17,7 +17,7 @@ from typing import Callable
 
 from ..errors import CheckpointError, InputError
 from ..progress import Progress, ensure
-from ..runtime.layout import FORMAT as LAYOUT_FORMAT
+from ..formats.torch_layout import FORMAT as LAYOUT_FORMAT
 
 
 def perplexity(logits_fn: Callable, token_ids, seq_len: int, samples: int | None = None, batch_size: int = 1,
@@ -88,11 +88,11 @@ def load_logits_fn(model: Path, dtype: str = "float32", device: str = "cpu") -> 
     d, tok_dir = find_decoder_dir(model)
     cfg = json.loads((d / "config.json").read_text())
     if cfg.get("format") == LAYOUT_FORMAT:
-        dec = TorchDecoder.load(d, device=device, max_batch=1, max_seq=16)
+        dec = TorchDecoder.load(d, device=device, max_seq=16)
         kind = "engine"
         quant = (cfg.get("decoder", {}).get("quantization") or {}).get("method", "none")
     else:
-        dec = TorchDecoder.from_hf_dir(d, dtype=dtype, device=device, max_batch=1, max_seq=16)
+        dec = TorchDecoder.from_hf_dir(d, dtype=dtype, device=device, max_seq=16)
         quant = (cfg.get("quantization_config") or {}).get("quant_method", "none")
         kind = "hf"
     if not _has_tokenizer(tok_dir):

@@ -62,7 +62,7 @@ def image_text_embeddings(workspace: Path, records: list[dict], samples: int, se
     from PIL import Image
 
     from ..models.registry import get_family
-    from ..runtime.vision import TorchVisionRunner
+    from ..runtime.vision import TorchVisionRunner, VisionEncoder
     from .awq import embedding_weight
 
     progress = ensure(progress)
@@ -70,7 +70,9 @@ def image_text_embeddings(workspace: Path, records: list[dict], samples: int, se
     family = get_family(json.loads((workspace / "family.json").read_text())["family"])
     processor = family.load_processor(workspace / "processor")
     tokenizer = processor.tokenizer
-    runner = TorchVisionRunner(family, workspace / "vision", device="cpu", dtype="float32")
+    cpu = torch.device("cpu")
+    vision = VisionEncoder(TorchVisionRunner(family, workspace / "vision", device=cpu, dtype=torch.float32),
+                           processor, cpu, torch.float32, cache_size=0)
     embed = embedding_weight(workspace / "llm").to(torch.float32)
     vocab = embed.shape[0]
 
@@ -92,11 +94,8 @@ def image_text_embeddings(workspace: Path, records: list[dict], samples: int, se
                 content = [{"type": "image"} for _ in images] + [{"type": "text", "text": rec["text"]}]
                 prompt = processor.encode([{"role": "user", "content": content}], images)
                 ids = torch.tensor(prompt.token_ids, dtype=torch.long)
-                rows = []
-                for item in prompt.images:
-                    feed, _ = processor.collate([item])
-                    rows.append(torch.from_numpy(processor.postprocess_features(runner(feed), item)))
-                table = torch.cat(rows).to(torch.float32)
+                vision.encode(prompt.images)
+                table = torch.cat([item.features for item in prompt.images])
                 mask = ids == prompt.image_placeholder_id
                 if int(mask.sum()) != table.shape[0]:
                     raise InputError(f"calibration record at line {rec['line']}: {int(mask.sum())} image positions "

@@ -1,284 +1,458 @@
-"""The embedded torch decoder: Llama-family transformer with a preallocated per-slot KV cache.
+"""The embedded decoder: a Llama-family transformer over a paged KV cache.
 
-Batch-first: the KV cache holds `max_batch` slots of `max_seq` positions, allocated once.
-A request is prefilled into a free slot; decode steps advance any set of slots together, each
-at its own length. Ids >= vocab_size index the request's prompt-embedding table (TensorRT-LLM's
-prompt-tuning contract). Positions may be 1-D, or 3-D for multimodal rotary (M-RoPE); a per-slot
-`rope_delta` continues positions after the prompt as the reference models do.
+A forward pass takes a flat batch of token chunks from several sequences (whole or chunked
+prompts, single decode tokens, recomputation after preemption) and returns logits for the chunks
+that end a sequence's known tokens. K/V go straight into the block pool at each token's slot;
+attention reads them back through the sequence's block table. Ids >= vocab_size index the
+prompt-embedding table (TensorRT-LLM's prompt-tuning contract, `vlmctl.formats.prompt_table`).
+
+On CUDA, a batch of decode rows (one new token per sequence) replays a CUDA graph captured per
+batch-size bucket, and the small operations run as fused Triton kernels (`vlmctl.runtime.ops`);
+on the CPU the same code runs the torch references. What the decoder is (shape, variants, tensor
+names) comes from its `DecoderSpec`; this module knows no model by name.
 """
 
 from __future__ import annotations
 
-import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..errors import EngineError
-from .layout import FORMAT, WEIGHTS, _dtype, fuse_decoder, read_hf_decoder
+from ..formats.torch_layout import DecoderSpec, read_layout, torch_dtype, weights_location
+from . import ops
 
 
 class Linear:
-    """A float or AWQ linear. AWQ weights are dequantized once at load on CPU (exact, simple);
-    the packed form stays on disk for GPU kernels."""
+    """A float linear [out, in] (+ bias)."""
 
-    def __init__(self, tensors: dict, prefix: str, dtype, group_size: int | None, bias=None):
-        if f"{prefix}.qweight" in tensors:
-            from ..quant.packing import dequantize_gemm
-
-            w = dequantize_gemm(tensors[f"{prefix}.qweight"], tensors[f"{prefix}.qzeros"], tensors[f"{prefix}.scales"],
-                                4, group_size)
-            self.weight = w.to(dtype).contiguous()
-        else:
-            self.weight = tensors[f"{prefix}.weight"]
-        self.bias = bias
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight, self.bias = weight, bias
+        self.out_features = weight.shape[0]
 
     def __call__(self, x):
         return F.linear(x, self.weight, self.bias)
 
-
-def _rms_norm(x, weight, eps):
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    def tensors(self):
+        yield self.weight
+        if self.bias is not None:
+            yield self.bias
 
 
-def _rotate_half(x):
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+def awq_linear(tensors: dict, prefix: str, spec: DecoderSpec, dtype, bias=None) -> Linear:
+    """An AWQ linear from the engine's packed tensors, dequantized once at load."""
+    from ..quant.packing import dequantize_gemm
+
+    q = spec.quantization or {}
+    w = dequantize_gemm(tensors.pop(f"{prefix}.qweight"), tensors.pop(f"{prefix}.qzeros"),
+                        tensors.pop(f"{prefix}.scales"), q.get("bits", 4), q["group_size"])
+    return Linear(w.to(dtype).contiguous(), bias)
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+
+@dataclass
+class Chunk:
+    """Tokens of one sequence to run in this forward pass.
+
+    `start` is the cache index of the first token (tokens before it are already in the cache);
+    `positions` are their rotary positions, [n] or, for multimodal rotary, [3, n]."""
+
+    ids: np.ndarray
+    positions: np.ndarray
+    start: int
+    block_table: list[int]
+    table: torch.Tensor | None = None  # the sequence's prompt-embedding rows (fake ids index it)
+    want_logits: bool = True
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.n == 1 and self.start > 0
+
+
+def cos_sin_table(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor) -> torch.Tensor:
+    """float32 [P, d]: cos | sin halves of the rotary angles at `positions` ([P] or [3, P] per section)."""
+    freqs = positions[..., None].float() * inv_freq
+    return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), -1)
 
 
 class TorchDecoder:
-    def __init__(self, config: dict, tensors: dict, *, device="cpu", max_batch: int = 1, max_seq: int = 2048):
-        cfg = config["decoder"]
-        self.cfg = cfg
-        self.dtype = _dtype(config["dtype"])
+    def __init__(self, spec: DecoderSpec, tensors: dict, *, dtype: torch.dtype, device="cpu", max_seq: int = 2048):
+        self.spec = spec
+        self.dtype = dtype
         self.device = torch.device(device)
-        self.vocab_size = cfg["vocab_size"]
-        self.hidden = cfg["hidden_size"]
-        self.n_layers = cfg["num_layers"]
-        self.n_heads, self.n_kv, self.head_dim = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
-        self.eps = cfg["rms_norm_eps"]
-        self.scaling = cfg.get("attention_scaling", 1.0)
-        self.mrope_section = cfg.get("mrope_section")
-        group = (cfg.get("quantization") or {}).get("group_size")
-        t = {k: v.to(self.device) for k, v in tensors.items()}
-        self.embed = t["embed"].to(self.dtype)
-        self.norm = t["norm"].to(self.dtype)
-        self.lm_head = t["embed"].to(self.dtype) if cfg["tie_word_embeddings"] else t["lm_head"].to(self.dtype)
-        self.inv_freq = t["inv_freq"].float()
+        self.vocab_size = spec.vocab_size
+        self.n_layers, self.n_heads, self.n_kv, self.head_dim = (spec.num_layers, spec.num_heads,
+                                                                 spec.num_kv_heads, spec.head_dim)
+        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        self.eps = spec.rms_norm_eps
+        self.scale = spec.head_dim ** -0.5
+        self.max_seq = max_seq
+        t = dict(tensors)
+        self.embed = t.pop("embed")
+        self.norm = t.pop("norm")
+        self.lm_head = self.embed if spec.tie_word_embeddings else t.pop("lm_head")
+        quantized = spec.quantization is not None
         self.layers = []
-        for i in range(self.n_layers):
+        for i in range(spec.num_layers):
             p = f"layers.{i}"
-            bias = t.get(f"{p}.qkv.bias")
-            self.layers.append({
-                "input_norm": t[f"{p}.input_norm"].to(self.dtype), "post_norm": t[f"{p}.post_norm"].to(self.dtype),
-                "qkv": Linear(t, f"{p}.qkv", self.dtype, group, bias.to(self.dtype) if bias is not None else None),
-                "o": Linear(t, f"{p}.o", self.dtype, group), "gate_up": Linear(t, f"{p}.gate_up", self.dtype, group),
-                "down": Linear(t, f"{p}.down", self.dtype, group),
-            })
-        self.inter = self.layers[0]["gate_up"].weight.shape[0] // 2 if self.layers else 0
-        self.max_batch, self.max_seq = max_batch, max_seq
-        # One extra slot: padding rows of a captured decode graph write there.
-        self.scratch_slot = max_batch
-        shape = (self.n_layers, max_batch + 1, self.n_kv, max_seq, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.use_graphs = self.device.type == "cuda" and os.environ.get("VLMCTL_CUDA_GRAPHS", "1") != "0"
-        self._graphs: dict = {}
+
+            def lin(name, bias=None):
+                if quantized:
+                    return awq_linear(t, f"{p}.{name}", spec, dtype, bias)
+                return Linear(t.pop(f"{p}.{name}.weight"), bias)
+
+            bias = t.pop(f"{p}.qkv.bias", None)
+            self.layers.append(Layer(t.pop(f"{p}.input_norm"), t.pop(f"{p}.post_norm"), lin("qkv", bias), lin("o"),
+                                     lin("gate_up"), lin("down")))
+        if t:
+            raise EngineError(f"decoder weights hold tensors the runtime does not use: {sorted(t)[:3]}")
+        self.inter = spec.intermediate_size
+        self.inv_freq = torch.tensor(spec.rope_inv_freq, dtype=torch.float32, device=self.device)
+        self.mrope_section = spec.mrope_section
+        # cos|sin for every 1-D position a sequence can reach (M-RoPE prompt rows are computed per step)
+        n_pos = max(max_seq, spec.max_position_embeddings) + 1
+        self.cos_sin = cos_sin_table(self.inv_freq, spec.rope_attention_scaling,
+                                     torch.arange(n_pos, device=self.device))
+        self.k_cache = self.v_cache = None
+        self.block_size = 0
+        self.use_graphs = (self.device.type == "cuda" and os.environ.get("VLMCTL_CUDA_GRAPHS", "1") != "0")
+        self._graphs: dict[int, tuple] = {}
         self._graph_pool = None
+        self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                         if self.device.type == "cuda" else 1)
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
-    def load(cls, layout_dir: Path, *, device="cpu", max_batch: int = 1, max_seq: int | None = None) -> "TorchDecoder":
-        from safetensors.torch import load_file
+    def load(cls, layout_dir: Path, *, device="cpu", max_seq: int | None = None) -> "TorchDecoder":
+        from ..formats.torch_layout import load_hf_weights, load_packed_weights
 
-        layout_dir = Path(layout_dir)
-        try:
-            config = json.loads((layout_dir / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise EngineError(f"{layout_dir}: no readable decoder config.json ({e})") from None
-        if config.get("format") != FORMAT:
-            raise EngineError(f"{layout_dir}: not a vlmctl torch decoder (format {config.get('format')!r})")
-        tensors = load_file(str(layout_dir / WEIGHTS), device=str(device) if str(device) != "cpu" else "cpu")
-        limits = config.get("limits", {})
+        layout = read_layout(layout_dir)
+        dtype = torch_dtype(layout.dtype)
+        src = weights_location(layout_dir, layout)
+        if layout.weights["kind"] == "hf":
+            tensors = load_hf_weights(src, layout.decoder, device, dtype)
+        else:
+            tensors = load_packed_weights(src, device)
+            tensors = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith(".scales") else v)
+                       for k, v in tensors.items()}
+        limits = layout.extra.get("limits", {})
         max_seq = max_seq or limits.get("max_input_len", 2048) + limits.get("max_output_len", 512)
-        return cls(config, tensors, device=device, max_batch=max_batch, max_seq=max_seq)
+        return cls(layout.decoder, tensors, dtype=dtype, device=device, max_seq=max_seq)
 
     @classmethod
-    def from_hf_dir(cls, llm_dir: Path, *, dtype: str = "float32", device="cpu", max_batch: int = 1,
-                    max_seq: int = 2048) -> "TorchDecoder":
-        """A float or AWQ-GEMM Hugging Face causal-LM directory, fused in memory."""
-        text_cfg, tensors, quant = read_hf_decoder(llm_dir)
-        cfg, weights = fuse_decoder(text_cfg, tensors, quant, dtype)
-        return cls({"dtype": dtype, "decoder": cfg}, weights, device=device, max_batch=max_batch, max_seq=max_seq)
+    def from_hf_dir(cls, llm_dir: Path, *, dtype: str = "float32", device="cpu", max_seq: int = 2048) -> "TorchDecoder":
+        """A float or AWQ-GEMM Hugging Face causal-LM directory (tests, perplexity)."""
+        from ..checkpoint import read_config_json
+        from ..formats.awq_gemm import AwqGemmConfig
+        from ..formats.torch_layout import HFTensorReader, awq_tensors, load_hf_weights
+        from ..models.decoders import decoder_spec
+
+        llm_dir = Path(llm_dir)
+        cfg = read_config_json(llm_dir)
+        awq = AwqGemmConfig.from_config(cfg, str(llm_dir / "config.json"))
+        spec = decoder_spec(cfg, awq)
+        dt = torch_dtype(dtype)
+        if awq is None:
+            tensors = load_hf_weights(llm_dir, spec, device, dt)
+        else:
+            tensors = {k: v.to(device) for k, v in awq_tensors(HFTensorReader(llm_dir), spec, llm_dir, dt).items()}
+        return cls(spec, tensors, dtype=dt, device=device, max_seq=max_seq)
+
+    # ---- KV cache ---------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.kv_size * torch.tensor([], dtype=self.dtype).element_size()
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        """The block pool: K and V of every layer, [layers, blocks, block_size, kv heads, head dim]."""
+        shape = (self.n_layers, num_blocks, block_size, self.n_kv, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self._graphs.clear()
 
     # ---- pieces ----------------------------------------------------------------------------
-    def embed_ids(self, ids: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
-        """Ordinary ids from the word embedding, ids >= vocab_size from the prompt table."""
-        fake = ids >= self.vocab_size
+    def _embed(self, ids: torch.Tensor, fake_rows: torch.Tensor | None, table_rows: torch.Tensor | None,
+               table: torch.Tensor | None) -> torch.Tensor:
         x = F.embedding(ids.clamp(max=self.vocab_size - 1), self.embed)
-        if fake.any():
-            if table is None:
-                raise EngineError("prompt has image tokens but no prompt-embedding table")
-            rows = ids[fake] - self.vocab_size
-            x[fake] = table.to(x.dtype)[rows]
+        if fake_rows is not None:
+            x.index_copy_(0, fake_rows, table.index_select(0, table_rows).to(x.dtype))
         return x
 
-    def _rope(self, positions: torch.Tensor):
-        """cos/sin of shape [..., T, head_dim] from 1-D [T] (or [B, T]) or 3-D [3, T] positions."""
-        if self.mrope_section and positions.dim() >= 2 and positions.shape[0] == 3:
-            freqs = positions[..., None].float() * self.inv_freq  # [3, T, d/2]
-            emb = torch.cat((freqs, freqs), -1)
-            cos, sin = emb.cos() * self.scaling, emb.sin() * self.scaling
-            sec = list(self.mrope_section) * 2
-            cos = torch.cat([c[i % 3] for i, c in enumerate(cos.split(sec, dim=-1))], -1)
-            sin = torch.cat([s[i % 3] for i, s in enumerate(sin.split(sec, dim=-1))], -1)
-            return cos.to(self.dtype), sin.to(self.dtype)
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), -1)
-        return (emb.cos() * self.scaling).to(self.dtype), (emb.sin() * self.scaling).to(self.dtype)
-
-    def _mlp(self, layer, x):
-        gu = layer["gate_up"](x)
-        g, u = gu.split(self.inter, -1)
-        return layer["down"](F.silu(g) * u)
-
-    def _qkv(self, layer, x, cos, sin):
-        """x [B, T, H] -> q [B, h, T, d], k, v [B, kv, T, d] with rotary applied."""
-        B, T, _ = x.shape
-        qkv = layer["qkv"](_rms_norm(x, layer["input_norm"], self.eps))
-        q, k, v = qkv.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], -1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v
-
-    def _final(self, x):
-        return F.linear(_rms_norm(x, self.norm, self.eps), self.lm_head).float()
-
-    # ---- entry points ----------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, slot: int, ids: torch.Tensor, table: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Fill `slot`'s cache with the prompt `ids` [T]; return the last position's logits [V]."""
-        T = ids.shape[0]
-        if T > self.max_seq:
-            raise EngineError(f"prompt of {T} tokens exceeds the KV cache ({self.max_seq})")
-        ids = ids.to(self.device)
-        if positions is None:
-            positions = torch.arange(T, device=self.device)
-        cos, sin = self._rope(positions.to(self.device))
-        x = self.embed_ids(ids, table)[None]
+    def _layers(self, x: torch.Tensor, cos_sin, positions, slot_mapping, attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every layer; `attend(li, qkv) -> [T, Hq, d]`. Returns (residual, last MLP output)."""
+        residual, h_out = x, None
+        T = x.shape[0]
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin)
-            self.k_cache[li, slot, :, :T] = k[0]
-            self.v_cache[li, slot, :, :T] = v[0]
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
-            x = x + layer["o"](a.transpose(1, 2).reshape(1, T, -1))
-            x = x + self._mlp(layer, _rms_norm(x, layer["post_norm"], self.eps))
-        return self._final(x[:, -1])[0]
+            h = ops.rms_norm(x, layer.input_norm, self.eps) if h_out is None else \
+                ops.rms_norm(h_out, layer.input_norm, self.eps, residual)
+            qkv = layer.qkv(h)
+            kc = self.k_cache[li] if self.k_cache is not None else None
+            vc = self.v_cache[li] if self.v_cache is not None else None
+            ops.rope_and_cache(qkv, cos_sin, positions, self.n_heads, self.n_kv, self.head_dim, kc, vc, slot_mapping)
+            a = attend(li, qkv)
+            h = ops.rms_norm(layer.o(a.reshape(T, self.q_size)), layer.post_norm, self.eps, residual)
+            h_out = layer.down(ops.silu_mul(layer.gate_up(h)))
+        return residual, h_out
 
+    def _final(self, residual: torch.Tensor, h_out: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        if rows is not None:
+            residual, h_out = residual.index_select(0, rows), h_out.index_select(0, rows)
+        h = ops.rms_norm(h_out.contiguous(), self.norm, self.eps, residual.contiguous())
+        return F.linear(h, self.lm_head).float()
+
+    def _split(self, qkv: torch.Tensor, rows: slice, n: int):
+        k = qkv[rows, self.q_size:self.q_size + self.kv_size].view(n, self.n_kv, self.head_dim)
+        v = qkv[rows, self.q_size + self.kv_size:].view(n, self.n_kv, self.head_dim)
+        return k, v
+
+    def _mrope_cos_sin(self, positions: np.ndarray) -> torch.Tensor:
+        """cos|sin rows [T, d] of 3-D positions: each frequency section takes its own position component."""
+        pos = torch.from_numpy(positions).to(self.device)
+        full = cos_sin_table(self.inv_freq, self.spec.rope_attention_scaling, pos)  # [3, T, d]
+        half = self.head_dim // 2
+        comp = torch.cat([torch.full((s,), i % 3, dtype=torch.long) for i, s in enumerate(self.mrope_section)])
+        comp = torch.cat((comp, comp)).to(self.device)  # the same sections for the cos and the sin half
+        assert comp.numel() == 2 * half
+        return full.gather(0, comp[None, None, :].expand(1, full.shape[1], -1))[0]
+
+    # ---- the general forward (prefill chunks and decode rows, eager) -------------------------
     @torch.inference_mode()
-    def decode(self, slots: torch.Tensor, tokens: torch.Tensor, cache_lens: torch.Tensor,
-               rope_deltas: torch.Tensor | None = None) -> torch.Tensor:
-        """One token for each slot: tokens [b] at cache position cache_lens [b]; returns logits [b, V].
-
-        Inputs are host tensors (the scheduler's bookkeeping), so choosing the attention length
-        needs no device sync. On CUDA the step replays a captured graph per (batch, length) bucket."""
-        need = int(cache_lens.max()) + 1
-        if self.use_graphs:
-            return self._decode_graphed(slots, tokens, cache_lens, rope_deltas, need)
+    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Run the chunks; logits [k, V] (float32) for the chunks with want_logits, in their order."""
+        if self.k_cache is None:
+            raise EngineError("the KV cache is not allocated")
+        order = sorted(range(len(chunks)), key=lambda i: not chunks[i].is_decode)  # decode rows first
+        cs = [chunks[i] for i in order]
+        bs = self.block_size
         dev = self.device
-        return self._decode_step(slots.to(dev), tokens.to(dev), cache_lens.to(dev),
-                                 None if rope_deltas is None else rope_deltas.to(dev), need)
-
-    def _decode_step(self, slots, tokens, cache_lens, rope_deltas, L: int) -> torch.Tensor:
-        """The decode step on device tensors, attending over the first L cache positions (static shapes)."""
-        b = slots.shape[0]
-        pos = cache_lens if rope_deltas is None else cache_lens + rope_deltas
-        if self.mrope_section:
-            cos, sin = self._rope(pos[None].expand(3, b)[:, :, None])  # [3,b,1] -> [b,1,d]
+        ids = np.concatenate([c.ids for c in cs]).astype(np.int64)
+        T = len(ids)
+        slots = np.empty(T, np.int64)
+        fake_rows, table_rows, tables = [], [], []
+        offset, row = 0, 0
+        for c in cs:
+            idx = c.start + np.arange(c.n)
+            bt = np.asarray(c.block_table, np.int64)
+            slots[row:row + c.n] = bt[idx // bs] * bs + idx % bs
+            fake = np.nonzero(c.ids >= self.vocab_size)[0]
+            if len(fake):
+                if c.table is None:
+                    raise EngineError("prompt has image tokens but no prompt-embedding table")
+                fake_rows.append(fake + row)
+                table_rows.append(c.ids[fake] - self.vocab_size + offset)
+                tables.append(c.table)
+                offset += c.table.shape[0]
+            row += c.n
+        mrope = any(c.positions.ndim == 2 for c in cs)
+        if mrope:
+            pos3 = np.concatenate([c.positions if c.positions.ndim == 2 else np.broadcast_to(c.positions, (3, c.n))
+                                   for c in cs], 1)
+            cos_sin = self._mrope_cos_sin(np.ascontiguousarray(pos3))
+            positions = torch.arange(T, device=dev)
         else:
-            cos, sin = self._rope(pos[:, None])  # [b,1,d]
-        mask = (torch.arange(L, device=self.device)[None] <= cache_lens[:, None])[:, None, None, :]  # [b,1,1,L]
-        x = F.embedding(tokens, self.embed)[:, None]
-        for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin)
-            self.k_cache[li, slots, :, cache_lens] = k[:, :, 0]
-            self.v_cache[li, slots, :, cache_lens] = v[:, :, 0]
-            kc = self.k_cache[li, slots, :, :L]
-            vc = self.v_cache[li, slots, :, :L]
-            a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-            x = x + layer["o"](a.transpose(1, 2).reshape(b, 1, -1))
-            x = x + self._mlp(layer, _rms_norm(x, layer["post_norm"], self.eps))
-        return self._final(x[:, 0])
+            cos_sin = self.cos_sin
+            positions = torch.from_numpy(np.concatenate([c.positions for c in cs]).astype(np.int64)).to(dev)
+        ids_t = torch.from_numpy(ids).to(dev)
+        slot_t = torch.from_numpy(slots).to(dev)
+        if fake_rows:
+            fr = torch.from_numpy(np.concatenate(fake_rows)).to(dev)
+            tr = torch.from_numpy(np.concatenate(table_rows)).to(dev)
+            table = torch.cat([t.to(dev) for t in tables]) if len(tables) > 1 else tables[0].to(dev)
+        else:
+            fr = tr = table = None
+        n_dec = sum(1 for c in cs if c.is_decode)
+        if n_dec:
+            maxb = max(len(c.block_table) for c in cs[:n_dec])
+            bt_dec = torch.tensor([c.block_table + [0] * (maxb - len(c.block_table)) for c in cs[:n_dec]],
+                                  dtype=torch.int32, device=dev)
+            lens_dec = torch.tensor([c.start + 1 for c in cs[:n_dec]], dtype=torch.int32, device=dev)
+            splits = self._splits(n_dec)
+        prefill = []
+        row = n_dec
+        for c in cs[n_dec:]:
+            prefill.append((slice(row, row + c.n), c.start, c.n,
+                            torch.tensor(c.block_table, dtype=torch.long, device=dev) if c.start else None))
+            row += c.n
 
-    @staticmethod
-    def _bucket(n: int, cap: int, floor: int = 1) -> int:
-        b = floor
-        while b < n:
-            b *= 2
-        return min(b, cap)
+        def attend(li, qkv):
+            q = qkv[:, :self.q_size].view(T, self.n_heads, self.head_dim)
+            out = torch.empty((T, self.n_heads, self.head_dim), dtype=qkv.dtype, device=dev)
+            if n_dec:
+                out[:n_dec] = ops.paged_decode(q[:n_dec], self.k_cache[li], self.v_cache[li], bt_dec, lens_dec,
+                                               self.scale, num_splits=splits)
+            for rows, start, n, bt in prefill:
+                if start == 0:
+                    k, v = self._split(qkv, rows, n)
+                else:
+                    k = ops.gather_context(self.k_cache[li], bt, start + n)
+                    v = ops.gather_context(self.v_cache[li], bt, start + n)
+                out[rows] = ops.prefill_attention(q[rows], k, v, self.scale)
+            return out
 
-    def _decode_graphed(self, slots, tokens, cache_lens, rope_deltas, need: int) -> torch.Tensor:
-        b = slots.shape[0]
-        B = self._bucket(b, self.max_batch)
-        L = self._bucket(need, self.max_seq, floor=128)
-        key = (B, L)
-        entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._capture(B, L)
-            self._graphs[key] = entry
+        x = self._embed(ids_t, fr, tr, table)
+        residual, h_out = self._layers(x, cos_sin, positions, slot_t, attend)
+        # the last row of each chunk that wants logits, in the caller's chunk order
+        ends, row = {}, 0
+        for i, c in zip(order, cs):
+            row += c.n
+            ends[i] = row - 1
+        want = [ends[i] for i in range(len(chunks)) if chunks[i].want_logits]
+        if not want:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=dev)
+        return self._final(residual, h_out, torch.tensor(want, dtype=torch.long, device=dev))
+
+    # ---- decode rows (CUDA graphs per batch bucket) --------------------------------------------
+    def _decode_body(self, ids, positions, slots, block_tables, context_lens, splits: int, workspace):
+        B = ids.shape[0]
+
+        def attend(li, qkv):
+            q = qkv[:, :self.q_size].view(B, self.n_heads, self.head_dim)
+            return ops.paged_decode(q, self.k_cache[li], self.v_cache[li], block_tables, context_lens, self.scale,
+                                    num_splits=splits, workspace=workspace)
+
+        x = F.embedding(ids, self.embed)
+        residual, h_out = self._layers(x, self.cos_sin, positions, slots, attend)
+        return self._final(residual, h_out, None)
+
+    @torch.inference_mode()
+    def decode(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: list[list[int]],
+               context_lens: np.ndarray) -> torch.Tensor:
+        """One new token for each of b sequences -> logits [b, V]. `positions` are 1-D rotary positions,
+        `slots` the cache slot of each new token, `context_lens` the tokens to attend (the new one included)."""
+        b = len(ids)
+        if not self.use_graphs:
+            dev = self.device
+            maxb = max(len(t) for t in block_tables)
+            bt = torch.tensor([t + [0] * (maxb - len(t)) for t in block_tables], dtype=torch.int32, device=dev)
+            return self._decode_body(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev),
+                                     torch.from_numpy(slots).to(dev), bt,
+                                     torch.from_numpy(context_lens.astype(np.int32)).to(dev), self._splits(b), None)
+        B = self.bucket(b)
+        entry = self._graphs.get(B) or self._capture(B)
         graph, st, out = entry
-        # Padding rows decode into the scratch slot at position 0: harmless and never read.
-        st["slots"].fill_(self.scratch_slot)
-        st["lens"].zero_()
-        st["tokens"].zero_()
-        st["deltas"].zero_()
-        st["slots"][:b].copy_(slots, non_blocking=True)
-        st["tokens"][:b].copy_(tokens, non_blocking=True)
-        st["lens"][:b].copy_(cache_lens, non_blocking=True)
-        if rope_deltas is not None:
-            st["deltas"][:b].copy_(rope_deltas, non_blocking=True)
+        host = st["host"]
+        maxb = (host.numel() - 4 * B) // B
+        # one pinned host buffer, one copy: ids | positions | slots | lens | block tables (padding rows
+        # read and write block 0, which the pool never hands out)
+        host.zero_()
+        h = host.numpy()
+        h[0:b] = ids
+        h[B:B + b] = positions
+        h[2 * B:2 * B + b] = slots
+        h[3 * B:3 * B + B] = 1
+        h[3 * B:3 * B + b] = context_lens
+        tabs = h[4 * B:].reshape(B, maxb)
+        for i, t in enumerate(block_tables):
+            tabs[i, :len(t)] = t
+        st["dev"].copy_(host, non_blocking=True)
         graph.replay()
         return out[:b]
 
-    def _capture(self, B: int, L: int):
+    def _splits(self, batch: int) -> int:
+        """Context splits of the decode attention for a batch (the same rule eager and captured)."""
+        if self.device.type != "cuda":
+            return 1
+        from .kernels.paged_attention import choose_splits
+
+        return choose_splits(batch, self.n_kv, self.max_seq, self._num_sms)
+
+    def buckets(self, max_batch: int) -> list[int]:
+        sizes = [1, 2, 4, 8] + list(range(16, max_batch + 16, 16))
+        return sorted({min(s, max_batch) for s in sizes})
+
+    def bucket(self, b: int) -> int:
+        for s in self._bucket_sizes:
+            if s >= b:
+                return s
+        raise EngineError(f"decode batch {b} exceeds the captured maximum {self._bucket_sizes[-1]}")
+
+    def capture_graphs(self, max_batch: int) -> None:
+        """Capture the decode step for every batch bucket up to `max_batch` (CUDA only)."""
+        self._bucket_sizes = self.buckets(max_batch)
+        if self.use_graphs:
+            for B in reversed(self._bucket_sizes):  # largest first: later captures reuse its memory pool
+                self._capture(B)
+
+    def _capture(self, B: int):
         dev = self.device
-        st = {"slots": torch.full((B,), self.scratch_slot, dtype=torch.long, device=dev),
-              "tokens": torch.zeros(B, dtype=torch.long, device=dev),
-              "lens": torch.zeros(B, dtype=torch.long, device=dev),
-              "deltas": torch.zeros(B, dtype=torch.long, device=dev)}
+        maxb = -(-self.max_seq // self.block_size)
+        # int32 throughout: embedding, rotary, cache slots and block tables all take it
+        host = torch.zeros(4 * B + B * maxb, dtype=torch.int32, pin_memory=True)
+        d = torch.zeros_like(host, device=dev)
+        st = {"host": host, "dev": d}
+        splits = self._splits(B)
+        ws = None
+        if splits > 1:
+            ws = (torch.empty((B * self.n_heads * splits, self.head_dim), dtype=torch.float32, device=dev),
+                  torch.empty((B * self.n_heads * splits, 2), dtype=torch.float32, device=dev))
+
+        def body():
+            return self._decode_body(d[0:B], d[B:2 * B], d[2 * B:3 * B], d[4 * B:].view(B, maxb), d[3 * B:4 * B],
+                                     splits, ws)
+
+        d[3 * B:4 * B].fill_(1)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up outside the graph (kernel selection, workspace allocation)
-                self._decode_step(st["slots"], st["tokens"], st["lens"], st["deltas"], L)
+            for _ in range(2):  # warm-up outside the graph: kernel compilation, cuBLAS workspaces
+                body()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self._decode_step(st["slots"], st["tokens"], st["lens"], st["deltas"], L)
+            out = body()
         if self._graph_pool is None:
             self._graph_pool = graph.pool()
-        return graph, st, out
+        entry = (graph, st, out)
+        self._graphs[B] = entry
+        return entry
 
+    # ---- full causal forward without the cache ---------------------------------------------------
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
-        """Full causal forward without the cache: [B, T] -> [B, T, V] (perplexity, tests)."""
+        """[B, T] -> [B, T, V] logits of a plain causal forward (perplexity, tests)."""
         B, T = input_ids.shape
-        input_ids = input_ids.to(self.device)
-        cos, sin = self._rope(torch.arange(T, device=self.device))
-        x = self.embed_ids(input_ids, table)
-        for layer in self.layers:
-            q, k, v = self._qkv(layer, x, cos, sin)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
-            x = x + layer["o"](a.transpose(1, 2).reshape(B, T, -1))
-            x = x + self._mlp(layer, _rms_norm(x, layer["post_norm"], self.eps))
-        return self._final(x)
+        dev = self.device
+        ids = input_ids.to(dev).reshape(-1)
+        fake = (ids >= self.vocab_size).nonzero()[:, 0]
+        fr = tr = None
+        if fake.numel():
+            if table is None:
+                raise EngineError("prompt has image tokens but no prompt-embedding table")
+            fr, tr = fake, ids[fake] - self.vocab_size
+        positions = torch.arange(T, device=dev).repeat(B)
+
+        def attend(li, qkv):
+            q = qkv[:, :self.q_size].view(B * T, self.n_heads, self.head_dim)
+            out = torch.empty_like(q)
+            for b in range(B):
+                rows = slice(b * T, (b + 1) * T)
+                k, v = self._split(qkv, rows, T)
+                out[rows] = ops.prefill_attention(q[rows], k, v, self.scale)
+            return out
+
+        saved = self.k_cache, self.v_cache
+        self.k_cache = self.v_cache = None
+        try:
+            x = self._embed(ids, fr, tr, table.to(dev) if table is not None else None)
+            residual, h_out = self._layers(x, self.cos_sin, positions, None, attend)
+        finally:
+            self.k_cache, self.v_cache = saved
+        return self._final(residual, h_out, None).view(B, T, -1)

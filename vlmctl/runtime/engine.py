@@ -1,143 +1,213 @@
 """The engine: loads an engine directory and runs requests with continuous batching.
 
-One `step()` admits waiting requests into free KV-cache slots (their images go through the
-vision runner together, with features cached by image content hash), prefills them, then
-advances every running request by one token in a single batched decode. Requests join and
-leave between steps. `generate()` drives steps for an offline batch; the server runs steps in a
-background thread. A single chat is a batch of one.
+Public surface (what `chat`, `serve` and `bench` use): `Engine(engine_dir, EngineOptions)`,
+`encode` / `encode_text`, `submit`, `abort`, `step`, `generate`, `chat`, and read-only `limits`,
+`stats()`, `tokenizer`, `eos_ids`, `model_name`, `device`.
 
-When build-llm made a TensorRT-LLM engine, the decoder is `TrtllmDecoder`, which batches and
-samples itself (`external_batching`): a step then hands admitted prompts to it and turns the
-tokens it streams back into the same events. Tokenization, vision, stop rules and text
-detokenization stay here for both backends.
+With the embedded torch decoder, one `step()` asks the scheduler which requests compute how many
+tokens under the step's token budget (decode tokens of running requests, then prompt chunks of
+admitted ones), encodes the images those chunks need (batched across requests, cached by content
+hash), runs the chunks through the decoder over the paged KV cache, samples on the device and
+turns tokens into text events. On CUDA the decode rows replay a captured graph while prompt chunks
+run eagerly. When build-llm made a TensorRT-LLM engine, TensorRT-LLM batches and samples itself:
+a step then hands newly admitted prompts to it and turns what it streams back into the same
+events. Tokenization, vision, stop rules and detokenization stay here for both.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import EngineError, InputError, LimitError
+from ..formats.prompt_table import fake_ids, image_spans
 from ..models.base import EncodedPrompt
 from ..models.registry import get_family
-from .decoder import TorchDecoder
+from .kv_cache import BlockPool, image_row_tokens
+from .request import FINISHED, RUNNING, Completion, Request, StepEvent
 from .sampling import SamplingParams, make_generator, sample
-from .vision import FeatureCache, load_vision_runner
+from .scheduler import Scheduled, Scheduler
+
+log = logging.getLogger("vlmctl.runtime")
+
+GiB = 1 << 30
 
 
 @dataclass
-class Completion:
-    request_id: str
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str
-    logprobs: list[dict] | None = None
+class EngineOptions:
+    """Run-time settings of an engine (`chat`, `serve` and `bench` options). Limits can only be lowered
+    below what the engine was built for."""
+
+    device: str | None = None  # default: cuda when available
+    max_batch_size: int | None = None  # most sequences running at once
+    max_input_len: int | None = None
+    max_output_len: int | None = None
+    max_images_per_request: int | None = None
+    max_num_batched_tokens: int | None = None  # tokens one step computes (prompt chunks + decode)
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory this engine may use (weights, KV, rest)
+    kv_cache_tokens: int | None = None  # explicit KV pool size, overriding the memory-based sizing
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
+    vision_backend: str = "auto"
+    vision_batch_size: int = 32  # images per vision call
+    feature_cache_size: int = 256  # images whose features are kept
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_batch_size: int
+    max_input_len: int
+    max_output_len: int
+    max_images_per_request: int
+    max_seq_len: int  # prompt + output of one sequence
+    max_num_batched_tokens: int
+    kv_cache_tokens: int
+    block_size: int
+
+    def __getitem__(self, key: str):  # read-only mapping access, as in `engine.limits["max_batch_size"]`
+        return getattr(self, key)
 
     def to_json(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens, "finish_reason": self.finish_reason}
+        return asdict(self)
 
 
-@dataclass
-class StepEvent:
-    request: "Request"
-    token_id: int
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-
-
-@dataclass
-class Request:
-    id: str
-    prompt: EncodedPrompt
-    params: SamplingParams
-    generator: torch.Generator | None = None
-    slot: int | None = None
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    emitted: int = 0  # characters of `text` already handed out
-    finished: bool = False
-    finish_reason: str | None = None
-    rope_delta: int = 0
-    cache_len: int = 0
-    arrival: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    logprobs: list[dict] = field(default_factory=list)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt.token_ids)
-
-    def completion(self) -> Completion:
-        return Completion(self.id, self.text, list(self.output_ids), self.prompt_len, len(self.output_ids),
-                          self.finish_reason or "abort", self.logprobs if self.params.logprobs is not None else None)
+def _lower(name: str, value: int | None, built: int) -> int:
+    if value is None:
+        return built
+    if value < 1:
+        raise InputError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+    if value > built:
+        raise InputError(f"--{name.replace('_', '-')} {value} is above the engine's built limit {built}")
+    return value
 
 
 class Engine:
-    def __init__(self, engine_dir: Path, *, device: str | None = None, max_batch_size: int | None = None,
-                 feature_cache_size: int = 256):
+    def __init__(self, engine_dir: Path, options: EngineOptions | None = None, **overrides):
+        opts = options or EngineOptions()
+        for k, v in overrides.items():
+            if not hasattr(opts, k):
+                raise TypeError(f"unknown engine option {k!r}")
+            setattr(opts, k, v)
+        self.options = opts
         engine_dir = Path(engine_dir)
         self.engine_dir = engine_dir
         llm_cfg_path = engine_dir / "build-llm" / "config.json"
         fam_path = engine_dir / "convert" / "family.json"
         if not llm_cfg_path.exists() or not fam_path.exists():
             raise EngineError(f"{engine_dir}: not a vlmctl engine directory (run `vlmctl build RECIPE -o {engine_dir}`)")
-        self.config = json.loads(llm_cfg_path.read_text())
-        fam = json.loads(fam_path.read_text())
+        try:
+            self.config = json.loads(llm_cfg_path.read_text())
+            fam = json.loads(fam_path.read_text())
+            vision_manifest = json.loads((engine_dir / "build-vision" / "manifest.json").read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise EngineError(f"{engine_dir}: engine files are unreadable ({type(e).__name__}: {e})") from None
         self.family = get_family(fam["family"])
         self.processor = self.family.load_processor(engine_dir / "convert" / "processor")
         self.tokenizer = self.processor.tokenizer
-        limits = self.config["limits"]
-        self.limits = dict(limits)
-        if max_batch_size:
-            self.limits["max_batch_size"] = max_batch_size
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.eos_ids = set(self.config.get("eos_token_ids") or [])
+        self.model_name = self.config.get("name", engine_dir.name)
+        if opts.device == "cuda" and not torch.cuda.is_available():
+            raise InputError("--device cuda: no CUDA device is available on this host")
+        self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        built = self.config["limits"]
         backend = self.config.get("backend", "torch")
+        self.backend = backend
+        max_seq = built["max_input_len"] + built["max_output_len"]
+        lim = dict(max_batch_size=_lower("max_batch_size", opts.max_batch_size, built["max_batch_size"]),
+                   max_input_len=_lower("max_input_len", opts.max_input_len, built["max_input_len"]),
+                   max_output_len=_lower("max_output_len", opts.max_output_len, built["max_output_len"]),
+                   max_images_per_request=_lower("max_images_per_request", opts.max_images_per_request,
+                                                 built["max_images_per_request"]))
+
+        self._lock = threading.Lock()
+        self._aborts: set[str] = set()
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self.max_running_seen = 0
+        self.steps = 0
+        self.tokens_generated = 0
+
         if backend == "trtllm":
             from .trtllm_decoder import TrtllmDecoder
 
-            self.decoder = TrtllmDecoder.load(engine_dir / "build-llm", max_batch=self.limits["max_batch_size"])
-        elif backend == "torch":
-            self.decoder = TorchDecoder.load(engine_dir / "build-llm", device=self.device,
-                                             max_batch=self.limits["max_batch_size"])
-        else:
+            self.vision = self._load_vision(vision_manifest, opts)
+            self.decoder = TrtllmDecoder.load(engine_dir / "build-llm", max_batch=lim["max_batch_size"])
+            self.vocab_size = self.decoder.vocab_size
+            self.limits = EngineLimits(**lim, max_seq_len=self.decoder.max_seq, max_num_batched_tokens=0,
+                                       kv_cache_tokens=0, block_size=0)
+            self.scheduler = None
+            self._waiting: list[Request] = []
+            self._running: dict[str, Request] = {}
+            return
+        if backend != "torch":
             raise EngineError(f"{engine_dir}: unknown decoder backend {backend!r} in build-llm/config.json")
-        # TensorRT-LLM schedules, batches and samples itself; the torch decoder is stepped from here.
-        self._external = bool(getattr(self.decoder, "external_batching", False))
-        vision_manifest = json.loads((engine_dir / "build-vision" / "manifest.json").read_text())
-        self.vision_backend = vision_manifest.get("backend", "onnxruntime")
-        self.vision = load_vision_runner(engine_dir, self.family, self.vision_backend, self.config["dtype"], self.device)
-        self.feature_cache = FeatureCache(feature_cache_size)
-        self.eos_ids = set(self.config.get("eos_token_ids") or [])
-        self.model_name = self.config.get("name", engine_dir.name)
-        self.vocab_size = self.decoder.vocab_size
 
-        self._lock = threading.Lock()
-        self._waiting: deque[Request] = deque()
-        self._running: dict[str, Request] = {}
-        self._aborts: set[str] = set()
-        self._free_slots = list(range(self.limits["max_batch_size"]))[::-1]
-        self._ids = itertools.count()
-        self.max_running_seen = 0
-        self.steps = 0
+        from .decoder import TorchDecoder
+
+        self.decoder = TorchDecoder.load(engine_dir / "build-llm", device=self.device, max_seq=max_seq)
+        self.decoder.use_graphs = self.decoder.use_graphs and opts.cuda_graphs
+        self.vocab_size = self.decoder.vocab_size
+        self.vision = self._load_vision(vision_manifest, opts)
+        budget = opts.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
+        budget = max(budget, lim["max_batch_size"])
+        num_blocks = self._kv_blocks(opts, lim["max_batch_size"], max_seq, budget)
+        self.decoder.allocate_cache(num_blocks, opts.block_size)
+        self.pool = BlockPool(num_blocks, opts.block_size, opts.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, max_num_seqs=lim["max_batch_size"], max_num_batched_tokens=budget)
+        self.limits = EngineLimits(**lim, max_seq_len=max_seq, max_num_batched_tokens=budget,
+                                   kv_cache_tokens=self.pool.capacity * opts.block_size, block_size=opts.block_size)
+        self.decoder.capture_graphs(lim["max_batch_size"])
+
+    # ---- loading -------------------------------------------------------------------------------
+    def _load_vision(self, vision_manifest: dict, opts: EngineOptions):
+        from ..formats.torch_layout import torch_dtype
+        from .vision import VisionEncoder, choose_vision_runner
+
+        dtype = torch_dtype(self.config.get("dtype", "float16"))
+        runner = choose_vision_runner(self.engine_dir, self.family, vision_manifest.get("backend", "onnxruntime"),
+                                      dtype, self.device, opts.vision_backend)
+        return VisionEncoder(runner, self.processor, self.device, dtype, max_batch=opts.vision_batch_size,
+                             cache_size=opts.feature_cache_size)
+
+    def _kv_blocks(self, opts: EngineOptions, max_batch: int, max_seq: int, budget: int) -> int:
+        """Blocks of the KV pool: explicit tokens; on a GPU what the memory share leaves after weights,
+        vision and activations; on a CPU enough for max_batch full-length sequences."""
+        bs = opts.block_size
+        per_token = self.decoder.kv_bytes_per_token()
+        if opts.kv_cache_tokens is not None:
+            if opts.kv_cache_tokens < bs:
+                raise InputError(f"--kv-cache-tokens must be at least the block size {bs}")
+            return -(-opts.kv_cache_tokens // bs) + 1
+        if self.device.type != "cuda":
+            return -(-max_batch * max_seq // bs) + 1
+        if not 0 < opts.gpu_memory_utilization <= 1:
+            raise InputError(f"--gpu-memory-utilization must be in (0, 1] (got {opts.gpu_memory_utilization})")
+        free, total = torch.cuda.mem_get_info(self.device)
+        spec = self.decoder.spec
+        # activations of the largest step (hidden, qkv, gate|up rows) and logits, plus vision and slack
+        act = budget * (4 * spec.hidden_size + 2 * spec.intermediate_size + spec.q_size + 2 * spec.kv_size) * 4
+        logits = max(max_batch, 64) * spec.vocab_size * 8
+        reserve = act + logits + 2 * GiB
+        avail = int(total * opts.gpu_memory_utilization) - (total - free) - reserve
+        blocks = avail // (bs * per_token)
+        if blocks < 2:
+            raise EngineError(f"no GPU memory is left for the KV cache (free {free / GiB:.1f} GiB of {total / GiB:.1f};"
+                              f" --gpu-memory-utilization {opts.gpu_memory_utilization}); raise it or use a smaller "
+                              "--max-num-batched-tokens")
+        return int(blocks) + 1
 
     # ---- requests --------------------------------------------------------------------------
     def encode(self, messages: list[dict], images: list) -> EncodedPrompt:
-        max_images = self.limits["max_images_per_request"]
+        max_images = self.limits.max_images_per_request
         if len(images) > max_images:
             raise LimitError(f"{len(images)} images in one request; this engine accepts at most {max_images}")
         return self.processor.encode(messages, images)
@@ -148,26 +218,54 @@ class Engine:
 
     def check_limits(self, prompt: EncodedPrompt, params: SamplingParams) -> None:
         n, lim = len(prompt.token_ids), self.limits
-        if n > lim["max_input_len"]:
+        if n == 0:
+            raise InputError("the prompt is empty")
+        if n > lim.max_input_len:
             raise LimitError(f"the prompt has {n} tokens (images included); this engine's max_input_len is "
-                             f"{lim['max_input_len']}")
-        if params.max_tokens > lim["max_output_len"]:
+                             f"{lim.max_input_len}")
+        if params.max_tokens > lim.max_output_len:
             raise LimitError(f"max_tokens {params.max_tokens} exceeds this engine's max_output_len "
-                             f"{lim['max_output_len']}")
-        if n + params.max_tokens > self.decoder.max_seq:
+                             f"{lim.max_output_len}")
+        if n + params.max_tokens > lim.max_seq_len:
             raise LimitError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is {n + params.max_tokens},"
-                             f" beyond this engine's {self.decoder.max_seq} tokens per sequence")
+                             f" beyond this engine's {lim.max_seq_len} tokens per sequence")
+        if self.scheduler is not None and n + params.max_tokens > lim.kv_cache_tokens:
+            raise LimitError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) does not fit in this "
+                             f"engine's whole KV cache ({lim.kv_cache_tokens} tokens)")
 
     def submit(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None) -> Request:
         params.validate()
         self.check_limits(prompt, params)
-        if self._external:
+        if self.scheduler is None:
             self.decoder.check_params(params)
         req = Request(id=request_id or f"req-{next(self._ids)}", prompt=prompt, params=params,
-                      generator=None if self._external else make_generator(params.seed, self.device))
+                      generator=None if self.scheduler is None else make_generator(params.seed, self.device))
+        if self.scheduler is not None:
+            self._prepare(req)
         with self._lock:
-            self._waiting.append(req)
+            self._requests[req.id] = req
+            if self.scheduler is not None:
+                self.scheduler.add(req)
+            else:
+                self._waiting.append(req)
         return req
+
+    def _prepare(self, req: Request) -> None:
+        """Decoder-side ids (fake ids for image rows), prefix-cache keys and rotary positions."""
+        prompt = req.prompt
+        rows = [int(it.num_tokens) for it in prompt.images]
+        ids = fake_ids(prompt.token_ids, prompt.image_placeholder_id, self.vocab_size, sum(rows)) if rows \
+            else np.asarray(prompt.token_ids, dtype=np.int64)
+        req.all_ids = ids.tolist()
+        keys = ids.copy()
+        req.image_spans = image_spans(ids, self.vocab_size, rows) if rows else []
+        for item, (start, n) in zip(prompt.images, req.image_spans):
+            keys[start:start + n] = image_row_tokens(item.content_hash or f"{req.id}:{start}", n)
+        req.hash_tokens = keys.tolist()
+        positions = self.processor.position_ids(prompt.token_ids, prompt)
+        if positions is not None:
+            req.prompt_positions = np.asarray(positions, dtype=np.int64)
+            req.rope_delta = int(req.prompt_positions.max()) + 1 - len(prompt.token_ids)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -175,80 +273,173 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.scheduler.running) if self.scheduler is not None else len(self._running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.scheduler.waiting) if self.scheduler is not None else len(self._waiting)
 
     def has_work(self) -> bool:
+        if self.scheduler is not None:
+            return bool(self.scheduler.has_work() or self._aborts)
         return bool(self._waiting or self._running or self._aborts)
+
+    def stats(self) -> dict:
+        """Counters and gauges for /metrics and logs."""
+        out = {"running": self.num_running, "waiting": self.num_waiting, "max_running_seen": self.max_running_seen,
+               "steps": self.steps, "vision_backend": self.vision.backend,
+               "feature_cache_hits": self.vision.cache.hits, "feature_cache_misses": self.vision.cache.misses}
+        if self.scheduler is not None:
+            out.update(kv_blocks_total=self.pool.capacity, kv_blocks_used=self.pool.num_used(),
+                       kv_blocks_free=self.pool.num_free(), prefix_cache_queried_tokens=self.pool.queried_tokens,
+                       prefix_cache_hit_tokens=self.pool.hit_tokens, preemptions=self.scheduler.preemptions)
+        return out
+
+    @property
+    def feature_cache(self):
+        return self.vision.cache
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
+        if self.scheduler is None:
+            return self._step_streaming()
         events: list[StepEvent] = []
         with self._lock:
             aborts, self._aborts = self._aborts, set()
             for rid in aborts:
-                self._waiting = deque(r for r in self._waiting if r.id != rid)
+                req = self._requests.pop(rid, None)
+                if req is not None and req.status != FINISHED:
+                    req.finished, req.finish_reason = True, "abort"
+                    self.scheduler.finish(req)
+            scheduled, _ = self.scheduler.schedule()
+        self.max_running_seen = max(self.max_running_seen, len(self.scheduler.running))
+        if not scheduled:
+            return events
+        self.steps += 1
+        scheduled = self._prepare_images(scheduled, events)
+        if not scheduled:
+            return events
+        logits, sampled = self._run(scheduled)
+        self.scheduler.advance(scheduled)
+        if sampled:
+            reqs = [s.request for s in sampled]
+            toks, chosen, top = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            toks_list = toks.tolist()
+            now = time.perf_counter()
+            for i, req in enumerate(reqs):
+                lp = float(chosen[i]) if chosen is not None else None
+                tl = None
+                if top is not None and req.params.logprobs:
+                    k = req.params.logprobs
+                    tl = list(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist()))
+                events.append(self._append_token(req, toks_list[i], lp, tl, now))
+        return events
+
+    def _prepare_images(self, scheduled: list[Scheduled], events: list[StepEvent]) -> list[Scheduled]:
+        """Encode the images whose rows the scheduled chunks compute; a request whose image fails to
+        encode fails alone."""
+        need: dict[str, tuple[Request, list]] = {}
+        for s in scheduled:
+            req = s.request
+            for item, (first, rows) in zip(req.prompt.images, req.image_spans):
+                if first < s.start + s.n and first + rows > s.start and item.features is None:
+                    need.setdefault(req.id, (req, []))[1].append(item)
+        if not need:
+            return scheduled
+        try:
+            self.vision.encode([it for _, items in need.values() for it in items])
+        except Exception as e:  # one batch failed: retry per request, so only the faulty one fails
+            log.warning("vision batch failed (%s); retrying request by request", e)
+            for rid, (req, items) in need.items():
+                try:
+                    self.vision.encode(items)
+                except Exception as e2:
+                    events.append(self._fail(req, f"image encoding failed: {e2}"))
+        for rid, (req, _) in need.items():
+            if req.status == RUNNING:
+                req.table = None  # rebuilt below with the new features
+        out = []
+        for s in scheduled:
+            req = s.request
+            if req.status != RUNNING:
+                continue
+            if req.prompt.images and req.table is None:
+                dim = self.decoder.spec.hidden_size
+                req.table = torch.cat([it.features if it.features is not None else
+                                       torch.zeros((int(it.num_tokens), dim), dtype=self.decoder.dtype,
+                                                   device=self.device) for it in req.prompt.images])
+            out.append(s)
+        return out
+
+    def _fail(self, req: Request, message: str) -> StepEvent:
+        req.finished, req.finish_reason, req.error = True, "error", message
+        req.finish_time = time.perf_counter()
+        with self._lock:
+            self._requests.pop(req.id, None)
+            self.scheduler.finish(req)
+        return StepEvent(req, -1, "", True, "error", error=message)
+
+    def _run(self, scheduled: list[Scheduled]):
+        """Run the chunks; (logits [k, V], the k chunks that end their request's known tokens)."""
+        from .decoder import Chunk
+
+        dec = self.decoder
+        bs = dec.block_size
+        graph_rows, chunks, chunk_sched = [], [], []
+        for s in scheduled:
+            req = s.request
+            graphable = (dec.use_graphs and s.n == 1 and s.start > 0 and s.completes
+                         and (req.prompt_positions is None or s.start >= req.prompt_len)
+                         and req.all_ids[s.start] < self.vocab_size)
+            if graphable:
+                graph_rows.append(s)
+            else:
+                ids = np.asarray(req.all_ids[s.start:s.start + s.n], dtype=np.int64)
+                chunks.append(Chunk(ids, req.position_of(s.start, s.n), s.start, req.block_ids,
+                                    req.table if (ids >= self.vocab_size).any() else None, s.completes))
+                chunk_sched.append(s)
+        parts, sampled = [], []
+        if graph_rows:
+            ids = np.array([s.request.all_ids[s.start] for s in graph_rows], dtype=np.int64)
+            pos = np.array([s.start + s.request.rope_delta for s in graph_rows], dtype=np.int64)
+            slots = np.array([s.request.block_ids[s.start // bs] * bs + s.start % bs for s in graph_rows], np.int64)
+            lens = np.array([s.start + 1 for s in graph_rows], dtype=np.int64)
+            parts.append(dec.decode(ids, pos, slots, [s.request.block_ids for s in graph_rows], lens))
+            sampled.extend(graph_rows)
+        if chunks:
+            parts.append(dec.forward(chunks))
+            sampled.extend(s for s in chunk_sched if s.completes)
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return logits, sampled
+
+    def _step_streaming(self) -> list[StepEvent]:
+        """A step with an externally batched decoder (TensorRT-LLM): submit new prompts, collect outputs."""
+        events: list[StepEvent] = []
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+            for rid in aborts:
+                self._waiting = [r for r in self._waiting if r.id != rid]
                 req = self._running.get(rid)
                 if req is not None:
                     req.finished, req.finish_reason = True, "abort"
-                    self._release(req)
+                    self._release_streaming(req)
             admitted = []
-            while self._waiting and self._free_slots:
-                req = self._waiting.popleft()
-                req.slot = self._free_slots.pop()
+            while self._waiting and len(self._running) < self.limits.max_batch_size:
+                req = self._waiting.pop(0)
                 self._running[req.id] = req
                 admitted.append(req)
-        decoding = [r for r in self._running.values() if r not in admitted and not r.finished]
         self.max_running_seen = max(self.max_running_seen, len(self._running))
-        if not admitted and not decoding:
+        if not admitted and not self._running:
             return events
         self.steps += 1
-
-        if self._external:
-            if admitted:
-                self._encode_images(admitted)
-            return events + self._step_external(admitted)
-
-        logits_rows, reqs = [], []
         if admitted:
-            self._encode_images(admitted)
-            for req in admitted:
-                logits_rows.append(self._prefill(req)[None])
-                reqs.append(req)
-        if decoding:
-            slots = torch.tensor([r.slot for r in decoding])
-            tokens = torch.tensor([r.output_ids[-1] for r in decoding])
-            lens = torch.tensor([r.cache_len for r in decoding])
-            deltas = torch.tensor([r.rope_delta for r in decoding]) if any(r.rope_delta for r in decoding) else None
-            logits_rows.append(self.decoder.decode(slots, tokens, lens, deltas))
-            for r in decoding:
-                r.cache_len += 1
-            reqs.extend(decoding)
-        logits = torch.cat(logits_rows, 0)
-        toks, chosen, top = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        toks_list = toks.tolist()
-        now = time.perf_counter()
-        for i, req in enumerate(reqs):
-            lp = float(chosen[i]) if chosen is not None else None
-            tl = None
-            if top is not None and req.params.logprobs:
-                k = req.params.logprobs
-                tl = list(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist()))
-            events.append(self._append_token(req, toks_list[i], lp, tl, now))
-        return events
-
-    def _step_external(self, admitted: list[Request]) -> list[StepEvent]:
-        """Submit the admitted prompts to the decoder, then turn what it streamed back into events."""
+            self.vision.encode([it for r in admitted for it in r.prompt.images])
         for req in admitted:
             prompt = req.prompt
             if self.processor.position_ids(prompt.token_ids, prompt) is not None:
                 raise EngineError("this model needs multi-dimensional rotary positions, which the TensorRT-LLM "
                                   "decoder does not take; rebuild with decoder.backend: torch")
             self.decoder.submit(req.id, prompt, req.params)
-        events: list[StepEvent] = []
         # Block briefly only when nothing new was submitted, so a step never spins empty.
         for out in self.decoder.poll(timeout=0.0 if admitted else 0.05):
             req = self._running.get(out.request_id)
@@ -269,70 +460,15 @@ class Engine:
                 continue
             req.finished, req.finish_reason, req.finish_time = True, "abort", now
             with self._lock:
-                self._release(req)
+                self._release_streaming(req)
             raise EngineError(f"TensorRT-LLM ended request {req.id} early ("
                               f"{out.error or out.reason}) before vlmctl's stop rules did")
         return events
 
-    def _encode_images(self, reqs: list[Request]) -> None:
-        """Run the vision model once for every uncached image of the admitted requests."""
-        todo, dupes, first = [], [], {}
-        for req in reqs:
-            for item in req.prompt.images:
-                if item.features is not None:
-                    continue
-                key = item.content_hash
-                if key and key in first:  # the same image twice in this step: encode it once
-                    dupes.append(item)
-                    continue
-                cached = self.feature_cache.get(key)
-                if cached is not None:
-                    item.features = cached
-                else:
-                    todo.append(item)
-                    if key:
-                        first[key] = item
-        if todo:
-            self._run_vision(todo)
-        for item in dupes:
-            item.features = first[item.content_hash].features
-            self.feature_cache.hits += 1
-
-    def _run_vision(self, todo: list) -> None:
-        # Images with the same batch key go through the vision model in one call.
-        groups: dict[tuple, list] = {}
-        for item in todo:
-            groups.setdefault(self.processor.batch_key(item), []).append(item)
-        for items in groups.values():
-            feed, sizes = self.processor.collate(items)
-            out = self.vision(feed)
-            for it, chunk in zip(items, np.split(out, np.cumsum(sizes)[:-1])):
-                feats = self.processor.postprocess_features(chunk, it)
-                if feats.shape[0] != it.num_tokens:
-                    raise EngineError(f"vision produced {feats.shape[0]} rows for an image expected to give "
-                                      f"{it.num_tokens}")
-                it.features = feats
-                self.feature_cache.put(it.content_hash, feats)
-
-    def _prefill(self, req: Request) -> torch.Tensor:
-        prompt = req.prompt
-        ids = torch.tensor(prompt.token_ids, dtype=torch.long)
-        table = None
-        if prompt.images:
-            table = torch.from_numpy(np.concatenate([it.features for it in prompt.images], 0))
-            mask = ids == prompt.image_placeholder_id
-            n = int(mask.sum())
-            if n != table.shape[0]:
-                raise EngineError(f"prompt has {n} image positions but the images give {table.shape[0]} rows")
-            ids[mask] = self.vocab_size + torch.arange(n)
-            table = table.to(self.decoder.device)
-        positions = self.processor.position_ids(prompt.token_ids, prompt)
-        if positions is not None:
-            positions = torch.as_tensor(positions)
-            req.rope_delta = int(positions.max()) + 1 - len(prompt.token_ids)
-        logits = self.decoder.prefill(req.slot, ids, table, positions)
-        req.cache_len = len(prompt.token_ids)
-        return logits
+    def _release_streaming(self, req: Request) -> None:
+        if self._running.pop(req.id, None) is not None:
+            self.decoder.cancel(req.id)  # no-op once TensorRT-LLM has finished it
+        self._requests.pop(req.id, None)
 
     def _append_token(self, req: Request, tok: int, lp, top, now) -> StepEvent:
         if req.first_token_time is None:
@@ -343,6 +479,9 @@ class Engine:
             finish = "stop"
         else:
             req.output_ids.append(tok)
+            req.all_ids.append(tok)
+            req.hash_tokens.append(tok)
+            self.tokens_generated += 1
             if lp is not None:
                 req.logprobs.append({"token_id": tok, "logprob": lp, "top": top or []})
             req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
@@ -354,7 +493,7 @@ class Engine:
                     break
             if finish is None and len(req.output_ids) >= p.max_tokens:
                 finish = "length"
-            if finish is None and req.cache_len + 1 >= self.decoder.max_seq:
+            if finish is None and req.prompt_len + len(req.output_ids) >= self.limits.max_seq_len:
                 finish = "length"
         # Hand out only text that can no longer change: no half UTF-8 character, no stop-string prefix.
         safe = len(req.text)
@@ -371,15 +510,12 @@ class Engine:
         if finish is not None:
             req.finished, req.finish_reason, req.finish_time = True, finish, now
             with self._lock:
-                self._release(req)
+                if self.scheduler is not None:
+                    self._requests.pop(req.id, None)
+                    self.scheduler.finish(req)
+                else:
+                    self._release_streaming(req)
         return StepEvent(req, tok, delta, finish is not None, finish, lp, top)
-
-    def _release(self, req: Request) -> None:
-        if self._running.pop(req.id, None) is not None and req.slot is not None:
-            self._free_slots.append(req.slot)
-            req.slot = None
-            if self._external:
-                self.decoder.cancel(req.id)  # no-op once TensorRT-LLM has finished it
 
     # ---- offline ---------------------------------------------------------------------------
     def generate(self, prompts: list[EncodedPrompt], params: list[SamplingParams] | SamplingParams,
@@ -391,6 +527,9 @@ class Engine:
             for ev in self.step():
                 if on_event is not None:
                     on_event(ev)
+        for r in reqs:
+            if r.finish_reason == "error":
+                raise EngineError(f"request {r.id} failed: {r.error}")
         return [r.completion() for r in reqs]
 
     def chat(self, messages: list[dict], images: list, params: SamplingParams, on_event=None) -> Completion:

@@ -206,7 +206,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     def sampling(body: S.SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None):
         if max_tokens is None:
-            room = engine.decoder.max_seq - prompt_len
+            room = engine.limits.max_seq_len - prompt_len
             max_tokens = max(1, min(engine.limits["max_output_len"], room))
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
@@ -288,7 +288,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = S.ModelCard(id=model_name, root=str(engine.engine_dir), max_model_len=engine.decoder.max_seq)
+        card = S.ModelCard(id=model_name, root=str(engine.engine_dir), max_model_len=engine.limits.max_seq_len)
         return S.ModelList(data=[card]).model_dump()
 
     @app.post("/v1/chat/completions")
@@ -426,22 +426,9 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
-def load_app(engine_dir: Path, config: ServerConfig | None = None, *, device: str | None = None,
-             max_batch_size: int | None = None, limits: dict | None = None, feature_cache_size: int = 256) -> FastAPI:
-    """Load an engine directory and build the app (what `vlmctl serve` runs)."""
+def load_app(engine_dir: Path, config: ServerConfig | None = None, options=None, **option_overrides) -> FastAPI:
+    """Load an engine directory and build the app (what `vlmctl serve` runs). `options` is an
+    `EngineOptions`; keyword overrides set its fields (e.g. `max_batch_size=4`)."""
     from ..runtime.engine import Engine
 
-    engine = Engine(engine_dir, device=device, max_batch_size=max_batch_size, feature_cache_size=feature_cache_size)
-    apply_limits(engine, limits or {})
-    return create_app(engine, config)
-
-
-def apply_limits(engine, limits: dict) -> None:
-    """Lower the built limits for this server (they can only go down: the engine was sized for them)."""
-    for key, value in limits.items():
-        if value is None:
-            continue
-        built = engine.limits[key]
-        if value > built:
-            raise InputError(f"--{key.replace('_', '-')} {value} is above the engine's built limit {built}")
-        engine.limits[key] = value
+    return create_app(Engine(engine_dir, options, **option_overrides), config)

@@ -17,7 +17,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
-from ..errors import VlmctlError
+from ..errors import EngineError, VlmctlError
 
 log = logging.getLogger("vlmctl.serve")
 
@@ -111,6 +111,10 @@ class AsyncEngine:
                 self.metrics.on_finished(ev.request)
             q = self._queues.get(ev.request.id)
             if q is None:  # consumer already gone (abort in flight)
+                continue
+            if ev.error is not None:  # this request alone failed inside the engine
+                q.put_nowait(_Failure(EngineError(ev.error)))
+                del self._queues[ev.request.id]
                 continue
             q.put_nowait(ev)
             if ev.finished:

@@ -24,21 +24,42 @@ class _EngineCollector:
 
     def collect(self):
         e, lab = self.engine, self.labels
-        for name, doc, value in (
-            ("num_requests_running", "Requests in the running batch (holding a KV-cache slot).", e.num_running),
-            ("num_requests_waiting", "Requests waiting for a KV-cache slot.", e.num_waiting),
+        st = e.stats()
+        gauges = [
+            ("num_requests_running", "Requests in the running batch.", st["running"]),
+            ("num_requests_waiting", "Requests waiting to be admitted.", st["waiting"]),
             ("num_requests_running_max", "Most requests ever held in the running batch at once.",
-             e.max_running_seen),
-            ("max_batch_size", "KV-cache slots (the largest possible running batch).", e.limits["max_batch_size"]),
-        ):
+             st["max_running_seen"]),
+            ("max_batch_size", "The largest possible running batch.", e.limits.max_batch_size),
+        ]
+        if "kv_blocks_total" in st:
+            gauges += [("kv_cache_blocks_total", "Blocks of the paged KV cache.", st["kv_blocks_total"]),
+                       ("kv_cache_blocks_used", "KV blocks held by requests.", st["kv_blocks_used"]),
+                       ("kv_cache_blocks_free", "KV blocks free or holding evictable cached prefixes.",
+                        st["kv_blocks_free"]),
+                       ("kv_cache_usage_ratio", "Share of the KV cache held by requests.",
+                        st["kv_blocks_used"] / max(1, st["kv_blocks_total"]))]
+        for name, doc, value in gauges:
             g = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=list(lab))
             g.add_metric(list(lab.values()), value)
             yield g
-        cache = e.feature_cache
-        for name, doc, value in (
-            ("image_feature_cache_hits", "Images whose features came from the content-hash cache.", cache.hits),
-            ("image_feature_cache_misses", "Images that went through the vision model.", cache.misses),
-        ):
+        info = GaugeMetricFamily(f"{PREFIX}_vision_backend_info", "The vision backend in use (value 1).",
+                                 labels=list(lab) + ["backend"])
+        info.add_metric(list(lab.values()) + [st["vision_backend"]], 1)
+        yield info
+        counters = [
+            ("image_feature_cache_hits", "Images whose features came from the content-hash cache.",
+             st["feature_cache_hits"]),
+            ("image_feature_cache_misses", "Images that went through the vision model.", st["feature_cache_misses"]),
+        ]
+        if "preemptions" in st:
+            counters += [("num_preemptions", "Requests preempted (KV cache full) and recomputed later.",
+                          st["preemptions"]),
+                         ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                          st["prefix_cache_queried_tokens"]),
+                         ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled again).",
+                          st["prefix_cache_hit_tokens"])]
+        for name, doc, value in counters:
             c = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=list(lab))
             c.add_metric(list(lab.values()), value)
             yield c

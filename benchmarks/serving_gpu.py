@@ -1,0 +1,346 @@
+"""End-to-end serving figures on a GPU: a LLaVA-1.5-7B-shaped engine made by `vlmctl build`,
+run with the engine's default settings (recipe defaults except `limits.max_batch_size: 64`).
+
+The checkpoint has LLaVA-1.5-7B's shapes (CLIP ViT-L/14-336 + 2-layer projector + Llama-2-7B, fp16)
+and random weights, made on the device (the tokenizer is the test suite's small BPE, so a prompt
+of 9 random words is ~60 tokens). Measured, all in one process:
+
+- engine load time and GPU memory; the vision backend chosen;
+- TTFT of one request (one 336 px image + the text), median of 5, with the vision and prefill parts;
+- `vlmctl bench`'s engine run: -n 256 -c 64, 1 image, 128 output tokens (output tok/s, TTFT, TPOT);
+- a burst of 64 such requests at once (TTFT p50/p99);
+- 32 running streams while a burst of 64 is admitted: their inter-token gaps and TPOT, p50 vs p99;
+- transformers' LlavaForConditionalGeneration.generate on the same checkpoint: TTFT and batch-64 tok/s;
+- with --awq: an AWQ engine (round-to-nearest int4 of the same decoder, group 128) and its load
+  time, weight memory and decode throughput.
+
+    python benchmarks/serving_gpu.py --work /var/tmp/vlmctl-bench [--awq] [--out results.json]
+    python benchmarks/serving_gpu.py --smoke --work /tmp/smoke      # tiny shapes on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+SEVEN_B = dict(vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                           image_size=336, patch_size=14, projection_dim=768),
+               text=dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096),
+               image=336)
+SMOKE = dict(vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         image_size=28, patch_size=7, projection_dim=32),
+             text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=4, vocab_size=300, max_position_embeddings=4096),
+             image=28)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def make_checkpoint(out: Path, shape: dict, device: str) -> Path:
+    from tiny_models import LLAVA_CHAT_TEMPLATE, make_tokenizer
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, GenerationConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    if (out / "config.json").exists():
+        return out
+    tok = make_tokenizer(["<image>"])
+    vc = CLIPVisionConfig(**shape["vision"])
+    tc = LlamaConfig(**shape["text"], rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id, initializer_range=0.02)
+    cfg = LlavaConfig(vision_config=vc, text_config=tc, image_token_index=tok.convert_tokens_to_ids("<image>"),
+                      vision_feature_layer=-2, vision_feature_select_strategy="default")
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    torch.set_default_dtype(dtype)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlavaForConditionalGeneration(cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    model.save_pretrained(out)
+    s = shape["image"]
+    ip = CLIPImageProcessor(size={"shortest_edge": s}, crop_size={"height": s, "width": s})
+    LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=shape["vision"]["patch_size"],
+                   vision_feature_select_strategy="default", chat_template=LLAVA_CHAT_TEMPLATE,
+                   image_token="<image>", num_additional_image_tokens=1).save_pretrained(out)
+    del model
+    return out
+
+
+def build_engine(ckpt: Path, work: Path, dtype: str) -> tuple[Path, float]:
+    import yaml
+
+    from vlmctl.pipeline import build
+    from vlmctl.recipe import load_recipe
+
+    recipe = work / "llava7b.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "llava-1.5-7b-shaped", "source": str(ckpt), "dtype": dtype,
+                                      "limits": {"max_batch_size": 64}}))
+    t0 = time.perf_counter()
+    build(load_recipe(recipe), work / "engine")
+    return work / "engine", time.perf_counter() - t0
+
+
+def make_awq_engine(engine: Path, work: Path, group: int) -> Path:
+    """The same engine with its decoder round-to-nearest quantized to AutoAWQ GEMM int4 (no calibration:
+    the arithmetic, not the quality, is measured), built by the torch backend's build-llm."""
+    from vlmctl.export.torch_decoder import build_torch_decoder
+    from vlmctl.formats.torch_layout import read_layout
+    from vlmctl.quant.packing import pack_gemm
+
+    out = work / "engine-awq"
+    if (out / "build-llm" / "config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for part in ("convert", "export-vision", "build-vision"):
+        (out / part).symlink_to((engine / part).resolve())
+    src = engine / "convert" / "llm"
+    qdir = work / "awq-llm"
+    qdir.mkdir(exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                  "version": "gemm"}
+    (qdir / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import save_file
+
+    from vlmctl.checkpoint import iter_tensors
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tensors = {}
+    for name, t, _ in iter_tensors(src):
+        if name.endswith(".weight") and ".layers." in name and t.dim() == 2:
+            w = t.to(dev, torch.float32)
+            out_f, in_f = w.shape
+            g = w.view(out_f, in_f // group, group)
+            lo, hi = g.amin(-1), g.amax(-1)
+            scale = ((hi - lo).clamp_min(1e-5) / 15)
+            zero = (-lo / scale).round().clamp(0, 15)
+            codes = ((g / scale[..., None]).round() + zero[..., None]).clamp(0, 15).view(out_f, in_f)
+            qw, qz = pack_gemm(codes.to(torch.int32), zero.to(torch.int32))
+            base = name[:-len(".weight")]
+            tensors[f"{base}.qweight"], tensors[f"{base}.qzeros"] = qw.cpu(), qz.cpu()
+            tensors[f"{base}.scales"] = scale.t().contiguous().half().cpu()
+        else:
+            tensors[name] = t
+    save_file(tensors, str(qdir / "model.safetensors"))
+    layout = read_layout(engine / "build-llm")
+    build_torch_decoder(qdir, out / "build-llm", engine_root=out, dtype=layout.dtype, extra_config=layout.extra)
+    (out / "build-llm" / "manifest.json").write_text(json.dumps({"stage": "build-llm", "files": []}))
+    return out
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def load_engine(path: Path, **opts):
+    from vlmctl.runtime.engine import Engine
+
+    sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    t0 = time.perf_counter()
+    eng = Engine(path, **opts)
+    sync()
+    return eng, time.perf_counter() - t0, base
+
+
+def weight_gib(eng) -> float:
+    total = sum(t.numel() * t.element_size() for t in (eng.decoder.embed, eng.decoder.norm))
+    if eng.decoder.lm_head is not eng.decoder.embed:
+        total += eng.decoder.lm_head.numel() * eng.decoder.lm_head.element_size()
+    for layer in eng.decoder.layers:
+        total += layer.input_norm.numel() * 2 + layer.post_norm.numel() * 2
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            total += sum(t.numel() * t.element_size() for t in lin.tensors())
+    return total / 2**30
+
+
+def ttft_single(eng, cfg_kwargs: dict, n: int = 5) -> dict:
+    from vlmctl.bench import BenchConfig, synthetic_requests
+    from vlmctl.runtime.sampling import SamplingParams
+
+    cfg = BenchConfig(num_requests=n, concurrency=1, run=7, **cfg_kwargs)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    warm = [eng.encode(m, i) for m, i in synthetic_requests(cfg, 2, offset=500)]
+    eng.generate(warm, params)
+    ttfts, vision, prompt_tokens = [], [], 0
+    for m, imgs in synthetic_requests(cfg, n):
+        p = eng.encode(m, imgs)
+        prompt_tokens = len(p.token_ids)
+        t0 = time.perf_counter()
+        req = eng.submit(p, params)
+        while req.first_token_time is None:
+            eng.step()
+        ttfts.append(req.first_token_time - t0)
+        while not req.finished:
+            eng.step()
+    # the vision part alone, on fresh images (no feature-cache hits)
+    for m, imgs in synthetic_requests(cfg, n, offset=900):
+        p = eng.encode(m, imgs)
+        sync()
+        t0 = time.perf_counter()
+        eng.vision.encode(p.images)
+        sync()
+        vision.append(time.perf_counter() - t0)
+    return {"ttft_ms_median": 1000 * float(np.median(ttfts)), "ttft_ms_all": [round(1000 * t, 2) for t in ttfts],
+            "vision_ms_median": 1000 * float(np.median(vision)), "prompt_tokens": prompt_tokens}
+
+
+def running_plus_burst(eng, cfg_kwargs: dict, running: int = 32, burst: int = 64) -> dict:
+    """ITL and TPOT of `running` streams while a burst of new requests is admitted."""
+    from vlmctl.bench import BenchConfig, synthetic_requests
+    from vlmctl.runtime.sampling import SamplingParams
+
+    cfg = BenchConfig(num_requests=running + burst, concurrency=running + burst, run=11, **cfg_kwargs)
+    reqs = synthetic_requests(cfg, running + burst)
+    prompts = [eng.encode(m, i) for m, i in reqs]
+    long = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    streams = [eng.submit(p, long) for p in prompts[:running]]
+    times: dict[str, list[float]] = {r.id: [] for r in streams}
+    burst_reqs, burst_at = [], None
+    while not all(r.finished for r in streams):
+        evs = eng.step()
+        now = time.perf_counter()
+        for ev in evs:
+            if ev.request.id in times:
+                times[ev.request.id].append(now)
+        if burst_at is None and all(len(t) >= 24 for t in times.values()):
+            burst_at = time.perf_counter()
+            burst_reqs = [eng.submit(p, short) for p in prompts[running:]]
+    while eng.has_work():
+        eng.step()
+    before, during = [], []
+    burst_end = max(r.first_token_time for r in burst_reqs)
+    for ts in times.values():
+        for a, b in zip(ts, ts[1:]):
+            (during if burst_at <= b <= burst_end else before).append(b - a)
+    tpot = [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in times.values()]
+    burst_ttft = [r.first_token_time - burst_at for r in burst_reqs]
+    pct = lambda a, q: 1000 * float(np.percentile(a, q)) if a else None  # noqa: E731
+    return {"itl_ms_p50_before": pct(before, 50), "itl_ms_p50_during_burst": pct(during, 50),
+            "itl_ms_p99_during_burst": pct(during, 99), "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p99": pct(tpot, 99),
+            "burst_admission_s": burst_end - burst_at, "burst_ttft_ms_p50": pct(burst_ttft, 50),
+            "burst_ttft_ms_p99": pct(burst_ttft, 99)}
+
+
+def hf_peer(ckpt: Path, cfg_kwargs: dict, batch: int, out_tokens: int) -> dict:
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from vlmctl.bench import BenchConfig, synthetic_requests
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float16 if dev == "cuda" else torch.float32
+    proc = AutoProcessor.from_pretrained(ckpt)
+    model = LlavaForConditionalGeneration.from_pretrained(ckpt, dtype=dtype).to(dev).eval()
+    reqs = synthetic_requests(BenchConfig(num_requests=batch, run=3, **cfg_kwargs), batch)
+    texts = [proc.apply_chat_template(m, add_generation_prompt=True) for m, _ in reqs]
+    proc.tokenizer.padding_side = "left"
+    inputs = proc(images=[i[0] for _, i in reqs], text=texts, return_tensors="pt", padding=True).to(dev)
+    inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    one = {k: v[:1] for k, v in inputs.items()}
+    with torch.inference_mode():
+        model.generate(**one, max_new_tokens=2, do_sample=False)
+        sync()
+        t0 = time.perf_counter()
+        model.generate(**one, max_new_tokens=1, do_sample=False)
+        sync()
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(**inputs, max_new_tokens=out_tokens, min_new_tokens=out_tokens, do_sample=False)
+        sync()
+        wall = time.perf_counter() - t0
+    del model
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return {"ttft_ms": 1000 * ttft, "batch": batch, "output_tok_s": batch * out_tokens / wall, "wall_s": wall}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, default=Path("/var/tmp/vlmctl-bench"))
+    ap.add_argument("--awq", action="store_true")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--skip", nargs="*", default=[], help="parts to skip: ttft bench burst running hf awq")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    shape = SMOKE if args.smoke else SEVEN_B
+    dev = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    args.work.mkdir(parents=True, exist_ok=True)
+    res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__}
+    t0 = time.perf_counter()
+    ckpt = make_checkpoint(args.work / "ckpt", shape, dev)
+    res["checkpoint_s"] = time.perf_counter() - t0
+    engine_dir, res["build_s"] = build_engine(ckpt, args.work, "float16" if dev == "cuda" else "float32")
+    log(f"checkpoint {res['checkpoint_s']:.1f} s, vlmctl build {res['build_s']:.1f} s")
+    size = (shape["image"], shape["image"])
+    req = dict(image_size=size, prompt_len=9, output_len=128, warmup=2)
+    n = 16 if args.smoke else args.num_requests
+    eng, load_s, _ = load_engine(engine_dir)
+    res["engine"] = {"load_s": load_s, "weights_gib": weight_gib(eng), "vision_backend": eng.vision.backend,
+                     "limits": eng.limits.to_json()}
+    if dev == "cuda":
+        res["engine"]["gpu_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
+    log("engine:", json.dumps(res["engine"]))
+    from vlmctl.bench import BenchConfig, bench_engine
+
+    if "ttft" not in args.skip:
+        res["ttft_single"] = ttft_single(eng, {"image_size": size, "prompt_len": 9})
+        log("ttft single:", json.dumps(res["ttft_single"]))
+    if "bench" not in args.skip:
+        r = bench_engine(eng, BenchConfig(num_requests=n, concurrency=64, run=1, **req))
+        res["bench_n256_c64"] = r
+        log(f"bench -n {n} -c 64: {r['output_throughput']:.0f} output tok/s, TTFT p50 {r['ttft_ms']['median']:.0f} ms "
+            f"p99 {r['ttft_ms']['p99']:.0f} ms, TPOT p50 {r['tpot_ms']['median']:.1f} p99 {r['tpot_ms']['p99']:.1f} ms, "
+            f"prompt {r['mean_prompt_tokens']} tokens, failed {r['failed']}")
+    if "burst" not in args.skip:
+        r = bench_engine(eng, BenchConfig(num_requests=64, concurrency=64, run=2, **req))
+        res["burst_64"] = r
+        log(f"burst of 64: TTFT p50 {r['ttft_ms']['median']:.0f} ms p99 {r['ttft_ms']['p99']:.0f} ms, "
+            f"{r['output_throughput']:.0f} tok/s")
+    if "running" not in args.skip:
+        res["running_plus_burst"] = running_plus_burst(eng, {"image_size": size, "prompt_len": 9})
+        log("running + burst:", json.dumps(res["running_plus_burst"]))
+    res["engine_stats"] = eng.stats()
+    del eng
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    if args.awq and "awq" not in args.skip:
+        awq_dir = make_awq_engine(engine_dir, args.work, 64 if args.smoke else 128)
+        aeng, aload, _ = load_engine(awq_dir)
+        r = bench_engine(aeng, BenchConfig(num_requests=n, concurrency=64, run=5, **req))
+        r1 = bench_engine(aeng, BenchConfig(num_requests=4, concurrency=1, run=6, **req))
+        res["awq"] = {"load_s": aload, "weights_gib": weight_gib(aeng), "bench_c64_tok_s": r["output_throughput"],
+                      "bench_c1_tpot_ms": r1["tpot_ms"]["median"]}
+        log("awq:", json.dumps(res["awq"]))
+        del aeng
+    if "hf" not in args.skip:
+        res["transformers"] = {"b1": hf_peer(ckpt, {"image_size": size, "prompt_len": 9}, 1, 32),
+                               "b64": hf_peer(ckpt, {"image_size": size, "prompt_len": 9}, 64 if not args.smoke else 4,
+                                              128 if not args.smoke else 8)}
+        log("transformers:", json.dumps(res["transformers"]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2, default=str))
+    if args.smoke:
+        shutil.rmtree(args.work / "engine-awq", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""The embedded decoder's engine layout: `build-llm/config.json` and where its weights live.
+
+This is an on-disk contract between `build-llm` (vlmctl.export.torch_decoder writes it) and the
+runtime (vlmctl.runtime.decoder reads it). `config.json` holds a typed `DecoderSpec`: the
+decoder's shape and variants (activation, norm, rotary incl. M-RoPE sections) and, per runtime
+tensor, the Hugging Face tensors it is made of. Runtime tensor names (i = layer index):
+
+  embed, norm, lm_head (absent when tied)
+  layers.i.input_norm, layers.i.post_norm
+  layers.i.{qkv,o,gate_up,down}.weight                 float linears [out, in]; q|k|v and gate|up fused
+  layers.i.qkv.bias                                     when the decoder has q/k/v biases
+  layers.i.{qkv,o,gate_up,down}.{qweight,scales,zeros}  4-bit AWQ linears in the W4A16 kernel's layout
+
+Weights come from one of two places (`weights.kind`):
+- "hf": a float decoder is read from the Hugging Face checkpoint `convert` wrote (`weights.dir`,
+  relative to the engine directory), fused into the runtime tensors while it is copied to the
+  device. The engine keeps one float copy of the decoder, not two.
+- "packed": `weights.safetensors` in the layout directory holds the runtime tensors themselves
+  (AWQ engines: the int4 weights repacked at build time for the kernel).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import CheckpointError, EngineError
+
+FORMAT = "vlmctl-torch-decoder"
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+FORMAT_VERSION = 2
+WEIGHTS = "weights.safetensors"
+CONFIG = "config.json"
+
+
+def torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPE_NAMES:
+        raise EngineError(f"unknown dtype {name!r} (expected one of {', '.join(DTYPE_NAMES)})")
+    return getattr(torch, name)
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What the runtime needs to know about a decoder; made by `vlmctl.models.decoders`."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    activation: str = "silu"  # gated MLP: act(gate) * up
+    norm: str = "rms"  # RMSNorm with weight w
+    rope_inv_freq: tuple[float, ...] = ()  # float32 values, computed by transformers' rotary class
+    rope_attention_scaling: float = 1.0
+    mrope_section: tuple[int, ...] | None = None  # multimodal rotary: frequency sections of (t, h, w)
+    quantization: dict | None = None  # {"method": "awq", "bits": 4, "group_size": g}
+    # runtime tensor name ("{i}" = layer) -> the HF tensors concatenated (along the output axis) into it
+    tensor_sources: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DecoderSpec":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise EngineError(f"decoder spec has unknown fields {unknown} (built by a newer vlmctl?)")
+        d = dict(d)
+        d["rope_inv_freq"] = tuple(d.get("rope_inv_freq") or ())
+        if d.get("mrope_section") is not None:
+            d["mrope_section"] = tuple(d["mrope_section"])
+        d["tensor_sources"] = {k: tuple(v) for k, v in (d.get("tensor_sources") or {}).items()}
+        return cls(**d)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def runtime_names(self) -> list[str]:
+        """Every runtime tensor a float decoder of this spec has, layer templates expanded."""
+        out = []
+        for name in self.tensor_sources:
+            if "{i}" in name:
+                out.extend(name.format(i=i) for i in range(self.num_layers))
+            else:
+                out.append(name)
+        return out
+
+    def expected_shape(self, name: str) -> tuple[int, ...] | None:
+        """Shape of a float runtime tensor (None for names this spec does not size)."""
+        H, I, V = self.hidden_size, self.intermediate_size, self.vocab_size
+        qkv = self.q_size + 2 * self.kv_size
+        tail = name.split(".", 2)[-1] if name.startswith("layers.") else name
+        return {"embed": (V, H), "lm_head": (V, H), "norm": (H,), "input_norm": (H,), "post_norm": (H,),
+                "qkv.weight": (qkv, H), "qkv.bias": (qkv,), "o.weight": (H, self.q_size),
+                "gate_up.weight": (2 * I, H), "down.weight": (H, I)}.get(tail)
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    """The whole `build-llm/config.json` of a torch-backend engine."""
+
+    dtype: str
+    decoder: DecoderSpec
+    weights: dict  # {"kind": "hf", "dir": "convert/llm"} | {"kind": "packed", "file": WEIGHTS}
+    extra: dict  # name, backend, limits, prompt-table sizing, eos ids (owned by the pipeline)
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": self.dtype,
+                "decoder": self.decoder.to_json(), "weights": self.weights, **self.extra}
+
+
+def is_layout(cfg: dict) -> bool:
+    return cfg.get("format") == FORMAT
+
+
+def read_layout(layout_dir: Path) -> LayoutConfig:
+    layout_dir = Path(layout_dir)
+    try:
+        cfg = json.loads((layout_dir / CONFIG).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EngineError(f"{layout_dir}: no readable decoder {CONFIG} ({type(e).__name__})") from None
+    if not is_layout(cfg):
+        raise EngineError(f"{layout_dir}: not a vlmctl torch decoder (format {cfg.get('format')!r})")
+    if cfg.get("format_version") != FORMAT_VERSION:
+        raise EngineError(f"{layout_dir}: decoder layout version {cfg.get('format_version')} is not "
+                          f"{FORMAT_VERSION}; rebuild it with `vlmctl build-llm` (or `vlmctl build --force`)")
+    try:
+        spec = DecoderSpec.from_json(cfg["decoder"])
+        extra = {k: v for k, v in cfg.items() if k not in ("format", "format_version", "dtype", "decoder", "weights")}
+        return LayoutConfig(cfg["dtype"], spec, dict(cfg["weights"]), extra)
+    except (KeyError, TypeError) as e:
+        raise EngineError(f"{layout_dir}: decoder {CONFIG} is incomplete ({e})") from None
+
+
+def write_layout(layout_dir: Path, layout: LayoutConfig) -> None:
+    Path(layout_dir).mkdir(parents=True, exist_ok=True)
+    (Path(layout_dir) / CONFIG).write_text(json.dumps(layout.to_json(), indent=2))
+
+
+def weights_location(layout_dir: Path, layout: LayoutConfig) -> Path:
+    """The directory (kind "hf") or file (kind "packed") the weights are read from."""
+    kind = layout.weights.get("kind")
+    if kind == "hf":
+        # relative to the engine directory, the parent of build-llm/
+        return Path(layout_dir).resolve().parent / layout.weights["dir"]
+    if kind == "packed":
+        return Path(layout_dir) / layout.weights.get("file", WEIGHTS)
+    raise EngineError(f"{layout_dir}: unknown weights kind {kind!r} in {CONFIG}")
+
+
+class HFTensorReader:
+    """Lazy access to the tensors of a safetensors checkpoint directory by name (memory-mapped)."""
+
+    def __init__(self, ckpt_dir: Path):
+        from safetensors import safe_open
+
+        from ..checkpoint import weight_files
+
+        self.where: dict[str, object] = {}
+        self.dir = Path(ckpt_dir)
+        for f in weight_files(self.dir):
+            try:
+                h = safe_open(str(f), framework="pt")
+                for k in h.keys():
+                    self.where[k] = h
+            except Exception as e:
+                raise CheckpointError(f"{f}: not a valid safetensors file ({str(e).splitlines()[0][:200]})") from None
+
+    def names(self) -> set[str]:
+        return set(self.where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.where[name].get_slice(name).get_shape())
+
+    def get(self, name: str):
+        try:
+            return self.where[name].get_tensor(name)
+        except KeyError:
+            raise CheckpointError(f"{self.dir}: decoder tensor {name!r} is missing") from None
+        except Exception as e:
+            raise CheckpointError(f"{self.dir}: tensor {name!r} cannot be read ({str(e).splitlines()[0][:200]})") \
+                from None
+
+
+def check_hf_sources(reader: HFTensorReader, spec: DecoderSpec, where: Path) -> None:
+    """Every runtime tensor's sources exist with the right shapes, and nothing is left over."""
+    used: set[str] = set()
+    for name, sources in spec.tensor_sources.items():
+        layers = range(spec.num_layers) if "{i}" in name else [None]
+        for i in layers:
+            rt = name.format(i=i) if i is not None else name
+            parts = [s.format(i=i) if i is not None else s for s in sources]
+            missing = [p for p in parts if p not in reader.where]
+            if missing:
+                raise CheckpointError(f"{where}: decoder tensor {missing[0]!r} is missing")
+            shapes = [reader.shape(p) for p in parts]
+            fused = (sum(s[0] for s in shapes),) + shapes[0][1:]
+            want = spec.expected_shape(rt)
+            if want is not None and fused != want:
+                raise CheckpointError(f"{where}: {rt} (from {', '.join(parts)}) has shape {fused}, expected {want}")
+            used.update(parts)
+    leftovers = sorted(reader.names() - used - ({"lm_head.weight"} if spec.tie_word_embeddings else set()))
+    if leftovers:
+        raise CheckpointError(f"{where}: decoder has {len(leftovers)} tensor(s) the runtime does not use, "
+                              f"e.g. {leftovers[:3]}")
+
+
+def load_hf_weights(ckpt_dir: Path, spec: DecoderSpec, device, dtype) -> dict:
+    """Runtime tensors of a float decoder, fused while they are copied to `device`."""
+    import torch
+
+    reader = HFTensorReader(ckpt_dir)
+    check_hf_sources(reader, spec, Path(ckpt_dir))
+    out = {}
+    for name in spec.runtime_names():
+        template = next(t for t in spec.tensor_sources if t == name or
+                        ("{i}" in t and _matches(t, name)))
+        i = _layer_of(name) if "{i}" in template else None
+        parts = [s.format(i=i) if i is not None else s for s in spec.tensor_sources[template]]
+        if len(parts) == 1:
+            out[name] = reader.get(parts[0]).to(device=device, dtype=dtype)
+            continue
+        shapes = [reader.shape(p) for p in parts]
+        t = torch.empty((sum(s[0] for s in shapes),) + shapes[0][1:], device=device, dtype=dtype)
+        row = 0
+        for p, s in zip(parts, shapes):
+            t[row:row + s[0]].copy_(reader.get(p))
+            row += s[0]
+        out[name] = t
+    return out
+
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".")[1])
+
+
+def _matches(template: str, name: str) -> bool:
+    a, b = template.split("."), name.split(".")
+    return len(a) == len(b) and all(x == y or x == "{i}" for x, y in zip(a, b))
+
+
+def load_packed_weights(path: Path, device) -> dict:
+    from safetensors.torch import load_file
+
+    if not Path(path).is_file():
+        raise EngineError(f"{path}: decoder weights are missing")
+    try:
+        return load_file(str(path), device=str(device))
+    except Exception as e:
+        raise EngineError(f"{path}: decoder weights cannot be read ({str(e).splitlines()[0][:200]})") from None
+
+
+AWQ_PARTS = ("qweight", "qzeros", "scales")
+
+
+def awq_tensors(reader: HFTensorReader, spec: DecoderSpec, where: Path, dtype, progress=None) -> dict:
+    """Runtime tensors of an AWQ GEMM decoder: packed linears fused along the output axis (AutoAWQ packs
+    each run of 8 output columns on its own, so concatenation is exact), float tensors cast to `dtype`."""
+    import torch
+
+    from ..progress import ensure
+
+    progress = ensure(progress)
+    out: dict = {}
+    used: set[str] = set()
+
+    def take(name):
+        if name not in reader.where:
+            raise CheckpointError(f"{where}: decoder tensor {name!r} is missing")
+        used.add(name)
+        return reader.get(name)
+
+    task = progress.task("build-llm: packing AWQ decoder layers", total=spec.num_layers)
+    for i in [None] + list(range(spec.num_layers)):
+        for template, sources in spec.tensor_sources.items():
+            if ("{i}" in template) != (i is not None):
+                continue
+            rt = template.format(i=i)
+            parts = [s.format(i=i) for s in sources]
+            if rt.endswith(".weight") and f"{parts[0][:-len('.weight')]}.qweight" in reader.where:
+                mods = [p[:-len(".weight")] for p in parts]
+                for suffix in AWQ_PARTS:
+                    t = torch.cat([take(f"{m}.{suffix}") for m in mods], 1)
+                    out[f"{rt[:-len('.weight')]}.{suffix}"] = t.to(torch.float16 if suffix == "scales" else torch.int32)
+            else:
+                out[rt] = torch.cat([take(p) for p in parts], 0).to(dtype)
+        if i is not None:
+            task.advance()
+    task.done()
+    leftovers = sorted(reader.names() - used - ({"lm_head.weight"} if spec.tie_word_embeddings else set()))
+    if leftovers:
+        raise CheckpointError(f"{where}: decoder has {len(leftovers)} tensor(s) the runtime does not use, "
+                              f"e.g. {leftovers[:3]}")
+    return out

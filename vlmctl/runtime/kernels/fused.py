@@ -1,0 +1,129 @@
+"""Fused small ops of the decoder step (Triton): residual add + RMSNorm, rotary + KV-cache append,
+SiLU·mul. Each replaces several eager kernels; `vlmctl.runtime.ops` holds the torch references
+(the CPU path) and the tests compare the two under `TRITON_INTERPRET=1`.
+
+Rounding follows transformers' Llama modules where it matters for closeness: the residual sum is
+rounded to the model dtype before the norm, the normalized row is rounded before the weight
+multiplies it, rotary products are rounded per term.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_r, stride_o, eps,
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_ptr + row * stride_r + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / n_cols
+    normed = (xf * tl.math.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of rows of x [T, H]; with `residual`, first `residual += x` (in place) and normalize that."""
+    T, H = x.shape
+    out = torch.empty_like(x) if out is None else out
+    BLOCK = triton.next_power_of_2(H)
+    _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, weight, out, H, x.stride(0),
+                               residual.stride(0) if residual is not None else 0, out.stride(0), eps,
+                               HAS_RES=residual is not None, BLOCK=BLOCK, num_warps=8 if BLOCK >= 4096 else 4)
+    return out
+
+
+@triton.jit
+def _rope_cache_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_t, stride_cs,
+                       stride_cb, stride_cs_slot, stride_ch, n_q_heads, n_kv_heads, block_size,
+                       HEAD_DIM: tl.constexpr, HALF: tl.constexpr, WRITE_CACHE: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)  # 0..n_q+n_kv-1 rotate (q heads then k heads); n_q+n_kv.. copy v
+    pos = tl.load(pos_ptr + t)
+    offs = tl.arange(0, HALF)
+    base = qkv_ptr + t * stride_t + h * HEAD_DIM
+    n_rot = n_q_heads + n_kv_heads
+    slot = tl.load(slot_ptr + t) if WRITE_CACHE else 0
+    blk = slot // block_size
+    off = slot % block_size
+    if h < n_rot:
+        x1 = tl.load(base + offs)
+        x2 = tl.load(base + HALF + offs)
+        c = tl.load(cos_sin_ptr + pos * stride_cs + offs).to(x1.dtype).to(tl.float32)
+        s = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs).to(x1.dtype).to(tl.float32)
+        a1 = x1.to(tl.float32)
+        a2 = x2.to(tl.float32)
+        o1 = ((a1 * c).to(x1.dtype).to(tl.float32) - (a2 * s).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+        o2 = ((a2 * c).to(x1.dtype).to(tl.float32) + (a1 * s).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+        tl.store(base + offs, o1)
+        tl.store(base + HALF + offs, o2)
+        if WRITE_CACHE:
+            if h >= n_q_heads:
+                if slot >= 0:
+                    kh = h - n_q_heads
+                    dst = k_cache_ptr + blk * stride_cb + off * stride_cs_slot + kh * stride_ch
+                    tl.store(dst + offs, o1)
+                    tl.store(dst + HALF + offs, o2)
+    else:
+        if WRITE_CACHE:
+            if slot >= 0:
+                vh = h - n_rot
+                d = tl.arange(0, HEAD_DIM)
+                v = tl.load(base + d)
+                dst = v_cache_ptr + blk * stride_cb + off * stride_cs_slot + vh * stride_ch
+                tl.store(dst + d, v)
+
+
+def rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, n_q_heads: int,
+                   n_kv_heads: int, head_dim: int, k_cache: torch.Tensor | None = None,
+                   v_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> None:
+    """In place: rotary on the q and k heads of qkv [T, (nq + 2 nkv) * d] at `positions` (rows of the
+    cos|sin table [P, d]); then k (rotated) and v written to the paged caches [blocks, block_size,
+    nkv, d] at `slot_mapping` [T] (block * block_size + offset; negative: not written)."""
+    T = qkv.shape[0]
+    write = k_cache is not None
+    heads = n_q_heads + 2 * n_kv_heads if write else n_q_heads + n_kv_heads
+    if T == 0:
+        return
+    kc = k_cache if write else qkv
+    _rope_cache_kernel[(T, heads)](
+        qkv, cos_sin, positions, slot_mapping if write else positions, kc, v_cache if write else qkv,
+        qkv.stride(0), cos_sin.stride(0),
+        kc.stride(0) if write else 0, kc.stride(1) if write else 0, kc.stride(2) if write else 0,
+        n_q_heads, n_kv_heads, kc.shape[1] if write else 1,
+        HEAD_DIM=head_dim, HALF=head_dim // 2, WRITE_CACHE=write, num_warps=1)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, stride_gu, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+    T, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
+    BLOCK = 1024
+    _silu_mul_kernel[(T, triton.cdiv(inter, BLOCK))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
+                                                     BLOCK=BLOCK, num_warps=4)
+    return out

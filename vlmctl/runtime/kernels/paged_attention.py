@@ -1,0 +1,127 @@
+"""Decode attention over the paged KV cache (Triton): one query token per sequence, reading K/V
+blocks in place through the sequence's block table (no gather copy), grouped-query heads of one KV
+head together, online softmax in float32, and optional split-K over the context (flash-decoding)
+so a small batch still fills the GPU. Shapes are static per call and lengths are read on the
+device, so the call is CUDA-graph capturable. Reference: `vlmctl.runtime.ops.paged_decode_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr,
+                   stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+                   scale_log2, block_size, group, num_splits,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(lens_ptr + seq)
+    # this program's share of the context, in whole tiles
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D_PAD)
+    dmask = d < HEAD_DIM
+    gmask = g < group
+    heads = kvh * group + g
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D_PAD], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(start, end, BLOCK_N):
+        tok = tile + n
+        valid = tok < end
+        blk = tl.load(bt_ptr + seq * stride_bt + tok // block_size, mask=valid, other=0)
+        row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # [G, N], log2 domain
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if SPLIT:
+        # partial results: un-normalized acc, and (max, sum) per head, for the combine kernel
+        pidx = (seq * (tl.num_programs(1) * group) + heads) * num_splits + split
+        tl.store(part_ptr + pidx[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+        tl.store(ml_ptr + pidx * 2, m_i, mask=gmask)
+        tl.store(ml_ptr + pidx * 2 + 1, l_i, mask=gmask)
+    else:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(q.dtype),
+                 mask=gmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _combine_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, n_heads, num_splits,
+                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    smask = s < num_splits
+    base = (seq * n_heads + h) * num_splits
+    m = tl.load(ml_ptr + (base + s) * 2, mask=smask, other=float("-inf"))
+    l = tl.load(ml_ptr + (base + s) * 2 + 1, mask=smask, other=0.0)
+    m_all = tl.max(m, 0)
+    w = tl.where(m > float("-inf"), tl.math.exp2(m - m_all), 0.0)
+    denom = tl.sum(l * w, 0)
+    d = tl.arange(0, D_PAD)
+    dmask = d < HEAD_DIM
+    part = tl.load(part_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & dmask[None, :],
+                   other=0.0)
+    o = tl.sum(part * w[:, None], 0) / denom
+    tl.store(out_ptr + seq * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def choose_splits(batch: int, n_kv_heads: int, max_context: int, num_sms: int, block_n: int = 64) -> int:
+    """Split the context when batch x KV heads alone would leave most multiprocessors idle."""
+    programs = batch * n_kv_heads
+    if programs >= num_sms:
+        return 1
+    want = triton.cdiv(2 * num_sms, programs)
+    return max(1, min(want, triton.cdiv(max_context, 4 * block_n), 32))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, num_splits: int = 1, out: torch.Tensor | None = None,
+                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q [B, Hq, d] (row stride free), caches [blocks, block_size, Hkv, d], block_tables [B, max_blocks]
+    int32, context_lens [B] int32 (tokens to attend, the current one included) -> out [B, Hq, d]."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    group = Hq // Hkv
+    out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device) if out is None else out
+    BLOCK_G = max(16, triton.next_power_of_2(group))
+    BLOCK_N = 64 if D <= 128 else 32
+    split = num_splits > 1
+    if split:
+        if workspace is None:
+            workspace = (torch.empty((B * Hq * num_splits, D), dtype=torch.float32, device=q.device),
+                         torch.empty((B * Hq * num_splits, 2), dtype=torch.float32, device=q.device))
+        part, ml = workspace
+    else:
+        part = ml = out
+    _decode_kernel[(B, Hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part, ml,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group, num_splits,
+        HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, SPLIT=split, num_warps=4, num_stages=2)
+    if split:
+        _combine_kernel[(B, Hq)](part, ml, out, out.stride(0), out.stride(1), Hq, num_splits, HEAD_DIM=D,
+                                 D_PAD=triton.next_power_of_2(D),
+                                 BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+    return out

@@ -1,0 +1,158 @@
+"""The decoder step's operations, each with a plain-torch reference and a dispatch to the Triton
+kernel in `vlmctl.runtime.kernels` when the tensors live on a CUDA device.
+
+The torch references are the CPU path (CI, `make demo`) and the oracle the kernel tests compare
+against. They follow transformers' Llama modules operation by operation (including where values
+are rounded to the model dtype), so the CPU runtime stays token-exact against the reference model.
+
+Set `VLMCTL_KERNELS=torch` to force the references on a GPU (debugging, A/B measurements).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    if os.environ.get("VLMCTL_KERNELS", "").lower() == "torch":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _use_kernels(t: torch.Tensor) -> bool:
+    return t.is_cuda and triton_available()
+
+
+# ---- RMSNorm (with the residual add fused in) ----------------------------------------------------
+def rms_norm_reference(x, weight, eps, residual=None):
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm(x) over the last axis of [T, H]; with `residual`: `residual += x` in place, then RMSNorm(residual)."""
+    if _use_kernels(x) and x.dim() == 2:
+        from .kernels.fused import add_rms_norm
+
+        return add_rms_norm(x, weight, eps, residual)
+    return rms_norm_reference(x, weight, eps, residual)
+
+
+# ---- rotary embedding + paged KV-cache append ----------------------------------------------------
+def rope_and_cache_reference(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cache=None, v_cache=None,
+                             slot_mapping=None):
+    T = qkv.shape[0]
+    half = head_dim // 2
+    dtype = qkv.dtype
+    rot = qkv[:, : (n_q + n_kv) * head_dim].view(T, n_q + n_kv, head_dim)
+    cs = cos_sin.index_select(0, positions).to(dtype)  # [T, d]: cos | sin, as transformers casts them
+    cos = torch.cat((cs[:, :half], cs[:, :half]), -1)[:, None]
+    sin = torch.cat((cs[:, half:], cs[:, half:]), -1)[:, None]
+    x1, x2 = rot[..., :half], rot[..., half:]
+    rotated = rot * cos + torch.cat((-x2, x1), -1) * sin
+    rot.copy_(rotated)
+    if k_cache is not None:
+        k = rot[:, n_q:]
+        v = qkv[:, (n_q + n_kv) * head_dim:].view(T, n_kv, head_dim)
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        k_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, k[keep])
+        v_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, v[keep])
+
+
+def rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, n_q: int, n_kv: int,
+                   head_dim: int, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                   slot_mapping: torch.Tensor | None = None) -> None:
+    """In place on qkv [T, (n_q + 2 n_kv) * d]: rotary on q and k at `positions` (rows of the float32
+    cos|sin table [P, d]); then k and v appended to the paged caches at `slot_mapping`."""
+    if _use_kernels(qkv):
+        from .kernels.fused import rope_and_cache as kernel
+
+        return kernel(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cache, v_cache, slot_mapping)
+    return rope_and_cache_reference(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cache, v_cache, slot_mapping)
+
+
+# ---- SiLU(gate) * up -----------------------------------------------------------------------------
+def silu_mul_reference(gate_up):
+    g, u = gate_up.chunk(2, -1)
+    return F.silu(g) * u
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if _use_kernels(gate_up) and gate_up.dim() == 2:
+        from .kernels.fused import silu_mul as kernel
+
+        return kernel(gate_up)
+    return silu_mul_reference(gate_up)
+
+
+# ---- attention over the paged cache --------------------------------------------------------------
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` positions of one sequence from a paged cache [blocks, bs, H, d] -> [length, H, d]."""
+    bs = cache.shape[1]
+    nb = -(-length // bs)
+    return cache.index_select(0, block_table[:nb]).flatten(0, 1)[:length]
+
+
+def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """q [B, Hq, d]; attends each row over its first context_lens[b] cached positions -> [B, Hq, d]."""
+    B, Hq, d = q.shape
+    Hkv = k_cache.shape[2]
+    L = int(context_lens.max())
+    bs = k_cache.shape[1]
+    nb = -(-L // bs)
+    k = k_cache[block_tables[:, :nb].long()].flatten(1, 2)[:, :L]  # [B, L, Hkv, d]
+    v = v_cache[block_tables[:, :nb].long()].flatten(1, 2)[:, :L]
+    mask = torch.arange(L, device=q.device)[None] < context_lens[:, None].to(q.device)
+    out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=Hkv != Hq)
+    return out[:, :, 0]
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, num_splits: int = 1, out: torch.Tensor | None = None,
+                 workspace=None) -> torch.Tensor:
+    """One query token per sequence over the paged cache, read in place on CUDA."""
+    if _use_kernels(q) and q.dtype != torch.float32 and q.shape[-1] >= 16:
+        from .kernels.paged_attention import paged_decode as kernel
+
+        return kernel(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out, workspace)
+    return paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a query chunk [n, Hq, d] over its context [L, Hkv, d] (L >= n): query i sits
+    at context position L - n + i (earlier positions come from the cache). Returns [n, Hq, d]."""
+    n, Hq, _ = q.shape
+    L, Hkv = k.shape[0], k.shape[1]
+    qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    gqa = Hkv != Hq
+    if gqa and q.is_cuda:
+        # the fused CUDA kernels take equal head counts; expand the (prefill-only) K/V
+        kt = kt.repeat_interleave(Hq // Hkv, 1)
+        vt = vt.repeat_interleave(Hq // Hkv, 1)
+        gqa = False
+    if L == n:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
+    elif q.is_cuda:
+        from torch.nn.attention.bias import causal_lower_right
+
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(n, L), scale=scale)
+    else:
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
