@@ -139,17 +139,37 @@ def bench_vlmctl(dec, batch: int, prompt_len: int, steps: int, graphs: bool) -> 
     t_prefill = time.perf_counter() - t0
     toks = np.array(first, dtype=np.int64)
     lens = np.full(batch, prompt_len, dtype=np.int64)
-    times = []
+    times, gpu = [], []
     for step in range(steps + 3):
         slots = np.array([tables[q][lens[q] // bs] * bs + lens[q] % bs for q in range(batch)], dtype=np.int64)
         t = time.perf_counter()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if DEV == "cuda" else None
+        if ev:
+            ev[0].record()
         logits = dec.decode(toks, lens.copy(), slots, tables, lens + 1)
+        if ev:
+            ev[1].record()
         toks = logits.argmax(-1).cpu().numpy()  # one device->host copy per step, as the engine does
         times.append(time.perf_counter() - t)
+        if ev:
+            gpu.append(ev[0].elapsed_time(ev[1]))
         lens += 1
     ms = 1000 * float(np.median(times[3:]))
     return {"impl": "vlmctl" if graphs else "vlmctl-eager", "batch": batch, "prefill_s": t_prefill,
-            "ms_per_step": ms, "tok_s": batch * 1000 / ms, "context": int(prompt_len + steps / 2)}
+            "ms_per_step": ms, "tok_s": batch * 1000 / ms, "context": int(prompt_len + steps / 2),
+            "gpu_ms_per_step": float(np.median(gpu[3:])) if gpu else None,
+            "prefill_tok_s": batch * prompt_len / t_prefill}
+
+
+def profile_step(dec, batch: int, prompt_len: int, top: int = 25) -> None:
+    """Kernel times of eager decode steps (the graph replays the same kernels): where a step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    bench_vlmctl(dec, batch, prompt_len, 4, graphs=False)  # warm
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        bench_vlmctl(dec, batch, prompt_len, 8, graphs=False)
+    print(f"--- kernels of eager steps at batch {batch} (8 decode steps + prefill; CUDA time) ---")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60))
 
 
 def sync():
@@ -194,6 +214,7 @@ def main():
     ap.add_argument("--hf-batches", type=int, nargs="*", default=[1, 64])
     ap.add_argument("--eager", action="store_true", help="also time the eager (uncaptured) step")
     ap.add_argument("--awq", type=int, nargs="?", const=128, default=None, help="also the AWQ decoder (group size)")
+    ap.add_argument("--profile", type=int, nargs="*", default=[], help="batch sizes to profile (kernel table)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -215,7 +236,8 @@ def main():
         dec.capture_graphs(max(args.batches))
         print(f"[{name}] weights {weight_bytes / 1e9:.2f} GB, KV pool {blocks} blocks "
               f"({blocks * 16 * dec.kv_bytes_per_token() / 1e9:.1f} GB)", flush=True)
-        print(f"{'impl':<14}{'batch':>6}{'ms/step':>9}{'tok/s':>9}{'bound ms':>10}{'% bound':>9}", flush=True)
+        print(f"{'impl':<14}{'batch':>6}{'ms/step':>9}{'gpu ms':>8}{'tok/s':>9}{'bound ms':>10}{'% bound':>9}"
+              f"{'prefill tok/s':>14}", flush=True)
         for b in args.batches:
             runs = [True] + ([False] if args.eager else [])
             for graphs in runs:
@@ -224,8 +246,11 @@ def main():
                 r.update(variant=name, weight_bytes=weight_bytes, bound_ms=1000 * (weight_bytes + kv) / bw)
                 r["pct_bound"] = 100 * r["bound_ms"] / r["ms_per_step"]
                 rows.append(r)
-                print(f"{r['impl'] + '-' + name:<14}{b:>6}{r['ms_per_step']:>9.2f}{r['tok_s']:>9.0f}"
-                      f"{r['bound_ms']:>10.2f}{r['pct_bound']:>8.0f}%", flush=True)
+                print(f"{r['impl'] + '-' + name:<14}{b:>6}{r['ms_per_step']:>9.2f}{r['gpu_ms_per_step'] or 0:>8.2f}"
+                      f"{r['tok_s']:>9.0f}{r['bound_ms']:>10.2f}{r['pct_bound']:>8.0f}%{r['prefill_tok_s']:>14.0f}",
+                      flush=True)
+        for b in args.profile:
+            profile_step(dec, b, args.prompt_len)
         del dec
         if DEV == "cuda":
             torch.cuda.empty_cache()

@@ -43,6 +43,7 @@ def run(path, n=4, max_tokens=24, **opts):
     from vlmctl.runtime.engine import Engine
     from vlmctl.runtime.sampling import SamplingParams
 
+    opts.setdefault("kv_cache_tokens", 4096)  # several engines live at once in this module
     eng = Engine(path, device="cuda", **opts)
     out = [c.token_ids for c in eng.generate(prompts(eng, n), SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                              ignore_eos=True))]

@@ -17,7 +17,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_
                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
                    scale_log2, block_size, group, num_splits,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr):
+                   SPLIT: tl.constexpr, IEEE: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -45,14 +45,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_
         blk = tl.load(bt_ptr + seq * stride_bt + tok // block_size, mask=valid, other=0)
         row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [G, N], log2 domain
+        if IEEE:  # float32 caches: no TF32 rounding
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [G, N], log2 domain
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     if SPLIT:
         # partial results: un-normalized acc, and (max, sum) per head, for the combine kernel
@@ -119,7 +125,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, block_tables, context_lens, out, part, ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group, num_splits,
-        HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, SPLIT=split, num_warps=4, num_stages=2)
+        HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, SPLIT=split,
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
     if split:
         _combine_kernel[(B, Hq)](part, ml, out, out.stride(0), out.stride(1), Hq, num_splits, HEAD_DIM=D,
                                  D_PAD=triton.next_power_of_2(D),
