@@ -106,6 +106,11 @@ class Engine:
         if max_batch_size:
             self.limits["max_batch_size"] = max_batch_size
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # Vision first: TensorRT-LLM sizes its KV cache from the GPU memory still free when its
+        # executor starts, so the vision model must already hold its share by then.
+        vision_manifest = json.loads((engine_dir / "build-vision" / "manifest.json").read_text())
+        self.vision_backend = vision_manifest.get("backend", "onnxruntime")
+        self.vision = load_vision_runner(engine_dir, self.family, self.vision_backend, self.config["dtype"], self.device)
         backend = self.config.get("backend", "torch")
         if backend == "trtllm":
             from .trtllm_decoder import TrtllmDecoder
@@ -118,9 +123,6 @@ class Engine:
             raise EngineError(f"{engine_dir}: unknown decoder backend {backend!r} in build-llm/config.json")
         # TensorRT-LLM schedules, batches and samples itself; the torch decoder is stepped from here.
         self._external = bool(getattr(self.decoder, "external_batching", False))
-        vision_manifest = json.loads((engine_dir / "build-vision" / "manifest.json").read_text())
-        self.vision_backend = vision_manifest.get("backend", "onnxruntime")
-        self.vision = load_vision_runner(engine_dir, self.family, self.vision_backend, self.config["dtype"], self.device)
         self.feature_cache = FeatureCache(feature_cache_size)
         self.eos_ids = set(self.config.get("eos_token_ids") or [])
         self.model_name = self.config.get("name", engine_dir.name)

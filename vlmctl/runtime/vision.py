@@ -18,7 +18,7 @@ class OrtVisionRunner:
     backend = "onnxruntime"
 
     def __init__(self, onnx_path: Path):
-        from ..export.onnx_vision import ort_session
+        from ..backends.onnxruntime import ort_session
 
         if not Path(onnx_path).exists():
             raise EngineError(f"{onnx_path}: ONNX vision model is missing")
@@ -55,7 +55,7 @@ class TrtVisionRunner:
     backend = "tensorrt"
 
     def __init__(self, engine_path: Path):
-        from ..export.tensorrt import TrtEngineRunner
+        from ..backends.tensorrt import TrtEngineRunner
 
         self.runner = TrtEngineRunner(engine_path)
 
