@@ -181,6 +181,19 @@ def test_build_command_parses_with_the_recorded_trtllm_build_options(tmp_path):
     assert ns.gpt_attention_plugin == "auto" and ns.gemm_plugin == "auto" and ns.workers == 2
 
 
+def test_the_tensor_parallel_recipe_builds_per_rank(tmp_path):
+    from vlmctl.recipe import load_recipe
+
+    r = load_recipe("llava-v1.6-34b")
+    assert (r.decoder.backend, r.decoder.tp_size, r.decoder.pp_size) == ("trtllm", 2, 1)
+    world = r.decoder.tp_size * r.decoder.pp_size
+    ns = C.build_parser().parse_args(_build_cmd(tmp_path, "llava-v1.6-34b", rows=2928, workers=world)[3:])
+    assert ns.workers == 2 and ns.max_prompt_embedding_table_size == 8 * 2928
+    spec = json.loads(T.convert_command(tmp_path, tmp_path / "c", r.dtype, {}, "py", tp_size=2, pp_size=1)[3])
+    assert (spec["tp_size"], spec["pp_size"]) == (2, 1)
+    assert load_recipe("llava-v1.6-34b", ["decoder.tp_size=4"]).decoder.tp_size == 4
+
+
 def test_recorded_parser_is_strict():
     parser = C.build_parser()
     for bad in (["--kv_cache_type", "pagedd"], ["--gemm_plugin", "float8"], ["--use_paged_context_fmha", "yes"],
