@@ -59,7 +59,7 @@ def _family(workdir: Path):
 
 # ---- backends ------------------------------------------------------------------------------
 def resolve_vision_backend(recipe: Recipe) -> str:
-    from .export.tensorrt import tensorrt_available
+    from .backends.tensorrt import tensorrt_available
 
     want = recipe.vision.backend
     if want == "auto":
@@ -71,14 +71,40 @@ def resolve_vision_backend(recipe: Recipe) -> str:
 
 
 def resolve_decoder_backend(recipe: Recipe) -> str:
-    from .export.trtllm import trtllm_available
+    """torch or trtllm. `auto` takes TensorRT-LLM when its interpreter has 1.2.x and the recipe is
+    one it builds (float16/bfloat16); a recipe asking for tensor/pipeline parallelism must get it."""
+    from .backends.trtllm import trtllm_available
 
     want = recipe.decoder.backend
+    parallel = recipe.decoder.tp_size * recipe.decoder.pp_size > 1
     if want == "auto":
+        if recipe.dtype == "float32" and not parallel:
+            return "torch"  # TensorRT-LLM engines are float16/bfloat16 here
+        if parallel:
+            trtllm_available(required=True)
+            return "trtllm"
         return "trtllm" if trtllm_available() else "torch"
     if want == "trtllm":
         trtllm_available(required=True)
     return want
+
+
+def backend_fingerprint(kind: str) -> dict:
+    """What a native engine is built for, so a cached stage is not reused under another
+    TensorRT / TensorRT-LLM version or GPU architecture (engines are not portable across them)."""
+    from .backends.cuda import compute_capability, sm_string
+
+    if kind == "tensorrt":
+        from .backends.tensorrt import tensorrt_version
+
+        version = tensorrt_version()
+    elif kind == "trtllm":
+        from .backends.trtllm import trtllm_version
+
+        version = trtllm_version()
+    else:
+        return {}
+    return {"backend_version": version, "gpu": sm_string(compute_capability())}
 
 
 # ---- stages --------------------------------------------------------------------------------
@@ -138,7 +164,7 @@ def stage_build_vision(recipe: Recipe, workdir: Path, *, force=False, progress: 
     lim = recipe.limits
     max_images = max(1, lim.max_batch_size * max(lim.max_images_per_request, 1))
     settings = {"backend": backend, "dtype": recipe.dtype, "max_images": max_images,
-                "workspace_gib": recipe.vision.workspace_gib}
+                "workspace_gib": recipe.vision.workspace_gib, **backend_fingerprint(backend)}
     profile = _family(workdir).vision_profile(json.loads((workdir / "convert" / "vision" / "config.json").read_text()),
                                               workdir / "convert" / "processor", lim.model_dump())
     if profile is not None:
@@ -153,6 +179,8 @@ def stage_build_vision(recipe: Recipe, workdir: Path, *, force=False, progress: 
 
 
 def stage_build_llm(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+    from .export.trtllm import prompt_table_size
+
     backend = resolve_decoder_backend(recipe)
     family = _family(workdir)
     quantized = recipe.quantization.method != "none"
@@ -166,10 +194,14 @@ def stage_build_llm(recipe: Recipe, workdir: Path, *, force=False, progress: Pro
     vlm_config = json.loads((workdir / "convert" / "vision" / "config.json").read_text())
     lim = recipe.limits
     per_image = family.engine_image_tokens(vlm_config, workdir / "convert" / "processor")
-    table_size = lim.max_batch_size * lim.max_images_per_request * per_image
+    table_size = prompt_table_size(lim, per_image)
     extra = {"name": recipe.name, "backend": backend, "limits": lim.model_dump(), "prompt_table_size": table_size,
              "image_tokens_per_image": per_image, "eos_token_ids": _eos_ids(workdir / "convert" / "processor")}
-    settings = {"backend": backend, "dtype": recipe.dtype, **extra}
+    settings = {"backend": backend, "dtype": recipe.dtype, **extra, **backend_fingerprint(backend)}
+    if backend == "trtllm":
+        dec = recipe.decoder
+        settings["parallel"] = {"tp_size": dec.tp_size, "pp_size": dec.pp_size}
+        settings["kv_cache_free_gpu_memory_fraction"] = dec.kv_cache_free_gpu_memory_fraction
     inputs = {"llm": llm_hash, "processor": stage_part_hash(workdir, "convert", "processor")}
 
     def work(out: Path) -> dict:

@@ -54,6 +54,12 @@ class VisionSettings(_Strict):
 
 class DecoderSettings(_Strict):
     backend: Literal["auto", "trtllm", "torch"] = "auto"
+    # TensorRT-LLM only: ranks = tp_size * pp_size GPUs of one host (the vision model runs on GPU 0).
+    tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (TensorRT-LLM decoder)")
+    pp_size: int = Field(1, ge=1, le=64, description="pipeline-parallel ranks (TensorRT-LLM decoder)")
+    # Share of the GPU memory left after the weights and the vision model load that TensorRT-LLM
+    # may take for its KV cache (its own default, 0.9, leaves the vision encoder too little).
+    kv_cache_free_gpu_memory_fraction: float = Field(0.8, gt=0, lt=1)
 
 
 class ImageSettings(_Strict):
@@ -96,6 +102,13 @@ class Recipe(_Strict):
     def _check(self) -> "Recipe":
         if self.limits.max_input_len + self.limits.max_output_len > 1 << 20:
             raise ValueError("limits.max_input_len + limits.max_output_len is unreasonably large")
+        parallel = self.decoder.tp_size * self.decoder.pp_size > 1
+        if parallel and self.decoder.backend == "torch":
+            raise ValueError("decoder.tp_size/pp_size > 1 needs decoder.backend: trtllm (the torch decoder runs on "
+                             "one device)")
+        if self.decoder.backend == "trtllm" and self.dtype == "float32":
+            raise ValueError("decoder.backend trtllm needs dtype float16 or bfloat16 (a float32 TensorRT-LLM engine "
+                             "has no paged context FMHA, so KV-cache reuse would be off)")
         return self
 
     def resolve_path(self, value: str) -> Path:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends.onnxruntime import ort_session  # noqa: F401  (re-exported: callers import it from here)
 from ..errors import StageError
 from ..models.base import read_json
 from ..progress import Progress, ensure
@@ -99,21 +100,6 @@ def _maybe_externalize(path: Path) -> None:
     model = onnx.load(str(path))
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="model.onnx.data")
-
-
-def ort_session(path: Path, providers: list[str] | None = None):
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    # ONNX Runtime's idle threads spin by default; beside torch's decode threads that steals the
-    # cores the decoder needs (measured: 4x slower chat on 2 cores).
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    avail = ort.get_available_providers()
-    if providers is None:
-        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
-    return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
 
 
 def validate_onnx(family, module, onnx_path: Path, config: dict, *, dtype, batch: int, seed: int = 1) -> dict:

@@ -10,9 +10,12 @@ checkpoint itself (QuantAlgo.W4A16_GPTQ with zero points, `use_autoawq=True` so 
 unpacks AutoAWQ's column order), so vlmctl's AWQ checkpoint goes in unchanged.
 
 TensorRT-LLM 1.2 pins transformers 4.57 and vlmctl needs transformers 5, so the two usually live
-in different Python environments. Conversion and `trtllm-build` therefore run as subprocesses of
-the TensorRT-LLM interpreter (`VLMCTL_TRTLLM_PYTHON`, default: this one). None of this has run on
-vlmctl's CI machines (TensorRT-LLM is not installable there); it is tested up to the call.
+in different Python environments. Conversion and `python -m tensorrt_llm.commands.build` (what
+`trtllm-build` runs) therefore run as subprocesses of the TensorRT-LLM interpreter
+(`VLMCTL_TRTLLM_PYTHON`, default: this one; probed in backends/trtllm.py). Tensor and pipeline
+parallelism: one converted checkpoint per rank (`Mapping`), built by `--workers` processes.
+None of this has run on vlmctl's machines (TensorRT-LLM is not installable there); it is checked
+against TensorRT-LLM 1.2's recorded interfaces (tests/data/trtllm-1.2) up to the call.
 """
 
 from __future__ import annotations
@@ -21,77 +24,52 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from ..backends.cuda import compute_capability, sm_string
+from ..backends.trtllm import PYTHON_ENV, trtllm_available, trtllm_python, trtllm_version  # noqa: F401
 from ..errors import BackendUnavailableError, StageError
 from ..progress import Progress, ensure
 
-SUPPORTED = ((1, 2),)
-PYTHON_ENV = "VLMCTL_TRTLLM_PYTHON"
 ENGINE_FORMAT = "tensorrt-llm"
 # The largest context batch the engine schedules at once; TensorRT-LLM warns above 16384.
 MAX_NUM_TOKENS_CAP = 8192
 # TensorRT-LLM's weight-only groupwise GEMM (fpA_intB) kernels take these AWQ/GPTQ group sizes.
 AWQ_GROUP_SIZES = (64, 128)
+# TensorRT-LLM 1.2's builder refuses int8/int4 weight-only engines for 100 <= SM < 120
+# (tensorrt_llm/builder.py: "INT8/INT4 quantization is not supported on SM>=100").
+NO_INT4_SM = range(100, 120)
 # LLaMAForCausalLM.from_hugging_face picks its weight-name mapping from substrings of the *path*
 # it is given (a directory named ".../llava-1.5-7b/..." is read as a whole LLaVA checkpoint).
 _PATH_WORDS_TRTLLM_READS = ("llava", "vila", "exaone")
 
 
-# ---- which TensorRT-LLM ---------------------------------------------------------------------
-def trtllm_python() -> str:
-    """The interpreter that has tensorrt_llm: $VLMCTL_TRTLLM_PYTHON, else this one."""
-    return os.environ.get(PYTHON_ENV) or sys.executable
+# ---- what TensorRT-LLM can build ------------------------------------------------------------
+def check_buildable(dtype: str, quantized: bool, capability: tuple[int, int] | None, *, tp_size: int = 1,
+                    pp_size: int = 1) -> None:
+    """Refuse, before any conversion runs, what TensorRT-LLM 1.2 would refuse or get wrong.
+
+    float32: no paged context FMHA, so KV-cache block reuse (which the prompt-table requests rely
+    on) would be switched off silently. AWQ: the int4 kernels take float16/bfloat16 activations
+    and do not exist on SM 100-119 (Blackwell) in the engine flow."""
+    if dtype not in ("float16", "bfloat16"):
+        raise StageError(f"build-llm: the TensorRT-LLM decoder needs dtype float16 or bfloat16 (got {dtype}: no paged "
+                         "context FMHA, so KV-cache reuse would be off); use a float16/bfloat16 profile or "
+                         "decoder.backend: torch")
+    if quantized and capability is not None and capability[0] * 10 + capability[1] in NO_INT4_SM:
+        raise StageError(f"build-llm: TensorRT-LLM 1.2 builds no int4 (AWQ) engine for this GPU ({sm_string(capability)}:"
+                         " \"INT8/INT4 quantization is not supported on SM>=100\"); use decoder.backend: torch "
+                         "(vlmctl's own int4 kernel) or quantization.method: none")
+    if tp_size < 1 or pp_size < 1:
+        raise StageError(f"build-llm: tp_size {tp_size} / pp_size {pp_size} must be >= 1")
 
 
-def trtllm_version(python: str | None = None) -> str | None:
-    """tensorrt_llm's installed version in `python` (None when it is not installed there)."""
-    python = python or trtllm_python()
-    if os.path.realpath(python) == os.path.realpath(sys.executable):
-        try:
-            import importlib.metadata as md
-
-            return md.version("tensorrt_llm")
-        except Exception:
-            return None
-    try:
-        proc = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('tensorrt_llm'))"],
-                              capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if proc.returncode != 0:
-        return None
-    return proc.stdout.strip() or None
-
-
-def trtllm_available(required: bool = False) -> bool:
-    python = trtllm_python()
-    version = trtllm_version(python)
-    where = f"{python} (set {PYTHON_ENV} to another interpreter)" if os.environ.get(PYTHON_ENV) else \
-        f"this Python ({python}); TensorRT-LLM 1.2 pins transformers 4.57, so it usually lives in its own " \
-        f"environment: point {PYTHON_ENV} at that interpreter"
-    if version is None:
-        if required:
-            raise BackendUnavailableError(f"decoder.backend is trtllm but tensorrt_llm is not installed in {where}")
-        return False
-    major_minor = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
-    if major_minor not in SUPPORTED:
-        if required:
-            raise BackendUnavailableError(f"tensorrt_llm {version} in {python} is not supported: the engine flow "
-                                          "(checkpoint -> trtllm-build -> executor) needs 1.2.x")
-        return False
-    return True
-
-
-def trtllm_build_executable(python: str | None = None) -> str:
-    """`trtllm-build` of the TensorRT-LLM environment (next to its interpreter), else from PATH."""
-    python = python or trtllm_python()
-    beside = Path(python).parent / "trtllm-build"
-    if os.environ.get(PYTHON_ENV) and beside.exists():
-        return str(beside)
-    return shutil.which("trtllm-build") or "trtllm-build"
+def prompt_table_size(limits, image_tokens_per_image: int) -> int:
+    """Rows of the engine's prompt table: a batch of sequences, each holding at most its images'
+    rows and never more than fit its prompt (TensorRT-LLM allocates all of it up front)."""
+    per_seq = min(limits.max_images_per_request * image_tokens_per_image, limits.max_input_len)
+    return limits.max_batch_size * per_seq
 
 
 # ---- the checkpoint -------------------------------------------------------------------------
@@ -161,9 +139,12 @@ def stage_input_dir(llm_dir: Path, dest: Path) -> Path:
 
 
 # Runs in the TensorRT-LLM interpreter (stdlib + tensorrt_llm only); argv[1] is the JSON spec.
+# One checkpoint shard per rank, as TensorRT-LLM's own convert_checkpoint.py writes them: each
+# rank's weights through `Mapping(world_size, rank, tp_size=, pp_size=)`, the config once.
 CONVERT_SCRIPT = """\
 import json, sys
 spec = json.loads(sys.argv[1])
+from tensorrt_llm.mapping import Mapping
 from tensorrt_llm.models import MODEL_MAP
 from tensorrt_llm.models.modeling_utils import QuantConfig
 from tensorrt_llm.quantization import QuantAlgo
@@ -172,19 +153,24 @@ with open(spec["hf_dir"] + "/config.json") as f:
 if arch not in MODEL_MAP:
     sys.exit(f"TensorRT-LLM has no model class for {arch}")
 q = spec["quant"]
-quant = QuantConfig() if q is None else QuantConfig(
-    quant_algo=QuantAlgo[q["quant_algo"]], group_size=q["group_size"],
-    has_zero_point=q["has_zero_point"], pre_quant_scale=q["pre_quant_scale"])
-model = MODEL_MAP[arch].from_hugging_face(spec["hf_dir"], dtype=spec["dtype"], quant_config=quant,
-                                          **spec["hf_kwargs"])
-model.save_checkpoint(spec["out_dir"], save_config=True)
+tp, pp = spec["tp_size"], spec["pp_size"]
+for rank in range(tp * pp):
+    quant = QuantConfig() if q is None else QuantConfig(
+        quant_algo=QuantAlgo[q["quant_algo"]], group_size=q["group_size"],
+        has_zero_point=q["has_zero_point"], pre_quant_scale=q["pre_quant_scale"])
+    mapping = Mapping(world_size=tp * pp, rank=rank, tp_size=tp, pp_size=pp)
+    model = MODEL_MAP[arch].from_hugging_face(spec["hf_dir"], dtype=spec["dtype"], mapping=mapping,
+                                              quant_config=quant, **spec["hf_kwargs"])
+    model.save_checkpoint(spec["out_dir"], save_config=(rank == 0))
+    del model
 """
 
 
-def convert_command(hf_dir: Path, ckpt_dir: Path, dtype: str, llm_config: dict, python: str | None = None) -> list[str]:
-    """HF decoder -> TensorRT-LLM checkpoint, as a command for the TensorRT-LLM interpreter."""
+def convert_command(hf_dir: Path, ckpt_dir: Path, dtype: str, llm_config: dict, python: str | None = None, *,
+                    tp_size: int = 1, pp_size: int = 1) -> list[str]:
+    """HF decoder -> TensorRT-LLM checkpoint (one shard per rank), as a command for the TensorRT-LLM interpreter."""
     spec = {"hf_dir": str(hf_dir), "out_dir": str(ckpt_dir), "dtype": dtype, "quant": quant_config_for(llm_config),
-            "hf_kwargs": from_hf_kwargs(llm_config)}
+            "hf_kwargs": from_hf_kwargs(llm_config), "tp_size": int(tp_size), "pp_size": int(pp_size)}
     return [python or trtllm_python(), "-c", CONVERT_SCRIPT, json.dumps(spec)]
 
 
@@ -197,24 +183,32 @@ def max_num_tokens(max_batch_size: int, max_input_len: int) -> int:
 
 
 def trtllm_build_command(checkpoint_dir: Path, engine_dir: Path, *, max_batch_size: int, max_input_len: int,
-                         max_seq_len: int, prompt_table_size: int, executable: str = "trtllm-build") -> list[str]:
-    """The exact `trtllm-build` command line for a decoder that takes image features via prompt tuning.
+                         max_seq_len: int, prompt_table_size: int, python: str = "python",
+                         workers: int = 1) -> list[str]:
+    """The exact build command line for a decoder that takes image features via prompt tuning.
 
+    `python -m tensorrt_llm.commands.build` is what the `trtllm-build` script runs, taken from the
+    TensorRT-LLM interpreter itself (a `trtllm-build` on PATH may belong to another install).
     In-flight batching needs the GPT attention plugin, packed inputs and a paged KV cache
-    (`--kv_cache_type paged`; `--paged_kv_cache` is deprecated in 1.x). `--max_prompt_embedding_table_size`
-    (alias `--max_multimodal_len`) bounds the prompt-table rows of a whole batch. Quantization
-    (W4A16 groupwise) travels in the checkpoint's config.json; trtllm-build reads it there."""
-    return [executable, "--checkpoint_dir", str(checkpoint_dir), "--output_dir", str(engine_dir),
+    (`--kv_cache_type paged`; `--paged_kv_cache` is deprecated in 1.x). Paged context FMHA is
+    what lets KV-cache blocks be reused; it is the 1.2 default, passed explicitly so a changed
+    default cannot turn reuse off. `--max_prompt_embedding_table_size` (alias
+    `--max_multimodal_len`) bounds the prompt-table rows of a whole batch. `--workers` builds the
+    ranks of a tensor/pipeline-parallel checkpoint in parallel. Quantization (W4A16 groupwise)
+    travels in the checkpoint's config.json."""
+    return [python, "-m", "tensorrt_llm.commands.build", "--checkpoint_dir", str(checkpoint_dir),
+            "--output_dir", str(engine_dir),
             "--max_batch_size", str(max_batch_size), "--max_input_len", str(max_input_len),
             "--max_seq_len", str(max_seq_len), "--max_num_tokens", str(max_num_tokens(max_batch_size, max_input_len)),
             "--max_prompt_embedding_table_size", str(prompt_table_size),
             "--gpt_attention_plugin", "auto", "--gemm_plugin", "auto",
-            "--remove_input_padding", "enable", "--kv_cache_type", "paged"]
+            "--remove_input_padding", "enable", "--kv_cache_type", "paged", "--use_paged_context_fmha", "enable",
+            "--workers", str(workers)]
 
 
 def _run(cmd: list[str], what: str) -> None:
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     except OSError as e:
         raise BackendUnavailableError(f"build-llm: cannot run {cmd[0]} ({e})") from None
     if proc.returncode != 0:
@@ -233,23 +227,25 @@ def build_trtllm_engine(llm_dir: Path, out_dir: Path, *, recipe, extra_config: d
                                       "vlmctl's TensorRT-LLM flow (a prompt-table engine with 1-D positions) does "
                                       "not drive; set decoder.backend: torch")
     quant = quant_config_for(llm_config)
-    if quant is not None and recipe.dtype not in ("float16", "bfloat16"):
-        raise StageError(f"build-llm: TensorRT-LLM's int4 weight-only kernels run float16 or bfloat16 activations, "
-                         f"not {recipe.dtype}; use a float16/bfloat16 profile or decoder.backend: torch")
+    dec = recipe.decoder
+    capability = compute_capability()
+    check_buildable(recipe.dtype, quant is not None, capability, tp_size=dec.tp_size, pp_size=dec.pp_size)
     trtllm_available(required=True)
     python = trtllm_python()
     progress = ensure(progress)
     ckpt = out_dir / "trtllm-checkpoint"
     lim = recipe.limits
+    world = dec.tp_size * dec.pp_size
+    table_rows = int(extra_config["prompt_table_size"])  # pipeline: prompt_table_size(limits, rows per image)
     build_cmd = trtllm_build_command(ckpt, out_dir / "engine", max_batch_size=lim.max_batch_size,
                                      max_input_len=lim.max_input_len,
                                      max_seq_len=lim.max_input_len + lim.max_output_len,
-                                     prompt_table_size=extra_config["prompt_table_size"],
-                                     executable=trtllm_build_executable(python))
+                                     prompt_table_size=table_rows, python=python, workers=world)
     with tempfile.TemporaryDirectory(prefix="vlmctl-trtllm-") as tmp:
         hf_dir = stage_input_dir(llm_dir, Path(tmp) / "decoder")
-        convert_cmd = convert_command(hf_dir, ckpt, recipe.dtype, llm_config, python)
-        task = progress.task("build-llm: TensorRT-LLM checkpoint", total=None)
+        convert_cmd = convert_command(hf_dir, ckpt, recipe.dtype, llm_config, python,
+                                      tp_size=dec.tp_size, pp_size=dec.pp_size)
+        task = progress.task(f"build-llm: TensorRT-LLM checkpoint ({world} rank{'s' if world > 1 else ''})", total=None)
         _run(convert_cmd, "TensorRT-LLM checkpoint conversion")
         task.done()
     task = progress.task("build-llm: trtllm-build", total=None)
@@ -259,10 +255,14 @@ def build_trtllm_engine(llm_dir: Path, out_dir: Path, *, recipe, extra_config: d
     eos = extra_config.get("eos_token_ids") or []
     pad = llm_config.get("pad_token_id")
     (out_dir / "config.json").write_text(json.dumps({
-        "format": ENGINE_FORMAT, "format_version": 1, "engine": "engine", "dtype": recipe.dtype,
-        "vocab_size": int(llm_config["vocab_size"]), "quantization": quant,
-        "end_id": eos[0] if eos else None, "pad_id": pad if pad is not None else (eos[0] if eos else None),
+        "format": ENGINE_FORMAT, "format_version": 2, "engine": "engine", "dtype": recipe.dtype,
+        "vocab_size": int(llm_config["vocab_size"]), "hidden_size": int(llm_config["hidden_size"]),
+        "quantization": quant, "end_id": eos[0] if eos else None,
+        "pad_id": pad if pad is not None else (eos[0] if eos else None),
+        "parallel": {"tp_size": dec.tp_size, "pp_size": dec.pp_size},
+        "kv_cache_free_gpu_memory_fraction": dec.kv_cache_free_gpu_memory_fraction,
         **extra_config}, indent=2))
     return {"backend": "trtllm", "backend_version": f"tensorrt_llm {trtllm_version(python)}",
-            "python": python, "convert_command": " ".join(convert_cmd[:2] + ["<CONVERT_SCRIPT>", convert_cmd[3]]),
+            "gpu": sm_string(capability), "python": python,
+            "convert_command": " ".join(convert_cmd[:2] + ["<CONVERT_SCRIPT>", convert_cmd[3]]),
             "command": " ".join(build_cmd)}

@@ -1,4 +1,4 @@
-"""The TensorRT-LLM decoder backend: a prompt-table engine run by TensorRT-LLM's executor.
+"""The TensorRT-LLM decoder backend, parent side: requests as plain data, a worker process.
 
 What it is: the decoder half of `Engine` when build-llm wrote a TensorRT-LLM engine. The engine
 still tokenizes, runs the vision model and applies vlmctl's stop rules; this backend turns a
@@ -8,14 +8,11 @@ Continuous batching, the paged KV cache and sampling are TensorRT-LLM's (in-flig
 `tensorrt_llm.bindings.executor.Executor`).
 
 What it is not: an in-process binding. TensorRT-LLM 1.2 pins transformers 4.57 while vlmctl needs
-5, so the executor lives in a worker process started with the TensorRT-LLM interpreter
-(`VLMCTL_TRTLLM_PYTHON`, default this one) running this same module, which imports only the
-standard library, numpy and vlmctl.errors until it imports tensorrt_llm. Parent and worker
-exchange length-prefixed pickles over the worker's stdin/stdout.
+5, so the executor lives in a worker process (runtime/trtllm_worker.py, run as a file by the
+TensorRT-LLM interpreter, `VLMCTL_TRTLLM_PYTHON`) that imports nothing of vlmctl.
 
-Written against TensorRT-LLM 1.2's nanobind executor API (Executor, Request, SamplingConfig,
-OutputConfig, PromptTuningConfig, await_responses, cancel_request); not run here (no TensorRT-LLM
-on these machines). The request construction is pure and tested.
+Checked against TensorRT-LLM 1.2's recorded executor bindings (tests/data/trtllm-1.2) through a
+strict fake driven as a real subprocess; never run against the real package here.
 """
 
 from __future__ import annotations
@@ -23,10 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import queue
 import secrets
-import struct
 import subprocess
 import sys
 import threading
@@ -36,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BackendUnavailableError, EngineError, InputError
+from . import trtllm_worker
+from .trtllm_worker import read_frame, write_frame  # noqa: F401  (the wire protocol lives with the worker)
 
 # TensorRT-LLM FinishReason names -> vlmctl finish reasons.
 FINISH_REASONS = {"END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "abort",
@@ -53,7 +50,7 @@ def expand_prompt(token_ids: list[int], placeholder_id: int, features: list[np.n
     ids = np.asarray(token_ids, dtype=np.int64).copy()
     if not features:
         return ids.tolist(), None
-    table = np.concatenate([np.asarray(f) for f in features], 0)
+    table = np.concatenate([_host(f) for f in features], 0)
     mask = ids == placeholder_id
     n = int(mask.sum())
     if n != table.shape[0]:
@@ -62,10 +59,17 @@ def expand_prompt(token_ids: list[int], placeholder_id: int, features: list[np.n
     return ids.tolist(), table
 
 
+def _host(features) -> np.ndarray:
+    """Image features as float32 numpy: the vision encoder hands torch tensors on its device."""
+    if hasattr(features, "detach"):
+        return features.detach().float().cpu().numpy()
+    return np.asarray(features, dtype=np.float32)
+
+
 def image_extra_id(content_hash: str, features: np.ndarray | None = None) -> int:
     """A non-zero 63-bit id naming an image's content (for KV-cache block reuse)."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(content_hash.encode() if content_hash else np.ascontiguousarray(features).tobytes())
+    h.update(content_hash.encode() if content_hash else np.ascontiguousarray(_host(features)).tobytes())
     return (int.from_bytes(h.digest(), "big") >> 1) | 1
 
 
@@ -104,7 +108,7 @@ def check_params(params) -> None:
 
 
 def request_spec(ids: list[int], table: np.ndarray | None, extra_ids: list[int] | None, params, *,
-                 end_id: int | None, pad_id: int | None) -> dict:
+                 end_id: int | None, pad_id: int | None, dtype: str = "float16") -> dict:
     """Everything `executor.Request` needs, as plain data (built into the Request by the worker).
 
     end_id -1 never stops (ignore_eos, as TensorRT-LLM's own LLM API does). vlmctl's other EOS ids,
@@ -116,74 +120,35 @@ def request_spec(ids: list[int], table: np.ndarray | None, extra_ids: list[int] 
     return {"input_token_ids": [int(i) for i in ids], "max_tokens": int(params.max_tokens), "streaming": True,
             "sampling": sampling_config_kwargs(params), "end_id": end, "pad_id": pad,
             "return_log_probs": params.logprobs is not None,
-            "prompt_table": None if table is None else table_to_wire(table),
+            "prompt_table": None if table is None else table_to_wire(table, dtype),
             "input_token_extra_ids": None if table is None else [int(e) for e in extra_ids or []]}
 
 
-def table_to_wire(table: np.ndarray) -> dict:
-    """A prompt table as plain data (shape + float32 bytes): the two interpreters may have numpy
-    versions whose pickles do not load in each other."""
-    t = np.ascontiguousarray(table, dtype=np.float32)
-    return {"shape": [int(s) for s in t.shape], "float32": t.tobytes()}
+def to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even as torch rounds."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+
+
+def table_to_wire(table: np.ndarray, dtype: str) -> dict:
+    """A prompt table in the engine's dtype as plain data (shape, dtype name, raw bytes): half the
+    bytes of float32 and no numpy pickles between two interpreters' numpy versions."""
+    if dtype == "float16":
+        data = np.ascontiguousarray(table, dtype=np.float16).tobytes()
+    elif dtype == "bfloat16":
+        data = to_bfloat16_bits(table).tobytes()
+    else:
+        raise EngineError(f"the TensorRT-LLM engine dtype {dtype!r} is not one a prompt table travels in "
+                          f"({', '.join(trtllm_worker.WIRE_DTYPES)})")
+    return {"shape": [int(s) for s in table.shape], "dtype": dtype, "data": data}
 
 
 def table_from_wire(wire: dict) -> np.ndarray:
-    return np.frombuffer(wire["float32"], dtype=np.float32).reshape(wire["shape"])
-
-
-def build_request(tle, torch, spec: dict, dtype):
-    """(executor.Request, the table tensor to keep alive) from a `request_spec` (worker side)."""
-    ptc, table = None, None
-    if spec["prompt_table"] is not None:
-        table = torch.from_numpy(table_from_wire(spec["prompt_table"]).copy()).to(dtype).cuda()
-        ptc = tle.PromptTuningConfig(embedding_table=table, input_token_extra_ids=spec["input_token_extra_ids"])
-    req = tle.Request(input_token_ids=spec["input_token_ids"], max_tokens=spec["max_tokens"],
-                      streaming=spec["streaming"], sampling_config=tle.SamplingConfig(**spec["sampling"]),
-                      output_config=tle.OutputConfig(return_log_probs=spec["return_log_probs"],
-                                                     exclude_input_from_output=True),
-                      end_id=spec["end_id"], pad_id=spec["pad_id"], prompt_tuning_config=ptc)
-    return req, table
-
-
-def response_message(resp, request_id: str) -> tuple:
-    """An executor Response -> ("tokens", id, new tokens, their logprobs, final, reason, error)."""
-    if resp.has_error():
-        return ("tokens", request_id, [], None, True, None, str(resp.error_msg))
-    r = resp.result
-    toks = [int(t) for t in r.output_token_ids[0]]
-    lps = None
-    if r.log_probs:
-        lp = list(r.log_probs[0])
-        lps = [float(x) for x in lp[len(lp) - len(toks):]] if toks else []
-    reason = r.finish_reasons[0].name if r.is_final and r.finish_reasons else None
-    return ("tokens", request_id, toks, lps, bool(r.is_final), reason, None)
-
-
-# ---- framing ---------------------------------------------------------------------------------
-def write_frame(f, obj) -> None:
-    data = pickle.dumps(obj, protocol=5)
-    f.write(struct.pack("<Q", len(data)))
-    f.write(data)
-    f.flush()
-
-
-def _read_exact(f, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = f.read(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-def read_frame(f):
-    """The next object, or None at end of stream."""
-    head = _read_exact(f, 8)
-    if head is None:
-        return None
-    data = _read_exact(f, struct.unpack("<Q", head)[0])
-    return None if data is None else pickle.loads(data)
+    """The wire table back as float32 numpy (for checks; the worker decodes it with torch)."""
+    raw = np.frombuffer(wire["data"], dtype=np.uint16 if wire["dtype"] == "bfloat16" else np.float16)
+    if wire["dtype"] == "bfloat16":
+        return (raw.astype(np.uint32) << 16).view(np.float32).reshape(wire["shape"])
+    return raw.astype(np.float32).reshape(wire["shape"])
 
 
 # ---- the parent side -------------------------------------------------------------------------
@@ -207,6 +172,7 @@ class TrtllmDecoder:
         self.vocab_size = int(config["vocab_size"])
         self.max_seq = max_seq
         self.end_id, self.pad_id = config.get("end_id"), config.get("pad_id")
+        self.dtype = config.get("dtype", "float16")
         self.info = info
         self._proc, self._inbox = proc, inbox
         self._active: set[str] = set()
@@ -214,7 +180,8 @@ class TrtllmDecoder:
 
     @classmethod
     def load(cls, layout_dir: Path, *, max_batch: int | None = None, startup_timeout_s: float = 1800.0) -> "TrtllmDecoder":
-        from ..export.trtllm import ENGINE_FORMAT, trtllm_available, trtllm_python
+        from ..backends.trtllm import trtllm_available, trtllm_python
+        from ..export.trtllm import ENGINE_FORMAT
 
         layout_dir = Path(layout_dir)
         try:
@@ -231,14 +198,8 @@ class TrtllmDecoder:
             raise EngineError(f"max_batch_size {max_batch} exceeds the engine's {lim.get('max_batch_size')}")
         trtllm_available(required=True)
         python = trtllm_python()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] +
-                                            ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        try:
-            proc = subprocess.Popen([python, "-m", "vlmctl.runtime.trtllm_decoder", str(engine)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        except OSError as e:
-            raise BackendUnavailableError(f"cannot start the TensorRT-LLM worker with {python} ({e})") from None
+        max_seq = lim.get("max_input_len", 2048) + lim.get("max_output_len", 512)
+        proc = start_worker(python, engine, worker_options(config, max_batch or lim.get("max_batch_size"), max_seq))
         inbox: queue.Queue = queue.Queue()
         threading.Thread(target=_pump, args=(proc, inbox), name="vlmctl-trtllm-reader", daemon=True).start()
         try:
@@ -251,7 +212,7 @@ class TrtllmDecoder:
             if first[0] == "unavailable":
                 raise BackendUnavailableError(first[1])
             raise EngineError(f"the TensorRT-LLM worker failed to load {engine}: {first[1]}")
-        return cls(config, proc, inbox, first[1], lim.get("max_input_len", 2048) + lim.get("max_output_len", 512))
+        return cls(config, proc, inbox, first[1], max_seq)
 
     # ---- requests --------------------------------------------------------------------------
     def check_params(self, params) -> None:
@@ -262,7 +223,7 @@ class TrtllmDecoder:
         ids, table = expand_prompt(prompt.token_ids, prompt.image_placeholder_id,
                                    [it.features for it in prompt.images], self.vocab_size)
         extra = token_extra_ids(ids, self.vocab_size, prompt.images) if table is not None else None
-        spec = request_spec(ids, table, extra, params, end_id=self.end_id, pad_id=self.pad_id)
+        spec = request_spec(ids, table, extra, params, end_id=self.end_id, pad_id=self.pad_id, dtype=self.dtype)
         self._send(("submit", request_id, spec))
         self._active.add(request_id)
 
@@ -312,6 +273,33 @@ class TrtllmDecoder:
                 raise EngineError(f"the TensorRT-LLM worker is gone (exit code {self._proc.poll()})") from None
 
 
+def worker_options(config: dict, max_batch: int | None, max_seq: int) -> dict:
+    """What the worker's ExecutorConfig needs from build-llm/config.json (see trtllm_worker).
+
+    The KV token budget is explicit (every admitted sequence at full length) so TensorRT-LLM does
+    not size the cache from the free-memory fraction alone; that fraction is the recipe's
+    (decoder.kv_cache_free_gpu_memory_fraction), taken after the vision model has loaded."""
+    return {"max_batch_size": max_batch, "kv_cache_max_tokens": (max_batch or 1) * max_seq,
+            "kv_cache_free_gpu_memory_fraction": float(config.get("kv_cache_free_gpu_memory_fraction", 0.8))}
+
+
+def worker_command(python: str, engine_dir: Path, options: dict) -> list[str]:
+    """The worker runs as a file under the TensorRT-LLM interpreter (see trtllm_worker.BOOTSTRAP)."""
+    return [python, "-c", trtllm_worker.BOOTSTRAP, str(Path(trtllm_worker.__file__).resolve()), str(engine_dir),
+            json.dumps(options)]
+
+
+def start_worker(python: str, engine_dir: Path, options: dict) -> subprocess.Popen:
+    # The environment is passed on unchanged: in particular nothing is added to PYTHONPATH, which
+    # for an installed vlmctl would put its whole site-packages (torch, transformers 5) in front of
+    # TensorRT-LLM's own.
+    try:
+        return subprocess.Popen(worker_command(python, engine_dir, options), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=dict(os.environ))
+    except OSError as e:
+        raise BackendUnavailableError(f"cannot start the TensorRT-LLM worker with {python} ({e})") from None
+
+
 def _pump(proc: subprocess.Popen, inbox: queue.Queue) -> None:
     while True:
         try:
@@ -326,89 +314,3 @@ def _pump(proc: subprocess.Popen, inbox: queue.Queue) -> None:
             inbox.put(("exited", err or f"the worker process exited with code {code}"))
             return
         inbox.put(msg)
-
-
-# ---- the worker side (runs in the TensorRT-LLM interpreter) ---------------------------------
-def worker_main(engine_dir: str) -> int:
-    import datetime
-
-    # The protocol owns the real stdout; everything TensorRT-LLM prints goes to stderr.
-    chan_out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    chan_in = sys.stdin.buffer
-    send_lock = threading.Lock()
-
-    def send(msg) -> None:
-        with send_lock:
-            write_frame(chan_out, msg)
-
-    try:
-        import torch
-        import tensorrt_llm
-        import tensorrt_llm.bindings.executor as tle
-    except Exception as e:
-        send(("unavailable", f"cannot import tensorrt_llm in {sys.executable}: {type(e).__name__}: {e}"))
-        return 1
-    try:
-        cfg = json.loads((Path(engine_dir) / "config.json").read_text())
-        pretrained = cfg["pretrained_config"]
-        dtype = getattr(torch, pretrained["dtype"])
-        # Block reuse is safe with prompt tables because every request with a table sends extra ids.
-        exec_cfg = tle.ExecutorConfig(max_beam_width=1, kv_cache_config=tle.KvCacheConfig(enable_block_reuse=True))
-        executor = tle.Executor(Path(engine_dir), tle.ModelType.DECODER_ONLY, exec_cfg)
-    except Exception as e:
-        send(("fatal", f"{type(e).__name__}: {e}"))
-        return 1
-    send(("ready", {"tensorrt_llm": tensorrt_llm.__version__, "vocab_size": pretrained.get("vocab_size")}))
-
-    lock = threading.Lock()
-    by_exec: dict[int, str] = {}
-    by_rid: dict[str, int] = {}
-    tables: dict[int, object] = {}
-    stop = threading.Event()
-
-    def reader() -> None:
-        while True:
-            try:
-                msg = read_frame(chan_in)
-            except Exception:
-                msg = None
-            if msg is None or msg[0] == "shutdown":
-                stop.set()
-                return
-            if msg[0] == "submit":
-                _, rid, spec = msg
-                try:
-                    req, table = build_request(tle, torch, spec, dtype)
-                    with lock:  # the response loop looks ids up under the same lock
-                        eid = executor.enqueue_request(req)
-                        by_exec[eid], by_rid[rid], tables[eid] = rid, eid, table
-                except Exception as e:
-                    send(("tokens", rid, [], None, True, None, f"{type(e).__name__}: {e}"))
-            elif msg[0] == "cancel":
-                with lock:
-                    eid = by_rid.get(msg[1])
-                if eid is not None:
-                    executor.cancel_request(eid)
-
-    threading.Thread(target=reader, name="trtllm-worker-reader", daemon=True).start()
-    while not stop.is_set():
-        for resp in executor.await_responses(timeout=datetime.timedelta(milliseconds=20)):
-            with lock:
-                rid = by_exec.get(resp.request_id)
-            if rid is None:
-                continue
-            msg = response_message(resp, rid)
-            if msg[4]:
-                with lock:
-                    by_exec.pop(resp.request_id, None)
-                    by_rid.pop(rid, None)
-                    tables.pop(resp.request_id, None)
-            send(msg)
-    executor.shutdown()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1]))

@@ -30,7 +30,7 @@ BACKENDS = ("auto", "tensorrt", "onnxruntime-gpu", "onnxruntime", "torch")
 
 class OrtVisionRunner:
     def __init__(self, onnx_path: Path, providers: list[str] | None = None):
-        from ..export.onnx_vision import ort_session
+        from ..backends.onnxruntime import ort_session
 
         if not Path(onnx_path).exists():
             raise EngineError(f"{onnx_path}: ONNX vision model is missing")
@@ -64,7 +64,7 @@ class TrtVisionRunner:
     backend = "tensorrt"
 
     def __init__(self, engine_path: Path):
-        from ..export.tensorrt import TrtEngineRunner
+        from ..backends.tensorrt import TrtEngineRunner
 
         self.runner = TrtEngineRunner(engine_path)
 
