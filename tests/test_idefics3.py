@@ -177,6 +177,30 @@ def test_encode_without_splitting_matches_processor(tmp_path):
             np.testing.assert_array_equal(it.inputs["pixel_values"][0], ref["pixel_values"][0, k].numpy())
 
 
+def test_layout_tags_spelled_out_as_text(tmp_path):
+    """A tokenizer without `<global-img>` / `<row_i_col_j>` tokens (Idefics3-8B's): the tags are
+    tokenized as text exactly as the processor does, and generation still matches transformers."""
+    from vlmctl.models.registry import get_family
+    from vlmctl.runtime.engine import Engine
+    from vlmctl.runtime.sampling import SamplingParams
+
+    ckpt = make_idefics3(tmp_path / "ckpt", seed=5, layout_tokens=False)
+    tok = get_family("idefics3").load_processor(ckpt).tokenizer
+    assert tok.convert_tokens_to_ids("<global-img>") in (None, tok.unk_token_id)
+    eng = _build(ckpt, tmp_path)
+    hf = load_hf(ckpt, "idefics3")
+    imgs = [make_image(70, SIZES["wide"]), make_image(71, SIZES["strip"])]
+    msgs = [user(2, "what is in this image?")]
+    ref = hf_inputs(ckpt, "idefics3", msgs, imgs)
+    engine = Engine(eng)
+    got = engine.encode(msgs, imgs)
+    assert got.token_ids == ref["input_ids"][0].tolist()
+    text = tok.decode(got.token_ids)
+    assert text.count("<global-img>") == 2 and "<row_2_col_4>" in text
+    out = engine.generate([got], SamplingParams(max_tokens=MAX_NEW, temperature=0))[0].token_ids
+    assert out == strip_eos(hf_greedy(hf, ckpt, "idefics3", msgs, imgs), hf.generation_config.eos_token_id)
+
+
 # ---- vision ONNX -------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["idefics3", "smolvlm"])
 def test_onnx_matches_torch_and_hf_at_unseen_crop_counts(models, arch):

@@ -41,11 +41,13 @@ def make_idefics3(out: Path, *, arch: str = "idefics3", seed: int = 0, image_siz
                   scale_factor: int = 2, longest_edge: int | None = None, do_image_splitting: bool = True,
                   num_kv_heads: int = 2, text_layers: int = 2, hidden: int = 64, vision_layers: int = 2,
                   tie: bool = False, text_tie: bool | None = None, bos: bool = True, image_seq_len: int | None = None,
-                  init_range: float = 0.2, vision_init: float = 0.1) -> Path:
+                  layout_tokens: bool = True, init_range: float = 0.2, vision_init: float = 0.1) -> Path:
     """A tiny Idefics3ForConditionalGeneration (arch "idefics3") or SmolVLMForConditionalGeneration
     (arch "smolvlm"). `tie` is the top-level tie_word_embeddings, `text_tie` the text config's
     (absent when None). `bos`: the tokenizer adds a BOS of its own in front of the template's
-    `<|im_start|>` (as Llama 3's does for Idefics3-8B), or adds nothing (SmolLM2's)."""
+    `<|im_start|>` (as Llama 3's does for Idefics3-8B), or adds nothing (SmolLM2's). Without
+    `layout_tokens`, `<global-img>` and `<row_i_col_j>` are not tokens (as in Idefics3-8B's tokenizer):
+    they are tokenized as text."""
     import torch
     from tokenizers import processors
     from transformers import GenerationConfig, Idefics3ImageProcessorPil, LlamaConfig
@@ -60,10 +62,11 @@ def make_idefics3(out: Path, *, arch: str = "idefics3", seed: int = 0, image_siz
         raise ValueError(arch)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer(SMOLVLM_SPECIALS)
+    specials = SMOLVLM_SPECIALS if layout_tokens else SMOLVLM_SPECIALS[:4]
+    tok = make_tokenizer(specials)
     if not bos:
         tok.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SMOLVLM_SPECIALS}
+    ids = {t: tok.convert_tokens_to_ids(t) for t in specials}
     eos = ids["<end_of_utterance>"]
     text = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=text_layers, num_attention_heads=4,
                 num_key_value_heads=num_kv_heads, vocab_size=len(tok), max_position_embeddings=2048,

@@ -279,8 +279,11 @@ class Idefics3ProcessorAdapter(FamilyProcessor):
         tokens = family.placeholder_tokens(self.tokenizer)
         self.fake_token, self.image_token, self.global_token = (tokens["fake_image_token"], tokens["image_token"],
                                                                  tokens["global_image_token"])
+        # The global-image and row/column tags may be plain text (Idefics3-8B's tokenizer spells them
+        # out); the image and fake tokens must be tokens (the processor would add the fake token as a
+        # new id the embedding table does not have).
         unk = self.tokenizer.unk_token_id
-        for tok in tokens.values():
+        for tok in (self.fake_token, self.image_token):
             tid = self.tokenizer.convert_tokens_to_ids(tok)
             if tid is None or (tid == unk and tok != self.tokenizer.unk_token):
                 raise CheckpointError(f"{processor_dir}: the tokenizer has no {tok!r} token")
