@@ -162,7 +162,8 @@ def build_smolvlm_demo_checkpoint(out: Path, seed: int = 0) -> Path:
                                                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos)
     model.save_pretrained(out)
     # SmolVLM's processor geometry (512-px crops, 64 rows each), with the longest edge at two crops.
-    ip = Idefics3ImageProcessorPil(size={"longest_edge": 2 * SMOLVLM_CROP}, max_image_size={"longest_edge": SMOLVLM_CROP},
+    ip = Idefics3ImageProcessorPil(size={"longest_edge": 2 * SMOLVLM_CROP},
+                                   max_image_size={"longest_edge": SMOLVLM_CROP},
                                    image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], resample=1)
     rows = (SMOLVLM_CROP // SMOLVLM_PATCH // SMOLVLM_SCALE) ** 2
     Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=rows,
