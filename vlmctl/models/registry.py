@@ -17,6 +17,8 @@ FAMILIES: dict[str, str] = {
     "llava_next": "vlmctl.models.llava_next:LlavaNextFamily",
     "llava_onevision": "vlmctl.models.llava_onevision:LlavaOnevisionFamily",
     "internvl": "vlmctl.models.internvl:InternVLFamily",
+    "idefics3": "vlmctl.models.idefics3:Idefics3Family",
+    "smolvlm": "vlmctl.models.idefics3:SmolVLMFamily",
 }
 
 
