@@ -418,7 +418,7 @@ def test_hub_shaped_configs(arch, vision, text, scale, rows):
     """The hub checkpoints' config shapes are detected, split into a plain Llama decoder config the
     runtime accepts, and bound an image by 17 crops."""
     from vlmctl.convert import expected_tensors
-    from vlmctl.models.decoders import runtime_config
+    from vlmctl.models.decoders import decoder_spec
     from vlmctl.models.registry import detect_family
 
     cfg = _hub_like(arch, vision, text, scale, 49190)
@@ -427,9 +427,9 @@ def test_hub_shaped_configs(arch, vision, text, scale, rows):
     assert fam.image_seq_len(cfg) == rows and fam.max_image_tokens(cfg) == 17 * rows
     dec = fam.text_config_dict(cfg)
     assert dec["architectures"] == ["LlamaForCausalLM"] and dec["tie_word_embeddings"] is False
-    rt = runtime_config(dec)
-    assert (rt["hidden_size"], rt["num_layers"], rt["vocab_size"]) == (text["hidden_size"],
-                                                                      text["num_hidden_layers"], text["vocab_size"])
+    rt = decoder_spec(dec)
+    assert (rt.hidden_size, rt.num_layers, rt.vocab_size) == (text["hidden_size"], text["num_hidden_layers"],
+                                                              text["vocab_size"])
     names = expected_tensors(fam, cfg)
     assert "model.connector.modality_projection.proj.weight" in names and "lm_head.weight" in names
     assert {fam.split_key(n)[0] for n in names} == {"vision", "decoder"}
