@@ -87,7 +87,8 @@ def build_engine(ckpt: Path, work: Path, dtype: str) -> tuple[Path, float]:
     from vlmctl.recipe import load_recipe
 
     recipe = work / "llava7b.yaml"
-    recipe.write_text(yaml.safe_dump({"name": "llava-1.5-7b-shaped", "source": str(ckpt), "dtype": dtype,
+    recipe.write_text(yaml.safe_dump({"name": "llava-1.5-7b-shaped", "source": str(ckpt),
+                                      "profiles": ["fp16" if dtype == "float16" else "fp32-cpu"],
                                       "limits": {"max_batch_size": 64}}))
     t0 = time.perf_counter()
     build(load_recipe(recipe), work / "engine")
