@@ -100,3 +100,32 @@ def test_paged_decode(dtype, n_q, n_kv, d, splits):
     got = paged_decode(q, kc, vc, tables.to(DEV), lens.to(DEV), scale, num_splits=splits, out=out)
     assert not got.isnan().any()
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else []))
+@pytest.mark.parametrize("n_q,n_kv", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_paged_decode_with_rope_and_append(dtype, n_q, n_kv, splits):
+    """The fused decode kernel == rotary + KV append + attention as separate reference operations."""
+    from vlmctl.runtime.kernels.paged_attention import paged_decode_rope
+
+    g = torch.Generator().manual_seed(5)
+    B, bs, nblocks, maxb, d = 3, 8, 24, 6, 32
+    lens = torch.tensor([1, 20, 45], dtype=torch.int32)  # context incl. the new token
+    tables = torch.stack([torch.randperm(nblocks - 1, generator=g)[:maxb] + 1 for _ in range(B)]).to(torch.int32)
+    slots = torch.tensor([int(tables[b, (int(lens[b]) - 1) // bs]) * bs + (int(lens[b]) - 1) % bs for b in range(B)])
+    kc = torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype)
+    vc = torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype)
+    qkv = torch.randn(B, (n_q + 2 * n_kv) * d, generator=g).to(DEV, dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    f = torch.arange(64).float()[:, None] * inv
+    cos_sin = torch.cat((f.cos(), f.sin()), -1).to(DEV)
+    pos = (lens.long() - 1 + 3).to(DEV)  # rotary positions need not equal cache indices (M-RoPE deltas)
+    kc_ref, vc_ref, qkv_ref = kc.clone(), vc.clone(), qkv.clone()
+    ops.rope_and_cache_reference(qkv_ref, cos_sin, pos, n_q, n_kv, d, kc_ref, vc_ref, slots.to(DEV))
+    want = ops.paged_decode_reference(qkv_ref[:, :n_q * d].view(B, n_q, d).float(), kc_ref.float(), vc_ref.float(),
+                                      tables.to(DEV), lens.to(DEV), d ** -0.5)
+    got = paged_decode_rope(qkv, cos_sin, pos, slots.to(DEV), kc, vc, tables.to(DEV), lens.to(DEV), d ** -0.5, n_q,
+                            n_kv, num_splits=splits)
+    assert rel_err(got, want) < 3e-3
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # the appended K/V, rounded as the reference rounds

@@ -196,17 +196,15 @@ class TorchDecoder:
             x.index_copy_(0, fake_rows, table.index_select(0, table_rows).to(x.dtype))
         return x
 
-    def _layers(self, x: torch.Tensor, cos_sin, positions, slot_mapping, attend) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run every layer; `attend(li, qkv) -> [T, Hq, d]`. Returns (residual, last MLP output)."""
+    def _layers(self, x: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every layer; `attend(li, qkv) -> [T, Hq, d]` does rotary, the KV append and attention.
+        Returns (residual, last MLP output)."""
         residual, h_out = x, None
         T = x.shape[0]
         for li, layer in enumerate(self.layers):
             h = ops.rms_norm(x, layer.input_norm, self.eps) if h_out is None else \
                 ops.rms_norm(h_out, layer.input_norm, self.eps, residual)
             qkv = layer.qkv(h)
-            kc = self.k_cache[li] if self.k_cache is not None else None
-            vc = self.v_cache[li] if self.v_cache is not None else None
-            ops.rope_and_cache(qkv, cos_sin, positions, self.n_heads, self.n_kv, self.head_dim, kc, vc, slot_mapping)
             a = attend(li, qkv)
             h = ops.rms_norm(layer.o(a.reshape(T, self.q_size)), layer.post_norm, self.eps, residual)
             h_out = layer.down(ops.silu_mul(layer.gate_up(h)))
@@ -292,23 +290,31 @@ class TorchDecoder:
                             torch.tensor(c.block_table, dtype=torch.long, device=dev) if c.start else None))
             row += c.n
 
+        kc_all, vc_all = self.k_cache, self.v_cache
+
         def attend(li, qkv):
-            q = qkv[:, :self.q_size].view(T, self.n_heads, self.head_dim)
+            kc, vc = kc_all[li], vc_all[li]
             out = torch.empty((T, self.n_heads, self.head_dim), dtype=qkv.dtype, device=dev)
             if n_dec:
-                out[:n_dec] = ops.paged_decode(q[:n_dec], self.k_cache[li], self.v_cache[li], bt_dec, lens_dec,
-                                               self.scale, num_splits=splits)
+                out[:n_dec] = ops.paged_decode_rope(qkv[:n_dec], cos_sin, positions[:n_dec], slot_t[:n_dec], kc, vc,
+                                                    bt_dec, lens_dec, self.scale, self.n_heads, self.n_kv,
+                                                    self.head_dim, num_splits=splits)
+            if n_dec == T:
+                return out
+            ops.rope_and_cache(qkv[n_dec:], cos_sin, positions[n_dec:], self.n_heads, self.n_kv, self.head_dim, kc, vc,
+                               slot_t[n_dec:])
+            q = qkv[:, :self.q_size].view(T, self.n_heads, self.head_dim)
             for rows, start, n, bt in prefill:
                 if start == 0:
                     k, v = self._split(qkv, rows, n)
                 else:
-                    k = ops.gather_context(self.k_cache[li], bt, start + n)
-                    v = ops.gather_context(self.v_cache[li], bt, start + n)
+                    k = ops.gather_context(kc, bt, start + n)
+                    v = ops.gather_context(vc, bt, start + n)
                 out[rows] = ops.prefill_attention(q[rows], k, v, self.scale)
             return out
 
         x = self._embed(ids_t, fr, tr, table)
-        residual, h_out = self._layers(x, cos_sin, positions, slot_t, attend)
+        residual, h_out = self._layers(x, attend)
         # the last row of each chunk that wants logits, in the caller's chunk order
         ends, row = {}, 0
         for i, c in zip(order, cs):
@@ -324,12 +330,12 @@ class TorchDecoder:
         B = ids.shape[0]
 
         def attend(li, qkv):
-            q = qkv[:, :self.q_size].view(B, self.n_heads, self.head_dim)
-            return ops.paged_decode(q, self.k_cache[li], self.v_cache[li], block_tables, context_lens, self.scale,
-                                    num_splits=splits, workspace=workspace)
+            return ops.paged_decode_rope(qkv, self.cos_sin, positions, slots, self.k_cache[li], self.v_cache[li],
+                                         block_tables, context_lens, self.scale, self.n_heads, self.n_kv,
+                                         self.head_dim, num_splits=splits, workspace=workspace)
 
         x = F.embedding(ids, self.embed)
-        residual, h_out = self._layers(x, self.cos_sin, positions, slots, attend)
+        residual, h_out = self._layers(x, attend)
         return self._final(residual, h_out, None)
 
     @torch.inference_mode()
@@ -440,6 +446,7 @@ class TorchDecoder:
         positions = torch.arange(T, device=dev).repeat(B)
 
         def attend(li, qkv):
+            ops.rope_and_cache(qkv, self.cos_sin, positions, self.n_heads, self.n_kv, self.head_dim)
             q = qkv[:, :self.q_size].view(B * T, self.n_heads, self.head_dim)
             out = torch.empty_like(q)
             for b in range(B):
@@ -448,11 +455,6 @@ class TorchDecoder:
                 out[rows] = ops.prefill_attention(q[rows], k, v, self.scale)
             return out
 
-        saved = self.k_cache, self.v_cache
-        self.k_cache = self.v_cache = None
-        try:
-            x = self._embed(ids, fr, tr, table.to(dev) if table is not None else None)
-            residual, h_out = self._layers(x, self.cos_sin, positions, None, attend)
-        finally:
-            self.k_cache, self.v_cache = saved
+        x = self._embed(ids, fr, tr, table.to(dev) if table is not None else None)
+        residual, h_out = self._layers(x, attend)
         return self._final(residual, h_out, None).view(B, T, -1)

@@ -134,6 +134,24 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
+def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, scale: float, n_q: int, n_kv: int, head_dim: int,
+                      num_splits: int = 1, workspace=None) -> torch.Tensor:
+    """Decode rows of qkv [B, (n_q + 2 n_kv) * d] straight from the QKV projection: rotary of the new
+    token, its K/V appended at `slots`, attention over the cache -> [B, n_q, d]. On CUDA one kernel
+    does all three; elsewhere (and for head sizes it does not take) the separate operations run."""
+    if _use_kernels(qkv):
+        from .kernels.paged_attention import fused_rope_supported, paged_decode_rope as kernel
+
+        if fused_rope_supported(head_dim, qkv.dtype):
+            return kernel(qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, scale, n_q,
+                          n_kv, num_splits, workspace)
+    rope_and_cache(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cache, v_cache, slots)
+    q = qkv[:, :n_q * head_dim].view(qkv.shape[0], n_q, head_dim)
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, None, workspace)
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of a query chunk [n, Hq, d] over its context [L, Hkv, d] (L >= n): query i sits
     at context position L - n + i (earlier positions come from the cache). Returns [n, Hq, d]."""

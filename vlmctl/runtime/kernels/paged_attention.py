@@ -73,6 +73,95 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_
 
 
 @triton.jit
+def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr,
+                        ml_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+                        scale_log2, block_size, group, num_splits, n_q_heads, n_kv_heads,
+                        HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """`_decode_kernel` with the new token's rotary and KV append folded in: q and k of the token are
+    rotated here (rounded per term as transformers does), the split that owns the last position
+    writes k and v to the cache and attends to them from registers, the others read the cache."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx - 1)  # cached positions; the new one (ctx - 1) comes from qkv
+    owner = split == (ctx - 1) // per_split
+
+    g = tl.arange(0, BLOCK_G)
+    h = tl.arange(0, HALF)
+    gmask = g < group
+    heads = kvh * group + g
+    row_q = qkv_ptr + seq * stride_qt
+    pos = tl.load(pos_ptr + seq)
+    c = tl.load(cos_sin_ptr + pos * stride_cs + h)
+    sn = tl.load(cos_sin_ptr + pos * stride_cs + HALF + h)
+    q1 = tl.load(row_q + heads[:, None] * HEAD_DIM + h[None, :], mask=gmask[:, None], other=0.0)
+    q2 = tl.load(row_q + heads[:, None] * HEAD_DIM + HALF + h[None, :], mask=gmask[:, None], other=0.0)
+    dt = q1.dtype
+    c1 = c.to(dt).to(tl.float32)
+    s1 = sn.to(dt).to(tl.float32)
+    cf = c1[None, :]
+    sf = s1[None, :]
+    a1 = q1.to(tl.float32)
+    a2 = q2.to(tl.float32)
+    q1 = ((a1 * cf).to(dt).to(tl.float32) - (a2 * sf).to(dt).to(tl.float32)).to(dt)
+    q2 = ((a2 * cf).to(dt).to(tl.float32) + (a1 * sf).to(dt).to(tl.float32)).to(dt)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(start, end, BLOCK_N):
+        tok = tile + n
+        valid = tok < end
+        blk = tl.load(bt_ptr + seq * stride_bt + tok // block_size, mask=valid, other=0)
+        row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
+        k1 = tl.load(k_ptr + row[:, None] + h[None, :], mask=valid[:, None], other=0.0)
+        k2 = tl.load(k_ptr + row[:, None] + HALF + h[None, :], mask=valid[:, None], other=0.0)
+        s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if owner:
+        kb = row_q + (n_q_heads + kvh) * HEAD_DIM
+        b1 = tl.load(kb + h).to(tl.float32)
+        b2 = tl.load(kb + HALF + h).to(tl.float32)
+        k1 = ((b1 * c1).to(dt).to(tl.float32) - (b2 * s1).to(dt).to(tl.float32)).to(dt)
+        k2 = ((b2 * c1).to(dt).to(tl.float32) + (b1 * s1).to(dt).to(tl.float32)).to(dt)
+        v = tl.load(row_q + (n_q_heads + n_kv_heads + kvh) * HEAD_DIM + d)
+        slot = tl.load(slot_ptr + seq)
+        dst = (slot // block_size).to(tl.int64) * stride_kb + (slot % block_size) * stride_ks + kvh * stride_kh
+        tl.store(k_ptr + dst + h, k1)
+        tl.store(k_ptr + dst + HALF + h, k2)
+        tl.store(v_ptr + dst + d, v)
+        s_new = tl.sum(q1.to(tl.float32) * k1.to(tl.float32)[None, :] + q2.to(tl.float32) * k2.to(tl.float32)[None, :],
+                       1) * scale_log2
+        m_new = tl.maximum(m_i, s_new)
+        alpha = tl.math.exp2(m_i - m_new)
+        p_new = tl.math.exp2(s_new - m_new)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * v.to(tl.float32)[None, :]
+        m_i = m_new
+    if SPLIT:
+        pidx = (seq * (tl.num_programs(1) * group) + heads) * num_splits + split
+        tl.store(part_ptr + pidx[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+        tl.store(ml_ptr + pidx * 2, m_i, mask=gmask)
+        tl.store(ml_ptr + pidx * 2 + 1, l_i, mask=gmask)
+    else:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(dt), mask=gmask[:, None])
+
+
+@triton.jit
 def _combine_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, n_heads, num_splits,
                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr):
     seq = tl.program_id(0)
@@ -94,12 +183,48 @@ def _combine_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, n_heads, nu
 
 
 def choose_splits(batch: int, n_kv_heads: int, max_context: int, num_sms: int, block_n: int = 64) -> int:
-    """Split the context when batch x KV heads alone would leave most multiprocessors idle."""
+    """Split the context when batch x KV heads alone would leave the multiprocessors short of work: a
+    small batch then reads its KV cache with many programs of a tile or two each (the split count is
+    fixed per captured batch size; programs past the actual context return at once)."""
     programs = batch * n_kv_heads
-    if programs >= num_sms:
+    if programs >= 2 * num_sms:
         return 1
-    want = triton.cdiv(2 * num_sms, programs)
-    return max(1, min(want, triton.cdiv(max_context, 4 * block_n), 32))
+    want = triton.cdiv(4 * num_sms, programs)
+    return max(1, min(want, triton.cdiv(max_context, block_n), 32))
+
+
+def fused_rope_supported(head_dim: int, dtype) -> bool:
+    return head_dim in (32, 64, 128, 256) and dtype in (torch.float16, torch.bfloat16)
+
+
+def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, scale: float, n_q: int, n_kv: int, num_splits: int = 1,
+                      workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Decode attention of qkv rows [B, (n_q + 2 n_kv) * d] (not yet rotated) with the rotary of the new
+    token and its KV append done in the same kernel. context_lens count the new token."""
+    B = qkv.shape[0]
+    D = k_cache.shape[3]
+    group = n_q // n_kv
+    out = torch.empty((B, n_q, D), dtype=qkv.dtype, device=qkv.device)
+    split = num_splits > 1
+    if split:
+        if workspace is None:
+            workspace = (torch.empty((B * n_q * num_splits, D), dtype=torch.float32, device=qkv.device),
+                         torch.empty((B * n_q * num_splits, 2), dtype=torch.float32, device=qkv.device))
+        part, ml = workspace
+    else:
+        part = ml = out
+    _decode_rope_kernel[(B, n_kv, num_splits)](
+        qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, out, part, ml,
+        qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group,
+        num_splits, n_q, n_kv, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=64 if D <= 128 else 32, SPLIT=split, num_warps=4, num_stages=2)
+    if split:
+        _combine_kernel[(B, n_q)](part, ml, out, out.stride(0), out.stride(1), n_q, num_splits, HEAD_DIM=D, D_PAD=D,
+                                  BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+    return out
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
