@@ -207,12 +207,17 @@ def test_image_from_allowed_local_path_and_allowed_domain(server, client):
     assert c.choices[0].message.content == d.choices[0].message.content
 
 
-def test_feature_cache_hits_visible_in_metrics(server, client):
-    before = server.metric("vlmctl_image_feature_cache_hits_total")
+def test_repeated_image_caches_visible_in_metrics(server, client):
+    """The same image twice goes through the vision model once; the second request's image rows come
+    from the prefix cache (or, when not whole blocks, from the feature cache)."""
+    names = ("vlmctl_image_feature_cache_misses_total", "vlmctl_image_feature_cache_hits_total",
+             "vlmctl_prefix_cache_hits_total", "vlmctl_prefix_cache_queries_total")
+    before = [server.metric(n) for n in names]
     for _ in range(2):
         client.chat.completions.create(model="tiny", messages=image_message(data_url(21)), max_tokens=2,
                                        temperature=0)
-    assert server.metric("vlmctl_image_feature_cache_hits_total") >= before + 1
+    misses, hits, prefix_hits, queries = (server.metric(n) - b for n, b in zip(names, before))
+    assert misses == 1 and queries > 0 and (prefix_hits >= 16 or hits >= 1)
 
 
 def test_logprobs_and_top_logprobs(server, client):
