@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 JSON_OBJECT = "json_object"
 JSON_SCHEMA = "json_schema"
+LARK = "lark"  # a full grammar in llguidance's Lark dialect (forced tool calls: models/tool_calls.py)
 
 INSTALL_HINT = "structured outputs need the grammar engine llguidance: pip install 'llguidance>=1.8,<2'"
 
@@ -80,6 +81,13 @@ class GrammarSpec:
     @classmethod
     def json_object(cls) -> "GrammarSpec":
         return cls(JSON_OBJECT)
+
+    @classmethod
+    def lark(cls, grammar: str) -> "GrammarSpec":
+        """A grammar in llguidance's Lark dialect (%json {...} embeds a JSON schema; <[id]> is a token)."""
+        if not isinstance(grammar, str) or "start" not in grammar:
+            raise InputError("a Lark grammar needs a `start` rule")
+        return cls(LARK, grammar)
 
     @classmethod
     def json_schema(cls, schema: dict | str | bool, *, strict: bool = False) -> "GrammarSpec":
@@ -263,6 +271,9 @@ class GrammarCompiler:
 
     def _compile(self, spec: GrammarSpec):
         LLMatcher = self._llg.LLMatcher
+        if spec.kind == LARK:
+            grammar = LLMatcher.grammar_from_lark(spec.schema)
+            return self._matcher_template(grammar, "the tool-call grammar")
         if spec.kind == JSON_OBJECT:
             schema: Any = {"type": "object"}
         elif spec.kind == JSON_SCHEMA:
@@ -277,13 +288,17 @@ class GrammarCompiler:
                 schema, defaults={"whitespace_flexible": True, "json_allow_general_unicode_escapes": True})
         except ValueError as e:
             raise InputError(f"the JSON schema cannot be used for structured output: {_one_line(e)}") from None
+        return self._matcher_template(grammar, "the JSON schema")
+
+    def _matcher_template(self, grammar: str, what: str):
+        LLMatcher = self._llg.LLMatcher
         failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._lltok)
         if failed:
-            raise InputError(f"the JSON schema cannot be used for structured output: {_one_line(messages[0])}")
+            raise InputError(f"{what} cannot be used for structured output: {_one_line(messages[0])}")
         # The compiled form is a matcher at the start; each request gets a copy of it.
         template = LLMatcher(self._lltok, grammar, log_level=0)
         if template.is_error():
-            raise InputError(f"the JSON schema cannot be used for structured output: {_one_line(template.get_error())}")
+            raise InputError(f"{what} cannot be used for structured output: {_one_line(template.get_error())}")
         return template
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
