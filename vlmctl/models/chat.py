@@ -41,7 +41,7 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
         if role == "tool":
             if isinstance(content, list):
                 content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-            msg = {"role": "tool", "content": content or ""}
+            msg = {"role": "tool", "content": content or ""}  # plain text: templates print it as it is
             if m.get("tool_call_id") is not None:
                 msg["tool_call_id"] = m["tool_call_id"]
             out.append(msg)
@@ -56,11 +56,17 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                 kind = p.get("type")
                 if kind == "text":
                     parts.append({"type": "text", "text": p.get("text", "")})
+                elif kind == "refusal" and role == "assistant":  # an earlier refusal, shown as what was said
+                    parts.append({"type": "text", "text": p.get("refusal", "")})
                 elif kind in ("image", "image_url"):
                     parts.append({"type": "image"})
                 else:
                     raise InputError(f"unsupported content part type {kind!r}")
+        if role == "assistant" and m.get("refusal"):
+            parts.append({"type": "text", "text": m["refusal"]})
         msg = {"role": role, "content": parts}
+        if m.get("name") is not None:  # templates that know names show it; the others ignore the key
+            msg["name"] = m["name"]
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = [_hf_tool_call(tc, f"messages[{i}].tool_calls[{j}]")
                                  for j, tc in enumerate(m["tool_calls"])]
