@@ -215,7 +215,7 @@ CHAT_FIELDS: dict[str, FieldRule] = {
 
 # ---- (legacy) completions --------------------------------------------------------------------------
 COMPLETION_FIELDS: dict[str, FieldRule] = {
-    "prompt": _impl("a string or a list of strings (one choice each); token-id prompts are a 400"),
+    "prompt": _impl("a string; a list of strings gives one choice each (phase 2); token-id prompts are a 400"),
     **_SAMPLING,
     "logprobs": _impl("0..5 alternatives per token"),
     "echo": _only((False,), "echoing the prompt (with its logprobs) is not supported"),
