@@ -276,11 +276,17 @@ def test_call_schema_validates_calls():
         jsonschema.validate({"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}, named)
 
 
-@pytest.mark.parametrize("choice", [ToolChoice("required"), ToolChoice("function", "count_objects"),
-                                    ToolChoice("function", "get_weather")], ids=["required", "named1", "named2"])
-def test_forced_call_grammar_generates_valid_calls(tok, choice):
+@pytest.mark.parametrize("choice, marker_tokens", [
+    (ToolChoice("required"), True), (ToolChoice("function", "count_objects"), True),
+    (ToolChoice("function", "get_weather"), True),
+    (ToolChoice("required"), False),  # a vocabulary without the marker tokens: the markers are spelled out
+], ids=["required", "named1", "named2", "required-spelled"])
+def test_forced_call_grammar_generates_valid_calls(tok, choice, marker_tokens):
     from vlmctl.runtime.grammar import GrammarCompiler, GrammarSpec, apply_masks
 
+    if not marker_tokens:
+        tok = make_qwen_tokenizer()
+        assert "<[" not in forced_call_grammar(normalize_tools(TOOLS), choice, tok)
     tools = normalize_tools(TOOLS)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     comp = GrammarCompiler(tok, stop_token_ids=[eos])
@@ -304,7 +310,8 @@ def test_forced_call_grammar_generates_valid_calls(tok, choice):
             out.append(t)
         else:
             pytest.fail("no end of turn")
-        assert out[0] == open_id, "the call opens with the <tool_call> token itself, as the model was trained"
+        if marker_tokens:
+            assert out[0] == open_id, "the call opens with the <tool_call> token itself, as the model was trained"
         text = tok.decode(out, skip_special_tokens=True)  # the engine's detokenization keeps the markers
         content, calls = parse_tool_calls(text, tool_names=set(by_name))
         assert content is None and calls

@@ -380,7 +380,7 @@ def apply_bitmask(logits: "torch.Tensor", bitmask: "torch.Tensor", rows: "torch.
         for j, r in enumerate(rows.tolist()):
             logits[r].add_(add[j])
     else:
-        logits.index_add_(0, rows.to(dev, torch.long), add)
+        logits.index_add_(0, rows.to(dev, torch.long, non_blocking=True), add)
     return logits
 
 

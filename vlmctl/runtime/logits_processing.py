@@ -106,6 +106,14 @@ class LogitsParams:
                     or self.logit_bias)
 
 
+def _to(values, dtype, device) -> "torch.Tensor":
+    """A small host list on `device` without a stream sync (a pageable non_blocking copy is staged
+    before it returns, so the host tensor may go)."""
+    import torch
+
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 class _Entry:
     __slots__ = ("row", "params", "bias_ids", "bias_vals")
 
@@ -194,9 +202,9 @@ class LogitsProcessor:
         pos = [(i, e.row) for i, k in enumerate(keys) if (e := self._entries.get(k)) is not None]
         if not pos:
             return
-        tokens = torch.as_tensor(tokens).to(self.device)
-        idx = torch.tensor([i for i, _ in pos], dtype=torch.long, device=self.device)
-        rows = torch.tensor([r for _, r in pos], dtype=torch.long, device=self.device)
+        tokens = torch.as_tensor(tokens).to(self.device, non_blocking=True)
+        idx = _to([i for i, _ in pos], torch.long, self.device)
+        rows = _to([r for _, r in pos], torch.long, self.device)
         toks = tokens.reshape(-1).index_select(0, idx).long()
         ok = (toks >= 0) & (toks < self.vocab_size)
         rows, toks = rows[ok], toks[ok]
@@ -222,8 +230,8 @@ class LogitsProcessor:
         V = self.vocab_size
         if logits.shape[1] < V:
             raise ValueError(f"logits have {logits.shape[1]} columns, fewer than the vocabulary ({V})")
-        li = torch.tensor([i for i, _ in sel], dtype=torch.long, device=dev)
-        pool_rows = torch.tensor([e.row for _, e in sel], dtype=torch.long, device=self.device)
+        li = _to([i for i, _ in sel], torch.long, dev)
+        pool_rows = _to([e.row for _, e in sel], torch.long, self.device)
         sub = logits.index_select(0, li)[:, :V]  # [k, V] copy, logits' dtype
         # logit_bias: one scatter for every biased row of the batch
         biased = [(j, e) for j, (_, e) in enumerate(sel) if e.bias_ids is not None]
@@ -234,14 +242,14 @@ class LogitsProcessor:
             sub.index_put_((r, c), v, accumulate=True)
         ps = [e.params for _, e in sel]
         if any(p.repetition_penalty != 1.0 for p in ps):
-            pen = torch.tensor([p.repetition_penalty for p in ps], dtype=sub.dtype, device=dev)[:, None]
+            pen = _to([p.repetition_penalty for p in ps], sub.dtype, dev)[:, None]
             seen = self._seen.index_select(0, pool_rows).to(dev)
             # transformers: a negative logit is multiplied by the penalty, any other divided by it
             sub = torch.where(seen, torch.where(sub < 0, sub * pen, sub / pen), sub)
         if any(p.presence_penalty or p.frequency_penalty for p in ps):
             counts = self._counts.index_select(0, pool_rows).to(dev)
-            freq = torch.tensor([p.frequency_penalty for p in ps], dtype=torch.float32, device=dev)[:, None]
-            pres = torch.tensor([p.presence_penalty for p in ps], dtype=torch.float32, device=dev)[:, None]
+            freq = _to([p.frequency_penalty for p in ps], torch.float32, dev)[:, None]
+            pres = _to([p.presence_penalty for p in ps], torch.float32, dev)[:, None]
             # computed in float32 (a count times a penalty can lose digits in half precision)
             sub = (sub.float() - counts * freq - (counts > 0) * pres).to(sub.dtype)
         logits[li, :V] = sub
@@ -265,10 +273,10 @@ def apply_min_p(logits: "torch.Tensor", min_p: Sequence[float] | "torch.Tensor",
     if not rows:
         return logits
     dev = logits.device
-    idx = torch.tensor(rows, dtype=torch.long, device=dev)
+    idx = _to(rows, torch.long, dev)
     sub = logits.index_select(0, idx).float()
     # ln(min_p) is -inf at 0 (excluded above) and 0 at 1 (only the top tokens stay)
-    margin = torch.tensor([tp[i] * math.log(mp[i]) for i in rows], dtype=torch.float32, device=dev)[:, None]
+    margin = _to([tp[i] * math.log(mp[i]) for i in rows], torch.float32, dev)[:, None]
     top = sub.max(dim=-1, keepdim=True).values
     drop = sub < top + margin
     logits[idx] = logits.index_select(0, idx).masked_fill(drop, float("-inf"))
