@@ -40,9 +40,14 @@ class UnsupportedModelError(VlmctlError):
 
 
 class InputError(VlmctlError):
-    """A request input (image, prompt, option) is invalid."""
+    """A request input (image, prompt, option) is invalid. `param`: the request field at fault,
+    when there is one (the server puts it in the OpenAI error body)."""
 
     exit_code = 5
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class BackendUnavailableError(VlmctlError):

@@ -162,7 +162,8 @@ class VLMFamily:
 class FamilyProcessor:
     """Built from an engine's processor/ directory: turns chat messages and images into an EncodedPrompt."""
 
-    def encode(self, messages: list[dict], images: list) -> EncodedPrompt:
+    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None) -> EncodedPrompt:
+        """`tools`: OpenAI function tools (models/tool_calls.normalize_tools) for the template to show."""
         raise NotImplementedError
 
     def batch_key(self, item: ImageItem) -> tuple:

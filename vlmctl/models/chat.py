@@ -27,13 +27,25 @@ def load_chat_template(processor_dir: Path, tokenizer) -> str:
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
-    """OpenAI-style or HF-style messages -> HF structured content ({"type": "text"|"image"})."""
+    """OpenAI-style or HF-style messages -> HF structured content ({"type": "text"|"image"}).
+
+    Tool use: an assistant message's OpenAI `tool_calls` become HF's ({"type": "function",
+    "function": {"name", "arguments": <object>}}, arguments parsed from their JSON text), and a
+    `role: tool` message keeps its result as plain text (templates print it as it is)."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         role = m.get("role")
-        if role not in ("system", "user", "assistant"):
-            raise InputError(f"message role must be system, user or assistant (got {role!r})")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise InputError(f"message role must be system, user, assistant or tool (got {role!r})")
         content = m.get("content")
+        if role == "tool":
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+            msg = {"role": "tool", "content": content or ""}  # plain text: templates print it as it is
+            if m.get("tool_call_id") is not None:
+                msg["tool_call_id"] = m["tool_call_id"]
+            out.append(msg)
+            continue
         if content is None:
             content = []
         if isinstance(content, str):
@@ -44,18 +56,48 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                 kind = p.get("type")
                 if kind == "text":
                     parts.append({"type": "text", "text": p.get("text", "")})
+                elif kind == "refusal" and role == "assistant":  # an earlier refusal, shown as what was said
+                    parts.append({"type": "text", "text": p.get("refusal", "")})
                 elif kind in ("image", "image_url"):
                     parts.append({"type": "image"})
                 else:
                     raise InputError(f"unsupported content part type {kind!r}")
-        out.append({"role": role, "content": parts})
+        if role == "assistant" and m.get("refusal"):
+            parts.append({"type": "text", "text": m["refusal"]})
+        msg = {"role": role, "content": parts}
+        if m.get("name") is not None:  # templates that know names show it; the others ignore the key
+            msg["name"] = m["name"]
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = [_hf_tool_call(tc, f"messages[{i}].tool_calls[{j}]")
+                                 for j, tc in enumerate(m["tool_calls"])]
+        out.append(msg)
     return out
 
 
-def render_chat(tokenizer, template: str, messages: list[dict]) -> str:
+def _hf_tool_call(tc: dict, where: str) -> dict:
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise InputError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise InputError(f"{where}.function.arguments is not valid JSON") from None
+    if not isinstance(args, dict):
+        raise InputError(f"{where}.function.arguments must be a JSON object")
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if tc.get("id") is not None:
+        out["id"] = tc["id"]
+    return out
+
+
+def render_chat(tokenizer, template: str, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The prompt text: the template applied to the messages (and, when given, the `tools`, in
+    the OpenAI form models/tool_calls.normalize_tools returns)."""
     try:
         return tokenizer.apply_chat_template(normalize_messages(messages), chat_template=template,
-                                             add_generation_prompt=True, tokenize=False)
+                                             add_generation_prompt=True, tokenize=False, tools=tools or None)
     except InputError:
         raise
     except Exception as e:  # template errors (raise_exception in jinja) are the user's message shape

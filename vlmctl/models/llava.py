@@ -167,8 +167,8 @@ class LlavaProcessorAdapter(FamilyProcessor):
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
         self.tokens_per_image = family.tokens_per_image(config)
 
-    def encode(self, messages: list[dict], images: list) -> EncodedPrompt:
-        text = render_chat(self.tokenizer, self.chat_template, messages)
+    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None) -> EncodedPrompt:
+        text = render_chat(self.tokenizer, self.chat_template, messages, tools)
         n_placeholders = text.count(self.image_token)
         if n_placeholders != len(images):
             raise InputError(f"the prompt has {n_placeholders} image placeholder(s) but {len(images)} image(s) were given")

@@ -302,8 +302,8 @@ class AnyresProcessorAdapter(FamilyProcessor):
         return None
 
     # ---- encode ----------------------------------------------------------------------------
-    def encode(self, messages: list[dict], images: list) -> EncodedPrompt:
-        text = render_chat(self.tokenizer, self.chat_template, messages)
+    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None) -> EncodedPrompt:
+        text = render_chat(self.tokenizer, self.chat_template, messages, tools)
         n_placeholders = text.count(self.image_token)
         if n_placeholders != len(images):
             raise InputError(f"the prompt has {n_placeholders} image placeholder(s) but {len(images)} image(s) "

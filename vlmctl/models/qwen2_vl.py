@@ -477,8 +477,8 @@ class QwenProcessorAdapter(FamilyProcessor):
         h, w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
         return (h // self.geometry["patch_size"]) * (w // self.geometry["patch_size"]) // self.geometry["merge"] ** 2
 
-    def encode(self, messages: list[dict], images: list) -> EncodedPrompt:
-        text = render_chat(self.tokenizer, self.chat_template, messages)
+    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None) -> EncodedPrompt:
+        text = render_chat(self.tokenizer, self.chat_template, messages, tools)
         n_placeholders = text.count(IMAGE_TOKEN)
         if n_placeholders != len(images):
             raise InputError(f"the prompt has {n_placeholders} image placeholder(s) but {len(images)} image(s) "
