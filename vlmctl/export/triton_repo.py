@@ -85,6 +85,7 @@ class EngineFacts:
     trtllm_version: str | None
     profile: dict
     workspace_gib: float
+    vision_rows: int = -1  # rows per vision-engine batch item (export-vision's io.json), -1 if unknown
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -96,8 +97,9 @@ def _read_json(path: Path, what: str) -> dict:
 
 def read_engine(engine_dir: Path, *, kv_cache_fraction: float | None = None) -> EngineFacts:
     """Check that `engine_dir` is a vlmctl engine directory that the stock multimodal models can serve."""
-    from .trtllm import ENGINE_FORMAT
+    from ..artifacts import read_manifest
     from ..models.registry import get_family
+    from .trtllm import ENGINE_FORMAT
 
     engine_dir = Path(engine_dir)
     llm_cfg_path, fam_path = engine_dir / "build-llm" / "config.json", engine_dir / "convert" / "family.json"
@@ -146,9 +148,8 @@ def read_engine(engine_dir: Path, *, kv_cache_fraction: float | None = None) -> 
     if not 0 < fraction < KV_FRACTION_LIMIT:
         raise InputError(f"KV-cache memory fraction {fraction}: must be above 0 and below {KV_FRACTION_LIMIT} (the "
                          "vision engine shares GPU 0 with the decoder); pass --kv-cache-fraction")
-    vision = _read_json(engine_dir / "build-vision" / "manifest.json", "build-vision/manifest.json").get("settings", {})
-    manifest = _read_json(engine_dir / "build-llm" / "manifest.json", "build-llm/manifest.json")
-    backend_version = str(manifest.get("backend_version") or "")
+    vision = (read_manifest(engine_dir / "build-vision") or {}).get("settings", {})
+    backend_version = str((read_manifest(engine_dir / "build-llm") or {}).get("backend_version") or "")
     parallel = llm.get("parallel") or {}
     return EngineFacts(
         engine_dir=engine_dir.resolve(), family=family, stock=stock, trtllm_engine=trtllm_engine.resolve(),
@@ -158,7 +159,8 @@ def read_engine(engine_dir: Path, *, kv_cache_fraction: float | None = None) -> 
         vocab=int(pretrained.get("vocab_size", llm.get("vocab_size", 0))),
         world=int(parallel.get("tp_size", 1)) * int(parallel.get("pp_size", 1)), rows_per_image=rows_per_image,
         kv_fraction=fraction, trtllm_version=backend_version.split()[-1] if backend_version else None,
-        profile=vision.get("profile") or {}, workspace_gib=float(vision.get("workspace_gib", 4.0)))
+        profile=vision.get("profile") or {}, workspace_gib=float(vision.get("workspace_gib", 4.0)),
+        vision_rows=int(io.get("feature_rows", -1)))
 
 
 # ---- the vision engine the stock encoder model loads ----------------------------------------
@@ -237,8 +239,10 @@ def vision_profile(facts: EngineFacts, onnx_info: dict) -> dict:
         return {VISION_INPUT: [list(s) for s in prof]}
     from .tensorrt import profile_shapes
 
-    vision = _read_json(facts.engine_dir / "build-vision" / "manifest.json", "build-vision/manifest.json")
-    max_images = int(vision.get("settings", {}).get("max_images", facts.max_batch * facts.max_images))
+    from ..artifacts import read_manifest
+
+    settings = (read_manifest(facts.engine_dir / "build-vision") or {}).get("settings", {})
+    max_images = int(settings.get("max_images", facts.max_batch * facts.max_images))
     shape = tuple(onnx_info["input"]["shape"])
     try:
         lo, opt, hi = profile_shapes({VISION_INPUT: shape}, max_images)[VISION_INPUT]
@@ -253,13 +257,17 @@ def vision_build_command(onnx: Path, engine: Path, profile: dict, workspace_gib:
     return [python, "-c", VISION_BUILD_SCRIPT, json.dumps(spec)]
 
 
-def builder_config(stock, onnx_info: dict, profile: dict) -> dict:
+def builder_config(stock, onnx_info: dict, profile: dict, rows: int = -1) -> dict:
     """The vision engine's config.json: `builder_config` as TensorRT-LLM's multimodal builder
-    writes it (the stock models read `model_type` and `precision`)."""
+    writes it (the stock models read `model_type` and `precision`). `rows`: the output's row
+    count where the graph leaves it symbolic (export-vision measured it)."""
+    out_shape = list(onnx_info["output"]["shape"])
+    if len(out_shape) == 3 and out_shape[1] < 0:
+        out_shape[1] = rows
     return {"builder_config": {
         "model_type": stock.model_type, "precision": onnx_info["input"]["dtype"], "strongly_typed": True,
         "max_batch_size": int(profile[VISION_INPUT][2][0]), "model_name": "multiModal",
-        "output_shape": [-1, *onnx_info["output"]["shape"][1:]]}}
+        "output_shape": [-1, *out_shape[1:]]}}
 
 
 def _run_vision_build(cmd: list[str]) -> str:
@@ -517,7 +525,7 @@ def export_triton_repo(engine_dir: Path, out_dir: Path, *, streaming: bool = Fal
             task = progress.task("export-triton: building the vision engine (TensorRT)", total=None)
             trt_version = _run_vision_build(cmd)
             task.done()
-        cfg = builder_config(facts.stock, onnx_info, profile)
+        cfg = builder_config(facts.stock, onnx_info, profile, facts.vision_rows)
         cfg["vlmctl"] = {"tensorrt_version": trt_version, "source_onnx": str(facts.onnx)}
         (vision / "config.json").write_text(json.dumps(cfg, indent=2))
         extra = facts.family.triton_vision_files(facts.engine_dir / "convert" / "vision", vision)

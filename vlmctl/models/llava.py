@@ -75,8 +75,9 @@ class LlavaFamily(VLMFamily):
     multi_image = True
     legacy_prefixes = _LEGACY_PREFIXES
     # The stock preprocessing leaves LLaVA-1.5's images to the client (CLIP pixels as `image_input`)
-    # and puts the image rows first ("USER:\n" + rows + text + " ASSISTANT:"); several images need
-    # `<image>` markers in the text. Its encoder model runs tower + projector, as vlmctl's graph does.
+    # and puts the image rows first ("USER:\n" + rows + text + " ASSISTANT:"); with max_num_images > 1
+    # it splits the text at `<image>` markers instead. Its encoder model runs tower + projector, as
+    # vlmctl's graph does (the hidden state of vision_feature_layer without the CLS row).
     triton_stock = TritonStock("llava", client_pixels=True)
 
     def hf_config(self, config_dict: dict):
