@@ -465,6 +465,8 @@ def test_what_the_stock_path_cannot_serve_is_refused(trtllm_engine, pythons, tmp
              "do not serve the llava_next family", tmp_path / "r")
     _refused(["export-triton", str(trtllm_engine), "-o", str(tmp_path / "r"), "--mount", "relative"],
              InputError.exit_code, "--mount", tmp_path / "r")
+    _refused(["export-triton", str(trtllm_engine), "-o", str(tmp_path / "r"), "--stock-models", "all_models"],
+             InputError.exit_code, "must be absolute", tmp_path / "r")
 
 
 def test_without_tensorrt_llm_or_tensorrt_nothing_is_written(trtllm_engine, pythons, tmp_path, monkeypatch):

@@ -456,22 +456,34 @@ def server_path(path: Path, mounts: list[tuple[str, str]]) -> str:
     return p
 
 
+def check_stock_models(stock_models: str) -> bool:
+    """True when `stock_models` is an all_models directory here (its files get copied); False for
+    a path only the server has (absolute; its files get linked). Checked before any build runs."""
+    src = Path(stock_models)
+    if not src.is_dir():
+        if not src.is_absolute():
+            raise InputError(f"--stock-models {stock_models}: no such directory here (a path that only the server "
+                             "has must be absolute)")
+        return False
+    missing = [f for files in STOCK_FILES.values() for f in files if not (src / f).is_file()]
+    if missing:
+        raise InputError(f"--stock-models {src}: not a tensorrtllm_backend all_models directory (no {missing[0]})")
+    return True
+
+
 def place_stock_files(repo: Path, stock_models: str) -> dict:
     """Copy the stock Python models' files from a local all_models directory, or, when the
     directory is not here (NVIDIA's container path, by default), link to where the server has it."""
-    src = Path(stock_models)
-    local = src.is_dir()
-    missing = [f for files in STOCK_FILES.values() for f in files if local and not (src / f).is_file()]
-    if missing:
-        raise InputError(f"--stock-models {src}: not a tensorrtllm_backend all_models directory (no {missing[0]})")
+    local = check_stock_models(stock_models)
     for model, files in STOCK_FILES.items():
         for f in files:
             dest = repo / model / "1" / Path(f).name
             if local:
-                shutil.copyfile(src / f, dest)
+                shutil.copyfile(Path(stock_models) / f, dest)
             else:
                 os.symlink(str(Path(stock_models) / f), dest)
-    return {"stock_models": str(src), "stock_files": "copied" if local else "linked (resolved where the server runs)"}
+    return {"stock_models": str(stock_models),
+            "stock_files": "copied" if local else "linked (resolved where the server runs)"}
 
 
 def launch_command(repo_on_server: str, world: int, pool_bytes: int) -> list[str]:
@@ -496,6 +508,7 @@ def export_triton_repo(engine_dir: Path, out_dir: Path, *, streaming: bool = Fal
     out_dir = Path(out_dir)
     mount_list = parse_mounts(mounts)
     facts = read_engine(engine_dir, kv_cache_fraction=kv_cache_fraction)
+    check_stock_models(stock_models)
     if out_dir.exists() and not force:
         raise InputError(f"{out_dir} already exists (use --force to replace it)")
     if out_dir.resolve() == facts.engine_dir or facts.engine_dir in out_dir.resolve().parents:
