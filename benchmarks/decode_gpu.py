@@ -161,6 +161,45 @@ def bench_vlmctl(dec, batch: int, prompt_len: int, steps: int, graphs: bool) -> 
             "prefill_tok_s": batch * prompt_len / t_prefill}
 
 
+def bench_attention(bw: float, batches=(1, 8, 64), contexts=(640, 2048), heads: int = 32, d: int = 128) -> list:
+    """Decode attention alone (one layer, fp16): the Triton paged kernel (with and without the fused
+    rotary + append) vs torch (gather the blocks, then SDPA), against reading the KV once."""
+    import triton.testing
+
+    from vlmctl.runtime import ops
+    from vlmctl.runtime.kernels.paged_attention import choose_splits, paged_decode, paged_decode_rope
+
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for ctx in contexts:
+        for b in batches:
+            bs, nb = 16, -(-ctx // 16)
+            blocks = 1 + b * nb
+            kc = torch.randn(blocks, bs, heads, d, device="cuda", dtype=torch.float16)
+            vc = torch.randn_like(kc)
+            bt = (1 + torch.randperm(blocks - 1, device="cuda")[:b * nb]).view(b, nb).to(torch.int32)
+            lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+            qkv = torch.randn(b, 3 * heads * d, device="cuda", dtype=torch.float16)
+            q = qkv[:, :heads * d].view(b, heads, d)
+            f = torch.arange(4096, device="cuda").float()[:, None] / (10000 ** (torch.arange(0, d, 2, device="cuda") / d))
+            cs = torch.cat((f.cos(), f.sin()), -1)
+            pos = lens.long() - 1
+            slots = (bt[:, -1].long() * bs + (ctx - 1) % bs)
+            s = choose_splits(b, heads, MAX_SEQ, sms)
+            bound = 2 * b * ctx * heads * d * 2 / bw * 1e3
+            t_tri = triton.testing.do_bench(lambda: paged_decode(q, kc, vc, bt, lens, d ** -0.5, s), return_mode="median")
+            t_fused = triton.testing.do_bench(lambda: paged_decode_rope(qkv, cs, pos, slots, kc, vc, bt, lens, d ** -0.5,
+                                                                        heads, heads, s), return_mode="median")
+            t_ref = triton.testing.do_bench(lambda: ops.paged_decode_reference(q, kc, vc, bt, lens, d ** -0.5),
+                                            return_mode="median")
+            rows.append({"batch": b, "context": ctx, "splits": s, "bound_us": bound * 1e3, "triton_us": t_tri * 1e3,
+                         "triton_fused_us": t_fused * 1e3, "torch_gather_sdpa_us": t_ref * 1e3})
+            print(f"attention b={b:<3} ctx={ctx:<5} splits={s:<3} bound {bound * 1e3:7.1f} us  triton {t_tri * 1e3:7.1f}"
+                  f"  triton+rope+append {t_fused * 1e3:7.1f}  torch gather+sdpa {t_ref * 1e3:8.1f}", flush=True)
+            del kc, vc
+    return rows
+
+
 def profile_step(dec, batch: int, prompt_len: int, top: int = 25) -> None:
     """Kernel times of eager decode steps (the graph replays the same kernels): where a step goes."""
     from torch.profiler import ProfilerActivity, profile
@@ -214,6 +253,7 @@ def main():
     ap.add_argument("--hf-batches", type=int, nargs="*", default=[1, 64])
     ap.add_argument("--eager", action="store_true", help="also time the eager (uncaptured) step")
     ap.add_argument("--awq", type=int, nargs="?", const=128, default=None, help="also the AWQ decoder (group size)")
+    ap.add_argument("--attention", action="store_true", help="also time decode attention alone")
     ap.add_argument("--profile", type=int, nargs="*", default=[], help="batch sizes to profile (kernel table)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
     ap.add_argument("--out")
@@ -228,6 +268,8 @@ def main():
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)"
     print(f"device {name}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
+    if args.attention and DEV == "cuda":
+        rows.extend({"attention": r} for r in bench_attention(bw))
     variants = [("fp16", None)] + ([("awq", args.awq)] if args.awq else [])
     for name, group in variants:
         dec = make_decoder(cfg, sd, group)

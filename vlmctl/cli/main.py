@@ -27,7 +27,8 @@ def main(version: bool = typer.Option(False, "--version", callback=_version, is_
 
 def _register() -> None:
     # Command modules import only Typer/Rich at module level; the library is imported inside them.
-    from . import bench, build, build_llm, build_vision, chat, convert, eval, export_vision, quantize, recipes, serve
+    from . import (bench, build, build_llm, build_vision, chat, convert, eval, export_triton, export_vision,
+                   quantize, recipes, serve)
 
     app.command("recipes", help="List the bundled recipes.")(recipes.recipes_command)
     app.command("models", help="List the supported model families.")(recipes.models_command)
@@ -39,6 +40,9 @@ def _register() -> None:
                                      "fallback).")(build_vision.build_vision_command)
     app.command("build-llm", help="Build the decoder engine (TensorRT-LLM, or the embedded torch layout).")(
         build_llm.build_llm_command)
+    app.command("export-triton", help="Write a Triton Inference Server model repository (tensorrtllm_backend "
+                                      "multimodal layout) for an engine with a TensorRT-LLM decoder.")(
+        export_triton.export_triton_command)
     app.command("build", help="Run every stage of a recipe (cached per stage).")(build.build_command)
     app.command("chat", help="Chat with an engine directory (interactive, or one-shot with --prompt).")(
         chat.chat_command)

@@ -32,6 +32,22 @@ class ImageItem:
     features: np.ndarray | None = None  # filled by the engine: [num_tokens, hidden]
 
 
+@dataclass(frozen=True)
+class TritonStock:
+    """How the stock Python models of tensorrtllm_backend 1.2 (`preprocessing`,
+    `multimodal_encoders`) serve a family: they branch on `model_type`, vlmctl's word for nothing.
+
+    `client_pixels`: the stock preprocessing does not process this family's images; clients send
+    the image processor's pixels (`image_input`, float16) and the prompt gets the image rows in
+    front of it. Otherwise raw images (`image_bytes_input` / `image_url_input`) go through the
+    checkpoint's own HF processor inside the stock preprocessing (its `hf_model_path`).
+    `max_images`: images per request the stock path takes (None: the engine's limit)."""
+
+    model_type: str
+    client_pixels: bool
+    max_images: int | None = None
+
+
 @dataclass
 class EncodedPrompt:
     """A tokenized prompt whose image placeholders are already expanded.
@@ -53,6 +69,8 @@ class VLMFamily:
     architectures: ClassVar[tuple[str, ...]]
     # Supported features, shown in `vlmctl models` and the README table.
     multi_image: ClassVar[bool] = True
+    # Served by tensorrtllm_backend 1.2's stock multimodal Python models (export-triton), or None.
+    triton_stock: ClassVar[TritonStock | None] = None
 
     # ---- detection -------------------------------------------------------------------------
     @classmethod
@@ -153,6 +171,10 @@ class VLMFamily:
         """TensorRT optimization-profile (min, opt, max) shapes per vision input, for graphs whose
         dynamic axis is not a batch of images; None: axis 0 is a batch of 1..max images."""
         return None
+
+    def triton_vision_files(self, vision_dir: Path, dest: Path) -> list[str]:
+        """Files the stock `multimodal_encoders` model reads beside the vision engine (names written)."""
+        return []
 
     # ---- decoder ---------------------------------------------------------------------------
     def decoder_model_type(self, config_dict: dict) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, InputError
-from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, VLMFamily, read_json
+from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, TritonStock, VLMFamily, read_json
 from .chat import load_chat_template, render_chat
 
 # Legacy (transformers 4.x, as on the hub) -> current transformers names.
@@ -74,6 +74,11 @@ class LlavaFamily(VLMFamily):
     architectures = ("LlavaForConditionalGeneration",)
     multi_image = True
     legacy_prefixes = _LEGACY_PREFIXES
+    # The stock preprocessing leaves LLaVA-1.5's images to the client (CLIP pixels as `image_input`)
+    # and puts the image rows first ("USER:\n" + rows + text + " ASSISTANT:"); with max_num_images > 1
+    # it splits the text at `<image>` markers instead. Its encoder model runs tower + projector, as
+    # vlmctl's graph does (the hidden state of vision_feature_layer without the CLS row).
+    triton_stock = TritonStock("llava", client_pixels=True)
 
     def hf_config(self, config_dict: dict):
         from transformers import LlavaConfig

@@ -147,6 +147,8 @@ class AnyresLlavaFamily(LlavaFamily):
     config_class: ClassVar[str]
     model_class: ClassVar[str]
     multi_image = True
+    # tensorrtllm_backend's stock models know no LLaVA-NeXT (its preprocessing refuses the model type).
+    triton_stock = None
 
     def hf_config(self, config_dict: dict):
         import transformers

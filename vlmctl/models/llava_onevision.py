@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CheckpointError
-from .base import ImageItem
-from .llava_anyres import AnyresLlavaFamily, AnyresProcessorAdapter
+from .base import ImageItem, TritonStock
+from .llava_anyres import NEWLINE, AnyresLlavaFamily, AnyresProcessorAdapter, read_vision_tensor
 
 
 class LlavaOnevisionFamily(AnyresLlavaFamily):
@@ -29,6 +29,19 @@ class LlavaOnevisionFamily(AnyresLlavaFamily):
     config_class = "LlavaOnevisionConfig"
     model_class = "LlavaOnevisionForConditionalGeneration"
     multi_image = True
+    # The stock preprocessing runs the checkpoint's own processor on raw images (one per request)
+    # and the stock encoder model packs the per-crop rows (unpad, anyres_max, image_newline) itself.
+    triton_stock = TritonStock("llava_onevision", client_pixels=False, max_images=1)
+
+    def triton_vision_files(self, vision_dir, dest) -> list[str]:
+        """`image_newlines.safetensors` ({"image_newline": [hidden]} in float16), which the stock
+        encoder model loads beside the engine for the packing vlmctl does on the host."""
+        import torch
+        from safetensors.torch import save_file
+
+        newline = read_vision_tensor(vision_dir, NEWLINE).to(torch.float16).contiguous()
+        save_file({NEWLINE: newline}, str(dest / "image_newlines.safetensors"))
+        return ["image_newlines.safetensors"]
 
     def _max_num_patches(self, cfg) -> int | None:
         aspect = str(getattr(cfg, "vision_aspect_ratio", "anyres_max_9"))
