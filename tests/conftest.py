@@ -13,6 +13,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _no_cuda() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except Exception:
+        return True
+
+
+# Without CUDA, Triton kernels can only run in Triton's interpreter, and triton reads this before its
+# own library functions are defined (at import), so it is set here, before any test imports triton.
+if _no_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT = SHARED / "data" / "wikitext-2"
 
