@@ -192,29 +192,8 @@ def test_tuned_table_round_trip(tmp_path):
 # ------------------------------------------------------------------------------------------ kernels
 
 
-def _interpreter_bf16_dot_fix(monkeypatch):
-    """Triton's interpreter keeps bf16 values as uint16 bit patterns and multiplies those in tl.dot (a bug
-    of the interpreter, not of compiled Triton); convert them to float32 before its matmul."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    original = builder.create_dot
-
-    def fixed(self, a, b, d, *args, **kw):
-        def up(h):
-            if h.dtype.scalar == tl.bfloat16 and h.data.dtype == np.uint16:
-                return interpreter.TensorHandle(
-                    interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
-            return h
-        return original(self, up(a), up(b), d, *args, **kw)
-
-    monkeypatch.setattr(builder, "create_dot", fixed)
-
-
 @pytest.fixture
-def kern(monkeypatch):
+def kern():
     """'cuda' when present, else 'cpu': Triton's interpreter (conftest sets TRITON_INTERPRET=1 without CUDA)."""
     try:
         import triton  # noqa: F401
@@ -224,7 +203,9 @@ def kern(monkeypatch):
         return "cuda"
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no CUDA and TRITON_INTERPRET is not 1: the kernels cannot run here")
-    _interpreter_bf16_dot_fix(monkeypatch)
+    from vlmctl.runtime.kernels import _interpreter
+
+    _interpreter.patch()  # the interpreter's bf16 tl.dot and float32 -> bf16 rounding (see that module)
     return "cpu"
 
 
@@ -301,7 +282,7 @@ def test_kernel_strided_rows_and_leading_dims(kern):
 def test_dequantize_kernel_matches_reference(kern):
     for g, k in ((64, 256), (128, 512)):
         p = _case(40, k, g, seed=11, device=kern)
-        for dtype in (torch.float32, torch.float16):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
             w = torch.empty(40, k, dtype=dtype, device=kern)
             W.dequantize_into(p, g, w)
             assert torch.equal(w, W.dequantize(p, g, dtype))

@@ -409,14 +409,17 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     qw, s, z = (packed[key] for key in KEYS)
     m, k = x2.shape
     n = qw.shape[0]
-    y = out if out is not None else torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    if m == 0 or n == 0:
-        return y
+    if bias is not None and bias.dtype != x2.dtype:
+        bias = bias.to(x2.dtype)
     if config.kernel == "dequant_mm":
         w = _buffer(x2.device, f"deq_{_dtype_name(x2.dtype)}", n * k, x2.dtype)[: n * k].view(n, k)
         dequantize_into(packed, group_size, w)
-        torch.nn.functional.linear(x2, w, bias, out=y) if out is not None else y.copy_(
-            torch.nn.functional.linear(x2, w, bias))
+        if out is None:
+            return torch.nn.functional.linear(x2, w, bias)
+        torch.mm(x2, w.t(), out=out)
+        return out.add_(bias) if bias is not None else out
+    y = out if out is not None else torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    if m == 0 or n == 0:
         return y
     bk = config.block_k
     ngb, wpg = (bk // group_size, group_size // PACK) if bk >= group_size else (1, bk // PACK)
@@ -427,8 +430,6 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     cnt = _buffer(x2.device, "cnt", grid_n * grid_m if split > 1 else 1, torch.int32, zero=True)
     has_bias = bias is not None
     b = bias if has_bias else y  # a dummy pointer when there is no bias
-    if has_bias and b.dtype != x2.dtype:
-        b = b.to(x2.dtype)
     grid = (grid_n, grid_m, split)
     common = dict(G=group_size, BN=config.block_n, BK=bk, NGB=ngb, WPG=wpg, HAS_BIAS=has_bias,
                   num_warps=config.num_warps, num_stages=config.num_stages)
@@ -500,11 +501,17 @@ def warmup(packed_list, group_size: int, m_values, dtype, device=None) -> None:
 
 
 def tune(packed: dict, group_size: int, m_values, dtype, *, configs=None, warmup_ms: int = 5, rep_ms: int = 20,
-         verbose=None) -> dict:
+         verbose=None, timer=None) -> dict:
     """Time the candidate configs for each M on this GPU (median, L2 flushed between runs by
-    triton.testing.do_bench), pin the fastest with `set_config`, and return {M: [(config, ms), ...]}."""
+    triton.testing.do_bench), pin the fastest with `set_config`, and return {M: [(config, ms), ...]}.
+    `timer(fn) -> ms` replaces do_bench (the CPU smoke run uses a wall clock)."""
     import torch
-    from triton.testing import do_bench
+
+    if timer is None:
+        from triton.testing import do_bench
+
+        def timer(fn):
+            return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
     qw = packed["q4weight"]
     n, k = qw.shape[0], qw.shape[1] * PACK
@@ -517,8 +524,7 @@ def tune(packed: dict, group_size: int, m_values, dtype, *, configs=None, warmup
         for cfg in (configs or candidate_configs(m, n, k, group_size, sms)):
             try:
                 launch(x, packed, group_size, cfg)
-                ms = do_bench(lambda: launch(x, packed, group_size, cfg), warmup=warmup_ms, rep=rep_ms,
-                              return_mode="median")
+                ms = timer(lambda: launch(x, packed, group_size, cfg))
             except Exception as e:  # a config that does not compile or run here is skipped, not fatal
                 if verbose:
                     verbose(f"  skip {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
