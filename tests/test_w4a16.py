@@ -41,15 +41,21 @@ def _random_awq(n, k, g, seed=0):
 # ------------------------------------------------------------------------------------------ layout
 
 
-def test_natural_nibble_order_and_sign_bit():
-    """Code of k = 8j+i sits in bits 4i..4i+3 of word j; a 15 in the top nibble makes the word negative."""
-    codes = torch.zeros(2, 16, dtype=torch.long)
-    codes[0, 3] = 5  # word 0, nibble 3
-    codes[1, 15] = 15  # word 1, nibble 7 (the sign nibble)
-    p = W.pack(codes, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1).half(), 16)
-    assert p["q4weight"].dtype == torch.int32 and tuple(p["q4weight"].shape) == (2, 2)
-    assert int(p["q4weight"][0, 0]) == 5 << 12 and int(p["q4weight"][0, 1]) == 0
+def test_nibble_order_and_sign_bit():
+    """The code of k = 8j + 2t + e sits in bits 4t+16e of word j; a 15 in the top nibble makes it negative."""
+    codes = torch.zeros(3, 16, dtype=torch.long)
+    codes[0, 3] = 5  # word 0, t = 1, e = 1 -> bits 20..23
+    codes[1, 15] = 15  # word 1, t = 3, e = 1 -> bits 28..31 (the sign nibble)
+    codes[2, 8 + 6] = 9  # word 1, t = 3, e = 0 -> bits 12..15
+    p = W.pack(codes, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1).half(), 16)
+    assert p["q4weight"].dtype == torch.int32 and tuple(p["q4weight"].shape) == (3, 2)
+    assert int(p["q4weight"][0, 0]) == 5 << 20 and int(p["q4weight"][0, 1]) == 0
     assert int(p["q4weight"][1, 1]) == -(1 << 28) and int(p["q4weight"][1, 0]) == 0  # 0xF0000000 as int32
+    assert int(p["q4weight"][2, 1]) == 9 << 12
+    # the same interleave as AutoAWQ's (along N there, along K here)
+    from vlmctl.quant.packing import ORDER
+
+    assert W.ORDER == ORDER
     assert p["q4zeros"].dtype == torch.uint8 and p["q4scales"].dtype == torch.float16
 
 

@@ -6,13 +6,19 @@ Three kernels over the packed layout that `w4a16.py` documents:
                    for decode batches (M padded to 16) and for prefill (a W4A16 GEMM)
   _dequant_kernel  packed -> dense [N, K] weight, for the dequantize + cuBLAS prefill path
 
-How a word becomes floats without an int->float conversion instruction (I2F runs at a quarter of the
-FMA rate and would cap a batch-1 GEMV below the bandwidth bound): the word and the word shifted right
-by 16 are masked with 0xF, 0xF0, 0xF00, 0xF000 and ORed with 0x4B000000; read as float32 that is
-2**23 + code * 16**j exactly (j = k % 4), so one subtraction gives code * 16**j. The power of 16 is
-folded into the per-group scale (dot, dequant) or into the activation (GEMV), both exact. The
-tile is [BN, NGB, WPG, 2, 2, 2]: rows, groups in the block, words per group, and the three
-within-word bits of k (k = 8*word + 4*i2 + 2*i1 + i0), all of which stay within a thread.
+Within a word, k = 8j + 2t + e sits at bits 4t + 16e (t = 0..3, e = 0..1): the two 16-bit halves hold
+the even and the odd k of each pair. Two ways to turn a word into floats without an int->float
+conversion instruction (I2F runs at a quarter of the FMA rate and would cap a batch-1 GEMV below the
+bandwidth bound), both exact:
+  fp16 (_dequant_f16): (w >> 4t) & 0x000F000F | 0x64006400 is two fp16 numbers 1024 + code for one
+      consecutive pair of k; subtracting 1024 + zero and multiplying by the scale are packed half2
+      instructions, and the product rounds once, as `dequantize(...).half()` does.
+  fp32 (_unpack_f32): the word and the word >> 16 are masked with 0xF << 4t and ORed with 0x4B000000;
+      read as float32 that is 2**23 + code * 16**t, so one subtraction gives code * 16**t, and 16**-t
+      is folded into the scale (dot, dequant) or into the activation (GEMV). Used for bf16 (whose
+      8-bit significand cannot hold the scale exactly) and by the GEMV, which accumulates in fp32.
+A tile is [BN, NGB, WPG, 2, 2, 2]: rows, groups in the K block, words per group, then t // 2, t % 2
+and e, which stay within a thread; reshaped to [BN, BK] it is in natural k order.
 
 Split-K: each of SPLIT_K programs of a tile writes its fp32 partial to a workspace, then takes a ticket
 from a per-tile counter; the program that draws the last ticket sums the partials in a fixed order
@@ -27,41 +33,58 @@ import triton.language as tl
 
 
 @triton.jit
-def _unpack(words, magic):
-    """int32 [BN, NGB, WPG] -> float32 [BN, NGB, WPG, 2, 2, 2] holding code * 16**(2*i1 + i0), exactly.
+def _unpack_f32(words, magic):
+    """int32 [BN, NGB, WPG] -> float32 [BN, NGB, WPG, 2, 2, 2] holding code * 16**(t + e) (k order), exactly.
 
-    `magic` is 0x4B000000 passed as a kernel argument: held in a register, the mask and the OR fuse
-    into one LOP3 per element (two immediates do not fit one instruction)."""
-    h = tl.join(words, words >> 16)  # [..., i2]
-    q = tl.join(tl.join((h & 0xF) | magic, (h & 0xF00) | magic),
-                tl.join((h & 0xF0) | magic, (h & 0xF000) | magic))  # [..., i2, i1, i0]
-    return q.to(tl.float32, bitcast=True) - 8388608.0
+    The even half (e = 0) is masked in place (bits 4t), the odd half from word >> 12 (bits 4t + 4), so
+    every code lands in bits 0..19, below the float32 exponent. `magic` is 0x4B000000 passed as a
+    kernel argument: held in a register, each mask and the OR fuse into one LOP3."""
+    h = tl.join(words, words >> 12)  # [..., e]
+    e4 = (4 * tl.arange(0, 2))[None, None, None, :]
+    q = tl.join(tl.join((h & (0xF << e4)) | magic, (h & (0xF00 << e4)) | magic),
+                tl.join((h & (0xF0 << e4)) | magic, (h & (0xF000 << e4)) | magic))  # [..., e, t // 2, t % 2]
+    f = q.to(tl.float32, bitcast=True) - 8388608.0
+    return tl.permute(f, (0, 1, 2, 4, 5, 3))  # [..., t // 2, t % 2, e]: natural k order
 
 
 @triton.jit
 def _pow16_neg():
-    """float32 [2, 2]: 16**-(2*i1 + i0), built from exponent bits so it is exact."""
-    e = tl.arange(0, 4)
-    return tl.reshape(((127 - 4 * e) << 23).to(tl.float32, bitcast=True), (2, 2))
+    """float32 [2, 2, 2]: 16**-(t + e) for (t // 2, t % 2, e), built from exponent bits so it is exact."""
+    i = tl.arange(0, 8)
+    t = i // 2
+    e = i % 2
+    return tl.reshape(((127 - 4 * (t + e)) << 23).to(tl.float32, bitcast=True), (2, 2, 2))
 
 
 @triton.jit
-def _load_block(qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, KW, KG,
-                G: tl.constexpr, NGB: tl.constexpr, WPG: tl.constexpr):
-    """Words [BN, NGB, WPG], scales and zero points [BN, NGB] (float32) of the K block at k0."""
+def _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, it0, KW, KG, G: tl.constexpr, BK: tl.constexpr,
+                NGB: tl.constexpr, WPG: tl.constexpr):
+    """Pointers to the words [BN, NGB, WPG] of the first K block, and the scale / zero-point row bases
+    [BN, NGB] (add k0 // G per block)."""
     g = tl.arange(0, NGB)
     j = tl.arange(0, WPG)
-    w_off = offs_n[:, None, None] * KW + (k0 // 8 + g * WPG)[None, :, None] + j[None, None, :]
-    words = tl.load(qw_ptr + w_off, mask=n_mask[:, None, None], other=0, eviction_policy="evict_first")
-    m_off = offs_n[:, None] * KG + (k0 // G + g)[None, :]
-    s = tl.load(s_ptr + m_off, mask=n_mask[:, None], other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + m_off, mask=n_mask[:, None], other=0).to(tl.float32)
+    w_ptrs = qw_ptr + (offs_n[:, None, None] * KW + (it0 * (BK // 8) + g * WPG)[None, :, None] + j[None, None, :])
+    m_off = offs_n[:, None] * KG + g[None, :]
+    return w_ptrs, s_ptr + m_off, z_ptr + m_off
+
+
+@triton.jit
+def _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G: tl.constexpr, EVEN_N: tl.constexpr):
+    """Words [BN, NGB, WPG], scales and zero points [BN, NGB] (float32) of the K block at k0."""
+    if EVEN_N:  # no row mask: unpredicated loads, no zero-fill
+        words = tl.load(w_ptrs)
+        s = tl.load(s_ptrs + k0 // G).to(tl.float32)
+        z = tl.load(z_ptrs + k0 // G).to(tl.float32)
+    else:
+        words = tl.load(w_ptrs, mask=n_mask[:, None, None], other=0)
+        s = tl.load(s_ptrs + k0 // G, mask=n_mask[:, None], other=0.0).to(tl.float32)
+        z = tl.load(z_ptrs + k0 // G, mask=n_mask[:, None], other=0).to(tl.float32)
     return words, s, z
 
 
 @triton.jit
 def _k_offsets(NGB: tl.constexpr, WPG: tl.constexpr):
-    """int32 [NGB, WPG, 2, 2, 2]: offset of each element within the K block, in the unpack order."""
+    """int32 [NGB, WPG, 2, 2, 2]: offset of each element within the K block (natural order)."""
     g = tl.arange(0, NGB)
     j = tl.arange(0, WPG)
     t = tl.arange(0, 2)
@@ -70,12 +93,45 @@ def _k_offsets(NGB: tl.constexpr, WPG: tl.constexpr):
 
 
 @triton.jit
-def _dequant_block(words, s, z, magic):
+def _dequant_f32(words, s, z, magic):
     """Exact float32 weights [BN, NGB, WPG, 2, 2, 2]: (code - zero) * scale as one FMA per element."""
-    f = _unpack(words, magic)
-    sp = s[:, :, None, None, None, None] * _pow16_neg()[None, None, None, None, :, :]
+    f = _unpack_f32(words, magic)
+    sp = s[:, :, None, None, None, None] * _pow16_neg()[None, None, None, :, :, :]
     zs = (z * s)[:, :, None, None, None, None]
     return f * sp - zs
+
+
+@triton.jit
+def _dequant_f16(words, s, z, magic16, ASM: tl.constexpr):
+    """fp16 weights [BN, NGB, WPG, 2, 2, 2] (k order), each (code - zero) * scale rounded once.
+
+    s: fp16 scales, z: fp16 zero points, both [BN, NGB]; magic16 is 0x64006400 (fp16 1024 twice).
+    ASM: split each word into its two halves with one PTX mov (the portable shift/truncate form
+    costs two extra PRMT per pair on sm_90); the interpreter takes the portable form."""
+    a = tl.join(words, words >> 8)  # [..., t // 2]
+    b = tl.join(a, a >> 4)  # [..., t // 2, t % 2]
+    v = (b & 0x000F000F) | magic16  # halves: fp16 1024 + code for k = 2t (low) and 2t + 1 (high)
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [v],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        lo = v.to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    h = tl.join(lo, hi)  # [..., t // 2, t % 2, e]
+    zf = (z + 1024.0)[:, :, None, None, None, None]  # exact: integers below 2048 are exact in fp16
+    return (h - zf) * s[:, :, None, None, None, None]
+
+
+@triton.jit
+def _dequant(words, s, z, magic, magic16, dtype: tl.constexpr, ASM: tl.constexpr):
+    """[BN, BK] weights in dtype (fp16: packed half2 path; otherwise the exact fp32 path, rounded once)."""
+    BN: tl.constexpr = words.shape[0]
+    BK: tl.constexpr = words.shape[1] * words.shape[2] * 8
+    if dtype == tl.float16:
+        w = _dequant_f16(words, s.to(tl.float16), z.to(tl.float16), magic16, ASM)
+    else:
+        w = _dequant_f32(words, s, z, magic).to(dtype)
+    return tl.reshape(w, (BN, BK))
 
 
 @triton.jit
@@ -103,11 +159,11 @@ def _finish(acc, offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr, tile_id
         tl.store(y_ptr + out_off, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M", "SPLIT_K", "MAGIC"])
+@triton.jit(do_not_specialize=["M", "SPLIT_K", "MAGIC", "MAGIC16"])
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
-                 M, N, K, stride_xm, SPLIT_K, MAGIC,
+                 M, N, K, stride_xm, SPLIT_K, MAGIC, MAGIC16,
                  G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGB: tl.constexpr, WPG: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -120,16 +176,18 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
     it0 = pid_k * per
     it1 = tl.minimum(it0 + per, n_iter)
     k_off = _k_offsets(NGB, WPG)
-    pw = _pow16_neg()[None, None, None, :, :]
+    pw = _pow16_neg()[None, None, :, :, :]  # 16**-(t + e), matching _unpack_f32
     x_row = x_ptr + pid_m * stride_xm
+    w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, it0, KW, KG, G, BK, NGB, WPG)
     acc = tl.zeros((BN,), dtype=tl.float32)
     for it in range(it0, it1):
         k0 = it * BK
-        words, s, z = _load_block(qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, KW, KG, G, NGB, WPG)
-        xv = tl.load(x_row + k0 + k_off, eviction_policy="evict_last").to(tl.float32)  # [NGB, WPG, 2, 2, 2]
+        words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G, EVEN_N)
+        w_ptrs += BK // 8
+        xv = tl.load(x_row + k0 + k_off).to(tl.float32)  # [NGB, WPG, 2, 2, 2]
         # sum_k x*(code - zero)*scale = scale * (sum_k (x * 16**-j) * (code * 16**j) - zero * sum_k x)
         xsum = tl.sum(tl.reshape(xv, (NGB, WPG * 8)), axis=1)  # [NGB]
-        prod = _unpack(words, MAGIC) * (xv * pw)[None, :, :, :, :, :]
+        prod = _unpack_f32(words, MAGIC) * (xv * pw)[None, :, :, :, :, :]
         part = tl.sum(tl.reshape(prod, (BN, NGB, WPG * 8)), axis=2)  # [BN, NGB]
         acc += tl.sum((part - z * xsum[None, :]) * s, axis=1)
     offs_m = pid_m + tl.arange(0, 1)
@@ -137,11 +195,11 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
             pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS)
 
 
-@triton.jit(do_not_specialize=["M", "SPLIT_K", "MAGIC"])
+@triton.jit(do_not_specialize=["M", "SPLIT_K", "MAGIC", "MAGIC16"])
 def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
-                M, N, K, stride_xm, SPLIT_K, MAGIC,
+                M, N, K, stride_xm, SPLIT_K, MAGIC, MAGIC16,
                 G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, NGB: tl.constexpr,
-                WPG: tl.constexpr, HAS_BIAS: tl.constexpr):
+                WPG: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -157,26 +215,30 @@ def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
     it1 = tl.minimum(it0 + per, n_iter)
     offs_k = tl.arange(0, BK)
     dtype = x_ptr.dtype.element_ty
+    w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, it0, KW, KG, G, BK, NGB, WPG)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for it in range(it0, it1):
         k0 = it * BK
-        words, s, z = _load_block(qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, KW, KG, G, NGB, WPG)
-        w = tl.reshape(_dequant_block(words, s, z, MAGIC).to(dtype), (BN, BK))
+        words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G, EVEN_N)
+        w_ptrs += BK // 8
+        w = _dequant(words, s, z, MAGIC, MAGIC16, dtype, ASM)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None], mask=m_mask[None, :], other=0.0)
         acc = tl.dot(w, xt, acc)
     _finish(acc, offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
             pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS)
 
 
-@triton.jit(do_not_specialize=["MAGIC"])
-def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, MAGIC,
-                    G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGB: tl.constexpr, WPG: tl.constexpr):
+@triton.jit(do_not_specialize=["MAGIC", "MAGIC16"])
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, MAGIC, MAGIC16,
+                    G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGB: tl.constexpr, WPG: tl.constexpr,
+                    ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_mask = offs_n < N
     k0 = pid_k * BK
-    words, s, z = _load_block(qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, K // 8, K // G, G, NGB, WPG)
-    w = tl.reshape(_dequant_block(words, s, z, MAGIC), (BN, BK)).to(w_ptr.dtype.element_ty)
+    w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, pid_k, K // 8, K // G, G, BK, NGB, WPG)
+    words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G, False)
+    w = _dequant(words, s, z, MAGIC, MAGIC16, w_ptr.dtype.element_ty, ASM)
     offs_k = k0 + tl.arange(0, BK)
     tl.store(w_ptr + offs_n[:, None] * K + offs_k[None, :], w, mask=n_mask[:, None])

@@ -6,15 +6,19 @@ CUDA and the reference elsewhere. It is not a model layer and keeps no weights o
 cache of dequantized weights on the reference path).
 
 Packed layout (a dict of three tensors; W is the nn.Linear weight [N, K] = [out, in], group size G):
-  q4weight  int32 [N, K/8]   word (n, j) holds the codes of W[n, 8j .. 8j+7]; code of k = 8j+i in
-                             bits 4i..4i+3 (natural nibble order, 8 consecutive k per word)
+  q4weight  int32 [N, K/8]   word (n, j) holds the codes of W[n, 8j .. 8j+7]: the code of
+                             k = 8j + 2t + e in bits 4t+16e .. 4t+16e+3 (t = 0..3, e = 0..1), i.e.
+                             nibble i holds k = 8j + ORDER[i], ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
   q4scales  fp16  [N, K/G]   per-group scale
   q4zeros   uint8 [N, K/G]   per-group zero point (0..15)
   W[n, k] = (code[n, k] - q4zeros[n, k // G]) * q4scales[n, k // G]
 
-Why this layout: a row's K runs contiguously, so a GEMV program streams 128-byte lines along K for
+Why this layout: a row's K runs contiguously, so a GEMV program streams whole lines along K for
 each of its rows; words never straddle a group (G is a multiple of 8), so scales and zero points are
-loaded once per (row, group) and applied to whole words. Row-major [N, ...] for all three tensors
+loaded once per (row, group) and applied to whole words. The nibble order inside a word is
+AutoAWQ's interleave, applied along K instead of N: `(word >> 4t) & 0x000F000F` puts the codes of
+one consecutive pair of k into the two 16-bit halves, which OR 0x64006400 turns into two fp16
+numbers (1024 + code) for packed half2 arithmetic. Row-major [N, ...] for all three tensors
 means fused linears (qkv, gate_up) are plain concatenations along dim 0, as in AutoAWQ's layout.
 Zero points stay integer codes rather than a pre-multiplied fp16 `-zero*scale`: the kernels convert
 codes to floats with a magic-number OR and one subtraction (no int->float instruction), and folding
@@ -42,7 +46,10 @@ from pathlib import Path
 FORMAT = "w4a16-nk/1"
 KEYS = ("q4weight", "q4scales", "q4zeros")
 PACK = 8  # codes per int32 word
+ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds k offset ORDER[i]
+_SHIFT = tuple(4 * (o // 2) + 16 * (o % 2) for o in range(PACK))  # bit position of k offset o
 MAGIC = 0x4B000000  # float32 2**23: OR a code into its mantissa to read it as 2**23 + code
+MAGIC16 = 0x64006400  # two fp16 1024.0: OR a code into each half to read 1024 + code
 # Prefill batches with at least this many rows dequantize to a scratch weight and call cuBLAS
 # (an FP16 GEMM at M rows costs ~2*M*N*K flops against a fixed dequantize cost of writing N*K*2 bytes).
 # Provisional until an H200 run of benchmarks/w4a16_gpu.py measures the crossover; a tuned table overrides it.
@@ -67,11 +74,11 @@ def _check_group(k: int, group_size: int) -> None:
 
 
 def _words_from_codes(codes):
-    """int tensor [R, K] of 0..15 -> int32 [R, K/8], natural nibble order."""
+    """int tensor [R, K] of 0..15 -> int32 [R, K/8] in the layout's nibble order."""
     import torch
 
     r, k = codes.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
+    shifts = torch.tensor(_SHIFT, dtype=torch.int64, device=codes.device)
     words = (codes.to(torch.int64).view(r, k // PACK, PACK) << shifts).sum(-1)
     # reinterpret the unsigned 32-bit value as int32 (two's complement)
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
@@ -81,7 +88,7 @@ def _codes_from_words(words):
     """int32 [R, K/8] -> int32 [R, K] codes."""
     import torch
 
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    shifts = torch.tensor(_SHIFT, dtype=torch.int32, device=words.device)
     return ((words[:, :, None] >> shifts) & 0xF).reshape(words.shape[0], -1)
 
 
@@ -255,22 +262,37 @@ def _sm_count(device) -> int:
     return _SM_COUNT[idx]
 
 
-def _split_for(tiles: int, k_iters: int, sms: int, target_waves: float) -> int:
-    """Smallest power-of-two split giving about target_waves * sms programs, keeping >= 2 K blocks each."""
+def _split_for(tiles: int, k_iters: int, sms: int, ctas_per_sm: float) -> int:
+    """Smallest power-of-two split-K giving about ctas_per_sm * sms programs, keeping >= 2 K blocks each."""
     split = 1
-    while tiles * split < target_waves * sms and split * 2 <= max(1, k_iters // 2) and split < 16:
+    while tiles * split < ctas_per_sm * sms and split * 2 <= max(1, k_iters // 2) and split < 64:
         split *= 2
     return split
 
 
+# Reasoning behind the defaults (sm_90 SASS of the kernels, compiled without a GPU; not yet timed):
+# the GEMV issues ~4.0 instructions per weight with 128 rows x 64 k per one-warp program (16 rows per
+# thread share each activation load and conversion) against ~4.6 at 32-64 rows; a batch-1 GEMV at
+# 4.26 TB/s needs ~32 weights per clock per SM, i.e. at most ~4 instructions per weight. One-warp
+# programs are small, so split-K aims at ~8 of them per SM to keep enough loads in flight. The
+# tensor-core kernel issues ~5.2 per weight for fp16 (half2 dequantization) and ~7.6 for bf16
+# (exact fp32 dequantization), independent of M up to its block, so it takes over from M = 2.
+_GEMV_SHAPES = ((128, 64, 1), (64, 64, 1), (64, 128, 1), (128, 128, 2), (64, 128, 2), (32, 128, 1),
+                (32, 256, 2), (128, 256, 4))  # (block_n, block_k, num_warps)
+_DOT_SHAPES = ((64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 4, 3), (64, 256, 4, 2),
+               (128, 64, 8, 3), (32, 128, 4, 3), (256, 64, 8, 3))  # (block_n, block_k, num_warps, stages)
+_GEMM_SHAPES = ((128, 64, 64, 4, 3), (128, 64, 128, 8, 3), (128, 128, 64, 8, 3), (64, 64, 128, 4, 4),
+                (128, 64, 128, 8, 4), (256, 64, 128, 8, 3))  # (block_n, block_k, block_m, num_warps, stages)
+
+
 def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = 132) -> Config:
-    """Untuned choice (reasoned, not measured): used when the tuned table has no entry."""
+    """Untuned choice (reasoned from instruction counts, not measured): used when the tuned table has no entry."""
     b = bucket(m)
     if b >= PREFILL_DEQUANT_MIN_M:
         return Config("dequant_mm")
     if b == 1:
-        bn, bk = 32, _fit_block_k(256, k, group_size)
-        return Config("gemv", bn, bk, 1, _split_for(-(-n // bn), k // bk, sms, 4), 4, 2)
+        bn, bk = 128, _fit_block_k(64, k, group_size)
+        return Config("gemv", bn, bk, 1, _split_for(-(-n // bn), k // bk, sms, 8), 1, 1)
     if b <= 64:
         bn, bk, bm = 64, _fit_block_k(128, k, group_size), max(16, b)
         return Config("dot", bn, bk, bm, _split_for(-(-n // bn), k // bk, sms, 2), 4, 3)
@@ -280,31 +302,28 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = 132) ->
 
 
 def candidate_configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Config]:
-    """What a tuning sweep tries for one (M bucket, N, K, G): a curated set around the heuristic."""
+    """What a tuning sweep tries for one (M bucket, N, K, G): block shapes x split-K around the
+    parallelism target (split-K is a runtime argument, so it costs timing, not compilation)."""
     b = bucket(m)
     out: list[Config] = []
 
-    def add(kind, bn, bk, bm, warps, stages, waves):
+    def add(kind, bn, bk, bm, warps, stages, per_sm):
         if not _block_k_ok(bk, k, group_size):
             return
         tiles = -(-n // bn) * (-(-m // bm) if kind == "dot" else m)
-        base = _split_for(tiles, k // bk, sms, waves)
-        for split in sorted({max(1, base // 2), base, min(16, base * 2)}):
+        base = _split_for(tiles, k // bk, sms, per_sm)
+        for split in sorted({max(1, base // 2), base, min(64, base * 2)}):
             if split <= max(1, k // bk):
                 out.append(Config(kind, bn, bk, bm, split, warps, stages))
 
-    if b <= 2:
-        for bn, bk, warps, stages in ((16, 256, 2, 2), (32, 256, 4, 2), (32, 512, 4, 2), (64, 256, 4, 2),
-                                      (32, 128, 4, 3), (16, 512, 4, 2), (64, 128, 4, 3), (8, 512, 2, 2)):
-            add("gemv", bn, bk, 1, warps, stages, 4)
+    if b <= 4:
+        for bn, bk, warps in _GEMV_SHAPES if b == 1 else _GEMV_SHAPES[:3]:
+            add("gemv", bn, bk, 1, warps, 1, 8 / warps)
     if b <= 64:
-        bm = max(16, b)
-        for bn, bk, warps, stages in ((16, 256, 4, 2), (32, 128, 4, 3), (32, 256, 4, 2), (64, 128, 4, 3),
-                                      (64, 256, 4, 2), (128, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)):
-            add("dot", bn, bk, bm, warps, stages, 2)
+        for bn, bk, warps, stages in _DOT_SHAPES:
+            add("dot", bn, bk, max(16, b), warps, stages, 2)
     else:
-        for bn, bk, bm, warps, stages in ((128, 64, 64, 4, 3), (128, 64, 128, 8, 3), (128, 128, 64, 8, 3),
-                                          (64, 64, 128, 4, 4), (128, 64, 128, 8, 4), (256, 64, 128, 8, 3)):
+        for bn, bk, bm, warps, stages in _GEMM_SHAPES:
             add("dot", bn, bk, bm, warps, stages, 1)
         out.append(Config("dequant_mm"))
     return list(dict.fromkeys(out))
@@ -373,6 +392,10 @@ def triton_available() -> bool:
     return True
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _triton_kernels():
     from . import _w4a16_triton
 
@@ -432,8 +455,10 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     b = bias if has_bias else y  # a dummy pointer when there is no bias
     grid = (grid_n, grid_m, split)
     common = dict(G=group_size, BN=config.block_n, BK=bk, NGB=ngb, WPG=wpg, HAS_BIAS=has_bias,
-                  num_warps=config.num_warps, num_stages=config.num_stages)
-    args = (x2, qw, s, z, b, y, ws, cnt, m, n, k, x2.stride(0), split, MAGIC)
+                  EVEN_N=n % config.block_n == 0, num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.kernel == "dot":
+        common["ASM"] = not _interpreting()
+    args = (x2, qw, s, z, b, y, ws, cnt, m, n, k, x2.stride(0), split, MAGIC, MAGIC16)
     if config.kernel == "gemv":
         kern._gemv_kernel[grid](*args, **common)
     elif config.kernel == "dot":
@@ -454,8 +479,9 @@ def dequantize_into(packed: dict, group_size: int, w, block_n: int = 64, block_k
     n, k = qw.shape[0], qw.shape[1] * PACK
     bk = _fit_block_k(block_k, k, group_size)
     ngb, wpg = (bk // group_size, group_size // PACK) if bk >= group_size else (1, bk // PACK)
-    kern._dequant_kernel[(triton_cdiv(n, block_n), k // bk)](qw, s, z, w, n, k, MAGIC, G=group_size, BN=block_n, BK=bk,
-                                                            NGB=ngb, WPG=wpg, num_warps=4)
+    kern._dequant_kernel[(triton_cdiv(n, block_n), k // bk)](
+        qw, s, z, w, n, k, MAGIC, MAGIC16, G=group_size, BN=block_n, BK=bk, NGB=ngb, WPG=wpg,
+        ASM=not _interpreting(), num_warps=4)
 
 
 def w4a16_linear(x, packed: dict, group_size: int, bias=None):
