@@ -333,12 +333,18 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+_DEVICE_NAME: dict = {}
+
+
 def _device_name(device) -> str:
     import torch
 
-    if getattr(device, "type", "cpu") == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name(device)
-    return "cpu"
+    if getattr(device, "type", "cpu") != "cuda" or not torch.cuda.is_available():
+        return "cpu"
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _DEVICE_NAME:
+        _DEVICE_NAME[idx] = torch.cuda.get_device_name(idx)
+    return _DEVICE_NAME[idx]
 
 
 def _load_tuned_table() -> None:
@@ -449,8 +455,11 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     grid_n = triton_cdiv(n, config.block_n)
     grid_m = m if config.kernel == "gemv" else triton_cdiv(m, config.block_m)
     split = max(1, min(config.split_k, k // bk))
-    ws = _buffer(x2.device, "ws", split * m * n if split > 1 else 1, torch.float32)
-    cnt = _buffer(x2.device, "cnt", grid_n * grid_m if split > 1 else 1, torch.int32, zero=True)
+    # sized for the whole M bucket, so that any batch size sharing this config fits what warmup allocated
+    mb = max(m, bucket(m))
+    ws = _buffer(x2.device, "ws", split * mb * n if split > 1 else 1, torch.float32)
+    cnt = _buffer(x2.device, "cnt", grid_n * (mb if config.kernel == "gemv" else triton_cdiv(mb, config.block_m))
+                  if split > 1 else 1, torch.int32, zero=True)
     has_bias = bias is not None
     b = bias if has_bias else y  # a dummy pointer when there is no bias
     grid = (grid_n, grid_m, split)
@@ -507,9 +516,11 @@ def w4a16_linear(x, packed: dict, group_size: int, bias=None):
 
 
 def warmup(packed_list, group_size: int, m_values, dtype, device=None) -> None:
-    """Compile every kernel the given batch sizes select and size the shared buffers, so that later calls
-    (and CUDA-graph capture) neither compile nor allocate beyond their outputs. `packed_list`: the packed
-    weights (or just one per distinct (N, K)) that will be called."""
+    """Compile every kernel the given batch sizes select (with and without a bias) and size the shared
+    buffers, so that later calls (and CUDA-graph capture) neither compile nor allocate beyond their
+    outputs. `packed_list`: the packed weights (or one per distinct (N, K)) that will be called.
+    Triton specializes on 16-byte alignment of the pointers: inputs in graphs should be allocations
+    (or views starting at such an offset), as the warm-up's are."""
     import torch
 
     seen = set()
@@ -521,7 +532,9 @@ def warmup(packed_list, group_size: int, m_values, dtype, device=None) -> None:
             if (n, k, m) in seen:
                 continue
             seen.add((n, k, m))
-            w4a16_linear(torch.zeros(m, k, dtype=dtype, device=dev), packed, group_size)
+            x = torch.zeros(m, k, dtype=dtype, device=dev)
+            w4a16_linear(x, packed, group_size)
+            w4a16_linear(x, packed, group_size, torch.zeros(n, dtype=dtype, device=dev))
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
