@@ -250,9 +250,10 @@ def test_kernel_heuristic_configs_match_reference(kern, dtype, g, k):
 
 
 SPLIT_CONFIGS = [
-    W.Config("gemv", 16, 64, 1, 1, 4, 2),  # block inside a group
+    W.Config("gemv", 16, 64, 1, 1, 4, 2),  # block inside a group, register prefetch
     W.Config("gemv", 32, 256, 1, 2, 4, 2),  # block spanning groups, split-K
-    W.Config("gemv", 8, 64, 1, 3, 2, 2),  # uneven split-K (K blocks not a multiple of 3)
+    W.Config("gemv", 8, 64, 1, 3, 2, 1),  # uneven split-K (K blocks not a multiple of 3), no prefetch
+    W.Config("gemv", 16, 64, 1, 5, 1, 2),  # prefetch with an empty last split slice (8 blocks, 5 slices)
     W.Config("dot", 16, 32, 16, 5, 4, 2),  # split-K with an empty last slice
     W.Config("dot", 32, 256, 32, 2, 4, 2),
     W.Config("dot", 64, 128, 64, 1, 4, 3),

@@ -159,11 +159,25 @@ def _finish(acc, offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr, tile_id
         tl.store(y_ptr + out_off, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _gemv_block(acc, words, s, z, xv, pw, magic, BN: tl.constexpr, NGB: tl.constexpr, WPG: tl.constexpr):
+    """acc [BN] += this K block's sum_k x * (code - zero) * scale, computed as
+    scale * (sum_k (x * 16**-(t+e)) * (code * 16**(t+e)) - zero * sum_k x): one FFMA per weight."""
+    xv = xv.to(tl.float32)  # [NGB, WPG, 2, 2, 2]
+    xsum = tl.sum(tl.reshape(xv, (NGB, WPG * 8)), axis=1)  # [NGB]
+    prod = _unpack_f32(words, magic) * (xv * pw)[None, :, :, :, :, :]
+    part = tl.sum(tl.reshape(prod, (BN, NGB, WPG * 8)), axis=2)  # [BN, NGB]
+    return acc + tl.sum((part - z * xsum[None, :]) * s, axis=1)
+
+
 @triton.jit(do_not_specialize=["M", "SPLIT_K", "MAGIC", "MAGIC16"])
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
                  M, N, K, stride_xm, SPLIT_K, MAGIC, MAGIC16,
                  G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGB: tl.constexpr, WPG: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr):
+    """PREFETCH: load the next K block into registers before computing this one (the loop's loads do
+    not feed a tl.dot, so Triton's pipeliner leaves them alone); each warp then keeps two blocks of
+    loads in flight instead of stalling on every block."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -178,18 +192,26 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
     k_off = _k_offsets(NGB, WPG)
     pw = _pow16_neg()[None, None, :, :, :]  # 16**-(t + e), matching _unpack_f32
     x_row = x_ptr + pid_m * stride_xm
-    w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, it0, KW, KG, G, BK, NGB, WPG)
     acc = tl.zeros((BN,), dtype=tl.float32)
-    for it in range(it0, it1):
-        k0 = it * BK
-        words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G, EVEN_N)
-        w_ptrs += BK // 8
-        xv = tl.load(x_row + k0 + k_off).to(tl.float32)  # [NGB, WPG, 2, 2, 2]
-        # sum_k x*(code - zero)*scale = scale * (sum_k (x * 16**-j) * (code * 16**j) - zero * sum_k x)
-        xsum = tl.sum(tl.reshape(xv, (NGB, WPG * 8)), axis=1)  # [NGB]
-        prod = _unpack_f32(words, MAGIC) * (xv * pw)[None, :, :, :, :, :]
-        part = tl.sum(tl.reshape(prod, (BN, NGB, WPG * 8)), axis=2)  # [BN, NGB]
-        acc += tl.sum((part - z * xsum[None, :]) * s, axis=1)
+    if PREFETCH:
+        first = tl.minimum(it0, n_iter - 1)  # an empty split slice still loads a valid block (unused)
+        w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, first, KW, KG, G, BK, NGB, WPG)
+        words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, first * BK, G, EVEN_N)
+        xv = tl.load(x_row + first * BK + k_off)
+        for it in range(it0, it1):
+            nxt = tl.minimum(it + 1, it1 - 1)  # the last block reloads itself: no branch, nothing out of range
+            w_ptrs += (nxt - it) * (BK // 8)
+            words_n, s_n, z_n = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, nxt * BK, G, EVEN_N)
+            xv_n = tl.load(x_row + nxt * BK + k_off)
+            acc = _gemv_block(acc, words, s, z, xv, pw, MAGIC, BN, NGB, WPG)
+            words, s, z, xv = words_n, s_n, z_n, xv_n
+    else:
+        w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, it0, KW, KG, G, BK, NGB, WPG)
+        for it in range(it0, it1):
+            k0 = it * BK
+            words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G, EVEN_N)
+            w_ptrs += BK // 8
+            acc = _gemv_block(acc, words, s, z, tl.load(x_row + k0 + k_off), pw, MAGIC, BN, NGB, WPG)
     offs_m = pid_m + tl.arange(0, 1)
     _finish(acc[:, None], offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
             pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS)

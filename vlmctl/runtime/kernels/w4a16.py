@@ -210,7 +210,9 @@ def _reference_linear(x2, packed, group_size, bias):
 @dataclass(frozen=True)
 class Config:
     """One launch choice. kernel: "gemv" (reduction form, one x row per program), "dot" (tensor cores,
-    block_m rows per program) or "dequant_mm" (dequantize to a scratch weight + cuBLAS)."""
+    block_m rows per program) or "dequant_mm" (dequantize to a scratch weight + cuBLAS).
+    num_stages: Triton's software pipelining for "dot"; for "gemv", 2 means the kernel loads the next
+    K block into registers while computing the current one, 1 that it does not."""
 
     kernel: str
     block_n: int = 0
@@ -292,7 +294,7 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = 132) ->
         return Config("dequant_mm")
     if b == 1:
         bn, bk = 128, _fit_block_k(64, k, group_size)
-        return Config("gemv", bn, bk, 1, _split_for(-(-n // bn), k // bk, sms, 8), 1, 1)
+        return Config("gemv", bn, bk, 1, _split_for(-(-n // bn), k // bk, sms, 8), 1, 2)
     if b <= 64:
         bn, bk, bm = 64, _fit_block_k(128, k, group_size), max(16, b)
         return Config("dot", bn, bk, bm, _split_for(-(-n // bn), k // bk, sms, 2), 4, 3)
@@ -318,7 +320,8 @@ def candidate_configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -
 
     if b <= 4:
         for bn, bk, warps in _GEMV_SHAPES if b == 1 else _GEMV_SHAPES[:3]:
-            add("gemv", bn, bk, 1, warps, 1, 8 / warps)
+            for prefetch in (2, 1):
+                add("gemv", bn, bk, 1, warps, prefetch, 8 / warps)
     if b <= 64:
         for bn, bk, warps, stages in _DOT_SHAPES:
             add("dot", bn, bk, max(16, b), warps, stages, 2)
@@ -464,9 +467,11 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     b = bias if has_bias else y  # a dummy pointer when there is no bias
     grid = (grid_n, grid_m, split)
     common = dict(G=group_size, BN=config.block_n, BK=bk, NGB=ngb, WPG=wpg, HAS_BIAS=has_bias,
-                  EVEN_N=n % config.block_n == 0, num_warps=config.num_warps, num_stages=config.num_stages)
+                  EVEN_N=n % config.block_n == 0, num_warps=config.num_warps)
     if config.kernel == "dot":
-        common["ASM"] = not _interpreting()
+        common.update(ASM=not _interpreting(), num_stages=config.num_stages)
+    else:  # the GEMV's stages are its own register prefetch (Triton does not pipeline non-dot loads)
+        common.update(PREFETCH=config.num_stages >= 2, num_stages=1)
     args = (x2, qw, s, z, b, y, ws, cnt, m, n, k, x2.stride(0), split, MAGIC, MAGIC16)
     if config.kernel == "gemv":
         kern._gemv_kernel[grid](*args, **common)
