@@ -174,7 +174,7 @@ def test_configs_fit_odd_shapes():
     assert W._fit_block_k(256, 11008, 128) == 256 and W._fit_block_k(512, 11008, 128) == 256
     assert W._fit_block_k(256, 576, 64) == 64
     for m in (1, 3, 16, 17, 64, 130, 2048):
-        for n, k, g in ((12288, 4096, 128), (4096, 11008, 128), (1536, 576, 64), (104, 192, 64)):
+        for n, k, g in ((12288, 4096, 128), (4096, 11008, 128), (1536, 576, 64), (104, 192, 64), (48, 96, 24)):
             c = W.heuristic_config(m, n, k, g)
             assert c.valid_for(n, k, g), (m, n, k, g, c)
             assert all(cc.valid_for(n, k, g) for cc in W.candidate_configs(m, n, k, g))
@@ -221,14 +221,15 @@ def _case(n, k, g, seed, device):
     return {key: t.to(device) for key, t in p.items()}
 
 
-def _check(y, x, packed, g, bias, dtype):
+def _check(y, x, packed, g, bias, dtype, tol_mult=1.0):
     w = W.dequantize(packed, g, dtype).float()
     ref = x.float() @ w.T
     if bias is not None:
         ref = ref + bias.float()
     assert y.dtype == dtype and y.shape == ref.shape
     err = float((y.float() - ref).norm() / ref.norm())
-    assert err <= TOL[dtype], f"relative error {err:.2e} > {TOL[dtype]:.2e}"
+    tol = TOL[dtype] * tol_mult
+    assert err <= tol, f"relative error {err:.2e} > {tol:.2e}"
     return err
 
 
@@ -276,8 +277,18 @@ def test_kernel_configs_and_split_k(kern, cfg, dtype):
     assert int(cnt.abs().sum()) == 0, "split-K tile counters must be reset for the next launch"
 
 
-def test_kernel_strided_rows_and_leading_dims(kern):
-    """x rows with a stride larger than K (a view), through launch; w4a16_linear flattens leading dims."""
+def test_kernel_group_size_24(kern):
+    """A group size that is a multiple of 8 but not a power of two: K blocks of 8 inside the groups."""
+    g, n, k = 24, 16, 96
+    p = _case(n, k, g, seed=13, device=kern)
+    x = torch.randn(1, k).half().to(kern)
+    cfg = W.heuristic_config(1, n, k, g)
+    assert cfg.kernel == "gemv" and cfg.block_k == 8
+    _check(W.launch(x, p, g, cfg), x, p, g, None, torch.float16)
+
+
+def test_kernel_strided_rows(kern):
+    """x rows with a stride larger than K (a view of a wider tensor)."""
     g, n, k = 64, 24, 128
     p = _case(n, k, g, seed=9, device=kern)
     base = torch.randn(4, 2 * k).half().to(kern)
@@ -311,7 +322,10 @@ def test_gpu_7b_shapes_match_reference(name, dtype):
     gen = torch.Generator(device="cuda").manual_seed(0)
     for m in (1, 2, 8, 16, 33, 64, 128, 512, 2048):
         x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
-        _check(W.w4a16_linear(x, p, g), x, p, g, None, dtype)
+        # cuBLAS (the dequantize + cuBLAS path) may reduce split-K partials in fp16/bf16
+        # (torch's allow_fp16_reduced_precision_reduction): one more rounding allowed there
+        mult = 2.0 if W.select_config(m, n, k, g, dtype, x.device).kernel == "dequant_mm" else 1.0
+        _check(W.w4a16_linear(x, p, g), x, p, g, None, dtype, mult)
     for cfg in W.candidate_configs(1, n, k, g)[:6] + W.candidate_configs(16, n, k, g)[:6]:
         x = torch.randn(3, k, generator=gen, device="cuda").to(dtype)
         _check(W.launch(x, p, g, cfg), x, p, g, None, dtype)

@@ -13,10 +13,11 @@ bandwidth bound), both exact:
   fp16 (_dequant_f16): (w >> 4t) & 0x000F000F | 0x64006400 is two fp16 numbers 1024 + code for one
       consecutive pair of k; subtracting 1024 + zero and multiplying by the scale are packed half2
       instructions, and the product rounds once, as `dequantize(...).half()` does.
-  fp32 (_unpack_f32): the word and the word >> 16 are masked with 0xF << 4t and ORed with 0x4B000000;
-      read as float32 that is 2**23 + code * 16**t, so one subtraction gives code * 16**t, and 16**-t
-      is folded into the scale (dot, dequant) or into the activation (GEMV). Used for bf16 (whose
-      8-bit significand cannot hold the scale exactly) and by the GEMV, which accumulates in fp32.
+  fp32 (_unpack_f32): the word (even k) and the word >> 12 (odd k) are masked with 0xF << 4t (<< 4
+      for the odd ones) and ORed with 0x4B000000; read as float32 that is 2**23 + code * 16**(t + e),
+      so one subtraction gives code * 16**(t + e), and 16**-(t + e) is folded into the scale (dot,
+      dequant) or into the activation (GEMV). Used for bf16 (whose 8-bit significand cannot hold the
+      scale exactly) and by the GEMV, which accumulates in fp32.
 A tile is [BN, NGB, WPG, 2, 2, 2]: rows, groups in the K block, words per group, then t // 2, t % 2
 and e, which stay within a thread; reshaped to [BN, BK] it is in natural k order.
 

@@ -55,7 +55,7 @@ MAGIC16 = 0x64006400  # two fp16 1024.0: OR a code into each half to read 1024 +
 # Provisional until an H200 run of benchmarks/w4a16_gpu.py measures the crossover; a tuned table overrides it.
 PREFILL_DEQUANT_MIN_M = int(os.environ.get("VLMCTL_W4A16_DEQUANT_MIN_M", "1024"))
 TUNED_TABLE = Path(__file__).with_name("w4a16_tuned.json")
-_REPACK_CHUNK_ELEMS = 1 << 22  # words per repack chunk: bounds the int64 intermediates to ~256 MB
+_REPACK_CHUNK_ELEMS = 1 << 22  # codes per repack chunk / 8: bounds its int64 intermediates to ~256 MB
 
 _WS: dict = {}  # device -> {"ws": fp32 split-K partials, "cnt": int32 tile counters, "deq": scratch weight}
 _DEQ_CACHE: dict = {}  # id(q4weight) -> {(dtype, device): W}, dropped when q4weight is freed
@@ -225,7 +225,11 @@ class Config:
     def valid_for(self, n: int, k: int, group_size: int) -> bool:
         if self.kernel == "dequant_mm":
             return True
-        return _block_k_ok(self.block_k, k, group_size) and self.block_n >= 1 and self.split_k >= 1
+        if self.kernel not in ("gemv", "dot") or not _pow2(self.block_n) or self.split_k < 1:
+            return False
+        if self.kernel == "dot" and not (_pow2(self.block_m) and self.block_m >= 16 and self.block_n >= 16):
+            return False  # tl.dot needs every dimension >= 16
+        return _block_k_ok(self.block_k, k, group_size) and (self.kernel == "gemv" or self.block_k >= 16)
 
 
 def _pow2(v: int) -> bool:
@@ -297,10 +301,12 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = 132) ->
         return Config("gemv", bn, bk, 1, _split_for(-(-n // bn), k // bk, sms, 8), 1, 2)
     if b <= 64:
         bn, bk, bm = 64, _fit_block_k(128, k, group_size), max(16, b)
-        return Config("dot", bn, bk, bm, _split_for(-(-n // bn), k // bk, sms, 2), 4, 3)
-    bn, bk, bm = 128, _fit_block_k(64, k, group_size), 64 if b <= 128 else 128
-    tiles = -(-n // bn) * -(-m // bm)
-    return Config("dot", bn, bk, bm, _split_for(tiles, k // bk, sms, 1), 8, 3)
+        c = Config("dot", bn, bk, bm, _split_for(-(-n // bn), k // bk, sms, 2), 4, 3)
+    else:
+        bn, bk, bm = 128, _fit_block_k(64, k, group_size), 64 if b <= 128 else 128
+        c = Config("dot", bn, bk, bm, _split_for(-(-n // bn) * -(-m // bm), k // bk, sms, 1), 8, 3)
+    # a group size like 24 leaves K blocks of 8, too small for tl.dot
+    return c if c.valid_for(n, k, group_size) else Config("dequant_mm")
 
 
 def candidate_configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Config]:
@@ -314,7 +320,10 @@ def candidate_configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -
             return
         tiles = -(-n // bn) * (-(-m // bm) if kind == "dot" else m)
         base = _split_for(tiles, k // bk, sms, per_sm)
-        for split in sorted({max(1, base // 2), base, min(64, base * 2)}):
+        splits = {max(1, base // 2), base, min(64, base * 2)}
+        if b > 64:  # prefill: the split-K workspace (split * M * N floats) would be large; little to gain
+            splits = {base} | ({2 * base} if tiles * base < sms else set())
+        for split in sorted(splits):
             if split <= max(1, k // bk):
                 out.append(Config(kind, bn, bk, bm, split, warps, stages))
 
@@ -441,6 +450,8 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     qw, s, z = (packed[key] for key in KEYS)
     m, k = x2.shape
     n = qw.shape[0]
+    if not config.valid_for(n, k, group_size):
+        raise ValueError(f"{config} does not fit N={n} K={k} G={group_size}")
     if bias is not None and bias.dtype != x2.dtype:
         bias = bias.to(x2.dtype)
     if config.kernel == "dequant_mm":
