@@ -14,18 +14,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _cuda() -> bool:
+def _no_cuda() -> bool:
     try:
         import torch
 
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
+        return not torch.cuda.is_available()
+    except Exception:
+        return True
 
 
-# Without a GPU, Triton kernels run in Triton's interpreter (numpy); it must be chosen before any
-# kernel module is imported.
-if not _cuda():
+# Without CUDA, Triton kernels can only run in Triton's interpreter, and triton reads this before its
+# own library functions are defined (at import), so it is set here, before any test imports triton.
+if _no_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

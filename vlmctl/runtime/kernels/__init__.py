@@ -1,5 +1,12 @@
-"""GPU kernels of the embedded runtime (Triton), each with a torch reference in `vlmctl.runtime.ops`.
+"""GPU kernels of the embedded runtime (Triton), one module per kernel family; importing this package
+is free. Each kernel has a torch reference that the CPU runs and the tests compare against.
 
-Importing this package imports nothing heavy; each kernel module imports triton itself and is
-loaded only on a CUDA device (or by tests under `TRITON_INTERPRET=1`).
+  fused            residual add + RMSNorm, rotary + KV append, SiLU·mul (references: runtime.ops)
+  paged_attention  decode attention over the paged KV cache, optionally with the new token's rotary
+                   and KV append folded in (references: runtime.ops)
+  w4a16            4-bit AWQ weights x fp16/bf16 activations: the packed on-device layout, the repack
+                   from AutoAWQ's GEMM layout, and the linear (Triton on CUDA, a torch reference elsewhere)
+
+Kernel modules import triton themselves and are loaded only on a CUDA device, or by tests under
+`TRITON_INTERPRET=1`, so CPU hosts without triton keep working.
 """

@@ -1,0 +1,356 @@
+"""W4A16: the packed layout, the exact repack from AutoAWQ's GEMM layout, and the Triton kernels.
+
+The reference for every kernel result is an fp32 matmul of x with `dequantize(packed)` rounded to the
+activation dtype (what a dequantize-then-cuBLAS path computes). Tolerance, on the norm-wise relative
+error ||y - ref|| / ||ref||: 2 units of roundoff of the activation dtype (fp16 2**-10, bf16 2**-7).
+Why that bound: the kernels dequantize exactly in fp32 and accumulate in fp32, so what remains is the
+single rounding of each output to fp16/bf16 (at most one unit of roundoff per element), fp32
+accumulation-order differences (~2**-24 * sqrt(K), negligible here), and on the bf16 GEMV path weights
+that were never rounded to bf16 (the reference rounds them; one more unit at most).
+
+On a machine without CUDA the kernel tests run in Triton's interpreter (TRITON_INTERPRET=1) on small
+shapes; with CUDA they run on the device. `gpu`-marked tests repeat the comparison at LLaVA-1.5-7B
+shapes and check CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vlmctl.quant.packing import dequantize_gemm, pack_gemm, unpack_gemm
+from vlmctl.runtime.kernels import w4a16 as W
+
+HAS_CUDA = torch.cuda.is_available()
+TOL = {torch.float16: 2 * 2.0 ** -11, torch.bfloat16: 2 * 2.0 ** -8}
+
+
+def _random_awq(n, k, g, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    zeros = torch.randint(0, 16, (n, k // g), generator=gen)
+    scales = (torch.rand(k // g, n, generator=gen) * 0.05 + 1e-3).half()
+    qweight, qzeros = pack_gemm(codes, zeros)
+    return codes, zeros, scales, qweight, qzeros
+
+
+# ------------------------------------------------------------------------------------------ layout
+
+
+def test_nibble_order_and_sign_bit():
+    """The code of k = 8j + 2t + e sits in bits 4t+16e of word j; a 15 in the top nibble makes it negative."""
+    codes = torch.zeros(3, 16, dtype=torch.long)
+    codes[0, 3] = 5  # word 0, t = 1, e = 1 -> bits 20..23
+    codes[1, 15] = 15  # word 1, t = 3, e = 1 -> bits 28..31 (the sign nibble)
+    codes[2, 8 + 6] = 9  # word 1, t = 3, e = 0 -> bits 12..15
+    p = W.pack(codes, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1).half(), 16)
+    assert p["q4weight"].dtype == torch.int32 and tuple(p["q4weight"].shape) == (3, 2)
+    assert int(p["q4weight"][0, 0]) == 5 << 20 and int(p["q4weight"][0, 1]) == 0
+    assert int(p["q4weight"][1, 1]) == -(1 << 28) and int(p["q4weight"][1, 0]) == 0  # 0xF0000000 as int32
+    assert int(p["q4weight"][2, 1]) == 9 << 12
+    # the same interleave as AutoAWQ's (along N there, along K here)
+    from vlmctl.quant.packing import ORDER
+
+    assert W.ORDER == ORDER
+    assert p["q4zeros"].dtype == torch.uint8 and p["q4scales"].dtype == torch.float16
+
+
+@pytest.mark.parametrize("n,k,g", [(104, 256, 64), (24, 512, 128), (8, 192, 64), (40, 96, 32)])
+def test_pack_unpack_and_dequantize_formula(n, k, g):
+    gen = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    zeros = torch.randint(0, 16, (n, k // g), generator=gen)
+    scales = (torch.rand(n, k // g, generator=gen) * 0.05 + 1e-3).half()
+    p = W.pack(codes, zeros, scales, g)
+    assert W.check_packed(p, g) == (n, k)
+    c2, z2, s2 = W.unpack(p)
+    assert torch.equal(c2.long(), codes) and torch.equal(z2.long(), zeros) and torch.equal(s2, scales)
+    # the formula written out independently of the module, one element at a time for a few entries
+    w = W.dequantize(p, g)
+    for (r, col) in [(0, 0), (n - 1, k - 1), (n // 2, g), (1, k // 2 + 3)]:
+        expect = (int(codes[r, col]) - int(zeros[r, col // g])) * float(scales[r, col // g])
+        assert float(w[r, col]) == expect
+    assert W.dequantize(p, g, torch.float16).dtype == torch.float16
+
+
+@pytest.mark.parametrize("n,k,g", [(104, 256, 64), (24, 512, 128), (8 * 17, 384, 128), (576, 576, 64)])
+def test_repack_awq_gemm_is_exact(n, k, g):
+    codes, zeros, scales, qweight, qzeros = _random_awq(n, k, g, seed=n * k)
+    p = W.repack_awq_gemm(qweight, qzeros, scales, g)
+    assert W.check_packed(p, g) == (n, k)
+    assert torch.equal(W.dequantize(p, g), dequantize_gemm(qweight, qzeros, scales, 4, g))
+    c2, z2, s2 = W.unpack(p)
+    assert torch.equal(c2.long(), codes) and torch.equal(z2.long(), zeros) and torch.equal(s2, scales.t())
+
+
+def test_repack_of_fused_linears_is_the_concatenation():
+    """qkv / gate_up: AutoAWQ tensors concatenated along the output axis (as layout.fuse_decoder does)
+    repack to the dim-0 concatenation of the parts, and dequantize to the stacked weights."""
+    g, k = 64, 256
+    parts = [_random_awq(n, k, g, seed=i) for i, n in enumerate((64, 24, 40))]
+    cat = [torch.cat([p[j] for p in parts], 1) for j in (2, 3, 4)]  # scales, qweight, qzeros
+    fused = W.repack_awq_gemm(cat[1], cat[2], cat[0], g)
+    singles = [W.repack_awq_gemm(p[3], p[4], p[2], g) for p in parts]
+    for key in W.KEYS:
+        assert torch.equal(fused[key], torch.cat([s[key] for s in singles], 0))
+    stacked = torch.cat([dequantize_gemm(p[3], p[4], p[2], 4, g) for p in parts], 0)
+    assert torch.equal(W.dequantize(fused, g), stacked)
+
+
+def test_repack_in_several_chunks(monkeypatch):
+    """A linear wider than one repack chunk (chunks bound build-time memory) repacks exactly."""
+    monkeypatch.setattr(W, "_REPACK_CHUNK_ELEMS", 3 * 256)  # 3 words per row -> 24 output columns per chunk
+    g, k = 128, 256
+    n = 8 * 13
+    codes, zeros, scales, qweight, qzeros = _random_awq(n, k, g, seed=3)
+    p = W.repack_awq_gemm(qweight, qzeros, scales, g)
+    c2, z2, _ = W.unpack(p)
+    assert torch.equal(c2.long(), codes) and torch.equal(z2.long(), zeros)
+
+
+@pytest.mark.parametrize("bad", ["group", "zeros_shape", "scales_shape"])
+def test_repack_rejects_inconsistent_tensors(bad):
+    _, _, scales, qweight, qzeros = _random_awq(16, 128, 64)
+    if bad == "group":
+        with pytest.raises(ValueError, match="group size"):
+            W.repack_awq_gemm(qweight, qzeros, scales, 48)
+    elif bad == "zeros_shape":
+        with pytest.raises(ValueError, match="inconsistent"):
+            W.repack_awq_gemm(qweight, qzeros[:1], scales, 64)
+    else:
+        with pytest.raises(ValueError, match="inconsistent"):
+            W.repack_awq_gemm(qweight, qzeros, scales[:, :8], 64)
+
+
+def test_check_packed_rejects_wrong_dtypes():
+    codes, zeros, scales, qweight, qzeros = _random_awq(16, 128, 64)
+    p = W.repack_awq_gemm(qweight, qzeros, scales, 64)
+    with pytest.raises(ValueError, match="q4zeros"):
+        W.check_packed({**p, "q4zeros": p["q4zeros"].to(torch.int32)}, 64)
+    with pytest.raises(ValueError, match="lacks"):
+        W.check_packed({"q4weight": p["q4weight"]}, 64)
+
+
+def test_reference_linear_on_cpu_matches_dense_and_caches():
+    g = 64
+    codes, zeros, scales, qweight, qzeros = _random_awq(48, 128, g, seed=5)
+    p = W.repack_awq_gemm(qweight, qzeros, scales, g)
+    dense = dequantize_gemm(qweight, qzeros, scales, 4, g)
+    x = torch.randn(2, 3, 128)
+    bias = torch.randn(48)
+    y = W.w4a16_linear(x, p, g, bias)
+    assert y.shape == (2, 3, 48)
+    torch.testing.assert_close(y, x @ dense.T + bias, rtol=1e-5, atol=1e-5)
+    cached = W._DEQ_CACHE[id(p["q4weight"])][(torch.float32, x.device)]
+    W.w4a16_linear(x, p, g)
+    assert W._DEQ_CACHE[id(p["q4weight"])][(torch.float32, x.device)] is cached
+    with pytest.raises(ValueError, match="features"):
+        W.w4a16_linear(torch.randn(2, 64), p, g)
+
+
+def test_module_import_is_light_and_works_without_triton():
+    """Importing the module pulls neither torch nor triton; with triton unimportable the reference path runs."""
+    code = ("import sys; import vlmctl.runtime.kernels.w4a16 as W; "
+            "print('torch' in sys.modules, 'triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch; from vlmctl.runtime.kernels import w4a16 as W\n"
+            "assert not W.triton_available()\n"
+            "codes = torch.randint(0, 16, (16, 64)); z = torch.randint(0, 16, (16, 1)); s = torch.rand(16, 1).half()\n"
+            "p = W.pack(codes, z, s, 64); x = torch.randn(3, 64)\n"
+            "y = W.w4a16_linear(x, p, 64)\n"
+            "assert torch.allclose(y, x @ W.dequantize(p, 64).T, atol=1e-5)\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_configs_fit_odd_shapes():
+    assert W._fit_block_k(256, 11008, 128) == 256 and W._fit_block_k(512, 11008, 128) == 256
+    assert W._fit_block_k(256, 576, 64) == 64
+    for m in (1, 3, 16, 17, 64, 130, 2048):
+        for n, k, g in ((12288, 4096, 128), (4096, 11008, 128), (1536, 576, 64), (104, 192, 64), (48, 96, 24)):
+            c = W.heuristic_config(m, n, k, g)
+            assert c.valid_for(n, k, g), (m, n, k, g, c)
+            assert all(cc.valid_for(n, k, g) for cc in W.candidate_configs(m, n, k, g))
+
+
+def test_tuned_table_round_trip(tmp_path):
+    before = dict(W._TUNED)
+    try:
+        cfg = W.Config("gemv", 16, 256, 1, 4, 2, 2)
+        W.set_config(1, 4096, 4096, 128, torch.float16, cfg)
+        path = tmp_path / "t.json"
+        W.save_tuned(path)
+        W._TUNED.clear()
+        assert W.load_tuned(path) >= 1
+        assert W.select_config(1, 4096, 4096, 128, torch.float16) == cfg
+    finally:
+        W._TUNED.clear()
+        W._TUNED.update(before)
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+@pytest.fixture
+def kern():
+    """'cuda' when present, else 'cpu': Triton's interpreter (conftest sets TRITON_INTERPRET=1 without CUDA)."""
+    try:
+        import triton  # noqa: F401
+    except Exception as e:
+        pytest.skip(f"triton is not importable here ({e}); the kernels need it")
+    if HAS_CUDA:
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA and TRITON_INTERPRET is not 1: the kernels cannot run here")
+    from vlmctl.runtime.kernels import _interpreter
+
+    _interpreter.patch()  # the interpreter's bf16 tl.dot and float32 -> bf16 rounding (see that module)
+    return "cpu"
+
+
+def _case(n, k, g, seed, device):
+    codes, zeros, scales, qweight, qzeros = _random_awq(n, k, g, seed)
+    p = W.repack_awq_gemm(qweight, qzeros, scales, g)
+    return {key: t.to(device) for key, t in p.items()}
+
+
+def _check(y, x, packed, g, bias, dtype, tol_mult=1.0):
+    w = W.dequantize(packed, g, dtype).float()
+    ref = x.float() @ w.T
+    if bias is not None:
+        ref = ref + bias.float()
+    assert y.dtype == dtype and y.shape == ref.shape
+    err = float((y.float() - ref).norm() / ref.norm())
+    tol = TOL[dtype] * tol_mult
+    assert err <= tol, f"relative error {err:.2e} > {tol:.2e}"
+    return err
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("g,k", [(64, 256), (128, 512)])
+def test_kernel_heuristic_configs_match_reference(kern, dtype, g, k):
+    """What w4a16_linear runs on a GPU (the untuned heuristic), for M in 1, 3, 16, 17, 64, 130, with bias."""
+    n = 104  # an odd multiple of 8: the last N tile is partial
+    p = _case(n, k, g, seed=k + g, device=kern)
+    gen = torch.Generator().manual_seed(1)
+    bias = torch.randn(n, generator=gen).to(dtype).to(kern)
+    for m in (1, 3, 16, 17, 64, 130):
+        x = torch.randn(m, k, generator=gen).to(dtype).to(kern)
+        cfg = W.heuristic_config(m, n, k, g)
+        if cfg.kernel == "dequant_mm":
+            cfg = W.Config("dot", 64, 64, 128, 1, 4, 2)  # the interpreter has no cuBLAS; test the GEMM form
+        y = W.launch(x, p, g, cfg, bias=bias)
+        _check(y, x, p, g, bias, dtype)
+
+
+SPLIT_CONFIGS = [
+    W.Config("gemv", 16, 64, 1, 1, 4, 2),  # block inside a group, register prefetch
+    W.Config("gemv", 32, 256, 1, 2, 4, 2),  # block spanning groups, split-K
+    W.Config("gemv", 8, 64, 1, 3, 2, 1),  # uneven split-K (K blocks not a multiple of 3), no prefetch
+    W.Config("gemv", 16, 64, 1, 5, 1, 2),  # prefetch with an empty last split slice (8 blocks, 5 slices)
+    W.Config("dot", 16, 32, 16, 5, 4, 2),  # split-K with an empty last slice
+    W.Config("dot", 32, 256, 32, 2, 4, 2),
+    W.Config("dot", 64, 128, 64, 1, 4, 3),
+]
+
+
+@pytest.mark.parametrize("cfg", SPLIT_CONFIGS, ids=W.describe)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_configs_and_split_k(kern, cfg, dtype):
+    g, n, k = 64, 40, 512
+    p = _case(n, k, g, seed=7, device=kern)
+    gen = torch.Generator().manual_seed(2)
+    for m in ((1, 2) if cfg.kernel == "gemv" else (1, 5)):  # the GEMV runs one program per row
+        x = torch.randn(m, k, generator=gen).to(dtype).to(kern)
+        bias = torch.randn(n, generator=gen).to(dtype).to(kern) if m > 1 else None
+        y = W.launch(x, p, g, cfg, bias=bias)
+        _check(y, x, p, g, bias, dtype)
+        assert torch.equal(W.launch(x, p, g, cfg, bias=bias), y), "split-K must be deterministic"
+    cnt = W._WS[str(torch.device(kern))]["cnt"]
+    assert int(cnt.abs().sum()) == 0, "split-K tile counters must be reset for the next launch"
+
+
+def test_kernel_group_size_24(kern):
+    """A group size that is a multiple of 8 but not a power of two: K blocks of 8 inside the groups."""
+    g, n, k = 24, 16, 96
+    p = _case(n, k, g, seed=13, device=kern)
+    x = torch.randn(1, k).half().to(kern)
+    cfg = W.heuristic_config(1, n, k, g)
+    assert cfg.kernel == "gemv" and cfg.block_k == 8
+    _check(W.launch(x, p, g, cfg), x, p, g, None, torch.float16)
+
+
+def test_kernel_strided_rows(kern):
+    """x rows with a stride larger than K (a view of a wider tensor)."""
+    g, n, k = 64, 24, 128
+    p = _case(n, k, g, seed=9, device=kern)
+    base = torch.randn(4, 2 * k).half().to(kern)
+    x = base[:, :k]
+    y = W.launch(x, p, g, W.Config("dot", 16, 64, 16, 2, 4, 2))
+    _check(y, x, p, g, None, torch.float16)
+
+
+def test_dequantize_kernel_matches_reference(kern):
+    for g, k in ((64, 256), (128, 512)):
+        p = _case(40, k, g, seed=11, device=kern)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            w = torch.empty(40, k, dtype=dtype, device=kern)
+            W.dequantize_into(p, g, w)
+            assert torch.equal(w, W.dequantize(p, g, dtype))
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+LLAVA_7B = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("name", list(LLAVA_7B))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_7b_shapes_match_reference(name, dtype):
+    n, k = LLAVA_7B[name]
+    g = 128
+    p = _case(n, k, g, seed=n, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m in (1, 2, 8, 16, 33, 64, 128, 512, 2048):
+        x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+        # cuBLAS (the dequantize + cuBLAS path) may reduce split-K partials in fp16/bf16
+        # (torch's allow_fp16_reduced_precision_reduction): one more rounding allowed there
+        mult = 2.0 if W.select_config(m, n, k, g, dtype, x.device).kernel == "dequant_mm" else 1.0
+        _check(W.w4a16_linear(x, p, g), x, p, g, None, dtype, mult)
+    for cfg in W.candidate_configs(1, n, k, g)[:6] + W.candidate_configs(16, n, k, g)[:6]:
+        x = torch.randn(3, k, generator=gen, device="cuda").to(dtype)
+        _check(W.launch(x, p, g, cfg), x, p, g, None, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_dequantize_bf16_exact_and_cuda_graph():
+    g, n, k = 128, 4096, 4096
+    p = _case(n, k, g, seed=1, device="cuda")
+    w = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
+    W.dequantize_into(p, g, w)
+    assert torch.equal(w, W.dequantize(p, g, torch.bfloat16))
+    bias = torch.randn(n, device="cuda").half()
+    ms = (1, 4, 16, 64)
+    W.warmup([p], g, ms, torch.float16, device="cuda")
+    xs = {m: torch.randn(m, k, device="cuda").half() for m in ms}
+    eager = {m: W.w4a16_linear(xs[m], p, g, bias) for m in ms}
+    graph = torch.cuda.CUDAGraph()
+    outs = {}
+    with torch.cuda.graph(graph):
+        for m in ms:
+            outs[m] = W.w4a16_linear(xs[m], p, g, bias)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for m in ms:
+        assert torch.equal(outs[m], eager[m]), f"graph replay differs from eager at M={m}"

@@ -1,0 +1,611 @@
+"""W4A16 linears: 4-bit AWQ weights kept packed on the device, fp16/bf16 activations, fp32 accumulation.
+
+This module owns the kernel's packed layout, the exact repack from AutoAWQ's GEMM layout
+(`vlmctl.quant.packing`) into it, a torch reference, and `w4a16_linear`, which runs Triton kernels on
+CUDA and the reference elsewhere. It is not a model layer and keeps no weights of its own (beyond a
+cache of dequantized weights on the reference path).
+
+Packed layout (a dict of three tensors; W is the nn.Linear weight [N, K] = [out, in], group size G):
+  q4weight  int32 [N, K/8]   word (n, j) holds the codes of W[n, 8j .. 8j+7]: the code of
+                             k = 8j + 2t + e in bits 4t+16e .. 4t+16e+3 (t = 0..3, e = 0..1), i.e.
+                             nibble i holds k = 8j + ORDER[i], ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+  q4scales  fp16  [N, K/G]   per-group scale
+  q4zeros   uint8 [N, K/G]   per-group zero point (0..15)
+  W[n, k] = (code[n, k] - q4zeros[n, k // G]) * q4scales[n, k // G]
+
+Why this layout: a row's K runs contiguously, so a GEMV program streams whole lines along K for
+each of its rows; words never straddle a group (G is a multiple of 8), so scales and zero points are
+loaded once per (row, group) and applied to whole words. The nibble order inside a word is
+AutoAWQ's interleave, applied along K instead of N: `(word >> 4t) & 0x000F000F` puts the codes of
+one consecutive pair of k into the two 16-bit halves, which OR 0x64006400 turns into two fp16
+numbers (1024 + code) for packed half2 arithmetic. Row-major [N, ...] for all three tensors
+means fused linears (qkv, gate_up) are plain concatenations along dim 0, as in AutoAWQ's layout.
+Zero points stay integer codes rather than a pre-multiplied fp16 `-zero*scale`: the kernels convert
+codes to floats with a magic-number OR and one subtraction (no int->float instruction), and folding
+the zero point into that subtraction costs nothing, while an fp16 `-zero*scale` would add a
+rounding (it is not exact) and take 2 bytes per group instead of 1. Dequantization in the kernels is
+exact in fp32 and rounds once to the activation dtype, so it equals `dequantize(...).to(dtype)`.
+The layout's name, for engine metadata, is `FORMAT`.
+
+Kernels (see `_w4a16_triton.py`): a reduction-form GEMV for batch 1, a tensor-core kernel for
+batches up to 64 and for mid-size prefill, and dequantize-to-scratch + cuBLAS for large prefill,
+with split-K reduced in-kernel (deterministic, no memset). Which runs is `select_config(M, N, K, G,
+dtype)`: a measured table (`w4a16_tuned.json` beside this file, per GPU name, written by
+`benchmarks/w4a16_gpu.py --table-out`) or else heuristics. Every launch is CUDA-graph capturable
+once `warmup()` has compiled the kernels and sized the split-K workspace for the shapes in use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+FORMAT = "w4a16-nk/1"
+KEYS = ("q4weight", "q4scales", "q4zeros")
+PACK = 8  # codes per int32 word
+ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds k offset ORDER[i]
+_SHIFT = tuple(4 * (o // 2) + 16 * (o % 2) for o in range(PACK))  # bit position of k offset o
+MAGIC = 0x4B000000  # float32 2**23: OR a code into its mantissa to read it as 2**23 + code
+MAGIC16 = 0x64006400  # two fp16 1024.0: OR a code into each half to read 1024 + code
+# Prefill batches with at least this many rows dequantize to a scratch weight and call cuBLAS
+# (an FP16 GEMM at M rows costs ~2*M*N*K flops against a fixed dequantize cost of writing N*K*2 bytes).
+# Provisional until an H200 run of benchmarks/w4a16_gpu.py measures the crossover; a tuned table overrides it.
+PREFILL_DEQUANT_MIN_M = int(os.environ.get("VLMCTL_W4A16_DEQUANT_MIN_M", "1024"))
+TUNED_TABLE = Path(__file__).with_name("w4a16_tuned.json")
+_REPACK_CHUNK_ELEMS = 1 << 22  # codes per repack chunk / 8: bounds its int64 intermediates to ~256 MB
+
+_WS: dict = {}  # device -> {"ws": fp32 split-K partials, "cnt": int32 tile counters, "deq": scratch weight}
+_DEQ_CACHE: dict = {}  # id(q4weight) -> {(dtype, device): W}, dropped when q4weight is freed
+_TUNED: dict = {}  # (device name, bucket, N, K, G, dtype name) -> Config
+_TUNED_LOADED = False
+_SM_COUNT: dict = {}
+
+
+# ---------------------------------------------------------------------------------------------------
+# layout: pack / unpack / repack / reference
+
+
+def _check_group(k: int, group_size: int) -> None:
+    if group_size <= 0 or group_size % PACK or k % group_size:
+        raise ValueError(f"group size {group_size} must be a positive multiple of {PACK} that divides K={k}")
+
+
+def _words_from_codes(codes):
+    """int tensor [R, K] of 0..15 -> int32 [R, K/8] in the layout's nibble order."""
+    import torch
+
+    r, k = codes.shape
+    shifts = torch.tensor(_SHIFT, dtype=torch.int64, device=codes.device)
+    words = (codes.to(torch.int64).view(r, k // PACK, PACK) << shifts).sum(-1)
+    # reinterpret the unsigned 32-bit value as int32 (two's complement)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _codes_from_words(words):
+    """int32 [R, K/8] -> int32 [R, K] codes."""
+    import torch
+
+    shifts = torch.tensor(_SHIFT, dtype=torch.int32, device=words.device)
+    return ((words[:, :, None] >> shifts) & 0xF).reshape(words.shape[0], -1)
+
+
+def pack(codes, zeros, scales, group_size: int) -> dict:
+    """Pack integer codes [N, K] (0..15), zero points [N, K/G] (0..15) and scales [N, K/G] into the layout."""
+    import torch
+
+    if codes.dim() != 2 or codes.shape[1] % PACK:
+        raise ValueError(f"codes must be [N, K] with K a multiple of {PACK}, got {tuple(codes.shape)}")
+    n, k = codes.shape
+    _check_group(k, group_size)
+    if tuple(zeros.shape) != (n, k // group_size) or tuple(scales.shape) != (n, k // group_size):
+        raise ValueError(f"zeros {tuple(zeros.shape)} and scales {tuple(scales.shape)} must be {(n, k // group_size)}")
+    for name, t in (("codes", codes), ("zeros", zeros)):
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) > 15):
+            raise ValueError(f"{name} must lie in [0, 15]")
+    chunk = max(1, (1 << 24) // max(k, 1))  # bound the int64 intermediate to ~128 MB
+    words = torch.cat([_words_from_codes(codes[i:i + chunk]) for i in range(0, n, chunk)]) if n else \
+        torch.empty(0, k // PACK, dtype=torch.int32, device=codes.device)
+    return {"q4weight": words.contiguous(), "q4scales": scales.to(torch.float16).contiguous(),
+            "q4zeros": zeros.to(torch.uint8).contiguous()}
+
+
+def unpack(packed: dict):
+    """Inverse of `pack`: (codes int32 [N, K], zeros int32 [N, K/G], scales fp16 [N, K/G])."""
+    import torch
+
+    return _codes_from_words(packed["q4weight"]), packed["q4zeros"].to(torch.int32), packed["q4scales"]
+
+
+def check_packed(packed: dict, group_size: int) -> tuple[int, int]:
+    """Validate names, dtypes and shapes; return (N, K)."""
+    import torch
+
+    missing = [k for k in KEYS if k not in packed]
+    if missing:
+        raise ValueError(f"packed W4A16 weight lacks {missing}")
+    qw, s, z = (packed[k] for k in KEYS)
+    if qw.dtype != torch.int32 or qw.dim() != 2:
+        raise ValueError(f"q4weight must be int32 [N, K/8], got {qw.dtype} {tuple(qw.shape)}")
+    n, k = qw.shape[0], qw.shape[1] * PACK
+    _check_group(k, group_size)
+    if s.dtype != torch.float16 or tuple(s.shape) != (n, k // group_size):
+        raise ValueError(f"q4scales must be float16 {(n, k // group_size)}, got {s.dtype} {tuple(s.shape)}")
+    if z.dtype != torch.uint8 or tuple(z.shape) != (n, k // group_size):
+        raise ValueError(f"q4zeros must be uint8 {(n, k // group_size)}, got {z.dtype} {tuple(z.shape)}")
+    return n, k
+
+
+def repack_awq_gemm(qweight, qzeros, scales, group_size: int) -> dict:
+    """AutoAWQ GEMM tensors (qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16 [K/G, N]) -> layout.
+
+    Exact: `dequantize(result)` equals `vlmctl.quant.packing.dequantize_gemm(...)` bit for bit. Works
+    on any device (the CPU at build time). A fused linear whose AutoAWQ tensors were concatenated
+    along the output axis repacks to the concatenation (along dim 0) of its parts' repacks.
+    """
+    import torch
+
+    from ...quant.packing import unpack_gemm
+
+    if qweight.dim() != 2 or qzeros.dim() != 2 or scales.dim() != 2:
+        raise ValueError("AutoAWQ GEMM tensors must be 2-D")
+    k, n = qweight.shape[0], qweight.shape[1] * PACK
+    _check_group(k, group_size)
+    if tuple(qzeros.shape) != (k // group_size, n // PACK) or tuple(scales.shape) != (k // group_size, n):
+        raise ValueError(f"inconsistent AutoAWQ GEMM tensors: qweight {tuple(qweight.shape)}, qzeros "
+                         f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)} with group size {group_size}")
+    out = {"q4weight": [], "q4zeros": []}
+    step = max(1, _REPACK_CHUNK_ELEMS // max(k, 1)) * PACK  # output columns per chunk
+    for c0 in range(0, n, step):
+        w0, w1 = c0 // PACK, min(n, c0 + step) // PACK
+        codes, zeros = unpack_gemm(qweight[:, w0:w1], qzeros[:, w0:w1])  # [cols, K], [cols, K/G]
+        out["q4weight"].append(_words_from_codes(codes))
+        out["q4zeros"].append(zeros.to(torch.uint8))
+    empty = n == 0
+    return {"q4weight": torch.cat(out["q4weight"]).contiguous() if not empty else
+            torch.empty(0, k // PACK, dtype=torch.int32, device=qweight.device),
+            "q4scales": scales.t().to(torch.float16).contiguous(),
+            "q4zeros": torch.cat(out["q4zeros"]).contiguous() if not empty else
+            torch.empty(0, k // group_size, dtype=torch.uint8, device=qweight.device)}
+
+
+def dequantize(packed: dict, group_size: int, dtype=None):
+    """Reference: the dense weight [N, K] (float32 unless `dtype`), exact before the final cast."""
+    import torch
+
+    n, k = check_packed(packed, group_size)
+    qw, s, z = (packed[key] for key in KEYS)
+    out = torch.empty(n, k, dtype=torch.float32, device=qw.device)
+    chunk = max(1, (1 << 23) // max(k, 1))
+    for r in range(0, n, chunk):
+        codes = _codes_from_words(qw[r:r + chunk]).view(-1, k // group_size, group_size)
+        zr = z[r:r + chunk].to(torch.float32)[:, :, None]
+        sr = s[r:r + chunk].to(torch.float32)[:, :, None]
+        out[r:r + chunk] = ((codes.to(torch.float32) - zr) * sr).view(-1, k)
+    return out if dtype is None else out.to(dtype)
+
+
+def _reference_linear(x2, packed, group_size, bias):
+    """Dequantize once per (weight, dtype, device), cache while the weight lives, then F.linear."""
+    import torch.nn.functional as F
+
+    qw = packed["q4weight"]
+    per = _DEQ_CACHE.get(id(qw))
+    if per is None:
+        # keyed by id (tensors compare elementwise, so they cannot be dict keys by value)
+        per = _DEQ_CACHE[id(qw)] = {}
+        weakref.finalize(qw, _DEQ_CACHE.pop, id(qw), None)
+    key = (x2.dtype, x2.device)
+    if key not in per:
+        per[key] = dequantize(packed, group_size, x2.dtype).to(x2.device)
+    return F.linear(x2, per[key], None if bias is None else bias.to(x2.dtype))
+
+
+# ---------------------------------------------------------------------------------------------------
+# configs
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch choice. kernel: "gemv" (reduction form, one x row per program), "dot" (tensor cores,
+    block_m rows per program) or "dequant_mm" (dequantize to a scratch weight + cuBLAS).
+    num_stages: Triton's software pipelining for "dot"; for "gemv", 2 means the kernel loads the next
+    K block into registers while computing the current one, 1 that it does not."""
+
+    kernel: str
+    block_n: int = 0
+    block_k: int = 0
+    block_m: int = 0
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def valid_for(self, n: int, k: int, group_size: int) -> bool:
+        if self.kernel == "dequant_mm":
+            return True
+        if self.kernel not in ("gemv", "dot") or not _pow2(self.block_n) or self.split_k < 1:
+            return False
+        if self.kernel == "dot" and not (_pow2(self.block_m) and self.block_m >= 16 and self.block_n >= 16):
+            return False  # tl.dot needs every dimension >= 16
+        return _block_k_ok(self.block_k, k, group_size) and (self.kernel == "gemv" or self.block_k >= 16)
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def _block_k_ok(bk: int, k: int, g: int) -> bool:
+    """A K block must tile K, hold whole words, and either sit inside one group or cover a power of two of them."""
+    if not _pow2(bk) or bk < PACK or k % bk:
+        return False
+    return g % bk == 0 or (bk % g == 0 and _pow2(bk // g))
+
+
+def _fit_block_k(want: int, k: int, g: int) -> int:
+    bk = want
+    while bk >= PACK and not _block_k_ok(bk, k, g):
+        bk //= 2
+    if bk < PACK:
+        raise ValueError(f"no K block fits K={k} with group size {g}")
+    return bk
+
+
+def bucket(m: int) -> int:
+    """The M bucket a config is chosen for: the next power of two, capped at 4096."""
+    return min(1 << max(0, (m - 1).bit_length()), 4096)
+
+
+def _sm_count(device) -> int:
+    import torch
+
+    if device is None or getattr(device, "type", "cpu") != "cuda" or not torch.cuda.is_available():
+        return 132  # an H200; only matters for the interpreter, which has no SMs
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _split_for(tiles: int, k_iters: int, sms: int, ctas_per_sm: float) -> int:
+    """Smallest power-of-two split-K giving about ctas_per_sm * sms programs, keeping >= 2 K blocks each."""
+    split = 1
+    while tiles * split < ctas_per_sm * sms and split * 2 <= max(1, k_iters // 2) and split < 64:
+        split *= 2
+    return split
+
+
+# Reasoning behind the defaults (sm_90 SASS of the kernels, compiled without a GPU; not yet timed):
+# the GEMV issues ~4.0 instructions per weight with 128 rows x 64 k per one-warp program (16 rows per
+# thread share each activation load and conversion) against ~4.6 at 32-64 rows; a batch-1 GEMV at
+# 4.26 TB/s needs ~32 weights per clock per SM, i.e. at most ~4 instructions per weight. One-warp
+# programs are small, so split-K aims at ~8 of them per SM to keep enough loads in flight. The
+# tensor-core kernel issues ~5.2 per weight for fp16 (half2 dequantization) and ~7.6 for bf16
+# (exact fp32 dequantization), independent of M up to its block, so it takes over from M = 2.
+_GEMV_SHAPES = ((128, 64, 1), (64, 64, 1), (64, 128, 1), (128, 128, 2), (64, 128, 2), (32, 128, 1),
+                (32, 256, 2), (128, 256, 4))  # (block_n, block_k, num_warps)
+_DOT_SHAPES = ((64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 4, 3), (64, 256, 4, 2),
+               (128, 64, 8, 3), (32, 128, 4, 3), (256, 64, 8, 3))  # (block_n, block_k, num_warps, stages)
+_GEMM_SHAPES = ((128, 64, 64, 4, 3), (128, 64, 128, 8, 3), (128, 128, 64, 8, 3), (64, 64, 128, 4, 4),
+                (128, 64, 128, 8, 4), (256, 64, 128, 8, 3))  # (block_n, block_k, block_m, num_warps, stages)
+
+
+def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = 132) -> Config:
+    """Untuned choice (reasoned from instruction counts, not measured): used when the tuned table has no entry."""
+    b = bucket(m)
+    if b >= PREFILL_DEQUANT_MIN_M:
+        return Config("dequant_mm")
+    if b == 1:
+        bn, bk = 128, _fit_block_k(64, k, group_size)
+        return Config("gemv", bn, bk, 1, _split_for(-(-n // bn), k // bk, sms, 8), 1, 2)
+    if b <= 64:
+        bn, bk, bm = 64, _fit_block_k(128, k, group_size), max(16, b)
+        c = Config("dot", bn, bk, bm, _split_for(-(-n // bn), k // bk, sms, 2), 4, 3)
+    else:
+        bn, bk, bm = 128, _fit_block_k(64, k, group_size), 64 if b <= 128 else 128
+        c = Config("dot", bn, bk, bm, _split_for(-(-n // bn) * -(-m // bm), k // bk, sms, 1), 8, 3)
+    # a group size like 24 leaves K blocks of 8, too small for tl.dot
+    return c if c.valid_for(n, k, group_size) else Config("dequant_mm")
+
+
+def candidate_configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Config]:
+    """What a tuning sweep tries for one (M bucket, N, K, G): block shapes x split-K around the
+    parallelism target (split-K is a runtime argument, so it costs timing, not compilation)."""
+    b = bucket(m)
+    out: list[Config] = []
+
+    def add(kind, bn, bk, bm, warps, stages, per_sm):
+        if not _block_k_ok(bk, k, group_size):
+            return
+        tiles = -(-n // bn) * (-(-m // bm) if kind == "dot" else m)
+        base = _split_for(tiles, k // bk, sms, per_sm)
+        splits = {max(1, base // 2), base, min(64, base * 2)}
+        if b > 64:  # prefill: the split-K workspace (split * M * N floats) would be large; little to gain
+            splits = {base} | ({2 * base} if tiles * base < sms else set())
+        for split in sorted(splits):
+            if split <= max(1, k // bk):
+                out.append(Config(kind, bn, bk, bm, split, warps, stages))
+
+    if b <= 4:
+        for bn, bk, warps in _GEMV_SHAPES if b == 1 else _GEMV_SHAPES[:3]:
+            for prefetch in (2, 1):
+                add("gemv", bn, bk, 1, warps, prefetch, 8 / warps)
+    if b <= 64:
+        for bn, bk, warps, stages in _DOT_SHAPES:
+            add("dot", bn, bk, max(16, b), warps, stages, 2)
+    else:
+        for bn, bk, bm, warps, stages in _GEMM_SHAPES:
+            add("dot", bn, bk, bm, warps, stages, 1)
+        out.append(Config("dequant_mm"))
+    return list(dict.fromkeys(out))
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+_DEVICE_NAME: dict = {}
+
+
+def _device_name(device) -> str:
+    import torch
+
+    if getattr(device, "type", "cpu") != "cuda" or not torch.cuda.is_available():
+        return "cpu"
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _DEVICE_NAME:
+        _DEVICE_NAME[idx] = torch.cuda.get_device_name(idx)
+    return _DEVICE_NAME[idx]
+
+
+def _load_tuned_table() -> None:
+    global _TUNED_LOADED
+    if _TUNED_LOADED:
+        return
+    _TUNED_LOADED = True
+    if TUNED_TABLE.is_file():
+        load_tuned(TUNED_TABLE)
+
+
+def load_tuned(path) -> int:
+    """Merge a tuned table (JSON written by `save_tuned`); return how many entries it held."""
+    data = json.loads(Path(path).read_text())
+    for e in data.get("entries", []):
+        key = (e["device"], int(e["bucket"]), int(e["n"]), int(e["k"]), int(e["group_size"]), e["dtype"])
+        _TUNED[key] = Config(**e["config"])
+    return len(data.get("entries", []))
+
+
+def save_tuned(path) -> None:
+    entries = [{"device": d, "bucket": b, "n": n, "k": k, "group_size": g, "dtype": t, "config": asdict(c)}
+               for (d, b, n, k, g, t), c in sorted(_TUNED.items())]
+    Path(path).write_text(json.dumps({"format": FORMAT, "entries": entries}, indent=1) + "\n")
+
+
+def set_config(m: int, n: int, k: int, group_size: int, dtype, config: Config, device=None) -> None:
+    """Pin the config used for (bucket(m), N, K, G, dtype) on this device's GPU model."""
+    if not config.valid_for(n, k, group_size):
+        raise ValueError(f"{config} does not fit N={n} K={k} G={group_size}")
+    _TUNED[(_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))] = config
+
+
+def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None) -> Config:
+    _load_tuned_table()
+    c = _TUNED.get((_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype)))
+    if c is not None and c.valid_for(n, k, group_size):
+        return c
+    return heuristic_config(m, n, k, group_size, _sm_count(device))
+
+
+# ---------------------------------------------------------------------------------------------------
+# launching
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _triton_kernels():
+    from . import _w4a16_triton
+
+    return _w4a16_triton
+
+
+def _capturing(device) -> bool:
+    import torch
+
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _buffer(device, name: str, numel: int, dtype, zero: bool = False):
+    """A per-device buffer of at least numel elements; grown only outside CUDA-graph capture."""
+    import torch
+
+    bufs = _WS.setdefault(str(device), {})
+    t = bufs.get(name)
+    if t is None or t.numel() < numel:
+        if _capturing(device):
+            raise RuntimeError(f"w4a16: the {name} buffer must grow to {numel} elements during CUDA-graph "
+                               "capture; call warmup() with these shapes before capturing")
+        t = (torch.zeros if zero else torch.empty)(max(numel, 1), dtype=dtype, device=device)
+        bufs[name] = t
+    return t
+
+
+def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=None):
+    """Run one config on x2 [M, K] (contiguous rows) -> [M, N] in x2's dtype. Under TRITON_INTERPRET=1
+    this runs on CPU tensors too (tests); `w4a16_linear` is the entry point for callers."""
+    import torch
+
+    kern = _triton_kernels()
+    qw, s, z = (packed[key] for key in KEYS)
+    m, k = x2.shape
+    n = qw.shape[0]
+    if not config.valid_for(n, k, group_size):
+        raise ValueError(f"{config} does not fit N={n} K={k} G={group_size}")
+    if bias is not None and bias.dtype != x2.dtype:
+        bias = bias.to(x2.dtype)
+    if config.kernel == "dequant_mm":
+        w = _buffer(x2.device, f"deq_{_dtype_name(x2.dtype)}", n * k, x2.dtype)[: n * k].view(n, k)
+        dequantize_into(packed, group_size, w)
+        if out is None:
+            return torch.nn.functional.linear(x2, w, bias)
+        torch.mm(x2, w.t(), out=out)
+        return out.add_(bias) if bias is not None else out
+    y = out if out is not None else torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    if m == 0 or n == 0:
+        return y
+    bk = config.block_k
+    ngb, wpg = (bk // group_size, group_size // PACK) if bk >= group_size else (1, bk // PACK)
+    grid_n = triton_cdiv(n, config.block_n)
+    grid_m = m if config.kernel == "gemv" else triton_cdiv(m, config.block_m)
+    split = max(1, min(config.split_k, k // bk))
+    # sized for the whole M bucket, so that any batch size sharing this config fits what warmup allocated
+    mb = max(m, bucket(m))
+    ws = _buffer(x2.device, "ws", split * mb * n if split > 1 else 1, torch.float32)
+    cnt = _buffer(x2.device, "cnt", grid_n * (mb if config.kernel == "gemv" else triton_cdiv(mb, config.block_m))
+                  if split > 1 else 1, torch.int32, zero=True)
+    has_bias = bias is not None
+    b = bias if has_bias else y  # a dummy pointer when there is no bias
+    grid = (grid_n, grid_m, split)
+    common = dict(G=group_size, BN=config.block_n, BK=bk, NGB=ngb, WPG=wpg, HAS_BIAS=has_bias,
+                  EVEN_N=n % config.block_n == 0, num_warps=config.num_warps)
+    if config.kernel == "dot":
+        common.update(ASM=not _interpreting(), num_stages=config.num_stages)
+    else:  # the GEMV's stages are its own register prefetch (Triton does not pipeline non-dot loads)
+        common.update(PREFETCH=config.num_stages >= 2, num_stages=1)
+    args = (x2, qw, s, z, b, y, ws, cnt, m, n, k, x2.stride(0), split, MAGIC, MAGIC16)
+    if config.kernel == "gemv":
+        kern._gemv_kernel[grid](*args, **common)
+    elif config.kernel == "dot":
+        kern._dot_kernel[grid](*args, BM=config.block_m, **common)
+    else:
+        raise ValueError(f"unknown kernel {config.kernel!r}")
+    return y
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dequantize_into(packed: dict, group_size: int, w, block_n: int = 64, block_k: int = 128) -> None:
+    """Triton dequantize of the packed weight into w [N, K] (fp16/bf16/fp32), same values as `dequantize`."""
+    kern = _triton_kernels()
+    qw, s, z = (packed[key] for key in KEYS)
+    n, k = qw.shape[0], qw.shape[1] * PACK
+    bk = _fit_block_k(block_k, k, group_size)
+    ngb, wpg = (bk // group_size, group_size // PACK) if bk >= group_size else (1, bk // PACK)
+    kern._dequant_kernel[(triton_cdiv(n, block_n), k // bk)](
+        qw, s, z, w, n, k, MAGIC, MAGIC16, G=group_size, BN=block_n, BK=bk, NGB=ngb, WPG=wpg,
+        ASM=not _interpreting(), num_warps=4)
+
+
+def w4a16_linear(x, packed: dict, group_size: int, bias=None):
+    """y = x @ W^T (+ bias) for x [..., K] with W packed; y has x's dtype and device.
+
+    CUDA with triton and fp16/bf16 x: the Triton kernels, config per `select_config`. Otherwise the
+    torch reference (dequantized once per weight, dtype and device, then cached).
+    """
+    qw = packed["q4weight"]
+    n, k = qw.shape[0], qw.shape[1] * PACK
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight expects {k}")
+    x2 = x.reshape(-1, k)
+    import torch
+
+    if x2.device.type != "cuda" or x2.dtype not in (torch.float16, torch.bfloat16) or not triton_available():
+        y = _reference_linear(x2, packed, group_size, bias)
+    else:
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = launch(x2, packed, group_size, select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device), bias)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def warmup(packed_list, group_size: int, m_values, dtype, device=None) -> None:
+    """Compile every kernel the given batch sizes select (with and without a bias) and size the shared
+    buffers, so that later calls (and CUDA-graph capture) neither compile nor allocate beyond their
+    outputs. `packed_list`: the packed weights (or one per distinct (N, K)) that will be called.
+    Triton specializes on 16-byte alignment of the pointers: inputs in graphs should be allocations
+    (or views starting at such an offset), as the warm-up's are."""
+    import torch
+
+    seen = set()
+    for packed in packed_list:
+        qw = packed["q4weight"]
+        dev = torch.device(device) if device is not None else qw.device
+        n, k = qw.shape[0], qw.shape[1] * PACK
+        for m in m_values:
+            if (n, k, m) in seen:
+                continue
+            seen.add((n, k, m))
+            x = torch.zeros(m, k, dtype=dtype, device=dev)
+            w4a16_linear(x, packed, group_size)
+            w4a16_linear(x, packed, group_size, torch.zeros(n, dtype=dtype, device=dev))
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def tune(packed: dict, group_size: int, m_values, dtype, *, configs=None, warmup_ms: int = 5, rep_ms: int = 20,
+         verbose=None, timer=None) -> dict:
+    """Time the candidate configs for each M on this GPU (median, L2 flushed between runs by
+    triton.testing.do_bench), pin the fastest with `set_config`, and return {M: [(config, ms), ...]}.
+    `timer(fn) -> ms` replaces do_bench (the CPU smoke run uses a wall clock)."""
+    import torch
+
+    if timer is None:
+        from triton.testing import do_bench
+
+        def timer(fn):
+            return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+    qw = packed["q4weight"]
+    n, k = qw.shape[0], qw.shape[1] * PACK
+    dev = qw.device
+    sms = _sm_count(dev)
+    results = {}
+    for m in m_values:
+        x = torch.randn(m, k, dtype=dtype, device=dev)
+        timed = []
+        for cfg in (configs or candidate_configs(m, n, k, group_size, sms)):
+            try:
+                launch(x, packed, group_size, cfg)
+                ms = timer(lambda: launch(x, packed, group_size, cfg))
+            except Exception as e:  # a config that does not compile or run here is skipped, not fatal
+                if verbose:
+                    verbose(f"  skip {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                continue
+            timed.append((cfg, ms))
+        timed.sort(key=lambda t: t[1])
+        if timed:
+            set_config(m, n, k, group_size, dtype, timed[0][0], dev)
+        results[m] = timed
+    return results
+
+
+def weight_bytes(n: int, k: int, group_size: int) -> int:
+    """Bytes a linear's packed weight occupies (and a GEMV reads): codes, fp16 scales, uint8 zero points."""
+    return n * k // 2 + n * (k // group_size) * 3
+
+
+def describe(config: Config) -> str:
+    if config.kernel == "dequant_mm":
+        return "dequant_mm"
+    bm = f" bm{config.block_m}" if config.kernel == "dot" else ""
+    return (f"{config.kernel} bn{config.block_n} bk{config.block_k}{bm} sk{config.split_k} "
+            f"w{config.num_warps} s{config.num_stages}")
+
+
+__all__ = ["FORMAT", "KEYS", "PREFILL_DEQUANT_MIN_M", "Config", "bucket", "candidate_configs", "check_packed",
+           "dequantize", "dequantize_into", "describe", "heuristic_config", "launch", "load_tuned", "pack",
+           "repack_awq_gemm", "save_tuned", "select_config", "set_config", "triton_available", "tune", "unpack",
+           "w4a16_linear", "warmup", "weight_bytes"]
