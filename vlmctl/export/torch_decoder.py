@@ -36,7 +36,10 @@ def build_torch_decoder(llm_dir: Path, out_dir: Path, *, engine_root: Path, dtyp
     else:
         from safetensors.torch import save_file
 
-        tensors = awq_tensors(reader, spec, llm_dir, torch_dtype(dtype), progress)
+        # repacked at build time for the W4A16 kernels, so loading is a memory map
+        from ..runtime.kernels.w4a16 import repack_gemm_tensors
+
+        spec, tensors = repack_gemm_tensors(spec, awq_tensors(reader, spec, llm_dir, torch_dtype(dtype), progress))
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(out_dir) / WEIGHTS),
                   metadata={"format": FORMAT})

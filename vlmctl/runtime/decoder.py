@@ -43,14 +43,34 @@ class Linear:
             yield self.bias
 
 
-def awq_linear(tensors: dict, prefix: str, spec: DecoderSpec, dtype, bias=None) -> Linear:
-    """An AWQ linear from the engine's packed tensors, dequantized once at load."""
-    from ..quant.packing import dequantize_gemm
+class W4A16Linear:
+    """A 4-bit AWQ linear kept packed on the GPU (`vlmctl.runtime.kernels.w4a16`)."""
 
-    q = spec.quantization or {}
-    w = dequantize_gemm(tensors.pop(f"{prefix}.qweight"), tensors.pop(f"{prefix}.qzeros"),
-                        tensors.pop(f"{prefix}.scales"), q.get("bits", 4), q["group_size"])
-    return Linear(w.to(dtype).contiguous(), bias)
+    def __init__(self, packed: dict, group_size: int, bias: torch.Tensor | None = None):
+        self.packed, self.group_size, self.bias = packed, group_size, bias
+        self.out_features = packed["q4weight"].shape[0]
+
+    def __call__(self, x):
+        from .kernels.w4a16 import w4a16_linear
+
+        return w4a16_linear(x, self.packed, self.group_size, self.bias)
+
+    def tensors(self):
+        yield from self.packed.values()
+        if self.bias is not None:
+            yield self.bias
+
+
+def awq_linear(tensors: dict, prefix: str, spec: DecoderSpec, dtype, device, bias=None):
+    """An AWQ linear from the engine's packed tensors: kept packed for the W4A16 kernels on a GPU,
+    dequantized once at load elsewhere (the CPU computes in the engine's float dtype)."""
+    from .kernels.w4a16 import KEYS, dequantize
+
+    group = (spec.quantization or {})["group_size"]
+    packed = {k: tensors.pop(f"{prefix}.{k}") for k in KEYS}
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and ops.triton_available():
+        return W4A16Linear({k: v.to(device) for k, v in packed.items()}, group, bias)
+    return Linear(dequantize(packed, group, dtype).to(device).contiguous(), bias)
 
 
 @dataclass
@@ -115,7 +135,7 @@ class TorchDecoder:
 
             def lin(name, bias=None):
                 if quantized:
-                    return awq_linear(t, f"{p}.{name}", spec, dtype, bias)
+                    return awq_linear(t, f"{p}.{name}", spec, dtype, self.device, bias)
                 return Linear(t.pop(f"{p}.{name}.weight"), bias)
 
             bias = t.pop(f"{p}.qkv.bias", None)
@@ -150,7 +170,7 @@ class TorchDecoder:
             tensors = load_hf_weights(src, layout.decoder, device, dtype)
         else:
             tensors = load_packed_weights(src, device)
-            tensors = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith(".scales") else v)
+            tensors = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith((".scales", ".q4scales")) else v)
                        for k, v in tensors.items()}
         limits = layout.extra.get("limits", {})
         max_seq = max_seq or limits.get("max_input_len", 2048) + limits.get("max_output_len", 512)
@@ -172,7 +192,9 @@ class TorchDecoder:
         if awq is None:
             tensors = load_hf_weights(llm_dir, spec, device, dt)
         else:
-            tensors = {k: v.to(device) for k, v in awq_tensors(HFTensorReader(llm_dir), spec, llm_dir, dt).items()}
+            from .kernels.w4a16 import repack_gemm_tensors
+
+            spec, tensors = repack_gemm_tensors(spec, awq_tensors(HFTensorReader(llm_dir), spec, llm_dir, dt))
         return cls(spec, tensors, dtype=dt, device=device, max_seq=max_seq)
 
     # ---- KV cache ---------------------------------------------------------------------------
@@ -393,6 +415,16 @@ class TorchDecoder:
     def capture_graphs(self, max_batch: int) -> None:
         """Capture the decode step for every batch bucket up to `max_batch` (CUDA only)."""
         self._bucket_sizes = self.buckets(max_batch)
+        packed = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                  if isinstance(lin, W4A16Linear)]
+        if packed and self.device.type == "cuda":
+            from .kernels.w4a16 import warmup
+
+            # compile the kernels and size their buffers outside the graphs (one weight per shape)
+            shapes = {}
+            for lin in packed:
+                shapes.setdefault(tuple(lin.packed["q4weight"].shape), lin.packed)
+            warmup(list(shapes.values()), packed[0].group_size, self._bucket_sizes, self.dtype, self.device)
         if self.use_graphs:
             for B in reversed(self._bucket_sizes):  # largest first: later captures reuse its memory pool
                 self._capture(B)

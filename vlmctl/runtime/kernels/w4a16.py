@@ -609,3 +609,20 @@ __all__ = ["FORMAT", "KEYS", "PREFILL_DEQUANT_MIN_M", "Config", "bucket", "candi
            "dequantize", "dequantize_into", "describe", "heuristic_config", "launch", "load_tuned", "pack",
            "repack_awq_gemm", "save_tuned", "select_config", "set_config", "triton_available", "tune", "unpack",
            "w4a16_linear", "warmup", "weight_bytes"]
+
+
+def repack_gemm_tensors(spec, tensors: dict):
+    """(spec, runtime tensors) with every AutoAWQ GEMM linear (`.qweight/.qzeros/.scales`, fused along
+    the output axis) repacked into this layout (`.q4weight/.q4scales/.q4zeros`); the spec records it."""
+    from dataclasses import replace
+
+    group = spec.quantization["group_size"]
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".qweight"):
+            base = name[:-len(".qweight")]
+            packed = repack_awq_gemm(t, tensors[f"{base}.qzeros"], tensors[f"{base}.scales"], group)
+            out.update({f"{base}.{k}": v for k, v in packed.items()})
+        elif not name.endswith((".qzeros", ".scales")):
+            out[name] = t
+    return replace(spec, quantization={**spec.quantization, "layout": FORMAT}), out
