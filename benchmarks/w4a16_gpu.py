@@ -191,7 +191,12 @@ def main(argv=None):
                         cands = [W.Config(**c) for c, _ in sweep_log[("float16", s, m)][:3]]
                     if smoke:
                         cands = [c for c in cands if c.kernel != "dequant_mm"]  # no cuBLAS in the interpreter
-                    res = W.tune(p, g, [m], dtype, configs=cands, verbose=log, timer=bench if smoke else None)
+                    if clock.left() < 100:  # keep the whole run near its budget: the heuristic's neighbours
+                        heur = W.heuristic_config(m, n, k, g, W._sm_count(dev))
+                        cands = list(dict.fromkeys([heur] + cands[:5]))
+                        meta["sweep_truncated"] = True
+                    res = W.tune(p, g, [m], dtype, configs=cands, verbose=log, timer=bench if smoke else None,
+                                 warmup_ms=3, rep_ms=15)
                     timed = res[m]
                     sweep_log[(W._dtype_name(dtype), s, m)] = [(vars(c) | {}, ms_) for c, ms_ in timed]
                     if timed:
