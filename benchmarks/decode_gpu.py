@@ -94,12 +94,34 @@ def make_decoder(cfg, sd, awq_group: int | None):
     if awq_group:
         from dataclasses import replace
 
-        from vlmctl.runtime.kernels.w4a16 import quantize_for_benchmark
+        from vlmctl.runtime.kernels.w4a16 import FORMAT
 
-        spec = replace(spec, quantization={"method": "awq", "bits": 4, "group_size": awq_group, "layout": "w4a16"})
-        tensors = quantize_for_benchmark(tensors, awq_group)
+        spec = replace(spec, quantization={"method": "awq", "bits": 4, "group_size": awq_group, "layout": FORMAT})
+        tensors = rtn_w4a16(tensors, awq_group)
     return TorchDecoder(spec, tensors, dtype=torch.float16 if DEV == "cuda" else torch.float32, device=DEV,
                         max_seq=MAX_SEQ)
+
+
+def rtn_w4a16(tensors: dict, group: int) -> dict:
+    """Round-to-nearest asymmetric int4 of every layer linear, in the W4A16 kernel's layout (the
+    arithmetic of a real AWQ engine; calibration would only change which codes are stored)."""
+    from vlmctl.runtime.kernels.w4a16 import pack
+
+    out = {}
+    for name, w in tensors.items():
+        if not (name.startswith("layers.") and name.endswith(".weight")):
+            out[name] = w
+            continue
+        n, k = w.shape
+        g = w.float().view(n, k // group, group)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = (hi - lo).clamp_min(1e-6) / 15
+        zero = (-lo / scale).round().clamp(0, 15)
+        codes = ((g / scale[..., None]).round() + zero[..., None]).clamp(0, 15).view(n, k)
+        base = name[:-len(".weight")]
+        out.update({f"{base}.{key}": v for key, v in pack(codes.to(torch.int32), zero.to(torch.int32), scale,
+                                                          group).items()})
+    return out
 
 
 def size_cache(dec, max_batch: int, budget: int = 2048, util: float = 0.9, block: int = 16) -> int:
