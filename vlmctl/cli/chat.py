@@ -46,6 +46,9 @@ def chat_command(
     engine = Engine(engine_dir, EngineOptions(device=device, kv_cache_tokens=kv_cache_tokens,
                                               vision_backend=vision_backend))
     base = [{"role": "system", "content": system}] if system else []
+    if not json_:
+        kv = f", KV cache {engine.limits.kv_cache_tokens} tokens" if engine.limits.kv_cache_tokens else ""
+        console.print(f"[dim]{engine.model_name}: {engine.device}, vision {engine.vision.backend}{kv}[/dim]")
     if prompt is not None:
         messages = base + [user_message(prompt, len(images))]
         if json_:
