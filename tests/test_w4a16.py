@@ -273,7 +273,7 @@ def test_kernel_configs_and_split_k(kern, cfg, dtype):
         y = W.launch(x, p, g, cfg, bias=bias)
         _check(y, x, p, g, bias, dtype)
         assert torch.equal(W.launch(x, p, g, cfg, bias=bias), y), "split-K must be deterministic"
-    cnt = W._WS[str(torch.device(kern))]["cnt"]
+    cnt = W._WS[str(x.device)]["cnt"]
     assert int(cnt.abs().sum()) == 0, "split-K tile counters must be reset for the next launch"
 
 
@@ -354,3 +354,27 @@ def test_gpu_dequantize_bf16_exact_and_cuda_graph():
     torch.cuda.synchronize()
     for m in ms:
         assert torch.equal(outs[m], eager[m]), f"graph replay differs from eager at M={m}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_graph_survives_later_larger_calls():
+    """A decode graph captured at small M must keep its results after a larger (prefill-sized) call
+    grows the shared split-K buffers: the engine prefills between decode-graph replays."""
+    g, n, k = 128, 4096, 4096
+    p = _case(n, k, g, seed=3, device="cuda")
+    W.warmup([p], g, (1, 8), torch.float16, device="cuda")
+    xs = {m: torch.randn(m, k, device="cuda").half() for m in (1, 8)}
+    eager = {m: W.w4a16_linear(xs[m], p, g) for m in xs}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = {m: W.w4a16_linear(xs[m], p, g) for m in xs}
+    for m_big in (128, 512, 2048):  # every path that may grow a buffer
+        W.w4a16_linear(torch.randn(m_big, k, device="cuda").half(), p, g)
+        torch.cuda.empty_cache()
+        for o in outs.values():
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for m in xs:
+            assert torch.equal(outs[m], eager[m]), f"graph at M={m} broken after a call at M={m_big}"

@@ -195,6 +195,7 @@ class TorchDecoder:
             from .kernels.w4a16 import repack_gemm_tensors
 
             spec, tensors = repack_gemm_tensors(spec, awq_tensors(HFTensorReader(llm_dir), spec, llm_dir, dt))
+            tensors = {k: v.to(device) for k, v in tensors.items()}
         return cls(spec, tensors, dtype=dt, device=device, max_seq=max_seq)
 
     # ---- KV cache ---------------------------------------------------------------------------

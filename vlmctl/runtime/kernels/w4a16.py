@@ -58,6 +58,9 @@ TUNED_TABLE = Path(__file__).with_name("w4a16_tuned.json")
 _REPACK_CHUNK_ELEMS = 1 << 22  # codes per repack chunk / 8: bounds its int64 intermediates to ~256 MB
 
 _WS: dict = {}  # device -> {"ws": fp32 split-K partials, "cnt": int32 tile counters, "deq": scratch weight}
+# Buffers replaced by larger ones stay allocated: a CUDA graph captured earlier keeps their addresses
+# (a prefill step with a larger M after capture must not free what the decode graphs read and write).
+_RETIRED: list = []
 _DEQ_CACHE: dict = {}  # id(q4weight) -> {(dtype, device): W}, dropped when q4weight is freed
 _TUNED: dict = {}  # (device name, bucket, N, K, G, dtype name) -> Config
 _TUNED_LOADED = False
@@ -436,6 +439,8 @@ def _buffer(device, name: str, numel: int, dtype, zero: bool = False):
         if _capturing(device):
             raise RuntimeError(f"w4a16: the {name} buffer must grow to {numel} elements during CUDA-graph "
                                "capture; call warmup() with these shapes before capturing")
+        if t is not None:
+            _RETIRED.append(t)
         t = (torch.zeros if zero else torch.empty)(max(numel, 1), dtype=dtype, device=device)
         bufs[name] = t
     return t
