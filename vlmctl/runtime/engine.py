@@ -9,13 +9,20 @@ background thread. A single chat is a batch of one.
 When build-llm made a TensorRT-LLM engine, the decoder is `TrtllmDecoder`, which batches and
 samples itself (`external_batching`): a step then hands admitted prompts to it and turns the
 tokens it streams back into the same events. Tokenization, vision, stop rules and text
-detokenization stay here for both backends.
+detokenization (`stopping.TextStream`) stay here for both backends.
+
+One request must never hurt another: every per-request phase of a step (image encoding, prefill,
+sampling, detokenization, handing a prompt to TensorRT-LLM) runs inside its own error boundary, so
+a failure there finishes only that request, with an event whose `finish_reason` is "error" and whose
+`error` says why. Only a failure of the batched decode forward itself, which cannot be attributed
+to one request, fails the requests of that batch.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -25,12 +32,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import EngineError, InputError, LimitError
+from ..artifacts import check_engine_files
+from ..errors import (BackendUnavailableError, EngineError, InputError, LimitError, OptionError, RequestError,
+                      VlmctlError)
+from ..host import resolve_device
 from ..models.base import EncodedPrompt
 from ..models.registry import get_family
 from .decoder import TorchDecoder
+from .image_limits import ImageLimits
 from .sampling import SamplingParams, make_generator, sample
+from .stopping import TextStream
 from .vision import FeatureCache, load_vision_runner
+
+log = logging.getLogger("vlmctl.engine")
+DEFAULT_MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 
 
 @dataclass
@@ -57,6 +72,7 @@ class StepEvent:
     finish_reason: str | None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None  # set when finish_reason is "error": why this request failed
 
 
 @dataclass
@@ -77,6 +93,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     logprobs: list[dict] = field(default_factory=list)
+    detok: TextStream | None = None  # made at the first token
+    error: str | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -89,8 +107,28 @@ class Request:
 
 class Engine:
     def __init__(self, engine_dir: Path, *, device: str | None = None, max_batch_size: int | None = None,
-                 feature_cache_size: int = 256):
+                 feature_cache_size: int = 256, max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES,
+                 image_limits: ImageLimits | None = None):
+        """Load an engine directory. A damaged one (a file missing or of the wrong size, an unreadable
+        config, tokenizer, ONNX or weights file) is one EngineError, raised before anything serves."""
         engine_dir = Path(engine_dir)
+        check_engine_files(engine_dir)
+        if max_stop_sequences < 0:
+            raise LimitError(f"max_stop_sequences must be >= 0 (got {max_stop_sequences})")
+        self.max_stop_sequences = max_stop_sequences
+        self.image_limits = (image_limits or ImageLimits()).validate()
+        try:
+            self._load(engine_dir, device, max_batch_size, feature_cache_size)
+        except (EngineError, InputError, BackendUnavailableError, OptionError):
+            raise
+        except VlmctlError as e:  # e.g. a CheckpointError from a cut weights file: the engine is what is broken
+            raise EngineError(f"{engine_dir}: {e.message}") from e
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise EngineError(f"{engine_dir}: cannot load the engine ({type(e).__name__}: {first}); "
+                              f"`vlmctl verify {engine_dir}` checks every file against its manifest") from e
+
+    def _load(self, engine_dir: Path, device: str | None, max_batch_size: int | None, feature_cache_size: int):
         self.engine_dir = engine_dir
         llm_cfg_path = engine_dir / "build-llm" / "config.json"
         fam_path = engine_dir / "convert" / "family.json"
@@ -103,9 +141,14 @@ class Engine:
         self.tokenizer = self.processor.tokenizer
         limits = self.config["limits"]
         self.limits = dict(limits)
-        if max_batch_size:
+        if max_batch_size is not None:
+            # One rule for every decoder backend: the batch can only go down from what the engine was
+            # built for (TensorRT-LLM cannot go above it, and the prompt table is sized for it).
+            if not 1 <= max_batch_size <= limits["max_batch_size"]:
+                raise LimitError(f"max_batch_size {max_batch_size} is outside 1..{limits['max_batch_size']}, the "
+                                 "engine's built limit (rebuild with --set limits.max_batch_size=N for more)")
             self.limits["max_batch_size"] = max_batch_size
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = resolve_device(device)
         backend = self.config.get("backend", "torch")
         if backend == "trtllm":
             from .trtllm_decoder import TrtllmDecoder
@@ -140,14 +183,23 @@ class Engine:
         max_images = self.limits["max_images_per_request"]
         if len(images) > max_images:
             raise LimitError(f"{len(images)} images in one request; this engine accepts at most {max_images}")
+        for i, img in enumerate(images):  # before preprocessing: its cost follows the image's shape
+            self.image_limits.check(img.size, f"image {i + 1}" if len(images) > 1 else "image")
         return self.processor.encode(messages, images)
 
     def encode_text(self, text: str) -> EncodedPrompt:
+        if not text:  # a BOS alone is not a prompt either (and without one there is nothing to prefill)
+            raise InputError("the prompt is empty; give at least one character of text")
         ids = self.tokenizer(text)["input_ids"]
         return EncodedPrompt(token_ids=list(ids), images=[], image_placeholder_id=-1, text=text)
 
     def check_limits(self, prompt: EncodedPrompt, params: SamplingParams) -> None:
         n, lim = len(prompt.token_ids), self.limits
+        if n == 0:
+            raise InputError("the prompt is empty (0 tokens); give at least one token of text")
+        if len(params.stop) > self.max_stop_sequences:
+            raise LimitError(f"{len(params.stop)} stop sequences; at most {self.max_stop_sequences} are accepted "
+                             "(vlmctl serve --max-stop-sequences)")
         if n > lim["max_input_len"]:
             raise LimitError(f"the prompt has {n} tokens (images included); this engine's max_input_len is "
                              f"{lim['max_input_len']}")
@@ -160,6 +212,8 @@ class Engine:
 
     def submit(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None) -> Request:
         params.validate()
+        if params.top_k >= self.vocab_size:
+            params.top_k = 0  # a top-k of the whole vocabulary (or more) keeps every token: no filter
         self.check_limits(prompt, params)
         if self._external:
             self.decoder.check_params(params)
@@ -209,69 +263,149 @@ class Engine:
 
         if self._external:
             if admitted:
-                self._encode_images(admitted)
+                admitted = self._encode_images_guarded(admitted, events)
             return events + self._step_external(admitted)
 
         logits_rows, reqs = [], []
         if admitted:
-            self._encode_images(admitted)
-            for req in admitted:
-                logits_rows.append(self._prefill(req)[None])
+            for req in self._encode_images_guarded(admitted, events):
+                try:
+                    row = self._prefill(req)[None]
+                except Exception as e:
+                    events.append(self._fail(req, "prefill", e))
+                    continue
+                logits_rows.append(row)
                 reqs.append(req)
         if decoding:
-            slots = torch.tensor([r.slot for r in decoding])
-            tokens = torch.tensor([r.output_ids[-1] for r in decoding])
-            lens = torch.tensor([r.cache_len for r in decoding])
-            deltas = torch.tensor([r.rope_delta for r in decoding]) if any(r.rope_delta for r in decoding) else None
-            logits_rows.append(self.decoder.decode(slots, tokens, lens, deltas))
-            for r in decoding:
-                r.cache_len += 1
-            reqs.extend(decoding)
+            try:
+                slots = torch.tensor([r.slot for r in decoding])
+                tokens = torch.tensor([r.output_ids[-1] for r in decoding])
+                lens = torch.tensor([r.cache_len for r in decoding])
+                deltas = (torch.tensor([r.rope_delta for r in decoding]) if any(r.rope_delta for r in decoding)
+                          else None)
+                logits_rows.append(self.decoder.decode(slots, tokens, lens, deltas))
+            except Exception as e:  # one batched forward: no single request to blame
+                events.extend(self._fail(r, "decode", e) for r in decoding)
+            else:
+                for r in decoding:
+                    r.cache_len += 1
+                reqs.extend(decoding)
+        if not reqs:
+            return events
         logits = torch.cat(logits_rows, 0)
-        toks, chosen, top = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        toks_list = toks.tolist()
         now = time.perf_counter()
-        for i, req in enumerate(reqs):
+        for req, picked in zip(reqs, self._sample_guarded(logits, reqs)):
+            if isinstance(picked, Exception):
+                events.append(self._fail(req, "sampling", picked))
+                continue
+            try:
+                events.append(self._append_token(req, *picked, now))
+            except Exception as e:
+                events.append(self._fail(req, "detokenization", e))
+        return events
+
+    # ---- per-request error boundaries --------------------------------------------------------
+    def _fail(self, req: Request, phase: str, exc: BaseException) -> StepEvent:
+        """Finish `req` alone with finish_reason "error"; the other requests of the step go on."""
+        if isinstance(exc, VlmctlError):
+            msg = exc.message
+            log.error("request %s failed in %s: %s", req.id, phase, msg)
+        else:
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            msg = f"internal error in {phase} ({type(exc).__name__}: {first})"
+            log.error("request %s failed in %s", req.id, phase, exc_info=exc)
+        req.error = msg
+        req.finished, req.finish_reason, req.finish_time = True, "error", time.perf_counter()
+        with self._lock:
+            self._release(req)
+        return StepEvent(req, -1, "", True, "error", error=msg)
+
+    def _encode_images_guarded(self, reqs: list[Request], events: list[StepEvent]) -> list[Request]:
+        """Encode the images of `reqs` together; if that fails, one request at a time, failing only
+        the requests whose images fail. Returns the requests that can go on."""
+        try:
+            self._encode_images(reqs)
+            return reqs
+        except Exception as e:
+            if len(reqs) == 1:
+                events.append(self._fail(reqs[0], "image encoding", e))
+                return []
+        ok = []
+        for req in reqs:
+            try:
+                self._encode_images([req])
+                ok.append(req)
+            except Exception as e:
+                events.append(self._fail(req, "image encoding", e))
+        return ok
+
+    def _sample_guarded(self, logits: torch.Tensor, reqs: list[Request]) -> list:
+        """(token, logprob, top logprobs) per request, or the exception that request's sampling raised.
+        The batch is sampled at once; only when that fails is it redone row by row, to find the
+        request at fault (rows drawn before the failure then draw again from their seeded generators)."""
+        try:
+            return self._picked(logits, reqs)
+        except Exception:
+            out = []
+            for i, req in enumerate(reqs):
+                try:
+                    out.extend(self._picked(logits[i:i + 1], [req]))
+                except Exception as e:
+                    out.append(e)
+            return out
+
+    @staticmethod
+    def _picked(logits: torch.Tensor, reqs: list[Request]) -> list[tuple]:
+        toks, chosen, top = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        out = []
+        for i, (req, tok) in enumerate(zip(reqs, toks.tolist())):
             lp = float(chosen[i]) if chosen is not None else None
             tl = None
             if top is not None and req.params.logprobs:
                 k = req.params.logprobs
                 tl = list(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist()))
-            events.append(self._append_token(req, toks_list[i], lp, tl, now))
-        return events
+            out.append((tok, lp, tl))
+        return out
 
     def _step_external(self, admitted: list[Request]) -> list[StepEvent]:
         """Submit the admitted prompts to the decoder, then turn what it streamed back into events."""
+        events: list[StepEvent] = []
+        submitted = False
         for req in admitted:
             prompt = req.prompt
-            if self.processor.position_ids(prompt.token_ids, prompt) is not None:
-                raise EngineError("this model needs multi-dimensional rotary positions, which the TensorRT-LLM "
-                                  "decoder does not take; rebuild with decoder.backend: torch")
-            self.decoder.submit(req.id, prompt, req.params)
-        events: list[StepEvent] = []
+            try:
+                if self.processor.position_ids(prompt.token_ids, prompt) is not None:
+                    raise EngineError("this model needs multi-dimensional rotary positions, which the TensorRT-LLM "
+                                      "decoder does not take; rebuild with decoder.backend: torch")
+                self.decoder.submit(req.id, prompt, req.params)
+                submitted = True
+            except Exception as e:
+                events.append(self._fail(req, "submission to TensorRT-LLM", e))
         # Block briefly only when nothing new was submitted, so a step never spins empty.
-        for out in self.decoder.poll(timeout=0.0 if admitted else 0.05):
+        for out in self.decoder.poll(timeout=0.0 if submitted else 0.05):
             req = self._running.get(out.request_id)
             if req is None or req.finished:
                 continue
             now = time.perf_counter()
             lps = out.logprobs or []
-            for i, tok in enumerate(out.tokens):
-                lp = lps[i] if i < len(lps) else None
-                events.append(self._append_token(req, tok, lp, None, now))
-                if req.finished:
-                    break
-            if not out.final or req.finished:
+            try:
+                for i, tok in enumerate(out.tokens):
+                    lp = lps[i] if i < len(lps) else None
+                    events.append(self._append_token(req, tok, lp, None, now))
+                    if req.finished:
+                        break
+                if not out.final or req.finished:
+                    continue
+                if out.error is None and out.reason == "stop" and self.decoder.end_id is not None:
+                    # TensorRT-LLM stopped at end_id without streaming it: the step that sampled EOS.
+                    events.append(self._append_token(req, int(self.decoder.end_id), None, None, now))
+                    continue
+            except Exception as e:
+                events.append(self._fail(req, "detokenization", e))
                 continue
-            if out.error is None and out.reason == "stop" and self.decoder.end_id is not None:
-                # TensorRT-LLM stopped at end_id without streaming it: the step that sampled EOS.
-                events.append(self._append_token(req, int(self.decoder.end_id), None, None, now))
-                continue
-            req.finished, req.finish_reason, req.finish_time = True, "abort", now
-            with self._lock:
-                self._release(req)
-            raise EngineError(f"TensorRT-LLM ended request {req.id} early ("
-                              f"{out.error or out.reason}) before vlmctl's stop rules did")
+            events.append(self._fail(req, "TensorRT-LLM", EngineError(
+                f"TensorRT-LLM ended request {req.id} early ({out.error or out.reason}) before vlmctl's stop "
+                "rules did")))
         return events
 
     def _encode_images(self, reqs: list[Request]) -> None:
@@ -338,36 +472,25 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = now
         p = req.params
-        finish = None
+        if req.detok is None:
+            req.detok = TextStream(self.tokenizer, p.stop)
+        finish, delta = None, ""
         if not p.ignore_eos and (tok in self.eos_ids or tok in p.stop_token_ids):
             finish = "stop"
         else:
             req.output_ids.append(tok)
             if lp is not None:
                 req.logprobs.append({"token_id": tok, "logprob": lp, "top": top or []})
-            req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-            for s in p.stop:
-                idx = req.text.find(s)
-                if s and idx >= 0:
-                    req.text = req.text[:idx]
-                    finish = "stop"
-                    break
+            # Only text that can no longer change comes out: no half UTF-8 character, no stop-string prefix.
+            delta, finish = req.detok.append(tok)
             if finish is None and len(req.output_ids) >= p.max_tokens:
                 finish = "length"
             if finish is None and req.cache_len + 1 >= self.decoder.max_seq:
                 finish = "length"
-        # Hand out only text that can no longer change: no half UTF-8 character, no stop-string prefix.
-        safe = len(req.text)
-        if finish is None:
-            if req.text.endswith("\ufffd"):
-                safe = len(req.text.rstrip("\ufffd"))
-            for s in p.stop:
-                for k in range(min(len(s) - 1, safe), 0, -1):
-                    if req.text[:safe].endswith(s[:k]):
-                        safe -= k
-                        break
-        delta = req.text[req.emitted:safe] if safe > req.emitted else ""
-        req.emitted = max(req.emitted, safe)
+        if finish is not None and not req.detok.stopped:
+            delta += req.detok.flush()
+        req.text = req.detok.text
+        req.emitted += len(delta)
         if finish is not None:
             req.finished, req.finish_reason, req.finish_time = True, finish, now
             with self._lock:
@@ -391,6 +514,9 @@ class Engine:
             for ev in self.step():
                 if on_event is not None:
                     on_event(ev)
+        failed = [r for r in reqs if r.error is not None]
+        if failed:
+            raise RequestError(failed[0].error)
         return [r.completion() for r in reqs]
 
     def chat(self, messages: list[dict], images: list, params: SamplingParams, on_event=None) -> Completion:

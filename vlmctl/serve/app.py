@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import InputError, LimitError, VlmctlError
+from ..errors import InputError, LimitError, OptionError, VlmctlError
 from ..runtime.sampling import SamplingParams
 from . import schema as S
 from .async_engine import AsyncEngine, EngineUnavailable, RequestStream, token_appended
@@ -427,11 +427,14 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
 
 def load_app(engine_dir: Path, config: ServerConfig | None = None, *, device: str | None = None,
-             max_batch_size: int | None = None, limits: dict | None = None, feature_cache_size: int = 256) -> FastAPI:
+             max_batch_size: int | None = None, limits: dict | None = None, feature_cache_size: int = 256,
+             max_stop_sequences: int | None = None, image_limits=None) -> FastAPI:
     """Load an engine directory and build the app (what `vlmctl serve` runs)."""
-    from ..runtime.engine import Engine
+    from ..runtime.engine import DEFAULT_MAX_STOP_SEQUENCES, Engine
 
-    engine = Engine(engine_dir, device=device, max_batch_size=max_batch_size, feature_cache_size=feature_cache_size)
+    engine = Engine(engine_dir, device=device, max_batch_size=max_batch_size, feature_cache_size=feature_cache_size,
+                    max_stop_sequences=DEFAULT_MAX_STOP_SEQUENCES if max_stop_sequences is None else max_stop_sequences,
+                    image_limits=image_limits)
     apply_limits(engine, limits or {})
     return create_app(engine, config)
 
@@ -442,6 +445,9 @@ def apply_limits(engine, limits: dict) -> None:
         if value is None:
             continue
         built = engine.limits[key]
+        if value < (0 if key == "max_images_per_request" else 1):
+            raise OptionError(f"--{key.replace('_', '-')} {value}: must be at least "
+                              f"{0 if key == 'max_images_per_request' else 1}")
         if value > built:
             raise InputError(f"--{key.replace('_', '-')} {value} is above the engine's built limit {built}")
         engine.limits[key] = value
