@@ -351,7 +351,10 @@ def test_engine_with_trtllm_build_raises_backend_unavailable(tiny_llava_engine, 
     eng = tmp_path / "engine"
     shutil.copytree(tiny_llava_engine, eng, symlinks=True)
     shutil.rmtree(eng / "build-llm")
-    _trtllm_layout(eng / "build-llm")
+    # published as build-llm publishes (with its manifest): chat/serve check an engine's files at start
+    from vlmctl.artifacts import run_stage
+
+    run_stage(eng, "build-llm", {}, {}, lambda out: _trtllm_layout(out) and {})
     with pytest.raises(BackendUnavailableError, match="tensorrt_llm"):
         Engine(eng, device="cpu")
 
