@@ -103,8 +103,8 @@ def _public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     return ip.is_global and not ip.is_multicast
 
 
-async def _checked_address(host: str, port: int, policy: MediaPolicy, what: str) -> str:
-    """The address to connect to for `host`; every address it resolves to must be allowed."""
+async def _checked_addresses(host: str, port: int, policy: MediaPolicy, what: str) -> list[str]:
+    """The addresses `host` resolves to, every one of them allowed, IPv4 first."""
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
@@ -114,11 +114,35 @@ async def _checked_address(host: str, port: int, policy: MediaPolicy, what: str)
         raise InputError(f"{what}: {host!r} has no address")
     if not policy.allow_private_addresses:
         for a in addrs:
-            ip = ipaddress.ip_address(a.split("%", 1)[0])
-            if not _public(ip):
+            if not _public(ipaddress.ip_address(a.split("%", 1)[0])):
                 raise InputError(f"{what}: {host!r} resolves to {a}, a loopback, private, link-local or reserved "
                                  "address (start the server with --allow-private-media-addresses to allow it)")
-    return addrs[0]
+    return sorted(addrs, key=lambda a: ":" in a)
+
+
+async def _get(client, url: str, addr: str, policy: MediaPolicy, what: str) -> tuple[str | None, bytes]:
+    """One GET of `url` connected to `addr`: (redirect location, b"") or (None, body)."""
+    import httpx
+
+    parts = urlsplit(url)
+    # The connection goes to the checked address; the Host header and TLS (SNI, certificate) keep the name.
+    target = httpx.URL(url).copy_with(host=addr)
+    headers = {"Host": parts.netloc.rsplit("@", 1)[-1]}
+    ext = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
+    async with client.stream("GET", target, headers=headers, extensions=ext) as resp:
+        if resp.is_redirect and "location" in resp.headers:
+            return urljoin(url, resp.headers["location"]), b""
+        if resp.status_code != 200:
+            raise InputError(f"{what}: fetching {url} returned HTTP {resp.status_code}")
+        declared = resp.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > policy.max_bytes:
+            raise InputError(f"{what}: {url} is {declared} bytes, over the {policy.max_bytes}-byte media cap")
+        buf = bytearray()
+        async for chunk in resp.aiter_bytes():
+            buf += chunk
+            if len(buf) > policy.max_bytes:
+                raise InputError(f"{what}: {url} is over the {policy.max_bytes}-byte media cap")
+        return None, bytes(buf)
 
 
 async def _fetch(url: str, policy: MediaPolicy, what: str, client) -> bytes:
@@ -136,32 +160,22 @@ async def _fetch(url: str, policy: MediaPolicy, what: str, client) -> bytes:
             port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
             raise InputError(f"{what}: invalid port in {url!r}") from None
-        addr = await _checked_address(parts.hostname, port, policy, what)
-        # Connect to the checked address; the Host header and TLS (SNI and certificate) keep the name.
-        target = httpx.URL(url).copy_with(host=addr)
-        headers = {"Host": parts.netloc.rsplit("@", 1)[-1]}
-        ext = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
+        addrs = await _checked_addresses(parts.hostname, port, policy, what)
         try:
-            async with client.stream("GET", target, headers=headers, extensions=ext) as resp:
-                if resp.is_redirect and "location" in resp.headers:
-                    url = urljoin(url, resp.headers["location"])
-                    continue
-                if resp.status_code != 200:
-                    raise InputError(f"{what}: fetching {url} returned HTTP {resp.status_code}")
-                declared = resp.headers.get("content-length")
-                if declared and declared.isdigit() and int(declared) > policy.max_bytes:
-                    raise InputError(f"{what}: {url} is {declared} bytes, over the "
-                                     f"{policy.max_bytes}-byte media cap")
-                buf = bytearray()
-                async for chunk in resp.aiter_bytes():
-                    buf += chunk
-                    if len(buf) > policy.max_bytes:
-                        raise InputError(f"{what}: {url} is over the {policy.max_bytes}-byte media cap")
-                return bytes(buf)
+            for i, addr in enumerate(addrs):
+                try:
+                    location, body = await _get(client, url, addr, policy, what)
+                    break
+                except httpx.ConnectError:
+                    if i == len(addrs) - 1:  # every address of the host refused
+                        raise
         except httpx.TimeoutException:
             raise InputError(f"{what}: fetching {url} timed out after {policy.timeout_s:g}s") from None
         except httpx.HTTPError as e:
             raise InputError(f"{what}: fetching {url} failed ({type(e).__name__}: {e})") from None
+        if location is None:
+            return body
+        url = location
     raise InputError(f"{what}: too many redirects")
 
 
