@@ -68,11 +68,12 @@ def tiny_llava(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llava_engine(tiny_llava, tmp_path_factory) -> Path:
-    """A built engine (fp32, embedded backends) of the default tiny LLaVA."""
+    """A built engine (fp32, embedded backends) of the default tiny LLaVA, built for batches of 8 (the
+    server tests run 8 at once; a server can lower the batch, never raise it)."""
     from vlmctl.pipeline import build
     from vlmctl.recipe import load_recipe
 
     d = tmp_path_factory.mktemp("engine")
-    recipe = load_recipe(write_recipe(d / "tiny.yaml", tiny_llava))
+    recipe = load_recipe(write_recipe(d / "tiny.yaml", tiny_llava, limits={"max_batch_size": 8}))
     build(recipe, d / "engine")
     return d / "engine"

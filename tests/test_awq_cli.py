@@ -158,7 +158,7 @@ def test_awq_engine_matches_transformers_and_keeps_vision(tiny_llava, tiny_llava
 
     eng = tmp_path / "eng"
     shutil.copytree(tiny_llava_engine, eng)  # convert and vision stages are cache hits
-    recipe = write_recipe(tmp_path / "r.yaml", tiny_llava)
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_llava, limits={"max_batch_size": 8})  # as the session engine
     cli("build", recipe, "-o", eng, "--set", "quantization.method=awq", "--set", "quantization.group_size=32",
         "--set", "quantization.calibration.samples=4", "--set", "quantization.calibration.seq_len=32", capsys=capsys)
     manifest = json.loads((eng / "build-llm" / "manifest.json").read_text())

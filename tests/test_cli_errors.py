@@ -57,7 +57,7 @@ def test_wrong_value_type(tmp_path, capsys):
 
 def test_missing_source_directory(tmp_path, capsys):
     p = write_recipe(tmp_path / "r.yaml", tmp_path / "nowhere")
-    code, _, err = cli("build", p, "-o", tmp_path / "e", capsys=capsys, expect=2)
+    code, _, err = cli("build", p, "-o", tmp_path / "e", capsys=capsys, expect=3)  # README: 3, checkpoint problem
     assert "no such directory" in err
     assert not (tmp_path / "e" / "convert").exists()
 

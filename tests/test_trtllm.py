@@ -590,9 +590,17 @@ def test_engine_loads_vision_before_the_executor(tiny_llava_engine, envs, tmp_pa
     cfg = json.loads((eng / "build-llm" / "config.json").read_text())
     shutil.rmtree(eng / "build-llm")
     llm = json.loads((eng / "convert" / "llm" / "config.json").read_text())
-    _layout(eng / "build-llm", vocab=llm["vocab_size"], hidden=llm["hidden_size"], table_rows=64,
-            eos_token_ids=cfg.get("eos_token_ids"), image_tokens_per_image=cfg.get("image_tokens_per_image"),
-            limits={**cfg["limits"], "max_input_len": 40, "max_output_len": 40})
+    # published as build-llm publishes (with its manifest): chat/serve check an engine's files at start
+    from vlmctl.artifacts import run_stage
+
+    def write(out):
+        _layout(out, vocab=llm["vocab_size"], hidden=llm["hidden_size"], table_rows=64,
+                max_batch=cfg["limits"]["max_batch_size"],
+                eos_token_ids=cfg.get("eos_token_ids"), image_tokens_per_image=cfg.get("image_tokens_per_image"),
+                limits={**cfg["limits"], "max_input_len": 40, "max_output_len": 40})
+        return {}
+
+    run_stage(eng, "build-llm", {}, {}, write)
     order = []
     real_vision, real_load = E.Engine._load_vision, TrtllmDecoder.load
     monkeypatch.setattr(E.Engine, "_load_vision",

@@ -5,25 +5,36 @@ Each stage owns one directory under the work directory (`convert/`, `quantize/`,
 the stage name, its resolved settings and the content hashes of its inputs; when the manifest
 in its directory records the same key (and its files are intact), the stage is a cache hit.
 Outputs are written to a temporary sibling directory and renamed into place only on success,
-so an interrupted build never leaves a directory that looks finished.
+so an interrupted build never leaves a directory that looks finished. Temporary directories are
+named after the host and process that own them; one whose process is gone (a killed build) is
+removed by the next stage run in the same work directory.
+
+Trust in a finished stage: its manifest lists every file with its size, modification time and
+SHA-256. The cache trusts a file whose size and modification time match and re-hashes one whose
+time changed (a touched or copied file is fine if its content is the same); `check_engine_files`
+(run by chat and serve at start) compares sizes; `verify_engine` (`vlmctl verify`) compares hashes.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from . import __version__
-from .errors import StageError
+from .errors import EngineError, StageError
 
 STAGES = ("convert", "quantize", "export-vision", "build-vision", "build-llm")
 MANIFEST = "manifest.json"
+# What chat/serve read: an engine directory without these is not one.
+ENGINE_STAGES = ("convert", "build-vision", "build-llm")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -37,7 +48,8 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def hash_tree(root: Path, files: list[Path] | None = None, stat_cache: Path | None = None) -> str:
+def hash_tree(root: Path, files: list[Path] | None = None, stat_cache: Path | None = None,
+              save_cache: bool = True) -> str:
     """Content hash of a directory: relative names and file contents, in sorted order.
 
     With `stat_cache`, a file whose size and modification time match the cached entry reuses its
@@ -62,7 +74,7 @@ def hash_tree(root: Path, files: list[Path] | None = None, stat_cache: Path | No
         digest = hit[2] if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns else sha256_file(p)
         fresh[key] = [st.st_size, st.st_mtime_ns, digest]
         h.update(rel.encode() + b"\0" + digest.encode() + b"\n")
-    if stat_cache is not None:
+    if stat_cache is not None and save_cache:
         tmp = Path(stat_cache).with_suffix(".tmp")
         tmp.write_text(json.dumps(fresh))
         tmp.replace(stat_cache)
@@ -110,18 +122,36 @@ def _part_hashes(out_dir: Path) -> dict[str, str]:
     return parts
 
 
+def stage_key(name: str, settings: dict, inputs: dict[str, str]) -> str:
+    return hash_json({"tool": __version__, "stage": name, "settings": settings, "inputs": inputs})
+
+
+def cache_status(workdir: Path, name: str, settings: dict, inputs: dict[str, str]) -> tuple[bool, str]:
+    """(cache hit?, why) for a stage whose settings and inputs are these."""
+    stage_dir = Path(workdir) / name
+    old = read_manifest(stage_dir)
+    if old is None:
+        return False, "no output yet" if not stage_dir.exists() else "its manifest is missing or unreadable"
+    if old.get("cache_key") != stage_key(name, settings, inputs):
+        return False, "its settings or inputs changed"
+    if not _intact(stage_dir, old):
+        return False, "its files changed since it ran"
+    return True, "cached (the manifest matches)"
+
+
 def run_stage(workdir: Path, name: str, settings: dict, inputs: dict[str, str],
               fn: Callable[[Path], dict], *, force: bool = False) -> StageResult:
     """Run `fn(tmp_dir)` unless the manifest says its key is unchanged; publish atomically."""
     workdir = Path(workdir)
     stage_dir = workdir / name
-    key = hash_json({"tool": __version__, "stage": name, "settings": settings, "inputs": inputs})
-    old = read_manifest(stage_dir)
-    if not force and old and old.get("cache_key") == key and _intact(stage_dir, old):
+    key = stage_key(name, settings, inputs)
+    if not force and cache_status(workdir, name, settings, inputs)[0]:
+        old = read_manifest(stage_dir)
         return StageResult(name, True, 0.0, stage_dir, [f["path"] for f in old["files"]], old.get("info", {}))
 
     workdir.mkdir(parents=True, exist_ok=True)
-    tmp = workdir / f".{name}.tmp-{os.getpid()}"
+    reclaim_stale_temps(workdir, STAGES)
+    tmp = workdir / temp_name(name, "tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -129,8 +159,8 @@ def run_stage(workdir: Path, name: str, settings: dict, inputs: dict[str, str],
     try:
         info = fn(tmp) or {}
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        file_entries = [{"path": p.relative_to(tmp).as_posix(), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
-                        for p in files]
+        file_entries = [{"path": p.relative_to(tmp).as_posix(), "bytes": p.stat().st_size,
+                         "mtime_ns": p.stat().st_mtime_ns, "sha256": sha256_file(p)} for p in files]
         seconds = time.perf_counter() - t0
         manifest = {
             "tool": "vlmctl", "tool_version": __version__, "stage": name, "cache_key": key,
@@ -148,16 +178,69 @@ def run_stage(workdir: Path, name: str, settings: dict, inputs: dict[str, str],
 
 
 def _intact(stage_dir: Path, manifest: dict) -> bool:
-    for f in manifest.get("files", []):
-        p = stage_dir / f["path"]
-        if not p.is_file() or p.stat().st_size != f["bytes"]:
-            return False
+    """Whether every file the manifest lists is still what the stage wrote: same size, and same
+    modification time or (when the time changed, or an older manifest did not record it) same SHA-256."""
+    try:
+        for f in manifest.get("files", []):
+            p = stage_dir / f["path"]
+            if not p.is_file():
+                return False
+            st = p.stat()
+            if st.st_size != f["bytes"]:
+                return False
+            if st.st_mtime_ns != f.get("mtime_ns") and sha256_file(p) != f["sha256"]:
+                return False
+    except (KeyError, TypeError, OSError):  # a manifest that is not ours, or a file gone meanwhile
+        return False
     return True
+
+
+# ---- temporary directories of killed builds --------------------------------------------------
+def temp_name(base: str, kind: str) -> str:
+    """`.BASE.KIND-HOST-PID`: the owner is recorded in the name, so its absence can be detected."""
+    return f".{base}.{kind}-{socket.gethostname()}-{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    except OSError as e:
+        return e.errno != errno.ESRCH
+    return True
+
+
+def reclaim_stale_temps(parent: Path, bases) -> list[Path]:
+    """Remove `.BASE.tmp-…` / `.BASE.old-…` directories under `parent` whose owning process (on this
+    host) no longer exists: what a killed build left. A live owner's, or another host's, stay."""
+    removed = []
+    try:
+        entries = list(Path(parent).iterdir())
+    except OSError:
+        return removed
+    host = socket.gethostname()
+    for p in entries:
+        for base in bases:
+            for kind in ("tmp", "old"):
+                prefix = f".{base}.{kind}-"
+                if not p.name.startswith(prefix):
+                    continue
+                owner, _, pid = p.name[len(prefix):].rpartition("-")
+                # Names without a host are from vlmctl versions before this one: the owner was local.
+                if not pid.isdigit() or (owner and owner != host) or int(pid) == os.getpid():
+                    continue
+                if not _pid_alive(int(pid)):
+                    shutil.rmtree(p, ignore_errors=True)
+                    removed.append(p)
+    return removed
 
 
 def _publish(tmp: Path, stage_dir: Path) -> None:
     if stage_dir.exists():
-        trash = stage_dir.with_name(f".{stage_dir.name}.old-{os.getpid()}")
+        trash = stage_dir.with_name(temp_name(stage_dir.name, "old"))
         stage_dir.rename(trash)
         tmp.rename(stage_dir)
         shutil.rmtree(trash, ignore_errors=True)
@@ -186,3 +269,65 @@ def require_stage(workdir: Path, stage: str) -> dict:
 
 
 
+
+
+# ---- engine directory integrity ----------------------------------------------------------------
+def _stage_problems(stage_dir: Path, deep: bool) -> tuple[int, list[str]]:
+    """(files checked, problems) of one stage directory against its manifest."""
+    path = stage_dir / MANIFEST
+    stage = stage_dir.name
+    if not path.is_file():
+        return 0, [f"{stage}/{MANIFEST} is missing"]
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        entries = [(str(f["path"]), int(f["bytes"]), str(f["sha256"])) for f in files]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return 0, [f"{stage}/{MANIFEST} is unreadable or not a vlmctl manifest"]
+    problems = []
+    for rel, size, digest in entries:
+        p = stage_dir / rel
+        if not p.is_file():
+            problems.append(f"{stage}/{rel} is missing")
+            continue
+        actual = p.stat().st_size
+        if actual != size:
+            problems.append(f"{stage}/{rel} is {actual} bytes; the manifest says {size}")
+        elif deep and sha256_file(p) != digest:
+            problems.append(f"{stage}/{rel} does not match its SHA-256 in the manifest")
+    return len(entries), problems
+
+
+def verify_engine(engine_dir: Path, deep: bool = True) -> dict:
+    """Check every file every stage manifest lists: sizes, and with `deep` their SHA-256.
+
+    Returns {"engine_dir", "ok", "checked": "sha256"|"size", "stages": [{"stage", "files", "problems"}]}.
+    Stages an engine needs (convert, build-vision, build-llm) must be there; the others are checked
+    when present."""
+    engine_dir = Path(engine_dir)
+    stages = []
+    for name in STAGES:
+        d = engine_dir / name
+        if not d.is_dir():
+            if name in ENGINE_STAGES:
+                stages.append({"stage": name, "files": 0, "problems": [f"{name}/ is missing"]})
+            continue
+        n, problems = _stage_problems(d, deep)
+        stages.append({"stage": name, "files": n, "problems": problems})
+    return {"engine_dir": str(engine_dir), "ok": not any(s["problems"] for s in stages),
+            "checked": "sha256" if deep else "size", "stages": stages}
+
+
+def check_engine_files(engine_dir: Path) -> None:
+    """The start-up check of chat and serve: every listed file present with its recorded size (a stat
+    per file, no reading). Raises one EngineError naming the first problem."""
+    engine_dir = Path(engine_dir)
+    if not engine_dir.is_dir() or not any((engine_dir / s).is_dir() for s in ENGINE_STAGES):
+        raise EngineError(f"{engine_dir}: not a vlmctl engine directory (run `vlmctl build RECIPE -o {engine_dir}`)")
+    report = verify_engine(engine_dir, deep=False)
+    if report["ok"]:
+        return
+    problems = [p for s in report["stages"] for p in s["problems"]]
+    more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+    raise EngineError(f"{engine_dir}: damaged engine directory: {problems[0]}{more}; rebuild it, or run "
+                      f"`vlmctl verify {engine_dir}` for every file")

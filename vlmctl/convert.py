@@ -38,9 +38,26 @@ def expected_tensors(family, config_dict: dict) -> dict[str, tuple[tuple[int, ..
     with torch.device("meta"):
         model = family.hf_model_class()(config)
     tied = set()
-    if getattr(config.get_text_config(), "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):
+    if family.ties_lm_head(config_dict):  # then lm_head may be absent: it is the word embedding
         tied = {k for k in model.state_dict() if k.endswith("lm_head.weight")}
     return {k: (tuple(v.shape), k in tied) for k, v in model.state_dict().items()}
+
+
+def read_vlm_decoder(src: Path) -> tuple[dict, dict, dict | None]:
+    """The decoder of a whole-VLM checkpoint, in memory, as a plain causal LM: (text config, tensors by
+    causal-LM name, quantization_config or None). Float or AWQ (vlmctl's whole-VLM AWQ checkpoint keeps
+    the vision modules float and lists them in `modules_to_not_convert`)."""
+    src = Path(src)
+    config = read_config(src)
+    family = detect_family(config, where=str(src / "config.json"))
+    tensors = {}
+    for key, tensor, _ in iter_tensors(src):
+        part, name = family.split_key(family.canonical_key(key))
+        if part == DECODER:
+            tensors[name] = tensor
+    text_cfg = family.text_config_dict(config)
+    text_cfg["tie_word_embeddings"] = family.ties_lm_head(config) and "lm_head.weight" not in tensors
+    return text_cfg, tensors, config.get("quantization_config")
 
 
 def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: Progress | None = None,
@@ -62,6 +79,7 @@ def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: P
     out = Path(out)
     writers = {VISION: ShardWriter(out / "vision"), DECODER: ShardWriter(out / "llm")}
     seen: set[str] = set()
+    decoder_names: set[str] = set()
     counts = {VISION: 0, DECODER: 0}
     task = progress.task("convert: splitting tensors", total=len(expected))
     for key, tensor, f in iter_tensors(src):
@@ -78,6 +96,8 @@ def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: P
             raise CheckpointError(f"{f.name}: tensor {key!r} has dtype {tensor.dtype}; expected floating point weights")
         part, part_name = family.split_key(name)
         writers[part].add(part_name, tensor.to(target))
+        if part == DECODER:
+            decoder_names.add(part_name)
         seen.add(name)
         counts[part] += 1
         task.advance()
@@ -95,6 +115,9 @@ def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: P
 
     # llm/: a plain causal LM
     text_cfg = family.text_config_dict(config)
+    # As transformers loads the VLM: tied by the top-level rule, unless the checkpoint carries its own
+    # lm_head (kept as written; when it equals the embedding the values are the same either way).
+    text_cfg["tie_word_embeddings"] = family.ties_lm_head(config) and "lm_head.weight" not in decoder_names
     text_cfg["torch_dtype"] = dtype
     text_cfg.pop("dtype", None)
     (out / "llm" / "config.json").write_text(json.dumps(text_cfg, indent=2))

@@ -27,6 +27,12 @@ class RecipeError(VlmctlError):
     exit_code = 2
 
 
+class OptionError(VlmctlError):
+    """A command-line option has a value the command cannot use (a port out of range, a negative limit)."""
+
+    exit_code = 2
+
+
 class CheckpointError(VlmctlError):
     """The source checkpoint is missing, corrupt or does not match its config."""
 
@@ -66,6 +72,10 @@ class EngineError(VlmctlError):
     """The engine directory is missing pieces or was built by an incompatible version."""
 
     exit_code = 8
+
+
+class RequestError(VlmctlError):
+    """One request failed inside the engine (not because of its input); the other requests go on."""
 
 
 class LimitError(InputError):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .artifacts import STAGES, StageResult, hash_tree, read_manifest, run_stage, stage_part_hash
+from .artifacts import STAGES, StageResult, cache_status, hash_tree, read_manifest, run_stage, stage_part_hash
 from .errors import BackendUnavailableError, RecipeError, StageError
 from .models.registry import detect_family, get_family, read_config
 from .progress import Progress, ensure
@@ -108,56 +108,100 @@ def backend_fingerprint(kind: str) -> dict:
 
 
 # ---- stages --------------------------------------------------------------------------------
-def stage_convert(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+# Each stage is a spec (settings, inputs, work) computed from the recipe and the upstream manifests;
+# `stage_*` runs it through `artifacts.run_stage`, `plan` only compares its cache key.
+@dataclass
+class StageSpec:
+    name: str
+    workdir: Path
+    settings: dict
+    inputs: dict[str, str]
+    work: Callable[[Path], dict]
+
+
+def _run(spec: "StageSpec | StageResult", force: bool) -> StageResult:
+    if isinstance(spec, StageResult):  # skipped
+        return spec
+    return run_stage(spec.workdir, spec.name, spec.settings, spec.inputs, spec.work, force=force)
+
+
+def _spec_convert(recipe: Recipe, workdir: Path, progress: Progress | None, dry: bool = False) -> StageSpec:
     from .convert import convert_checkpoint
 
     src = resolve_source(recipe)
     detect_family(read_config(src), where=str(src / "config.json"))  # fail fast, before hashing
-    workdir.mkdir(parents=True, exist_ok=True)
+    if not dry:
+        workdir.mkdir(parents=True, exist_ok=True)
     # Source hashes are remembered by (size, mtime) so a cache hit does not re-read a 14 GB checkpoint.
     src_hash = hash_tree(src, [p for p in src.rglob("*") if p.is_file() and ".cache" not in p.parts],
-                         stat_cache=workdir / ".source-hashes.json")
+                         stat_cache=workdir / ".source-hashes.json", save_cache=not dry)
     settings: dict = {"dtype": recipe.dtype}
     image = recipe.image.model_dump(exclude_none=True)
     if image:  # only when set, so engines built without it keep their cache key
         settings["image"] = image
-    return run_stage(workdir, "convert", settings, {"source": src_hash},
-                     lambda out: convert_checkpoint(src, out, recipe.dtype, progress, image_settings=image),
-                     force=force)
+    return StageSpec("convert", workdir, settings, {"source": src_hash},
+                     lambda out: convert_checkpoint(src, out, recipe.dtype, progress, image_settings=image))
 
 
-def stage_quantize(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+def _spec_quantize(recipe: Recipe, workdir: Path, progress: Progress | None, dry: bool = False):
     q = recipe.quantization
     if q.method == "none":
         return StageResult("quantize", False, 0.0, workdir / "quantize", skipped="quantization.method is none")
+    if recipe.decoder.backend == "auto" and resolve_decoder_backend(recipe) == "trtllm":
+        from .recipe import check_trtllm_group_size
+
+        try:  # `auto` chose TensorRT-LLM on this machine: its group-size rule holds before quantizing too
+            check_trtllm_group_size(recipe)
+        except ValueError as e:
+            raise RecipeError(f"decoder.backend auto picks TensorRT-LLM here, and {e}") from None
     from .quant.awq import quantize_workspace
 
     inputs = {"llm": stage_part_hash(workdir, "convert", "llm"), "vision": stage_part_hash(workdir, "convert", "vision")}
-    calib = q.calibration.data
-    if calib and recipe.resolve_path(calib).is_file():
-        inputs["calibration"] = hash_tree(recipe.resolve_path(calib).parent, [recipe.resolve_path(calib)])
+    calib_hash = _calibration_hash(q.calibration.data, Path(recipe.base_dir))
+    if calib_hash is not None:
+        inputs["calibration"] = calib_hash
     settings = q.model_dump(mode="json")
-    return run_stage(workdir, "quantize", settings, inputs,
-                     lambda out: quantize_workspace(workdir / "convert", out, q, Path(recipe.base_dir), progress),
-                     force=force)
+    return StageSpec("quantize", workdir, settings, inputs,
+                     lambda out: quantize_workspace(workdir / "convert", out, q, Path(recipe.base_dir), progress))
 
 
-def stage_export_vision(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+def _calibration_hash(spec: str | None, base_dir: Path) -> str | None:
+    """Content hash of every file a calibration source reads: the .txt/.jsonl file and, for image-text
+    records, each image it names (changing an image must re-run quantize). None for the built-in text
+    and dataset names."""
+    import os
+
+    from .artifacts import hash_json, sha256_file
+    from .quant.vlm_calibration import calibration_files
+
+    files = calibration_files(spec, base_dir)
+    if not files:
+        return None
+    root = files[0].parent
+    if all(f.resolve().is_relative_to(root.resolve()) for f in files):
+        return hash_tree(root, files)  # the same key as before images were hashed, for text-only data
+    return hash_json({os.path.relpath(f, root): sha256_file(f) for f in files})
+
+
+def _spec_export_vision(recipe: Recipe, workdir: Path, progress: Progress | None, dry: bool = False) -> StageSpec:
     from .export.onnx_vision import export_vision_onnx
 
     family = _family(workdir)
     v = recipe.vision
     settings = {"dtype": recipe.dtype, "opset": v.opset, "validate_batch_size": v.validate_batch_size,
-                "max_abs_error": v.max_abs_error, "min_cosine": v.min_cosine}
+                "max_rel_error": v.max_rel_error, "min_cosine": v.min_cosine}
+    if v.max_abs_error is not None:
+        settings["max_abs_error"] = v.max_abs_error
     inputs = {"vision": stage_part_hash(workdir, "convert", "vision")}
-    return run_stage(workdir, "export-vision", settings, inputs,
+    return StageSpec("export-vision", workdir, settings, inputs,
                      lambda out: export_vision_onnx(family, workdir / "convert" / "vision", out, dtype=recipe.dtype,
                                                     opset=v.opset, validate_batch_size=v.validate_batch_size,
-                                                    max_abs_error=v.max_abs_error, min_cosine=v.min_cosine,
-                                                    progress=progress), force=force)
+                                                    max_rel_error=v.max_rel_error, max_abs_error=v.max_abs_error,
+                                                    min_cosine=v.min_cosine,
+                                                    progress=progress))
 
 
-def stage_build_vision(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+def _spec_build_vision(recipe: Recipe, workdir: Path, progress: Progress | None, dry: bool = False) -> StageSpec:
     from .export.tensorrt import build_vision_engine
 
     backend = resolve_vision_backend(recipe)
@@ -170,15 +214,14 @@ def stage_build_vision(recipe: Recipe, workdir: Path, *, force=False, progress: 
     if profile is not None:
         settings["profile"] = {k: [list(s) for s in v] for k, v in profile.items()}
     inputs = {"onnx": stage_part_hash(workdir, "export-vision")}
-    return run_stage(workdir, "build-vision", settings, inputs,
+    return StageSpec("build-vision", workdir, settings, inputs,
                      lambda out: build_vision_engine(workdir / "export-vision", out, backend=backend,
                                                      dtype=recipe.dtype, max_batch=max_images,
                                                      workspace_gib=recipe.vision.workspace_gib, progress=progress,
-                                                     profile=profile),
-                     force=force)
+                                                     profile=profile))
 
 
-def stage_build_llm(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+def _spec_build_llm(recipe: Recipe, workdir: Path, progress: Progress | None, dry: bool = False) -> StageSpec:
     from .export.trtllm import prompt_table_size
 
     backend = resolve_decoder_backend(recipe)
@@ -214,7 +257,27 @@ def stage_build_llm(recipe: Recipe, workdir: Path, *, force=False, progress: Pro
         return build_torch_decoder(llm_dir, out, engine_root=workdir, dtype=recipe.dtype, extra_config=extra,
                                    progress=progress)
 
-    return run_stage(workdir, "build-llm", settings, inputs, work, force=force)
+    return StageSpec("build-llm", workdir, settings, inputs, work)
+
+
+def stage_convert(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+    return _run(_spec_convert(recipe, Path(workdir), progress), force)
+
+
+def stage_quantize(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+    return _run(_spec_quantize(recipe, Path(workdir), progress), force)
+
+
+def stage_export_vision(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+    return _run(_spec_export_vision(recipe, Path(workdir), progress), force)
+
+
+def stage_build_vision(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+    return _run(_spec_build_vision(recipe, Path(workdir), progress), force)
+
+
+def stage_build_llm(recipe: Recipe, workdir: Path, *, force=False, progress: Progress | None = None) -> StageResult:
+    return _run(_spec_build_llm(recipe, Path(workdir), progress), force)
 
 
 def _eos_ids(processor_dir: Path) -> list[int]:
@@ -239,7 +302,12 @@ STAGE_FUNCS: dict[str, Callable[..., StageResult]] = {
     "build-vision": stage_build_vision,
     "build-llm": stage_build_llm,
 }
-assert tuple(STAGE_FUNCS) == STAGES
+_SPECS = {"convert": _spec_convert, "quantize": _spec_quantize, "export-vision": _spec_export_vision,
+          "build-vision": _spec_build_vision, "build-llm": _spec_build_llm}
+# The upstream stages whose outputs feed each stage's cache key.
+_UPSTREAM = {"convert": (), "quantize": ("convert",), "export-vision": ("convert",),
+             "build-vision": ("convert", "export-vision"), "build-llm": ("convert", "quantize")}
+assert tuple(STAGE_FUNCS) == STAGES == tuple(_SPECS) == tuple(_UPSTREAM)
 
 
 @dataclass
@@ -249,14 +317,35 @@ class PlanItem:
     reason: str
 
 
-def plan(recipe: Recipe, until: str | None = None) -> list[PlanItem]:
+def plan(recipe: Recipe, workdir: Path, until: str | None = None, force: bool = False) -> list[PlanItem]:
+    """What `build` would do, without doing it: per stage, whether it runs and why. Reads the source
+    (its stat-cached hashes) and the manifests; writes nothing. A missing source is the same error
+    `build` gives."""
+    workdir = Path(workdir)
     stages = STAGES[: STAGES.index(until) + 1] if until else STAGES
-    items = []
+    resolve_source(recipe)  # a missing source fails the dry run as it would fail the build
+    items: list[PlanItem] = []
+    runs: set[str] = set()
     for s in stages:
         if s == "quantize" and recipe.quantization.method == "none":
             items.append(PlanItem(s, False, "quantization.method is none"))
+            continue
+        upstream = [u for u in _UPSTREAM[s] if u in runs]
+        if force:
+            item = PlanItem(s, True, "--force")
+        elif upstream:
+            item = PlanItem(s, True, f"its input {upstream[0]} runs first")
         else:
-            items.append(PlanItem(s, True, "runs unless its manifest matches (cache hit)"))
+            try:
+                spec = _SPECS[s](recipe, workdir, None, dry=True)
+            except StageError:  # an upstream output it reads is not there
+                item = PlanItem(s, True, "no output yet")
+            else:
+                cached, reason = cache_status(workdir, s, spec.settings, spec.inputs)
+                item = PlanItem(s, not cached, reason)
+        if item.will_run:
+            runs.add(s)
+        items.append(item)
     return items
 
 
@@ -269,9 +358,10 @@ def build(recipe: Recipe, workdir: Path, *, until: str | None = None, force: boo
     workdir = Path(workdir)
     save_recipe(workdir, recipe)
     results = []
-    for item in plan(recipe, until):
+    stages = STAGES[: STAGES.index(until) + 1] if until else STAGES
+    for stage in stages:
         t0 = time.perf_counter()
-        res = STAGE_FUNCS[item.stage](recipe, workdir, force=force, progress=progress)
+        res = STAGE_FUNCS[stage](recipe, workdir, force=force, progress=progress)
         if not res.cached and not res.skipped:
             res.seconds = time.perf_counter() - t0
         results.append(res)

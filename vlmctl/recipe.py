@@ -15,11 +15,20 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import RecipeError
+from .errors import CheckpointError, RecipeError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RECIPES_DIR = Path(os.environ.get("VLMCTL_RECIPES_DIR", REPO_ROOT / "recipes"))
-CONFIGS_DIR = Path(os.environ.get("VLMCTL_CONFIGS_DIR", REPO_ROOT / "configs"))
+
+
+def _bundled(name: str) -> Path:
+    """recipes/ or configs/: inside the package when installed from a wheel (setup.py ships them as
+    vlmctl/recipes and vlmctl/configs), at the repository top in a checkout or editable install."""
+    installed = Path(__file__).resolve().parent / name
+    return installed if installed.is_dir() else REPO_ROOT / name
+
+
+RECIPES_DIR = Path(os.environ.get("VLMCTL_RECIPES_DIR") or _bundled("recipes"))
+CONFIGS_DIR = Path(os.environ.get("VLMCTL_CONFIGS_DIR") or _bundled("configs"))
 
 
 class _Strict(BaseModel):
@@ -47,7 +56,10 @@ class VisionSettings(_Strict):
     opset: int = Field(18, ge=18)
     # Validation runs at a batch size the export never used, so a frozen batch axis fails.
     validate_batch_size: int = Field(3, ge=1)
-    max_abs_error: float = Field(1e-4, gt=0)
+    # ONNX Runtime vs torch, judged relative to the features' magnitude (projectors output values in the
+    # tens): max |onnx - torch| / max |torch|. An absolute bound is optional (off by default).
+    max_rel_error: float = Field(1e-4, gt=0)
+    max_abs_error: float | None = Field(None, gt=0)
     min_cosine: float = Field(0.9999, gt=0, le=1)
     workspace_gib: float = Field(4.0, gt=0)
 
@@ -109,6 +121,8 @@ class Recipe(_Strict):
         if self.decoder.backend == "trtllm" and self.dtype == "float32":
             raise ValueError("decoder.backend trtllm needs dtype float16 or bfloat16 (a float32 TensorRT-LLM engine "
                              "has no paged context FMHA, so KV-cache reuse would be off)")
+        if self.decoder.backend == "trtllm":
+            check_trtllm_group_size(self)  # before quantization runs, not after
         return self
 
     def resolve_path(self, value: str) -> Path:
@@ -117,6 +131,20 @@ class Recipe(_Strict):
 
     def public_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude={"base_dir"})
+
+
+def check_trtllm_group_size(recipe: "Recipe") -> None:
+    """TensorRT-LLM's int4 kernels take only some AWQ group sizes: a recipe that builds a TensorRT-LLM
+    decoder from AWQ weights with another group size must fail before the quantize stage runs."""
+    q = recipe.quantization
+    if q.method != "awq":
+        return
+    from .export.trtllm import AWQ_GROUP_SIZES  # the backend's own list (a light module: no TensorRT import)
+
+    if q.group_size not in AWQ_GROUP_SIZES:
+        raise ValueError(f"quantization.group_size {q.group_size} has no TensorRT-LLM weight-only kernel (it takes "
+                         f"{' or '.join(map(str, AWQ_GROUP_SIZES))}); change the group size or use "
+                         "decoder.backend: torch")
 
 
 def _deep_merge(base: dict, top: dict) -> dict:
@@ -131,9 +159,11 @@ def _deep_merge(base: dict, top: dict) -> dict:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise RecipeError(f"{path}: file not found") from None
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); recipes are UTF-8 YAML") from None
     except OSError as e:
         raise RecipeError(f"{path}: cannot read ({e.strerror})") from None
     try:
@@ -262,15 +292,15 @@ def resolve_source(recipe: Recipe) -> Path:
     if local.is_dir():
         return local
     if local.exists():
-        raise RecipeError(f"source: {src} is a file; expected a Hugging Face checkpoint directory")
+        raise CheckpointError(f"source: {src} is a file; expected a Hugging Face checkpoint directory")
     if src.count("/") == 1 and not src.startswith((".", "/", "~")):
         try:
             from huggingface_hub import snapshot_download
 
             return Path(snapshot_download(src, local_files_only=True))
         except Exception:
-            raise RecipeError(
+            raise CheckpointError(
                 f"source: {src} is neither a local directory nor in the local Hugging Face cache "
-                "(vlmctl never downloads; fetch it with `huggingface-cli download` first)"
+                f"(vlmctl never downloads; fetch it first with `hf download {src}`)"
             ) from None
-    raise RecipeError(f"source: {src}: no such directory")
+    raise CheckpointError(f"source: {src}: no such directory")

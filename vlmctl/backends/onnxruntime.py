@@ -14,6 +14,10 @@ def ort_session(path: Path, providers: list[str] | None = None):
     # cores the decoder needs (measured: 4x slower chat on 2 cores).
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    from ..host import configured_threads
+
+    if configured_threads():  # the CLI's --threads (or its default) holds for ONNX Runtime too
+        opts.intra_op_num_threads = configured_threads()
     avail = ort.get_available_providers()
     if providers is None:
         providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]

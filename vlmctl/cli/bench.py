@@ -27,7 +27,8 @@ def bench_command(
     max_batch_size: int = typer.Option(None, "--max-batch-size", help="Engine mode: KV-cache slots (default: "
                                        "the engine's built limit)"),
     device: str = typer.Option(None, "--device", help="Engine mode: cpu or cuda"),
-    threads: int = typer.Option(None, "--threads", help="Engine mode: torch CPU threads (default: torch's)"),
+    threads: int = typer.Option(None, "--threads", min=1, help="Engine mode: torch CPU threads (default: the "
+                                                              "usable CPUs minus one)"),
     model: str = typer.Option(None, "--model", help="URL mode: model id (default: the server's first)"),
     api_key: str = typer.Option(None, "--api-key", envvar="VLMCTL_API_KEY", help="URL mode: bearer key"),
     timeout: float = typer.Option(600.0, "--timeout", help="URL mode: seconds allowed per request"),
@@ -50,12 +51,11 @@ def bench_command(
                for i, c in enumerate(levels)]
     engine = None
     if engine_dir is not None:
+        from ..host import configure_threads, resolve_device
         from ..runtime.engine import Engine
 
-        if threads:
-            import torch
-
-            torch.set_num_threads(threads)
+        device = resolve_device(device)
+        configure_threads(threads)
         engine = Engine(engine_dir, device=device, max_batch_size=max_batch_size)
         slots = engine.limits["max_batch_size"]
         if max(levels) > slots and not json_:

@@ -15,8 +15,11 @@ def build_command(
     force: bool = typer.Option(False, "--force", help="Re-run every stage"),
     until: str = typer.Option(None, "--until", help="Stop after this stage"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved recipe and the plan; run nothing"),
+    threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: the usable CPUs minus "
+                                                              "one)"),
     json_: bool = JsonOption,
 ):
+    from ..host import configure_threads
     from ..pipeline import build, plan
     from ..recipe import load_recipe
 
@@ -29,7 +32,7 @@ def build_command(
         if until not in STAGES:
             raise RecipeError(f"--until {until!r}: unknown stage (stages: {', '.join(STAGES)})")
     if dry_run:
-        items = plan(recipe, until)
+        items = plan(recipe, output, until, force=force)
         if json_:
             print_json({"recipe": recipe.public_dict(), "output": str(output),
                         "plan": [{"stage": i.stage, "runs": i.will_run, "reason": i.reason} for i in items]})
@@ -42,6 +45,7 @@ def build_command(
         for i in items:
             out.print(f"  {'run ' if i.will_run else 'skip'} {i.stage}: {i.reason}")
         return
+    configure_threads(threads)
     t0 = time.perf_counter()
     with progress_for(json_) as progress:
         results = build(recipe, output, until=until, force=force, progress=progress,

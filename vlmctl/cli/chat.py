@@ -13,22 +13,23 @@ def chat_command(
     prompt: str = typer.Option(None, "--prompt", "-p", help="Ask one question and exit (non-interactive)"),
     image: list[Path] = typer.Option(None, "--image", "-i", help="Image file (repeatable)"),
     system: str = typer.Option(None, "--system", help="System message"),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="Maximum new tokens"),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy"),
+    max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="Maximum new tokens"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 (and anything below 1e-5) is greedy"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0: no top-k filter"),
     seed: int = typer.Option(None, "--seed"),
     stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)"),
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
-    threads: int = typer.Option(None, "--threads", help="torch CPU threads (default: torch's; use 1 on busy "
-                                                       "shared CPUs)"),
-    kv_cache_tokens: int = typer.Option(None, "--kv-cache-tokens", help="KV cache size in tokens (default: from "
-                                        "free GPU memory, or max batch x max sequence on a CPU)"),
+    threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: the usable CPUs minus "
+                                                              "one)"),
+    kv_cache_tokens: int = typer.Option(None, "--kv-cache-tokens", min=1, help="KV cache size in tokens (default: "
+                                        "from free GPU memory, or max batch x max sequence on a CPU)"),
     vision_backend: str = typer.Option("auto", "--vision-backend", help="auto, tensorrt, onnxruntime-gpu, "
                                        "onnxruntime or torch"),
     json_: bool = typer.Option(False, "--json", help="Print {text, token_ids, prompt_tokens, completion_tokens, "
                                                      "finish_reason}"),
 ):
+    from ..host import configure_threads, resolve_device
     from ..runtime.engine import Engine, EngineOptions, load_image
     from ..runtime.sampling import SamplingParams
 
@@ -39,10 +40,8 @@ def chat_command(
         from ..errors import InputError
 
         raise InputError("--json needs --prompt (the interactive chat has no JSON form)")
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+    device = resolve_device(device)
+    configure_threads(threads)
     engine = Engine(engine_dir, EngineOptions(device=device, kv_cache_tokens=kv_cache_tokens,
                                               vision_backend=vision_backend))
     base = [{"role": "system", "content": system}] if system else []

@@ -19,17 +19,19 @@ def ppl_command(
     samples: int = typer.Option(None, "--samples", min=1, help="Windows to score (default: all)"),
     dtype: str = typer.Option("float32", "--dtype", help="Compute dtype for HF directories"),
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
+    threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: the usable CPUs minus "
+                                                              "one)"),
     json_: bool = JsonOption,
 ):
-    from ..errors import InputError
+    from ..errors import OptionError
     from ..quant.perplexity import evaluate_perplexity
 
     if dtype not in ("float32", "float16", "bfloat16"):
-        raise InputError(f"--dtype {dtype!r}: expected float32, float16 or bfloat16")
-    if device is None:
-        import torch
+        raise OptionError(f"--dtype {dtype!r}: expected float32, float16 or bfloat16")
+    from ..host import configure_threads, resolve_device
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
+    configure_threads(threads)
     with progress_for(json_) as progress:
         res = evaluate_perplexity(model, data, seq_len=seq_len, samples=samples, dtype=dtype, device=device,
                                   base_dir=Path.cwd(), progress=progress)

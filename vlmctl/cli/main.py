@@ -28,7 +28,7 @@ def main(version: bool = typer.Option(False, "--version", callback=_version, is_
 def _register() -> None:
     # Command modules import only Typer/Rich at module level; the library is imported inside them.
     from . import (bench, build, build_llm, build_vision, chat, convert, eval, export_triton, export_vision,
-                   quantize, recipes, serve)
+                   quantize, recipes, serve, verify)
 
     app.command("recipes", help="List the bundled recipes.")(recipes.recipes_command)
     app.command("models", help="List the supported model families.")(recipes.models_command)
@@ -48,35 +48,102 @@ def _register() -> None:
         chat.chat_command)
     app.command("serve", help="OpenAI-compatible HTTP server on an engine directory.")(serve.serve_command)
     app.command("bench", help="Benchmark an engine or a running server.")(bench.bench_command)
+    app.command("verify", help="Check every file of an engine directory against its manifests (SHA-256).")(
+        verify.verify_command)
     app.add_typer(eval.eval_app, name="eval", help="Evaluate a model (perplexity).")
 
 
 _register()
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived. A BaseException, like KeyboardInterrupt, so that library code's `except
+    Exception` does not swallow it while stages still remove their temporary outputs on the way out."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """(ClickException, Exit, Abort) classes the installed typer can raise. typer >= 0.2x bundles its own
+    copy of click (`typer._click`), whose exceptions are not `click`'s; older typer raises click's."""
+    import importlib
+
+    errors, exits, aborts = [], [typer.Exit], [typer.Abort]
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        errors.append(mod.ClickException)
+        exits.append(getattr(mod, "Exit", typer.Exit))
+        aborts.append(getattr(mod, "Abort", typer.Abort))
+    return tuple(errors), tuple(exits), tuple(aborts)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _usage_message(e) -> str:
+    msg = _one_line(e.format_message())
+    ctx = getattr(e, "ctx", None)
+    if ctx is not None and getattr(e, "exit_code", 1) == 2:
+        msg += f" (see `{ctx.command_path} --help`)"
+    return msg
+
+
 def cli_main(argv: list[str] | None = None) -> int:
-    """Run the CLI; user errors become one line on stderr and a documented exit code (returned)."""
-    import click
+    """Run the CLI and return its exit code. User errors, usage errors, Ctrl-C and SIGTERM become one
+    `error: ...` line on stderr and the exit code the README documents; never a traceback."""
+    import signal
+    import threading
 
     from ..errors import VlmctlError
 
+    click_errors, exits, aborts = _click_exception_types()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        app(args=argv, standalone_mode=False)
+        rv = app(args=argv, standalone_mode=False)
     except VlmctlError as e:
-        sys.stderr.write(f"error: {e.message}\n")
+        sys.stderr.write(f"error: {_one_line(e.message)}\n")
         return e.exit_code
     except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
+        sys.stderr.write("error: interrupted\n")
         return 130
-    except (typer.Exit, click.exceptions.Exit) as e:
-        return e.exit_code
-    except (typer.Abort, click.exceptions.Abort):
-        sys.stderr.write("aborted\n")
+    except Terminated:
+        sys.stderr.write("error: terminated (SIGTERM)\n")
+        return 143
+    except exits as e:
+        return _exit_code(e.exit_code)
+    except aborts:
+        sys.stderr.write("error: aborted\n")
         return 1
-    except click.ClickException as e:
-        e.show()
+    except click_errors as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # `vlmctl eval` alone: the help text is the answer
+            e.show()
+            return e.exit_code
+        sys.stderr.write(f"error: {_usage_message(e)}\n")
         return e.exit_code
-    return 0
+    except OSError as e:  # the file system refused (permissions, a full disk, /proc): the user's to fix
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        sys.stderr.write(f"error: {where}{e.strerror or _one_line(e)}\n")
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    # In non-standalone mode typer *returns* the code of an Exit it caught, e.g. 130 for Ctrl-C.
+    return _exit_code(rv) if isinstance(rv, int) and not isinstance(rv, bool) else 0
+
+
+def _exit_code(code) -> int:
+    code = int(code or 0)
+    if code == 130:
+        sys.stderr.write("error: interrupted\n")
+    return code
 
 
 def run() -> None:

@@ -25,12 +25,16 @@ def quantize_command(
                                      help="AutoAWQ's scale formula with a weight term (default on, as in AutoAWQ)"),
     impl: str = typer.Option(None, "--impl", help="vlmctl (default) or autoawq (needs the `autoawq` package)"),
     dtype: str = typer.Option(None, "--dtype", help="Float dtype for a VLM checkpoint's conversion (default float16)"),
+    threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: the usable CPUs minus "
+                                                              "one)"),
     overrides: list[str] = SetOption,
     force: bool = typer.Option(False, "--force", help="Re-run (work directory) or replace an existing OUTPUT"),
     json_: bool = JsonOption,
 ):
     from ..errors import InputError
+    from ..host import configure_threads
 
+    n_threads = configure_threads(threads)
     sets = ["quantization.method=awq"]
     for key, value in (("group_size", group_size), ("duo_scaling", duo_scaling), ("impl", impl),
                        ("calibration.samples", calib_samples), ("calibration.seq_len", calib_seq_len)):
@@ -52,10 +56,10 @@ def quantize_command(
         with progress_for(json_) as progress:
             res = stage_quantize(recipe, source, force=force, progress=progress)
         if json_:
-            print_json(res.to_json())
+            print_json({**res.to_json(), "threads": n_threads})
         else:
             render_stage(res)
-            _render_summary(res.info)
+            _render_summary({**res.info, "threads": n_threads})
         return
 
     if output is None:
@@ -65,6 +69,7 @@ def quantize_command(
     recipe = recipe_from_source(str(source), sets)
     with progress_for(json_) as progress:
         summary = quantize_to(source, output, recipe, force=force, progress=progress)
+    summary["threads"] = n_threads
     if json_:
         print_json(summary)
     else:
@@ -74,9 +79,9 @@ def quantize_command(
 
 def quantize_to(source: Path, output: Path, recipe, *, force: bool = False, progress=None) -> dict:
     """Quantize into a temporary sibling of `output`, renamed into place only on success."""
-    import os
     import shutil
 
+    from ..artifacts import reclaim_stale_temps, temp_name
     from ..errors import InputError
     from ..quant.awq import quantize_path
 
@@ -85,7 +90,8 @@ def quantize_to(source: Path, output: Path, recipe, *, force: bool = False, prog
         raise InputError(f"{output} already exists (use --force to replace it)")
     if output.resolve() == Path(source).resolve():
         raise InputError("the output directory must differ from the source")
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    reclaim_stale_temps(output.parent, [output.name])
+    tmp = output.with_name(temp_name(output.name, "tmp"))
     shutil.rmtree(tmp, ignore_errors=True)
     output.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -111,6 +117,8 @@ def _render_summary(info: dict) -> None:
     cal = info.get("calibration") or {}
     if cal:
         parts.append(f"calibration {cal.get('samples')}×{cal.get('seq_len')} tokens")
+    if "threads" in info:
+        parts.append(f"{info['threads']} CPU threads")
     if "wall_s" in info:
         parts.append(f"{info['wall_s']:.1f} s")
     if "peak_rss_mib" in info:

@@ -198,6 +198,24 @@ class HFTensorReader:
                 from None
 
 
+class DictTensorReader(HFTensorReader):
+    """The same access over tensors already in memory (e.g. the decoder part of a whole-VLM checkpoint)."""
+
+    def __init__(self, tensors: dict, where: str = "decoder"):
+        self.tensors = tensors
+        self.where = {k: None for k in tensors}
+        self.dir = Path(where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def get(self, name: str):
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.dir}: decoder tensor {name!r} is missing") from None
+
+
 def check_hf_sources(reader: HFTensorReader, spec: DecoderSpec, where: Path) -> None:
     """Every runtime tensor's sources exist with the right shapes, and nothing is left over."""
     used: set[str] = set()
@@ -221,12 +239,13 @@ def check_hf_sources(reader: HFTensorReader, spec: DecoderSpec, where: Path) -> 
                               f"e.g. {leftovers[:3]}")
 
 
-def load_hf_weights(ckpt_dir: Path, spec: DecoderSpec, device, dtype) -> dict:
-    """Runtime tensors of a float decoder, fused while they are copied to `device`."""
+def load_hf_weights(ckpt_dir: "Path | HFTensorReader", spec: DecoderSpec, device, dtype) -> dict:
+    """Runtime tensors of a float decoder (a checkpoint directory, or a reader), fused while they are
+    copied to `device`."""
     import torch
 
-    reader = HFTensorReader(ckpt_dir)
-    check_hf_sources(reader, spec, Path(ckpt_dir))
+    reader = ckpt_dir if isinstance(ckpt_dir, HFTensorReader) else HFTensorReader(ckpt_dir)
+    check_hf_sources(reader, spec, reader.dir)
     out = {}
     for name in spec.runtime_names():
         template = next(t for t in spec.tensor_sources if t == name or

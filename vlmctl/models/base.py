@@ -113,6 +113,14 @@ class VLMFamily:
         """Module prefixes of the vision part in the whole-VLM checkpoint (AWQ's modules_to_not_convert)."""
         raise NotImplementedError
 
+    def ties_lm_head(self, config_dict: dict) -> bool:
+        """Whether transformers ties this VLM's lm_head to its word embedding: the *top-level* flag of the
+        VLM config decides (the whole model's `_tied_weights_keys` are read against it), after the config
+        class's own back-compat handling (LLaVA's and Qwen2-VL's lift a text-config `true` to the top).
+        A text config that says false does not untie. Even when tied, transformers keeps a separate
+        lm_head that the checkpoint contains; `convert` does the same."""
+        return bool(getattr(self.hf_config(config_dict), "tie_word_embeddings", False))
+
     # ---- vision ----------------------------------------------------------------------------
     @staticmethod
     def load_vision_weights(module, vision_dir: Path, skip: tuple[str, ...] = ()) -> None:

@@ -182,10 +182,9 @@ class InternVLFamily(VLMFamily):
         text = cfg.text_config.to_dict()
         text["architectures"] = [_causal_lm_class(text["model_type"])]
         text.pop("_name_or_path", None)
-        # transformers ties lm_head to the embedding from the *top-level* flag (default True) but
-        # keeps a separate lm_head when the checkpoint has one that differs (InternVL3-8B: the text
-        # config says untied). Tied only when both agree, the standalone decoder does the same.
-        text["tie_word_embeddings"] = bool(cfg.tie_word_embeddings and text.get("tie_word_embeddings", True))
+        # transformers' rule (VLMFamily.ties_lm_head); convert unties when the checkpoint has its own lm_head
+        # (InternVL3-8B: top-level default true, text config false, lm_head present).
+        text["tie_word_embeddings"] = self.ties_lm_head(config_dict)
         return text
 
     def vision_module_names(self) -> list[str]:

@@ -36,8 +36,9 @@ def _looks_like_file(spec: str) -> bool:
     return spec.endswith((".txt", ".jsonl", ".json")) or spec.startswith((".", "/", "~")) or "\\" in spec
 
 
-def read_records(spec: str | None, base_dir: Path | None = None) -> list[str]:
-    """The text records of a calibration source (see the module docstring). None: the built-in text."""
+def read_records(spec: str | None, base_dir: Path | None = None, role: str = "calibration") -> list[str]:
+    """The text records of a calibration source (see the module docstring). None: the built-in text.
+    `role` names the data in error messages ("calibration", "evaluation")."""
     if spec is None:
         from .builtin_text import BUILTIN_CALIBRATION_TEXT
 
@@ -50,7 +51,7 @@ def read_records(spec: str | None, base_dir: Path | None = None) -> list[str]:
             return list(_jsonl_texts(path))
         return _txt_lines(path)
     if _looks_like_file(spec):
-        raise InputError(f"{spec}: no such calibration file")
+        raise InputError(f"{spec}: no such {role} file")
     return _dataset_texts(spec)
 
 
@@ -160,7 +161,7 @@ def load_eval_tokens(spec: str, tokenizer, base_dir: Path | None = None):
     if path.is_file() and path.suffix not in (".jsonl", ".json"):
         text = _read_text(path)
     else:
-        text = "\n\n".join(read_records(spec, base_dir))
+        text = "\n\n".join(read_records(spec, base_dir, role="evaluation"))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids:
         raise InputError(f"{spec}: no text to evaluate")

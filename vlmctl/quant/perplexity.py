@@ -77,6 +77,17 @@ def find_decoder_dir(model: Path) -> tuple[Path, Path]:
                           "nor an engine directory (build-llm/)")
 
 
+def _is_whole_vlm(cfg: dict) -> bool:
+    """A config.json of a whole VLM (a registered family's architecture), not of a plain decoder."""
+    from ..models.decoders import DECODER_FAMILIES
+    from ..models.registry import detect_family
+
+    if cfg.get("model_type") in {t for f in DECODER_FAMILIES.values() for t in f.model_types}:
+        return False
+    detect_family(cfg)  # UnsupportedModelError (exit 4) for anything else
+    return True
+
+
 def _has_tokenizer(d: Path) -> bool:
     return any((d / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
 
@@ -91,6 +102,14 @@ def load_logits_fn(model: Path, dtype: str = "float32", device: str = "cpu") -> 
         dec = TorchDecoder.load(d, device=device, max_seq=16)
         kind = "engine"
         quant = (cfg.get("decoder", {}).get("quantization") or {}).get("method", "none")
+    elif _is_whole_vlm(cfg):  # e.g. the vlm/ checkpoint `vlmctl quantize` writes: score its decoder
+        from ..convert import read_vlm_decoder
+
+        text_cfg, tensors, q = read_vlm_decoder(d)
+        dec = TorchDecoder.from_hf_tensors({**text_cfg, "quantization_config": q} if q else text_cfg, tensors,
+                                           dtype=dtype, device=device, max_seq=16)
+        quant = (q or {}).get("quant_method", "none")
+        kind = "hf-vlm"
     else:
         dec = TorchDecoder.from_hf_dir(d, dtype=dtype, device=device, max_seq=16)
         quant = (cfg.get("quantization_config") or {}).get("quant_method", "none")

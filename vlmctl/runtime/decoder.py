@@ -180,21 +180,36 @@ class TorchDecoder:
     def from_hf_dir(cls, llm_dir: Path, *, dtype: str = "float32", device="cpu", max_seq: int = 2048) -> "TorchDecoder":
         """A float or AWQ-GEMM Hugging Face causal-LM directory (tests, perplexity)."""
         from ..checkpoint import read_config_json
-        from ..formats.awq_gemm import AwqGemmConfig
-        from ..formats.torch_layout import HFTensorReader, awq_tensors, load_hf_weights
-        from ..models.decoders import decoder_spec
+        from ..formats.torch_layout import HFTensorReader
 
         llm_dir = Path(llm_dir)
-        cfg = read_config_json(llm_dir)
-        awq = AwqGemmConfig.from_config(cfg, str(llm_dir / "config.json"))
+        return cls._from_reader(read_config_json(llm_dir), HFTensorReader(llm_dir), dtype=dtype, device=device,
+                                max_seq=max_seq)
+
+    @classmethod
+    def from_hf_tensors(cls, text_cfg: dict, tensors: dict, *, dtype: str = "float32", device="cpu",
+                        max_seq: int = 2048) -> "TorchDecoder":
+        """A decoder from a HF text config and its tensors by causal-LM name, already in memory (the
+        decoder part of a whole-VLM checkpoint); float or AWQ GEMM per the config's quantization_config."""
+        from ..formats.torch_layout import DictTensorReader
+
+        return cls._from_reader(text_cfg, DictTensorReader(tensors), dtype=dtype, device=device, max_seq=max_seq)
+
+    @classmethod
+    def _from_reader(cls, cfg: dict, reader, *, dtype: str, device, max_seq: int) -> "TorchDecoder":
+        from ..formats.awq_gemm import AwqGemmConfig
+        from ..formats.torch_layout import awq_tensors, load_hf_weights
+        from ..models.decoders import decoder_spec
+
+        awq = AwqGemmConfig.from_config(cfg, str(reader.dir / "config.json"))
         spec = decoder_spec(cfg, awq)
         dt = torch_dtype(dtype)
         if awq is None:
-            tensors = load_hf_weights(llm_dir, spec, device, dt)
+            tensors = load_hf_weights(reader, spec, device, dt)
         else:
             from .kernels.w4a16 import repack_gemm_tensors
 
-            spec, tensors = repack_gemm_tensors(spec, awq_tensors(HFTensorReader(llm_dir), spec, llm_dir, dt))
+            spec, tensors = repack_gemm_tensors(spec, awq_tensors(reader, spec, reader.dir, dt))
             tensors = {k: v.to(device) for k, v in tensors.items()}
         return cls(spec, tensors, dtype=dt, device=device, max_seq=max_seq)
 

@@ -11,7 +11,13 @@ hash), runs the chunks through the decoder over the paged KV cache, samples on t
 turns tokens into text events. On CUDA the decode rows replay a captured graph while prompt chunks
 run eagerly. When build-llm made a TensorRT-LLM engine, TensorRT-LLM batches and samples itself:
 a step then hands newly admitted prompts to it and turns what it streams back into the same
-events. Tokenization, vision, stop rules and detokenization stay here for both.
+events. Tokenization, vision, stop rules and detokenization (`stopping.TextStream`) stay here for both.
+
+One request must never hurt another: every per-request phase of a step (image encoding, sampling,
+detokenization, handing a prompt to TensorRT-LLM) runs inside its own error boundary, so a failure
+there finishes only that request, with an event whose `finish_reason` is "error" and whose `error`
+says why. Only a failure of a batched forward pass, which cannot be attributed to one request,
+fails the requests of that pass.
 """
 
 from __future__ import annotations
@@ -27,18 +33,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import EngineError, InputError, LimitError
+from ..artifacts import check_engine_files
+from ..errors import (BackendUnavailableError, EngineError, InputError, LimitError, OptionError, RequestError,
+                      VlmctlError)
 from ..formats.prompt_table import fake_ids, image_spans
+from ..host import resolve_device
 from ..models.base import EncodedPrompt
 from ..models.registry import get_family
 from .kv_cache import BlockPool, image_row_tokens
 from .request import FINISHED, RUNNING, Completion, Request, StepEvent
+from .image_limits import ImageLimits
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Scheduled, Scheduler
+from .stopping import TextStream
 
-log = logging.getLogger("vlmctl.runtime")
+log = logging.getLogger("vlmctl.engine")
 
 GiB = 1 << 30
+DEFAULT_MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 
 
 @dataclass
@@ -60,6 +72,8 @@ class EngineOptions:
     vision_backend: str = "auto"
     vision_batch_size: int = 32  # images per vision call
     feature_cache_size: int = 256  # images whose features are kept
+    max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES
+    image_limits: ImageLimits | None = None  # width, height and aspect-ratio caps before preprocessing
 
 
 @dataclass(frozen=True)
@@ -83,10 +97,13 @@ class EngineLimits:
 def _lower(name: str, value: int | None, built: int) -> int:
     if value is None:
         return built
-    if value < 1:
-        raise InputError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+    least = 0 if name == "max_images_per_request" else 1  # 0 images: a text-only server
+    if value < least:
+        raise OptionError(f"--{name.replace('_', '-')} {value}: must be at least {least}")
     if value > built:
-        raise InputError(f"--{name.replace('_', '-')} {value} is above the engine's built limit {built}")
+        # one rule for every decoder backend: limits only go down from what the engine was built for
+        raise LimitError(f"--{name.replace('_', '-')} {value} is above the engine's built limit {built} (limits only "
+                         f"go down at run time; rebuild with --set limits.{name}=N for more)")
     return value
 
 
@@ -99,6 +116,25 @@ class Engine:
             setattr(opts, k, v)
         self.options = opts
         engine_dir = Path(engine_dir)
+        check_engine_files(engine_dir)
+        if opts.max_stop_sequences < 0:
+            raise LimitError(f"max_stop_sequences must be >= 0 (got {opts.max_stop_sequences})")
+        self.max_stop_sequences = opts.max_stop_sequences
+        self.image_limits = (opts.image_limits or ImageLimits()).validate()
+        try:
+            self._load(engine_dir, opts)
+        except (EngineError, InputError, BackendUnavailableError, OptionError):
+            raise
+        except VlmctlError as e:  # e.g. a CheckpointError from a cut weights file: the engine is what is broken
+            raise EngineError(f"{engine_dir}: {e.message}") from e
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise EngineError(f"{engine_dir}: cannot load the engine ({type(e).__name__}: {first}); "
+                              f"`vlmctl verify {engine_dir}` checks every file against its manifest") from e
+
+    def _load(self, engine_dir: Path, opts: EngineOptions) -> None:
+        """Load an engine directory. A damaged one (a file missing or of the wrong size, an unreadable
+        config, tokenizer, ONNX or weights file) is one EngineError, raised before anything serves."""
         self.engine_dir = engine_dir
         llm_cfg_path = engine_dir / "build-llm" / "config.json"
         fam_path = engine_dir / "convert" / "family.json"
@@ -115,9 +151,7 @@ class Engine:
         self.tokenizer = self.processor.tokenizer
         self.eos_ids = set(self.config.get("eos_token_ids") or [])
         self.model_name = self.config.get("name", engine_dir.name)
-        if opts.device == "cuda" and not torch.cuda.is_available():
-            raise InputError("--device cuda: no CUDA device is available on this host")
-        self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(resolve_device(opts.device))
         built = self.config["limits"]
         backend = self.config.get("backend", "torch")
         self.backend = backend
@@ -210,16 +244,23 @@ class Engine:
         max_images = self.limits.max_images_per_request
         if len(images) > max_images:
             raise LimitError(f"{len(images)} images in one request; this engine accepts at most {max_images}")
+        for i, img in enumerate(images):  # before preprocessing: its cost follows the image's shape
+            self.image_limits.check(img.size, f"image {i + 1}" if len(images) > 1 else "image")
         return self.processor.encode(messages, images)
 
     def encode_text(self, text: str) -> EncodedPrompt:
+        if not text:  # a BOS alone is not a prompt either (and without one there is nothing to prefill)
+            raise InputError("the prompt is empty; give at least one character of text")
         ids = self.tokenizer(text)["input_ids"]
         return EncodedPrompt(token_ids=list(ids), images=[], image_placeholder_id=-1, text=text)
 
     def check_limits(self, prompt: EncodedPrompt, params: SamplingParams) -> None:
         n, lim = len(prompt.token_ids), self.limits
         if n == 0:
-            raise InputError("the prompt is empty")
+            raise InputError("the prompt is empty (0 tokens); give at least one token of text")
+        if len(params.stop) > self.max_stop_sequences:
+            raise LimitError(f"{len(params.stop)} stop sequences; at most {self.max_stop_sequences} are accepted "
+                             "(vlmctl serve --max-stop-sequences)")
         if n > lim.max_input_len:
             raise LimitError(f"the prompt has {n} tokens (images included); this engine's max_input_len is "
                              f"{lim.max_input_len}")
@@ -235,6 +276,8 @@ class Engine:
 
     def submit(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None) -> Request:
         params.validate()
+        if params.top_k >= self.vocab_size:
+            params.top_k = 0  # a top-k of the whole vocabulary (or more) keeps every token: no filter
         self.check_limits(prompt, params)
         if self.scheduler is None:
             self.decoder.check_params(params)
@@ -319,21 +362,53 @@ class Engine:
         scheduled = self._prepare_images(scheduled, events)
         if not scheduled:
             return events
-        logits, sampled = self._run(scheduled)
+        try:
+            logits, sampled = self._run(scheduled)
+        except Exception as e:  # one batched forward: no single request to blame
+            events.extend(self._fail(s.request, "forward", e) for s in scheduled)
+            return events
         self.scheduler.advance(scheduled)
-        if sampled:
-            reqs = [s.request for s in sampled]
-            toks, chosen, top = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-            toks_list = toks.tolist()
-            now = time.perf_counter()
-            for i, req in enumerate(reqs):
-                lp = float(chosen[i]) if chosen is not None else None
-                tl = None
-                if top is not None and req.params.logprobs:
-                    k = req.params.logprobs
-                    tl = list(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist()))
-                events.append(self._append_token(req, toks_list[i], lp, tl, now))
+        if not sampled:
+            return events
+        reqs = [s.request for s in sampled]
+        now = time.perf_counter()
+        for req, picked in zip(reqs, self._sample_guarded(logits, reqs)):
+            if isinstance(picked, Exception):
+                events.append(self._fail(req, "sampling", picked))
+                continue
+            try:
+                events.append(self._append_token(req, *picked, now))
+            except Exception as e:
+                events.append(self._fail(req, "detokenization", e))
         return events
+
+    def _sample_guarded(self, logits: torch.Tensor, reqs: list[Request]) -> list:
+        """(token, logprob, top logprobs) per request, or the exception that request's sampling raised.
+        The batch is sampled at once; only when that fails is it redone row by row, to find the
+        request at fault (rows drawn before the failure then draw again from their seeded generators)."""
+        try:
+            return self._picked(logits, reqs)
+        except Exception:
+            out = []
+            for i, req in enumerate(reqs):
+                try:
+                    out.extend(self._picked(logits[i:i + 1], [req]))
+                except Exception as e:
+                    out.append(e)
+            return out
+
+    @staticmethod
+    def _picked(logits: torch.Tensor, reqs: list[Request]) -> list[tuple]:
+        toks, chosen, top = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        out = []
+        for i, (req, tok) in enumerate(zip(reqs, toks.tolist())):
+            lp = float(chosen[i]) if chosen is not None else None
+            tl = None
+            if top is not None and req.params.logprobs:
+                k = req.params.logprobs
+                tl = list(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist()))
+            out.append((tok, lp, tl))
+        return out
 
     def _prepare_images(self, scheduled: list[Scheduled], events: list[StepEvent]) -> list[Scheduled]:
         """Encode the images whose rows the scheduled chunks compute; a request whose image fails to
@@ -354,7 +429,7 @@ class Engine:
                 try:
                     self.vision.encode(items)
                 except Exception as e2:
-                    events.append(self._fail(req, f"image encoding failed: {e2}"))
+                    events.append(self._fail(req, "image encoding", e2))
         for rid, (req, _) in need.items():
             if req.status == RUNNING:
                 req.table = None  # rebuilt below with the new features
@@ -371,13 +446,24 @@ class Engine:
             out.append(s)
         return out
 
-    def _fail(self, req: Request, message: str) -> StepEvent:
-        req.finished, req.finish_reason, req.error = True, "error", message
-        req.finish_time = time.perf_counter()
+    def _fail(self, req: Request, phase: str, exc: BaseException) -> StepEvent:
+        """Finish `req` alone with finish_reason "error"; the other requests of the step go on."""
+        if isinstance(exc, VlmctlError):
+            msg = exc.message
+            log.error("request %s failed in %s: %s", req.id, phase, msg)
+        else:
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            msg = f"internal error in {phase} ({type(exc).__name__}: {first})"
+            log.error("request %s failed in %s", req.id, phase, exc_info=exc)
+        req.error = msg
+        req.finished, req.finish_reason, req.finish_time = True, "error", time.perf_counter()
         with self._lock:
             self._requests.pop(req.id, None)
-            self.scheduler.finish(req)
-        return StepEvent(req, -1, "", True, "error", error=message)
+            if self.scheduler is not None:
+                self.scheduler.finish(req)
+            else:
+                self._release_streaming(req)
+        return StepEvent(req, -1, "", True, "error", error=msg)
 
     def _run(self, scheduled: list[Scheduled]):
         """Run the chunks; (logits [k, V], the k chunks that end their request's known tokens)."""
@@ -432,37 +518,43 @@ class Engine:
         if not admitted and not self._running:
             return events
         self.steps += 1
-        if admitted:
-            self.vision.encode([it for r in admitted for it in r.prompt.images])
+        submitted = False
         for req in admitted:
             prompt = req.prompt
-            if self.processor.position_ids(prompt.token_ids, prompt) is not None:
-                raise EngineError("this model needs multi-dimensional rotary positions, which the TensorRT-LLM "
-                                  "decoder does not take; rebuild with decoder.backend: torch")
-            self.decoder.submit(req.id, prompt, req.params)
+            try:
+                self.vision.encode(prompt.images)
+                if self.processor.position_ids(prompt.token_ids, prompt) is not None:
+                    raise EngineError("this model needs multi-dimensional rotary positions, which the TensorRT-LLM "
+                                      "decoder does not take; rebuild with decoder.backend: torch")
+                self.decoder.submit(req.id, prompt, req.params)
+                submitted = True
+            except Exception as e:
+                events.append(self._fail(req, "submission to TensorRT-LLM", e))
         # Block briefly only when nothing new was submitted, so a step never spins empty.
-        for out in self.decoder.poll(timeout=0.0 if admitted else 0.05):
+        for out in self.decoder.poll(timeout=0.0 if submitted else 0.05):
             req = self._running.get(out.request_id)
             if req is None or req.finished:
                 continue
             now = time.perf_counter()
             lps = out.logprobs or []
-            for i, tok in enumerate(out.tokens):
-                lp = lps[i] if i < len(lps) else None
-                events.append(self._append_token(req, tok, lp, None, now))
-                if req.finished:
-                    break
-            if not out.final or req.finished:
+            try:
+                for i, tok in enumerate(out.tokens):
+                    lp = lps[i] if i < len(lps) else None
+                    events.append(self._append_token(req, tok, lp, None, now))
+                    if req.finished:
+                        break
+                if not out.final or req.finished:
+                    continue
+                if out.error is None and out.reason == "stop" and self.decoder.end_id is not None:
+                    # TensorRT-LLM stopped at end_id without streaming it: the step that sampled EOS.
+                    events.append(self._append_token(req, int(self.decoder.end_id), None, None, now))
+                    continue
+            except Exception as e:
+                events.append(self._fail(req, "detokenization", e))
                 continue
-            if out.error is None and out.reason == "stop" and self.decoder.end_id is not None:
-                # TensorRT-LLM stopped at end_id without streaming it: the step that sampled EOS.
-                events.append(self._append_token(req, int(self.decoder.end_id), None, None, now))
-                continue
-            req.finished, req.finish_reason, req.finish_time = True, "abort", now
-            with self._lock:
-                self._release_streaming(req)
-            raise EngineError(f"TensorRT-LLM ended request {req.id} early ("
-                              f"{out.error or out.reason}) before vlmctl's stop rules did")
+            events.append(self._fail(req, "TensorRT-LLM", EngineError(
+                f"TensorRT-LLM ended request {req.id} early ({out.error or out.reason}) before vlmctl's stop "
+                "rules did")))
         return events
 
     def _release_streaming(self, req: Request) -> None:
@@ -474,7 +566,9 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = now
         p = req.params
-        finish = None
+        if req.detok is None:
+            req.detok = TextStream(self.tokenizer, p.stop)
+        finish, delta = None, ""
         if not p.ignore_eos and (tok in self.eos_ids or tok in p.stop_token_ids):
             finish = "stop"
         else:
@@ -484,29 +578,16 @@ class Engine:
             self.tokens_generated += 1
             if lp is not None:
                 req.logprobs.append({"token_id": tok, "logprob": lp, "top": top or []})
-            req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-            for s in p.stop:
-                idx = req.text.find(s)
-                if s and idx >= 0:
-                    req.text = req.text[:idx]
-                    finish = "stop"
-                    break
+            # Only text that can no longer change comes out: no half UTF-8 character, no stop-string prefix.
+            delta, finish = req.detok.append(tok)
             if finish is None and len(req.output_ids) >= p.max_tokens:
                 finish = "length"
             if finish is None and req.prompt_len + len(req.output_ids) >= self.limits.max_seq_len:
                 finish = "length"
-        # Hand out only text that can no longer change: no half UTF-8 character, no stop-string prefix.
-        safe = len(req.text)
-        if finish is None:
-            if req.text.endswith("\ufffd"):
-                safe = len(req.text.rstrip("\ufffd"))
-            for s in p.stop:
-                for k in range(min(len(s) - 1, safe), 0, -1):
-                    if req.text[:safe].endswith(s[:k]):
-                        safe -= k
-                        break
-        delta = req.text[req.emitted:safe] if safe > req.emitted else ""
-        req.emitted = max(req.emitted, safe)
+        if finish is not None and not req.detok.stopped:
+            delta += req.detok.flush()
+        req.text = req.detok.text
+        req.emitted += len(delta)
         if finish is not None:
             req.finished, req.finish_reason, req.finish_time = True, finish, now
             with self._lock:
@@ -527,9 +608,9 @@ class Engine:
             for ev in self.step():
                 if on_event is not None:
                     on_event(ev)
-        for r in reqs:
-            if r.finish_reason == "error":
-                raise EngineError(f"request {r.id} failed: {r.error}")
+        failed = [r for r in reqs if r.error is not None]
+        if failed:
+            raise RequestError(failed[0].error)
         return [r.completion() for r in reqs]
 
     def chat(self, messages: list[dict], images: list, params: SamplingParams, on_event=None) -> Completion:

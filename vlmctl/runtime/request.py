@@ -70,6 +70,7 @@ class Request:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    detok: "object | None" = None  # stopping.TextStream, made at the first token
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -1,12 +1,25 @@
-"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, per-request seeds)."""
+"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, per-request seeds).
+
+Every value the schema lets through must sample, because one request's parameters share a step
+with other requests: temperatures below `GREEDY_BELOW` act as greedy (dividing logits by 1e-39
+overflows float32), a top-k at or above the vocabulary size means no filter (and is clamped before it
+becomes a tensor: 2**63 does not fit in int64), top-p always keeps the most likely token (a top-p that
+rounds to 0 in float32 would otherwise remove every token), and non-finite values are refused.
+The sampler itself also survives logits with NaN (treated as impossible tokens).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import InputError
+
+# Below this a temperature cannot be told from greedy in float32 (logits / 1e-5 is still finite for
+# any logit the models produce; 1e-39 is not), so it is greedy.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -24,12 +37,17 @@ class SamplingParams:
     def validate(self) -> "SamplingParams":
         if self.max_tokens < 1:
             raise InputError(f"max_tokens must be at least 1 (got {self.max_tokens})")
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise InputError(f"{name} must be a finite number (got {getattr(self, name)})")
         if not 0 <= self.temperature <= 100:
             raise InputError(f"temperature must be between 0 and 100 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:
             raise InputError(f"top_k must be >= 0 (got {self.top_k})")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InputError("stop_token_ids must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InputError(f"top_logprobs must be between 0 and 20 (got {self.logprobs})")
         return self
@@ -50,24 +68,33 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     carry its own seeded generator)."""
     b, V = logits.shape
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
-    greedy = temps == 0
+    logits = logits.float().nan_to_num(nan=float("-inf"))  # a NaN logit is an impossible token, not a crash
+    # Python-side clamps first: values such as temperature 1e-39 or top_k 2**63 never reach a tensor.
+    greedy_rows = [not (p.temperature >= GREEDY_BELOW) for p in params]
+    greedy = torch.tensor(greedy_rows, device=device)
     tokens = logits.argmax(-1)
-    if not bool(greedy.all()):
-        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=device)
+    if not all(greedy_rows):
+        temps = torch.tensor([1.0 if g else float(p.temperature) for p, g in zip(params, greedy_rows)],
+                             device=device, dtype=torch.float32)
+        scaled = logits / temps[:, None]
+        top_k = torch.tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params], device=device)
         if bool((top_k < V).any()):
-            kth = scaled.sort(-1, descending=True).values.gather(1, (top_k.clamp(max=V) - 1)[:, None])
+            kth = scaled.sort(-1, descending=True).values.gather(1, (top_k - 1)[:, None])
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_p = torch.tensor([min(max(float(p.top_p), 0.0), 1.0) for p in params], device=device)
         if bool((top_p < 1).any()):
             sorted_logits, idx = scaled.sort(-1, descending=True)
             probs = sorted_logits.softmax(-1)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            # keep the smallest prefix whose mass reaches top_p; the first token always stays (a top_p
+            # that rounds to 0 in float32 would otherwise remove them all)
             remove = probs.cumsum(-1) - probs >= top_p[:, None]
+            remove[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
             scaled = torch.full_like(scaled, float("-inf")).scatter(1, idx, sorted_logits)
         probs = scaled.softmax(-1)
+        # A row whose logits are all -inf (or overflowed) has no distribution: take its argmax.
+        bad = ~torch.isfinite(probs).all(-1) | (probs.sum(-1) <= 0)
+        greedy = greedy | bad
         for i in range(b):
             if not bool(greedy[i]):
                 tokens[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import InputError, LimitError, VlmctlError
+from ..errors import InputError, LimitError, OptionError, VlmctlError
 from ..runtime.sampling import SamplingParams
 from . import schema as S
 from .async_engine import AsyncEngine, EngineUnavailable, RequestStream, token_appended

@@ -17,7 +17,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
-from ..errors import EngineError, VlmctlError
+from ..errors import RequestError, VlmctlError
 
 log = logging.getLogger("vlmctl.serve")
 
@@ -33,6 +33,8 @@ class _Failure:
 
 def token_appended(ev, eos_ids) -> bool:
     """Whether the event's token became part of the output (an EOS/stop-id finish is not)."""
+    if ev.error is not None:
+        return False
     p = ev.request.params
     return not (ev.finished and ev.finish_reason == "stop" and not p.ignore_eos
                 and (ev.token_id in eos_ids or ev.token_id in p.stop_token_ids))
@@ -85,7 +87,7 @@ class AsyncEngine:
                 continue
             try:
                 events = eng.step()
-            except Exception as e:  # a bug, not a user error: fail the affected requests, keep serving
+            except Exception as e:  # outside the engine's per-request boundaries: fail what runs, keep serving
                 log.exception("engine step failed")
                 self._loop.call_soon_threadsafe(self._fail_all, e)
                 # Wait until the loop has aborted them, so the next step does not retry the same batch.
@@ -112,11 +114,8 @@ class AsyncEngine:
             q = self._queues.get(ev.request.id)
             if q is None:  # consumer already gone (abort in flight)
                 continue
-            if ev.error is not None:  # this request alone failed inside the engine
-                q.put_nowait(_Failure(EngineError(ev.error)))
-                del self._queues[ev.request.id]
-                continue
-            q.put_nowait(ev)
+            # A request that failed alone (finish_reason "error") ends its own stream with an error.
+            q.put_nowait(ev if ev.error is None else _Failure(RequestError(ev.error)))
             if ev.finished:
                 del self._queues[ev.request.id]
         if self.metrics is not None and n_tokens:

@@ -1,7 +1,11 @@
 """Loading the images of `image_url` content parts: data: URLs, http(s) URLs, local files.
 
 Policy, not convenience: remote fetches go only to hosts named in `allowed_domains` (none by
-default), with a timeout, a byte cap and no redirects to other hosts; `file://` URLs are read only
+default), within one deadline for the whole fetch (every redirect hop, every body byte), under a byte
+cap counted while the body streams, and with no redirects to other hosts. An allowed name must also
+resolve to public addresses only (no loopback, link-local, private or reserved ranges, unless
+`allow_private_addresses`), and the connection goes to the address that was checked, so a DNS
+answer that changes between check and connect cannot redirect it. `file://` URLs are read only
 when they resolve (symlinks followed) inside `allowed_local_path`. Every failure is an
 `InputError` (HTTP 400) whose message says which image and why. This module is not a general
 media loader: no video, no audio.
@@ -9,9 +13,12 @@ media loader: no video, no audio.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
+import ipaddress
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urljoin, urlsplit
@@ -25,8 +32,9 @@ MAX_REDIRECTS = 3
 class MediaPolicy:
     allowed_domains: list[str] = field(default_factory=list)  # exact host names (case-insensitive)
     allowed_local_path: Path | None = None
-    timeout_s: float = 10.0
+    timeout_s: float = 10.0  # the whole fetch, redirects and body included
     max_bytes: int = 20 * 1024 * 1024
+    allow_private_addresses: bool = False  # let allowed hosts resolve to loopback/private/link-local addresses
 
     def host_allowed(self, host: str | None) -> bool:
         host = (host or "").lower().rstrip(".")
@@ -71,8 +79,14 @@ def read_local(url: str, policy: MediaPolicy, what: str) -> bytes:
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise InputError(f"{what}: file URLs must name a local path (file:///...)")
+    raw = unquote(parts.path)
+    if "\x00" in raw:
+        raise InputError(f"{what}: the file URL contains a NUL character (%00)")
     root = Path(policy.allowed_local_path).resolve()
-    path = Path(unquote(parts.path)).resolve()
+    try:
+        path = Path(raw).resolve()
+    except (OSError, ValueError) as e:
+        raise InputError(f"{what}: not a usable local path ({type(e).__name__})") from None
     if not path.is_relative_to(root):
         raise InputError(f"{what}: {path} is outside the allowed local media path {root}")
     if not path.is_file():
@@ -83,43 +97,99 @@ def read_local(url: str, policy: MediaPolicy, what: str) -> bytes:
     return path.read_bytes()
 
 
+def _public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not ip.is_multicast
+
+
+async def _checked_addresses(host: str, port: int, policy: MediaPolicy, what: str) -> list[str]:
+    """The addresses `host` resolves to, every one of them allowed, IPv4 first."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise InputError(f"{what}: cannot resolve {host!r} ({e})") from None
+    addrs = list(dict.fromkeys(info[4][0] for info in infos))
+    if not addrs:
+        raise InputError(f"{what}: {host!r} has no address")
+    if not policy.allow_private_addresses:
+        for a in addrs:
+            if not _public(ipaddress.ip_address(a.split("%", 1)[0])):
+                raise InputError(f"{what}: {host!r} resolves to {a}, a loopback, private, link-local or reserved "
+                                 "address (start the server with --allow-private-media-addresses to allow it)")
+    return sorted(addrs, key=lambda a: ":" in a)
+
+
+async def _get(client, url: str, addr: str, policy: MediaPolicy, what: str) -> tuple[str | None, bytes]:
+    """One GET of `url` connected to `addr`: (redirect location, b"") or (None, body)."""
+    import httpx
+
+    parts = urlsplit(url)
+    # The connection goes to the checked address; the Host header and TLS (SNI, certificate) keep the name.
+    target = httpx.URL(url).copy_with(host=addr)
+    headers = {"Host": parts.netloc.rsplit("@", 1)[-1]}
+    ext = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
+    async with client.stream("GET", target, headers=headers, extensions=ext) as resp:
+        if resp.is_redirect and "location" in resp.headers:
+            return urljoin(url, resp.headers["location"]), b""
+        if resp.status_code != 200:
+            raise InputError(f"{what}: fetching {url} returned HTTP {resp.status_code}")
+        declared = resp.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > policy.max_bytes:
+            raise InputError(f"{what}: {url} is {declared} bytes, over the {policy.max_bytes}-byte media cap")
+        buf = bytearray()
+        async for chunk in resp.aiter_bytes():
+            buf += chunk
+            if len(buf) > policy.max_bytes:
+                raise InputError(f"{what}: {url} is over the {policy.max_bytes}-byte media cap")
+        return None, bytes(buf)
+
+
+async def _fetch(url: str, policy: MediaPolicy, what: str, client) -> bytes:
+    import httpx
+
+    for _ in range(MAX_REDIRECTS + 1):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise InputError(f"{what}: redirected to a {parts.scheme!r} URL")
+        if not policy.host_allowed(parts.hostname):
+            allowed = ", ".join(policy.allowed_domains) or "none (use --allowed-media-domains)"
+            raise InputError(f"{what}: fetching images from {parts.hostname!r} is not allowed "
+                             f"(allowed hosts: {allowed})")
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            raise InputError(f"{what}: invalid port in {url!r}") from None
+        addrs = await _checked_addresses(parts.hostname, port, policy, what)
+        try:
+            for i, addr in enumerate(addrs):
+                try:
+                    location, body = await _get(client, url, addr, policy, what)
+                    break
+                except httpx.ConnectError:
+                    if i == len(addrs) - 1:  # every address of the host refused
+                        raise
+        except httpx.TimeoutException:
+            raise InputError(f"{what}: fetching {url} timed out after {policy.timeout_s:g}s") from None
+        except httpx.HTTPError as e:
+            raise InputError(f"{what}: fetching {url} failed ({type(e).__name__}: {e})") from None
+        if location is None:
+            return body
+        url = location
+    raise InputError(f"{what}: too many redirects")
+
+
 async def fetch_remote(url: str, policy: MediaPolicy, what: str, client=None) -> bytes:
+    """The body of an http(s) image URL under `policy`; `timeout_s` bounds the whole fetch, not each read."""
     import httpx
 
     own = client is None
     if own:
-        client = httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=False)
+        client = httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=False, trust_env=False)
     try:
-        for _ in range(MAX_REDIRECTS + 1):
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https"):
-                raise InputError(f"{what}: redirected to a {parts.scheme!r} URL")
-            if not policy.host_allowed(parts.hostname):
-                allowed = ", ".join(policy.allowed_domains) or "none (use --allowed-media-domains)"
-                raise InputError(f"{what}: fetching images from {parts.hostname!r} is not allowed "
-                                 f"(allowed hosts: {allowed})")
-            try:
-                async with client.stream("GET", url, timeout=policy.timeout_s) as resp:
-                    if resp.is_redirect and "location" in resp.headers:
-                        url = urljoin(url, resp.headers["location"])
-                        continue
-                    if resp.status_code != 200:
-                        raise InputError(f"{what}: fetching {url} returned HTTP {resp.status_code}")
-                    declared = resp.headers.get("content-length")
-                    if declared and declared.isdigit() and int(declared) > policy.max_bytes:
-                        raise InputError(f"{what}: {url} is {declared} bytes, over the "
-                                         f"{policy.max_bytes}-byte media cap")
-                    buf = bytearray()
-                    async for chunk in resp.aiter_bytes():
-                        buf += chunk
-                        if len(buf) > policy.max_bytes:
-                            raise InputError(f"{what}: {url} is over the {policy.max_bytes}-byte media cap")
-                    return bytes(buf)
-            except httpx.TimeoutException:
-                raise InputError(f"{what}: fetching {url} timed out after {policy.timeout_s:g}s") from None
-            except httpx.HTTPError as e:
-                raise InputError(f"{what}: fetching {url} failed ({type(e).__name__}: {e})") from None
-        raise InputError(f"{what}: too many redirects")
+        return await asyncio.wait_for(_fetch(url, policy, what, client), policy.timeout_s)
+    except asyncio.TimeoutError:
+        raise InputError(f"{what}: fetching {url} took longer than {policy.timeout_s:g}s") from None
     finally:
         if own:
             await client.aclose()
@@ -127,8 +197,6 @@ async def fetch_remote(url: str, policy: MediaPolicy, what: str, client=None) ->
 
 async def load_image_url(url: str, policy: MediaPolicy, what: str = "image", client=None):
     """An image_url (data:, http(s):, file:) -> RGB PIL image. Decoding runs off the event loop."""
-    import asyncio
-
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
         data = parse_data_url(url, what)

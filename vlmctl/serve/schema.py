@@ -12,21 +12,36 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 
 class _Req(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def _unicode_text(value: str) -> str:
+    # JSON can spell a lone UTF-16 surrogate ("\ud800"); Python keeps it in the str, and the tokenizer
+    # (and any UTF-8 encoder) fails on it later. Refuse it here, where it is a 400 with its field.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text contains a lone UTF-16 surrogate ({value[e.start]!r} at character {e.start}), "
+                         "which is not valid Unicode") from None
+    return value
+
+
+# Every string a request carries into the tokenizer, the media loader or a response.
+Text = Annotated[str, AfterValidator(_unicode_text)]
+
+
 # ---- chat requests ---------------------------------------------------------------------------
 class TextPart(_Req):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ImageURL(_Req):
-    url: str
+    url: Text
     detail: Literal["auto", "low", "high"] | None = None
 
 
@@ -40,8 +55,8 @@ ContentPart = Annotated[Union[TextPart, ImageURLPart], Field(discriminator="type
 
 class ChatMessage(_Req):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class StreamOptions(_Req):
@@ -51,13 +66,13 @@ class StreamOptions(_Req):
 class SamplingFields(_Req):
     """Fields shared by both endpoints."""
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)  # extension
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
@@ -70,7 +85,7 @@ class SamplingFields(_Req):
     best_of: int | None = None
     ignore_eos: bool = False  # extension (benchmarks)
     stop_token_ids: list[int] | None = None  # extension
-    user: str | None = None
+    user: Text | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -87,10 +102,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 # ---- responses -------------------------------------------------------------------------------
