@@ -343,10 +343,10 @@ class TorchDecoder:
             pos3 = np.concatenate([c.positions if c.positions.ndim == 2 else np.broadcast_to(c.positions, (3, c.n))
                                    for c in cs], 1)
             mrope_cos_sin = self._mrope_cos_sin(np.ascontiguousarray(pos3))
-            tables = [mrope_cos_sin] * self.n_layers
+            rope_tables = [mrope_cos_sin] * self.n_layers
             positions = torch.arange(T, device=dev)
         else:
-            tables = [layer.cos_sin for layer in self.layers]
+            rope_tables = [layer.cos_sin for layer in self.layers]
             positions = torch.from_numpy(np.concatenate([c.positions for c in cs]).astype(np.int64)).to(dev)
         ids_t = torch.from_numpy(ids).to(dev)
         slot_t = torch.from_numpy(slots).to(dev)
@@ -376,7 +376,7 @@ class TorchDecoder:
 
         def attend(li, qkv):
             kc, vc = kc_all[li], vc_all[li]
-            cos_sin, window = tables[li], self.layers[li].window
+            cos_sin, window = rope_tables[li], self.layers[li].window
             out = torch.empty((T, self.n_heads, self.head_dim), dtype=qkv.dtype, device=dev)
             if n_dec:
                 out[:n_dec] = ops.paged_decode_rope(qkv[:n_dec], cos_sin, positions[:n_dec], slot_t[:n_dec], kc, vc,
