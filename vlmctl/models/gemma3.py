@@ -3,14 +3,16 @@
 The tower (SigLIP, no pooling head) turns a square image (896 px on the hub) into a patch grid;
 the projector average-pools it to `mm_tokens_per_image` rows (256 on the hub), normalizes them with
 Gemma's (1 + w) RMSNorm and projects them to the decoder's width. The image processor resizes
-every image to the tower's square (no aspect ratio kept); with pan-and-scan on (off in the hub's
-preprocessor_config.json) a wide or tall image also gets up to `pan_and_scan_max_num_crops`
-crops, each a further image of `mm_tokens_per_image` rows. In the prompt the chat template writes
-`<start_of_image>` per image; Gemma3Processor replaces it by `\\n\\n<start_of_image>` +
-`<image_soft_token>` x mm_tokens_per_image + `<end_of_image>\\n\\n` (with crops: "Here is the
-original image ... and here are some crops to help you see better " and one such sequence per
-crop). The rendered prompt starts with the template's BOS, so it is tokenized without adding
-another (what Gemma3Processor.apply_chat_template does).
+every image to the tower's square (no aspect ratio kept), so every image is `mm_tokens_per_image`
+rows. In the prompt the chat template writes `<start_of_image>` per image; Gemma3Processor
+replaces it by `\\n\\n<start_of_image>` + `<image_soft_token>` x mm_tokens_per_image +
+`<end_of_image>\\n\\n`. The rendered prompt starts with the template's BOS, so it is tokenized
+without adding another (what Gemma3Processor.apply_chat_template does).
+
+Pan-and-scan (extra crops of wide or tall images) is not offered: transformers 5's Gemma3Processor
+passes its own image settings (`Gemma3Processor.images_kwargs`: pan-and-scan off) over whatever
+preprocessor_config.json says and turns it on only when a caller asks per call; vlmctl passes the
+same settings, so a checkpoint config that enables it changes nothing here either.
 
 The decoder (models/decoders.py, "gemma3_text") is where Gemma differs from Llama; all of it goes
 to the runtime through the DecoderSpec. The VLM adds one thing: during prefill the rows of one image
@@ -45,9 +47,6 @@ _LEGACY_PREFIXES = (
     ("multi_modal_projector.", "model.multi_modal_projector."),
     ("model.vision_tower.vision_model.", "model.vision_tower."),
 )
-# Gemma3Processor's values for the image processor's pan-and-scan settings left null in its config.
-PAN_AND_SCAN_DEFAULTS = {"pan_and_scan_min_crop_size": 256, "pan_and_scan_max_num_crops": 4,
-                         "pan_and_scan_min_ratio_to_activate": 1.2}
 DEFAULT_IMAGE_SEQ_LENGTH = 256  # Gemma3Processor's default image_seq_length
 
 
@@ -173,25 +172,11 @@ class Gemma3Family(VLMFamily):
 
     # ---- prompt ----------------------------------------------------------------------------
     def tokens_per_image(self, config_dict: dict) -> int:
-        """Feature rows of one image (or one pan-and-scan crop)."""
+        """Feature rows of one image."""
         return int(self.hf_config(config_dict).mm_tokens_per_image)
 
     def max_image_tokens(self, config_dict: dict) -> int:
-        # the hub's processors leave pan-and-scan off: one image is one tower input
-        return self.tokens_per_image(config_dict)
-
-    def engine_image_tokens(self, config_dict: dict, processor_dir: Path) -> int:
-        return max_inputs_per_image(load_image_processor(processor_dir)) * self.tokens_per_image(config_dict)
-
-    def vision_profile(self, config_dict: dict, processor_dir: Path, limits: dict) -> dict | None:
-        """With pan-and-scan, the batch axis counts an image's original and crops."""
-        per_image = max_inputs_per_image(load_image_processor(processor_dir))
-        if per_image == 1:
-            return None
-        vc = self.hf_config(config_dict).vision_config
-        hi = max(1, limits["max_batch_size"] * max(limits["max_images_per_request"], 1)) * per_image
-        rest = (vc.num_channels, vc.image_size, vc.image_size)
-        return {"pixel_values": ((1, *rest), (min(per_image, hi), *rest), (hi, *rest))}
+        return self.tokens_per_image(config_dict)  # every image, whatever its size
 
     def load_processor(self, processor_dir: Path) -> "Gemma3ProcessorAdapter":
         return Gemma3ProcessorAdapter(self, Path(processor_dir))
@@ -205,19 +190,15 @@ def load_image_processor(processor_dir: Path):
     return Gemma3ImageProcessorPil.from_pretrained(str(processor_dir))
 
 
-def pan_and_scan_settings(ip) -> dict:
-    """The pan-and-scan keyword arguments Gemma3Processor passes (its defaults where the config has null)."""
-    out = {"do_pan_and_scan": bool(ip.do_pan_and_scan)}
-    for key, default in PAN_AND_SCAN_DEFAULTS.items():
-        value = getattr(ip, key, None)
-        out[key] = default if value is None else value
-    return out
+def processor_image_settings() -> dict:
+    """The image settings Gemma3Processor passes over the image processor's own (pan-and-scan off)."""
+    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
 
-
-def max_inputs_per_image(ip) -> int:
-    """Most tower inputs one image becomes: the image itself, plus its pan-and-scan crops."""
-    pas = pan_and_scan_settings(ip)
-    return 1 + int(pas["pan_and_scan_max_num_crops"]) if pas["do_pan_and_scan"] else 1
+    settings = dict(Gemma3Processor.images_kwargs)
+    if settings.get("do_pan_and_scan"):
+        raise UnsupportedModelError("this transformers' Gemma3Processor turns pan-and-scan on, which vlmctl's "
+                                    "Gemma 3 prompt layout does not implement")
+    return settings
 
 
 class Gemma3ProcessorAdapter(FamilyProcessor):
@@ -230,7 +211,7 @@ class Gemma3ProcessorAdapter(FamilyProcessor):
         cfg = family.hf_config(config)
         self.tokenizer = AutoTokenizer.from_pretrained(str(processor_dir))
         self.image_processor = load_image_processor(processor_dir)
-        self.pan_and_scan = pan_and_scan_settings(self.image_processor)
+        self.image_settings = processor_image_settings()
         self.chat_template = load_chat_template(processor_dir, self.tokenizer)
         tok = self.tokenizer
         self.image_token_id = int(cfg.image_token_index)
@@ -256,24 +237,16 @@ class Gemma3ProcessorAdapter(FamilyProcessor):
         # Gemma3Processor.full_image_sequence
         self.full_image_sequence = f"\n\n{self.boi}{self.image_token * self.image_seq_length}{self.eoi}\n\n"
 
-    def preprocess(self, image) -> tuple[np.ndarray, int]:
-        """One image -> (pixel_values [1 + crops, 3, S, S]: the image, then its pan-and-scan crops; crops)."""
+    def preprocess(self, image) -> np.ndarray:
+        """One image -> pixel_values [1, 3, S, S]."""
         try:
-            out = self.image_processor(images=[image], return_tensors="np", **self.pan_and_scan)
+            out = self.image_processor(images=[image], return_tensors="np", **self.image_settings)
         except (ValueError, OSError, ZeroDivisionError) as e:  # degenerate sizes, unreadable pixel data
             raise InputError(f"the image processor rejected a {image.size[0]}x{image.size[1]} image: {e}") from None
         pv = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
-        crops = int(np.asarray(out["num_crops"]).reshape(-1)[0])
-        if pv.shape[0] != 1 + crops:
-            raise InputError("the image processor returned an inconsistent number of crops")
-        return pv, crops
-
-    def image_text(self, crops: int) -> str:
-        """What an image's `<start_of_image>` becomes (Gemma3Processor.replace_image_token)."""
-        if not crops:
-            return self.full_image_sequence
-        return (f"Here is the original image {self.full_image_sequence} and here are some crops to help you see "
-                "better " + " ".join([self.full_image_sequence] * crops))
+        if pv.shape[0] != 1:
+            raise InputError(f"the image processor made {pv.shape[0]} inputs of one image")
+        return pv
 
     def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None) -> EncodedPrompt:
         text = render_chat(self.tokenizer, self.chat_template, messages, tools)
@@ -284,10 +257,10 @@ class Gemma3ProcessorAdapter(FamilyProcessor):
         items: list[ImageItem] = []
         expanded = [pieces[0]]
         for img, rest in zip(images, pieces[1:]):
-            pv, crops = self.preprocess(img.convert("RGB"))
-            items.append(ImageItem(inputs={"pixel_values": pv}, num_tokens=pv.shape[0] * self.image_seq_length,
-                                   meta={"crops": crops}, content_hash=image_hash(img)))
-            expanded += [self.image_text(crops), rest]
+            pv = self.preprocess(img.convert("RGB"))
+            items.append(ImageItem(inputs={"pixel_values": pv}, num_tokens=self.image_seq_length,
+                                   content_hash=image_hash(img)))
+            expanded += [self.full_image_sequence, rest]  # Gemma3Processor.replace_image_token
         full = "".join(expanded)
         bos = self.tokenizer.bos_token
         # the template writes the BOS itself; Gemma3Processor then tokenizes without special tokens
