@@ -504,6 +504,17 @@ def test_awq_scale_folding_keeps_the_one_plus_norm_exact():
         assert (plain(x, position_embeddings=cos_sin, attention_mask=None) - ref).abs().max() > 1e-2
 
 
+def test_autoawq_impl_refuses_gemma3_cleanly(tmp_path, capsys):
+    """AutoAWQ 0.2.9 has no Gemma 3 model: `quantization.impl: autoawq` is one clear error (exit 4)."""
+    if __import__("importlib").util.find_spec("awq") is None:
+        pytest.skip("autoawq is not installed")
+    ckpt = make_gemma3(tmp_path / "ckpt", text_layers=2, vision_layers=1)
+    recipe = write_recipe(tmp_path / "r.yaml", ckpt)
+    _, _, err = cli("build", recipe, "-o", tmp_path / "eng", "--set", "quantization.method=awq", "--set",
+                    "quantization.impl=autoawq", "--set", "quantization.group_size=32", capsys=capsys, expect=4)
+    assert "error:" in err and "gemma3_text" in err and "Traceback" not in err
+
+
 # ---- hub shapes, limits, backends -------------------------------------------------------------------
 def _hub_like(text: dict, vision: dict | None = None) -> dict:
     """config.json as google/gemma-3-*-it has it (transformers 4.x keys: rope_scaling, rope_local_base_freq)."""
