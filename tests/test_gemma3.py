@@ -504,6 +504,42 @@ def test_awq_scale_folding_keeps_the_one_plus_norm_exact():
         assert (plain(x, position_embeddings=cos_sin, attention_mask=None) - ref).abs().max() > 1e-2
 
 
+def test_awq_calibration_pass_reproduces_the_models_forward(tmp_path):
+    """What AWQ's calibration feeds each layer (scaled embeddings, the layer type's rotary table, the
+    sliding window as a mask) reproduces transformers' own forward layer by layer, at a sequence
+    longer than the window."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from vlmctl.models.decoders import calibration_layer_kwargs, decoder_family
+    from vlmctl.quant.awq import embedding_scale
+
+    cfg = Gemma3TextConfig(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=5,
+                           sliding_window_pattern=2, rope_local_base_freq=100.0)
+    torch.manual_seed(0)
+    hf = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    hf.save_pretrained(tmp_path / "llm")
+    ids = torch.randint(0, 90, (2, 17))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True).hidden_states
+    hf.config._attn_implementation = "sdpa"
+    inner = hf.model
+    x = torch.nn.functional.embedding(ids, inner.embed_tokens.weight) * embedding_scale(tmp_path / "llm")
+    pos = torch.arange(17)[None]
+    kwargs = calibration_layer_kwargs(decoder_family("gemma3_text"), hf.config, inner.rotary_emb, x, pos)
+    assert kwargs[0]["attention_mask"] is not None and kwargs[1]["attention_mask"] is None
+    with torch.no_grad():
+        assert torch.allclose(x, ref[0], atol=1e-5)
+        for i, layer in enumerate(inner.layers):
+            x = layer(x, **kwargs[i])
+            x = x[0] if isinstance(x, tuple) else x
+            if i + 1 < len(inner.layers):
+                assert torch.allclose(x, ref[i + 1], atol=1e-4), i
+
+
 def test_autoawq_impl_refuses_gemma3_cleanly(tmp_path, capsys):
     """AutoAWQ 0.2.9 has no Gemma 3 model: `quantization.impl: autoawq` is one clear error (exit 4)."""
     if __import__("importlib").util.find_spec("awq") is None:
