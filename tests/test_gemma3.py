@@ -597,8 +597,10 @@ def test_hub_shaped_configs(text):
     assert torch.allclose(torch.tensor(spec.rope_local_inv_freq), 1.0 / (1e4 ** base))
     names = expected_tensors(fam, cfg)
     assert "model.multi_modal_projector.mm_input_projection_weight" in names
-    hub = {"language_model.model.layers.0.self_attn.q_norm.weight": "model.language_model.layers.0.self_attn.q_norm.weight",
-           "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight": "model.vision_tower.encoder.layers.0.mlp.fc1.weight",
+    hub = {"language_model.model.layers.0.self_attn.q_norm.weight":
+           "model.language_model.layers.0.self_attn.q_norm.weight",
+           "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight":
+           "model.vision_tower.encoder.layers.0.mlp.fc1.weight",
            "multi_modal_projector.mm_soft_emb_norm.weight": "model.multi_modal_projector.mm_soft_emb_norm.weight",
            "language_model.lm_head.weight": "lm_head.weight"}
     for old, new in hub.items():

@@ -1,4 +1,4 @@
-"""Gemma 3 (`Gemma3ForConditionalGeneration`: gemma-3-4b/12b/27b-it): SigLIP tower -> Gemma 3 projector -> Gemma 3 decoder.
+"""Gemma 3 (`Gemma3ForConditionalGeneration`: gemma-3-4b/12b/27b-it): SigLIP -> Gemma 3 projector -> Gemma 3 decoder.
 
 The tower (SigLIP, no pooling head) turns a square image (896 px on the hub) into a patch grid;
 the projector average-pools it to `mm_tokens_per_image` rows (256 on the hub), normalizes them with

@@ -166,9 +166,9 @@ class TorchDecoder:
                                      torch.arange(n_pos, device=self.device))
         self.cos_sin_local = self.cos_sin
         if spec.rope_local_inv_freq:
-            self.cos_sin_local = cos_sin_table(torch.tensor(spec.rope_local_inv_freq, dtype=torch.float32,
-                                                            device=self.device),
-                                               spec.rope_local_attention_scaling, torch.arange(n_pos, device=self.device))
+            local = torch.tensor(spec.rope_local_inv_freq, dtype=torch.float32, device=self.device)
+            self.cos_sin_local = cos_sin_table(local, spec.rope_local_attention_scaling,
+                                               torch.arange(n_pos, device=self.device))
         self.layers = []
         for i in range(spec.num_layers):
             p = f"layers.{i}"
