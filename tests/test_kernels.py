@@ -29,7 +29,8 @@ def tol(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm(dtype, with_residual):
+@pytest.mark.parametrize("one_plus", [False, True])
+def test_add_rms_norm(dtype, with_residual, one_plus):
     from vlmctl.runtime.kernels.fused import add_rms_norm
 
     g = torch.Generator().manual_seed(1)
@@ -38,13 +39,54 @@ def test_add_rms_norm(dtype, with_residual):
     w = (torch.rand(H, generator=g) + 0.5).to(DEV, dtype)
     res = (torch.randn(T, H, generator=g) * 3).to(DEV, dtype) if with_residual else None
     res_ref = res.clone() if with_residual else None
-    want = ops.rms_norm_reference(x.clone(), w, 1e-6, res_ref)
+    want = ops.rms_norm_reference(x.clone(), w, 1e-6, res_ref, one_plus)
     out = torch.full_like(x, float("nan"))
-    got = add_rms_norm(x, w, 1e-6, res, out=out)
+    got = add_rms_norm(x, w, 1e-6, res, out=out, one_plus=one_plus)
     assert not got.isnan().any()
     assert rel_err(got, want) < tol(dtype)
     if with_residual:
         assert torch.equal(res, res_ref)  # the residual sum is rounded to the dtype in both
+
+
+def test_one_plus_norm_is_gemmas():
+    """The (1 + w) reference is transformers' Gemma3RMSNorm, bit for bit, in fp32 and fp16."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    g = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.float16):
+        norm = Gemma3RMSNorm(48, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(48, generator=g))
+        norm = norm.to(dtype)
+        x = (torch.randn(6, 48, generator=g) * 4).to(dtype)
+        assert torch.equal(ops.rms_norm_reference(x, norm.weight, 1e-6, None, True), norm(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("one_plus", [False, True])
+@pytest.mark.parametrize("d", [16, 24])
+def test_qk_norm(dtype, one_plus, d):
+    from vlmctl.runtime.kernels.fused import qk_norm
+
+    g = torch.Generator().manual_seed(12)
+    T, n_q, n_kv = 5, 4, 2
+    qkv = (torch.randn(T, (n_q + 2 * n_kv) * d, generator=g) * 3).to(DEV, dtype)
+    qw = torch.randn(d, generator=g).to(DEV, dtype)
+    kw = torch.randn(d, generator=g).to(DEV, dtype)
+    ref = qkv.clone()
+    ops.qk_norm_reference(ref, qw, kw, n_q, n_kv, d, 1e-6, one_plus)
+    qk_norm(qkv, qw, kw, n_q, n_kv, d, 1e-6, one_plus)
+    assert rel_err(qkv[:, :(n_q + n_kv) * d], ref[:, :(n_q + n_kv) * d]) < tol(dtype)
+    assert torch.equal(qkv[:, (n_q + n_kv) * d:], ref[:, (n_q + n_kv) * d:])  # v untouched
+    # the reference, written out: each head on its own, q's weight on q heads and k's on k heads
+    x = (torch.randn(3, (n_q + 2 * n_kv) * d, generator=g) * 2).double()
+    got = x.clone()
+    ops.qk_norm_reference(got, qw.double().cpu(), kw.double().cpu(), n_q, n_kv, d, 1e-6, one_plus)
+    for h in range(n_q + n_kv):
+        w = (qw if h < n_q else kw).double().cpu()
+        xh = x[:, h * d:(h + 1) * d]
+        want = xh / xh.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * ((1 + w) if one_plus else w)
+        assert torch.allclose(got[:, h * d:(h + 1) * d], want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -80,10 +122,27 @@ def test_silu_mul(dtype):
     assert rel_err(silu_mul(gu), ops.silu_mul_reference(gu)) < tol(dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul(dtype):
+    """GELU-tanh·up against torch's own tanh-approximated GELU (transformers' gelu_pytorch_tanh)."""
+    from transformers.activations import ACT2FN
+
+    from vlmctl.runtime.kernels.fused import act_mul
+
+    g = torch.Generator().manual_seed(13)
+    gu = (torch.randn(3, 2 * 1100, generator=g) * 4).to(DEV, dtype)
+    gu[0, :8] = torch.tensor([-30.0, -6.0, -1e-3, 0.0, 1e-4, 3.0, 9.0, 30.0])  # tails and the origin
+    gate, up = gu.chunk(2, -1)
+    want = ACT2FN["gelu_pytorch_tanh"](gate) * up
+    assert torch.equal(ops.act_mul(gu.cpu(), "gelu_tanh"), want.cpu()) if DEV == "cpu" else True
+    assert rel_err(act_mul(gu, "gelu_tanh"), want) < tol(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n_q,n_kv,d", [(4, 4, 16), (8, 2, 32), (7, 1, 24)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_paged_decode(dtype, n_q, n_kv, d, splits):
+@pytest.mark.parametrize("window", [None, 5, 20])
+def test_paged_decode(dtype, n_q, n_kv, d, splits, window):
     from vlmctl.runtime.kernels.paged_attention import paged_decode
 
     g = torch.Generator().manual_seed(4)
@@ -95,17 +154,39 @@ def test_paged_decode(dtype, n_q, n_kv, d, splits):
     # q rows strided as views of a fused qkv tensor are
     q = torch.randn(B, n_q + 2 * n_kv, d, generator=g).to(DEV, dtype)[:, :n_q]
     scale = d ** -0.5
-    want = ops.paged_decode_reference(q.float(), kc.float(), vc.float(), tables.to(DEV), lens.to(DEV), scale)
+    want = ops.paged_decode_reference(q.float(), kc.float(), vc.float(), tables.to(DEV), lens.to(DEV), scale,
+                                      window)
     out = torch.full((B, n_q, d), float("nan"), dtype=dtype, device=DEV)
-    got = paged_decode(q, kc, vc, tables.to(DEV), lens.to(DEV), scale, num_splits=splits, out=out)
+    got = paged_decode(q, kc, vc, tables.to(DEV), lens.to(DEV), scale, num_splits=splits, out=out, window=window)
     assert not got.isnan().any()
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 3e-3)
+    if window is not None:  # the window matters: the full-context answer differs
+        full = ops.paged_decode_reference(q.float(), kc.float(), vc.float(), tables.to(DEV), lens.to(DEV), scale)
+        assert rel_err(full, want) > 0.05
+
+
+def test_paged_decode_window_reference_is_explicit():
+    """The reference's window keeps exactly the last `window` positions (the token itself included)."""
+    g = torch.Generator().manual_seed(14)
+    bs, d = 4, 8
+    kc = torch.randn(6, bs, 1, d, generator=g, dtype=torch.float64)
+    vc = torch.randn(6, bs, 1, d, generator=g, dtype=torch.float64)
+    table = torch.tensor([[3, 1, 5, 2]], dtype=torch.int32)
+    q = torch.randn(1, 2, d, generator=g, dtype=torch.float64)
+    ctx, w = 13, 6
+    k = kc[table[0].long()].flatten(0, 1)[:ctx, 0]
+    v = vc[table[0].long()].flatten(0, 1)[:ctx, 0]
+    kk, vv = k[ctx - w:], v[ctx - w:]
+    want = torch.softmax(q[0] @ kk.T * 0.3, -1) @ vv
+    got = ops.paged_decode_reference(q, kc, vc, table, torch.tensor([ctx]), 0.3, w)
+    assert torch.allclose(got[0], want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else []))
 @pytest.mark.parametrize("n_q,n_kv", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_paged_decode_with_rope_and_append(dtype, n_q, n_kv, splits):
+@pytest.mark.parametrize("window", [None, 7])
+def test_paged_decode_with_rope_and_append(dtype, n_q, n_kv, splits, window):
     """The fused decode kernel == rotary + KV append + attention as separate reference operations."""
     from vlmctl.runtime.kernels.paged_attention import paged_decode_rope
 
@@ -124,8 +205,55 @@ def test_paged_decode_with_rope_and_append(dtype, n_q, n_kv, splits):
     kc_ref, vc_ref, qkv_ref = kc.clone(), vc.clone(), qkv.clone()
     ops.rope_and_cache_reference(qkv_ref, cos_sin, pos, n_q, n_kv, d, kc_ref, vc_ref, slots.to(DEV))
     want = ops.paged_decode_reference(qkv_ref[:, :n_q * d].view(B, n_q, d).float(), kc_ref.float(), vc_ref.float(),
-                                      tables.to(DEV), lens.to(DEV), d ** -0.5)
+                                      tables.to(DEV), lens.to(DEV), d ** -0.5, window)
     got = paged_decode_rope(qkv, cos_sin, pos, slots.to(DEV), kc, vc, tables.to(DEV), lens.to(DEV), d ** -0.5, n_q,
-                            n_kv, num_splits=splits)
+                            n_kv, num_splits=splits, window=window)
     assert rel_err(got, want) < 3e-3
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # the appended K/V, rounded as the reference rounds
+
+
+def _naive_prefill(q, k, v, scale, allowed):
+    """Attention written out per query row over the allowed keys (float64)."""
+    n, Hq, d = q.shape
+    rep = Hq // k.shape[1]
+    out = torch.empty(n, Hq, d, dtype=torch.float64)
+    for i in range(n):
+        keys = allowed(i)
+        for h in range(Hq):
+            kk, vv = k[keys, h // rep].double(), v[keys, h // rep].double()
+            out[i, h] = torch.softmax(q[i, h].double() @ kk.T * scale, -1) @ vv
+    return out
+
+
+@pytest.mark.parametrize("start", [0, 9])
+@pytest.mark.parametrize("window", [None, 4, 30])
+@pytest.mark.parametrize("with_blocks", [False, True])
+def test_prefill_attention_window_and_image_blocks(start, window, with_blocks):
+    """prefill_attention's mask against the rule written out: query at position p sees key j when
+    (j <= p or j is in p's image block) and (no window or j > p - window)."""
+    g = torch.Generator().manual_seed(15)
+    n, Hq, Hkv, d = 12, 4, 2, 8
+    L = start + n
+    q = torch.randn(n, Hq, d, generator=g)
+    k = torch.randn(L, Hkv, d, generator=g)
+    v = torch.randn(L, Hkv, d, generator=g)
+    blocks = torch.tensor([-1, 0, 0, 0, 0, 0, -1, -1, 1, 1, 1, -1]) if with_blocks else None
+
+    def allowed(i):
+        p = start + i
+        keys = []
+        for j in range(L):
+            ok = j <= p or (blocks is not None and j >= start and blocks[i] >= 0 and blocks[j - start] == blocks[i])
+            if window is not None:
+                ok = ok and j > p - window
+            if ok:
+                keys.append(j)
+        return keys
+
+    got = ops.prefill_attention(q, k, v, 0.4, window=window, blocks=blocks)
+    want = _naive_prefill(q, k, v, 0.4, allowed)
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    if (window is None or window >= L) and not with_blocks:
+        return
+    plain = ops.prefill_attention(q, k, v, 0.4)
+    assert not torch.allclose(plain, got, atol=1e-3)  # the window / blocks change the answer

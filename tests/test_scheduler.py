@@ -152,3 +152,46 @@ def test_block_pool_accounting_and_prefix_keys():
     assert (image_row_tokens("abc", 3) == image_row_tokens("abc", 3)).all()
     assert not (image_row_tokens("abc", 3) == image_row_tokens("abd", 3)).any()
     assert (image_row_tokens("abc", 3) < 0).all()
+
+
+def test_chunks_never_end_inside_an_image_when_asked():
+    """keep_images_whole: a chunk stops before an image it cannot finish, takes an image that begins
+    it whole (past the budget), may start inside an image after a prefix hit, and later text is
+    chunked as usual; without the flag chunks cut anywhere."""
+    from vlmctl.models.base import EncodedPrompt
+    from vlmctl.runtime.kv_cache import BlockPool
+    from vlmctl.runtime.request import Request
+    from vlmctl.runtime.sampling import SamplingParams
+    from vlmctl.runtime.scheduler import Scheduler
+
+    def run(keep, budget, num_computed=0):
+        pool = BlockPool(64, 4, enable_prefix_caching=False)
+        s = Scheduler(pool, max_num_seqs=2, max_num_batched_tokens=budget, keep_images_whole=keep)
+        req = Request("r", EncodedPrompt([], [], -1), SamplingParams(max_tokens=1))
+        req.all_ids = list(range(40))
+        req.image_spans = [(5, 10), (20, 12)]  # rows 5..14 and 20..31
+        s.add(req)
+        req.num_computed = num_computed
+        s._prefix_hit = lambda r: None  # keep the given start (a hit computed elsewhere)
+        chunks = []
+        while req.num_computed < req.num_tokens:
+            out, _ = s.schedule()
+            (c,) = out
+            chunks.append((c.start, c.n))
+            s.advance(out)
+        return chunks
+
+    assert run(False, 8) == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 8)]
+    assert run(True, 8) == [(0, 5), (5, 10), (15, 5), (20, 12), (32, 8)]
+    assert run(True, 12) == [(0, 5), (5, 12), (17, 3), (20, 12), (32, 8)]
+    assert run(True, 16) == [(0, 16), (16, 16), (32, 8)]  # boundaries that fall outside images stay
+    assert run(True, 4, num_computed=9) == [(9, 6), (15, 4), (19, 1), (20, 12), (32, 4), (36, 4)]  # mid-image start
+
+
+def test_image_spans_cover_an_images_extent():
+    from vlmctl.formats.prompt_table import fake_ids, image_spans
+
+    V, P = 100, 7
+    toks = [1, P, P, 2, P, P, 3, P, P, P, 4]  # image 0: rows at 1, 2, 4, 5 (a separator between); image 1: 7..9
+    ids = fake_ids(toks, P, V, 7)
+    assert image_spans(ids, V, [4, 3]) == [(1, 5), (7, 3)]

@@ -70,13 +70,21 @@ def resolve_vision_backend(recipe: Recipe) -> str:
     return want
 
 
-def resolve_decoder_backend(recipe: Recipe) -> str:
+def resolve_decoder_backend(recipe: Recipe, family=None) -> str:
     """torch or trtllm. `auto` takes TensorRT-LLM when its interpreter has 1.2.x and the recipe is
-    one it builds (float16/bfloat16); a recipe asking for tensor/pipeline parallelism must get it."""
+    one it builds (float16/bfloat16); a recipe asking for tensor/pipeline parallelism must get it.
+    A family whose image rows attend to each other (`image_attention` "bidirectional") gets the torch
+    decoder: TensorRT-LLM's prompt-table engines attend causally, which would change the answers."""
     from .backends.trtllm import trtllm_available
 
     want = recipe.decoder.backend
     parallel = recipe.decoder.tp_size * recipe.decoder.pp_size > 1
+    if family is not None and family.image_attention != "causal":
+        if want == "trtllm" or parallel:
+            raise StageError(f"decoder.backend trtllm: TensorRT-LLM's prompt-table engine attends causally among "
+                             f"image rows, but {family.name} needs each image's rows to see each other; use "
+                             "decoder.backend: torch (one GPU)")
+        return "torch"
     if want == "auto":
         if recipe.dtype == "float32" and not parallel:
             return "torch"  # TensorRT-LLM engines are float16/bfloat16 here
@@ -224,8 +232,8 @@ def _spec_build_vision(recipe: Recipe, workdir: Path, progress: Progress | None,
 def _spec_build_llm(recipe: Recipe, workdir: Path, progress: Progress | None, dry: bool = False) -> StageSpec:
     from .export.trtllm import prompt_table_size
 
-    backend = resolve_decoder_backend(recipe)
     family = _family(workdir)
+    backend = resolve_decoder_backend(recipe, family)
     quantized = recipe.quantization.method != "none"
     if quantized:
         if read_manifest(workdir / "quantize") is None:
@@ -240,7 +248,8 @@ def _spec_build_llm(recipe: Recipe, workdir: Path, progress: Progress | None, dr
     table_size = prompt_table_size(lim, per_image)
     extra = {"name": recipe.name, "backend": backend, "limits": lim.model_dump(), "prompt_table_size": table_size,
              "image_tokens_per_image": per_image, "eos_token_ids": _eos_ids(workdir / "convert" / "processor")}
-    settings = {"backend": backend, "dtype": recipe.dtype, **extra, **backend_fingerprint(backend)}
+    settings = {"backend": backend, "dtype": recipe.dtype, "image_attention": family.image_attention, **extra,
+                **backend_fingerprint(backend)}
     if backend == "trtllm":
         dec = recipe.decoder
         settings["parallel"] = {"tp_size": dec.tp_size, "pp_size": dec.pp_size}
@@ -255,7 +264,7 @@ def _spec_build_llm(recipe: Recipe, workdir: Path, progress: Progress | None, dr
         from .export.torch_decoder import build_torch_decoder
 
         return build_torch_decoder(llm_dir, out, engine_root=workdir, dtype=recipe.dtype, extra_config=extra,
-                                   progress=progress)
+                                   progress=progress, image_attention=family.image_attention)
 
     return StageSpec("build-llm", workdir, settings, inputs, work)
 

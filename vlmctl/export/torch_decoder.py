@@ -20,14 +20,18 @@ from ..progress import Progress
 
 
 def build_torch_decoder(llm_dir: Path, out_dir: Path, *, engine_root: Path, dtype: str, extra_config: dict,
-                        progress: Progress | None = None) -> dict:
-    """Write the torch decoder layout for the decoder in `llm_dir` (under `engine_root`) into `out_dir`."""
+                        progress: Progress | None = None, image_attention: str = "causal") -> dict:
+    """Write the torch decoder layout for the decoder in `llm_dir` (under `engine_root`) into `out_dir`.
+    `image_attention`: the VLM family's (a property of the VLM, not of its text decoder's config)."""
+    from dataclasses import replace
+
     import torch
 
     llm_dir = Path(llm_dir)
     cfg = read_config_json(llm_dir)
     awq = AwqGemmConfig.from_config(cfg, str(llm_dir / "config.json"))
-    spec = decoder_spec(cfg, awq)
+    spec = replace(decoder_spec(cfg, awq), image_attention=image_attention)
+    spec.validate()
     reader = HFTensorReader(llm_dir)
     if awq is None:
         check_hf_sources(reader, spec, llm_dir)

@@ -26,10 +26,12 @@ def fake_ids(token_ids, placeholder_id: int, vocab_size: int, rows: int) -> np.n
 
 
 def image_spans(ids: np.ndarray, vocab_size: int, rows_per_image: list[int]) -> list[tuple[int, int]]:
-    """(first token index, rows) of each image in ids made by `fake_ids`."""
+    """(first token index, extent) of each image in ids made by `fake_ids`: the extent runs from the
+    image's first row to its last, so it covers the text between an image's rows where a family
+    interleaves them (crops with separators); for contiguous rows it is the row count."""
     starts = np.nonzero(ids >= vocab_size)[0]
     spans, k = [], 0
     for rows in rows_per_image:
-        spans.append((int(starts[k]), rows) if rows else (0, 0))
+        spans.append((int(starts[k]), int(starts[k + rows - 1]) - int(starts[k]) + 1) if rows else (0, 0))
         k += rows
     return spans

@@ -2,11 +2,15 @@
 
 This is an on-disk contract between `build-llm` (vlmctl.export.torch_decoder writes it) and the
 runtime (vlmctl.runtime.decoder reads it). `config.json` holds a typed `DecoderSpec`: the
-decoder's shape and variants (activation, norm, rotary incl. M-RoPE sections) and, per runtime
-tensor, the Hugging Face tensors it is made of. Runtime tensor names (i = layer index):
+decoder's shape and variants (activation, norm, rotary incl. M-RoPE sections, embedding scale,
+q/k norms, sandwich norms, sliding-window layers with their own rotary, logit softcapping, image
+attention) and, per runtime tensor, the Hugging Face tensors it is made of. Runtime tensor names
+(i = layer index):
 
   embed, norm, lm_head (absent when tied)
-  layers.i.input_norm, layers.i.post_norm
+  layers.i.input_norm, layers.i.post_norm               the norms before attention and before the MLP
+  layers.i.attn_out_norm, layers.i.mlp_out_norm         sandwich norms of the attention / MLP outputs
+  layers.i.q_norm, layers.i.k_norm                      per-head q/k norms [head_dim] (qk_norm)
   layers.i.{qkv,o,gate_up,down}.weight                 float linears [out, in]; q|k|v and gate|up fused
   layers.i.qkv.bias                                     when the decoder has q/k/v biases
   layers.i.{qkv,o,gate_up,down}.{qweight,scales,zeros}  4-bit AWQ linears in the W4A16 kernel's layout
@@ -42,9 +46,18 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
+NORMS = ("rms", "rms_one_plus")
+ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
+IMAGE_ATTENTION = ("causal", "bidirectional")
+
+
 @dataclass(frozen=True)
 class DecoderSpec:
-    """What the runtime needs to know about a decoder; made by `vlmctl.models.decoders`."""
+    """What the runtime needs to know about a decoder; made by `vlmctl.models.decoders`.
+
+    The defaults are a Llama decoder; every other decoder states its variants here, so the runtime
+    runs any of them from this description alone (it never asks which model it is)."""
 
     model_type: str
     hidden_size: int
@@ -58,11 +71,23 @@ class DecoderSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
-    activation: str = "silu"  # gated MLP: act(gate) * up
-    norm: str = "rms"  # RMSNorm with weight w
+    activation: str = "silu"  # gated MLP: act(gate) * up; "silu" | "gelu_tanh" (GELU, tanh approximation)
+    # "rms": w * round(x / rms(x)) (Llama); "rms_one_plus": round(x / rms(x) * (1 + w)), all in float32 (Gemma)
+    norm: str = "rms"
     rope_inv_freq: tuple[float, ...] = ()  # float32 values, computed by transformers' rotary class
     rope_attention_scaling: float = 1.0
     mrope_section: tuple[int, ...] | None = None  # multimodal rotary: frequency sections of (t, h, w)
+    embed_scale: float | None = None  # token embeddings times this (rounded to the model dtype); image rows not
+    qk_norm: bool = False  # per-head norm (of kind `norm`) of q and k before rotary
+    sandwich_norms: bool = False  # attention and MLP outputs are normed before their residual add
+    attention_scale: float | None = None  # softmax scale of q.k; None: head_dim ** -0.5
+    layer_types: tuple[str, ...] = ()  # per layer "full" | "sliding"; empty: every layer full
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    rope_local_inv_freq: tuple[float, ...] = ()  # rotary of the sliding layers; empty: the global one
+    rope_local_attention_scaling: float = 1.0
+    # "bidirectional": during prefill the rows of one image (a run of prompt-table rows) see each other
+    image_attention: str = "causal"
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     quantization: dict | None = None  # {"method": "awq", "bits": 4, "group_size": g}
     # runtime tensor name ("{i}" = layer) -> the HF tensors concatenated (along the output axis) into it
     tensor_sources: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -77,11 +102,35 @@ class DecoderSpec:
         if unknown:
             raise EngineError(f"decoder spec has unknown fields {unknown} (built by a newer vlmctl?)")
         d = dict(d)
-        d["rope_inv_freq"] = tuple(d.get("rope_inv_freq") or ())
+        for key in ("rope_inv_freq", "rope_local_inv_freq", "layer_types"):
+            d[key] = tuple(d.get(key) or ())
         if d.get("mrope_section") is not None:
             d["mrope_section"] = tuple(d["mrope_section"])
         d["tensor_sources"] = {k: tuple(v) for k, v in (d.get("tensor_sources") or {}).items()}
-        return cls(**d)
+        spec = cls(**d)
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        """Variants this runtime runs; anything else is an engine built by another vlmctl."""
+        for name, value, allowed in (("norm", self.norm, NORMS), ("activation", self.activation, ACTIVATIONS),
+                                     ("image_attention", self.image_attention, IMAGE_ATTENTION)):
+            if value not in allowed:
+                raise EngineError(f"decoder spec: {name} {value!r} is not supported (expected one of "
+                                  f"{', '.join(allowed)})")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise EngineError(f"decoder spec: layer_types must give {self.num_layers} values of "
+                                  f"{', '.join(LAYER_TYPES)}")
+            if "sliding" in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+                raise EngineError("decoder spec: sliding layers need a positive sliding_window")
+        if self.rope_local_inv_freq and len(self.rope_local_inv_freq) != len(self.rope_inv_freq):
+            raise EngineError("decoder spec: rope_local_inv_freq and rope_inv_freq differ in size")
+        if self.mrope_section is not None and self.rope_local_inv_freq:
+            raise EngineError("decoder spec: multimodal rotary with a separate local rotary is not supported")
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding"
 
     @property
     def q_size(self) -> int:
@@ -107,7 +156,8 @@ class DecoderSpec:
         qkv = self.q_size + 2 * self.kv_size
         tail = name.split(".", 2)[-1] if name.startswith("layers.") else name
         return {"embed": (V, H), "lm_head": (V, H), "norm": (H,), "input_norm": (H,), "post_norm": (H,),
-                "qkv.weight": (qkv, H), "qkv.bias": (qkv,), "o.weight": (H, self.q_size),
+                "attn_out_norm": (H,), "mlp_out_norm": (H,), "q_norm": (self.head_dim,),
+                "k_norm": (self.head_dim,), "qkv.weight": (qkv, H), "qkv.bias": (qkv,), "o.weight": (H, self.q_size),
                 "gate_up.weight": (2 * I, H), "down.weight": (H, I)}.get(tail)
 
 

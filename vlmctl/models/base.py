@@ -71,6 +71,9 @@ class VLMFamily:
     multi_image: ClassVar[bool] = True
     # Served by tensorrtllm_backend 1.2's stock multimodal Python models (export-triton), or None.
     triton_stock: ClassVar[TritonStock | None] = None
+    # How the decoder attends among an image's rows during prefill: "causal" (like text), or
+    # "bidirectional" (the rows of one image see each other; the decoder spec carries it to the runtime).
+    image_attention: ClassVar[str] = "causal"
 
     # ---- detection -------------------------------------------------------------------------
     @classmethod

@@ -1,8 +1,10 @@
-"""Decoder (language-model) families: Llama-style causal LMs that the VLMs wrap.
+"""Decoder (language-model) families: the causal LMs that the VLMs wrap (Llama, Mistral, Qwen2, Gemma 3).
 
 What this module knows per decoder family: how a Hugging Face config maps to the embedded
-runtime's config, the tensor names of one layer (fused into the runtime layout at build time),
-and the AWQ layer groups (which linears share an input, which op absorbs the inverse scale).
+runtime's `DecoderSpec` (shape and every variant: norm kind, activation, embedding scale, q/k and
+sandwich norms, sliding-window layers and their rotary, softcapping), the tensor names of one layer
+(fused into the runtime layout at build time), the AWQ layer groups (which linears share an input,
+which op absorbs the inverse scale) and what the AWQ calibration pass feeds each layer.
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ class AwqGroup:
     requires_equal_shapes: bool = False
 
 
+# HF activation names -> the runtime's. GELU's tanh approximation is torch's own (not "gelu_new", which
+# transformers computes with its own formula and rounds differently).
+HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# HF layer types -> the runtime's
+HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
 @dataclass(frozen=True)
 class DecoderFamily:
     model_types: tuple[str, ...]
@@ -36,15 +45,39 @@ class DecoderFamily:
     # HF causal-LM class name, used to load a decoder checkpoint with transformers.
     causal_lm_class: str = "LlamaForCausalLM"
     decoder_layer_class: str = "LlamaDecoderLayer"
+    hf_module: str | None = None  # transformers.models.<this> when it is not named after the model_type
 
     # Names of one layer's tensors in the HF checkpoint (relative to the layer).
-    q, k, v, o = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"
-    gate, up, down = "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"
-    input_norm, post_norm = "input_layernorm", "post_attention_layernorm"
+    q: str = "self_attn.q_proj"
+    k: str = "self_attn.k_proj"
+    v: str = "self_attn.v_proj"
+    o: str = "self_attn.o_proj"
+    gate: str = "mlp.gate_proj"
+    up: str = "mlp.up_proj"
+    down: str = "mlp.down_proj"
+    input_norm: str = "input_layernorm"
+    post_norm: str = "post_attention_layernorm"  # the norm before the MLP
+    attn_out_norm: str | None = None  # sandwich norms: on the attention / MLP output before the residual add
+    mlp_out_norm: str | None = None
+    q_norm: str | None = None  # per-head q/k norms before rotary
+    k_norm: str | None = None
+
+    # Variants (see DecoderSpec): how the config's values become the spec's.
+    norm: str = "rms"
+    activation_key: str = "hidden_act"  # the config key naming the MLP activation
+    embed_scale_sqrt_hidden: bool = False  # token embeddings times sqrt(hidden_size)
+    attention_scalar_key: str | None = None  # config key s: softmax scale s ** -0.5 instead of head_dim ** -0.5
+    layer_types: bool = False  # per-layer full / sliding attention (config layer_types), rotary per layer type
+    final_softcap_key: str | None = None  # config key of the final logit softcap
 
     def clip_skip(self) -> tuple[str, ...]:
         """Linears AWQ's clip search leaves alone (q/k: their outputs meet in a softmax)."""
         return (self.q, self.k)
+
+    @property
+    def norm_gain_offset(self) -> float:
+        """The norm multiplies by (offset + w): what AWQ must keep when it folds a scale into w."""
+        return 1.0 if self.norm == "rms_one_plus" else 0.0
 
 
 _LLAMA_GROUPS = (
@@ -54,12 +87,30 @@ _LLAMA_GROUPS = (
     AwqGroup("mlp.up_proj", ("mlp.down_proj",), None),
 )
 
+# Gemma 3: the MLP's input norm is pre_feedforward_layernorm (post_attention_layernorm normalizes the
+# attention output itself). AWQ folds 1/s into (1 + w) of the (1 + w) norms (AutoAWQ's Gemma rule).
+_GEMMA3_GROUPS = (
+    AwqGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
+    AwqGroup("self_attn.v_proj", ("self_attn.o_proj",), None, requires_equal_shapes=True),
+    AwqGroup("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    AwqGroup("mlp.up_proj", ("mlp.down_proj",), None),
+)
+
 DECODER_FAMILIES: dict[str, DecoderFamily] = {
     "llama": DecoderFamily(("llama",), awq_groups=_LLAMA_GROUPS),
     "mistral": DecoderFamily(("mistral",), awq_groups=_LLAMA_GROUPS, causal_lm_class="MistralForCausalLM",
                              decoder_layer_class="MistralDecoderLayer"),
     "qwen2": DecoderFamily(("qwen2",), qkv_bias=True, awq_groups=_LLAMA_GROUPS, causal_lm_class="Qwen2ForCausalLM",
                            decoder_layer_class="Qwen2DecoderLayer"),
+    # Gemma 3's text decoder (transformers' Gemma3ForCausalLM / Gemma3TextModel). Its config's
+    # attn_logit_softcapping is not read: transformers 5's Gemma3Attention never applies it.
+    "gemma3_text": DecoderFamily(("gemma3_text",), awq_groups=_GEMMA3_GROUPS, causal_lm_class="Gemma3ForCausalLM",
+                                 decoder_layer_class="Gemma3DecoderLayer", hf_module="gemma3",
+                                 post_norm="pre_feedforward_layernorm", attn_out_norm="post_attention_layernorm",
+                                 mlp_out_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm",
+                                 k_norm="self_attn.k_norm", norm="rms_one_plus", activation_key="hidden_activation",
+                                 embed_scale_sqrt_hidden=True, attention_scalar_key="query_pre_attn_scalar",
+                                 layer_types=True, final_softcap_key="final_logit_softcapping"),
 }
 
 
@@ -79,13 +130,39 @@ def decoder_spec(text_cfg: dict, awq=None):
     hidden = text_cfg["hidden_size"]
     heads = text_cfg["num_attention_heads"]
     head_dim = text_cfg.get("head_dim") or hidden // heads
-    if text_cfg.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise UnsupportedModelError(f"decoder activation {text_cfg.get('hidden_act')!r} is not supported (only silu)")
+    act = text_cfg.get(fam.activation_key, "silu")
+    if act not in HF_ACTIVATIONS:
+        raise UnsupportedModelError(f"decoder activation {act!r} is not supported "
+                                    f"(supported: {', '.join(HF_ACTIVATIONS)})")
+    if text_cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("decoders with bidirectional text attention (use_bidirectional_attention) are "
+                                    "embedding models, not generators")
     qkv_bias = fam.qkv_bias or bool(text_cfg.get("attention_bias", False))
     tie = bool(text_cfg.get("tie_word_embeddings", False))
-    inv_freq, scaling = rotary_tables(text_cfg)
     rope = text_cfg.get("rope_parameters") or text_cfg.get("rope_scaling") or {}
     mrope = rope.get("mrope_section")
+    variants: dict = {}
+    if fam.layer_types:
+        hf_cfg = hf_text_config(text_cfg)
+        kinds = [HF_LAYER_TYPES.get(t) for t in hf_cfg.layer_types]
+        if None in kinds:
+            raise UnsupportedModelError(f"decoder layer types {sorted(set(hf_cfg.layer_types))} are not supported "
+                                        f"(supported: {', '.join(HF_LAYER_TYPES)})")
+        inv_freq, scaling = rotary_tables(text_cfg, "full_attention")
+        variants["layer_types"] = tuple(kinds)
+        if "sliding" in kinds:
+            local, local_scaling = rotary_tables(text_cfg, "sliding_attention")
+            variants.update(sliding_window=int(hf_cfg.sliding_window),
+                            rope_local_inv_freq=tuple(float(x) for x in local.tolist()),
+                            rope_local_attention_scaling=local_scaling)
+    else:
+        inv_freq, scaling = rotary_tables(text_cfg)
+    if fam.embed_scale_sqrt_hidden:
+        variants["embed_scale"] = hidden ** 0.5  # transformers' own expression (a Python float)
+    if fam.attention_scalar_key:
+        variants["attention_scale"] = text_cfg[fam.attention_scalar_key] ** -0.5
+    if fam.final_softcap_key and text_cfg.get(fam.final_softcap_key) is not None:
+        variants["final_logit_softcap"] = float(text_cfg[fam.final_softcap_key])
     lp = fam.layer_prefix + ".{i}"
     sources = {"embed": ("model.embed_tokens.weight",), "norm": ("model.norm.weight",)}
     if not tie:
@@ -98,22 +175,46 @@ def decoder_spec(text_cfg: dict, awq=None):
         "layers.{i}.gate_up.weight": tuple(f"{lp}.{n}.weight" for n in (fam.gate, fam.up)),
         "layers.{i}.down.weight": (f"{lp}.{fam.down}.weight",),
     })
+    if fam.attn_out_norm:
+        sources["layers.{i}.attn_out_norm"] = (f"{lp}.{fam.attn_out_norm}.weight",)
+        sources["layers.{i}.mlp_out_norm"] = (f"{lp}.{fam.mlp_out_norm}.weight",)
+    if fam.q_norm:
+        sources["layers.{i}.q_norm"] = (f"{lp}.{fam.q_norm}.weight",)
+        sources["layers.{i}.k_norm"] = (f"{lp}.{fam.k_norm}.weight",)
     if qkv_bias:
         sources["layers.{i}.qkv.bias"] = tuple(f"{lp}.{n}.bias" for n in (fam.q, fam.k, fam.v))
-    return DecoderSpec(
+    spec = DecoderSpec(
         model_type=text_cfg["model_type"], hidden_size=hidden, intermediate_size=text_cfg["intermediate_size"],
         num_layers=text_cfg["num_hidden_layers"], num_heads=heads,
         num_kv_heads=text_cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
         vocab_size=text_cfg["vocab_size"], rms_norm_eps=text_cfg.get("rms_norm_eps", 1e-6),
         max_position_embeddings=text_cfg.get("max_position_embeddings", 4096), tie_word_embeddings=tie,
-        qkv_bias=qkv_bias, activation="silu", norm="rms", rope_inv_freq=tuple(float(x) for x in inv_freq.tolist()),
-        rope_attention_scaling=scaling, mrope_section=tuple(mrope) if mrope else None, tensor_sources=sources,
+        qkv_bias=qkv_bias, activation=HF_ACTIVATIONS[act], norm=fam.norm,
+        rope_inv_freq=tuple(float(x) for x in inv_freq.tolist()), rope_attention_scaling=scaling,
+        mrope_section=tuple(mrope) if mrope else None, qk_norm=fam.q_norm is not None,
+        sandwich_norms=fam.attn_out_norm is not None, tensor_sources=sources,
         quantization=None if awq is None else {"method": "awq", "bits": awq.bits, "group_size": awq.group_size,
-                                               "layout": "awq-gemm"})
+                                               "layout": "awq-gemm"}, **variants)
+    spec.validate()
+    return spec
 
 
-def rotary_tables(text_cfg: dict):
-    """(inv_freq, attention_scaling) computed by transformers' own rotary class for this config.
+def hf_text_config(text_cfg: dict):
+    """The transformers config object of a decoder config dict (its own class fills derived values)."""
+    import transformers
+
+    rope = text_cfg.get("rope_parameters")
+    if isinstance(rope, dict) and "mrope_section" in rope:
+        # M-RoPE only regroups the same frequencies per position component; the decoder's own config
+        # class does not know the key and would warn about it.
+        text_cfg = {**text_cfg, "rope_parameters": {k: v for k, v in rope.items() if k != "mrope_section"}}
+    cfg_cls = transformers.AutoConfig.for_model(**{**text_cfg, "model_type": text_cfg["model_type"]}).__class__
+    return cfg_cls(**{k: v for k, v in text_cfg.items() if k != "model_type"})
+
+
+def rotary_tables(text_cfg: dict, layer_type: str | None = None):
+    """(inv_freq, attention_scaling) computed by transformers' own rotary class for this config
+    (`layer_type`: the table of that HF layer type, for decoders with one rotary per layer type).
 
     Using transformers' implementation keeps every rope_scaling variant (llama3, yarn, linear)
     exactly as the reference computes it.
@@ -121,19 +222,40 @@ def rotary_tables(text_cfg: dict):
     import importlib
 
     import torch
-    import transformers
 
     fam = decoder_family(text_cfg["model_type"])
-    rope = text_cfg.get("rope_parameters")
-    if isinstance(rope, dict) and "mrope_section" in rope:
-        # M-RoPE only regroups the same frequencies per position component; the decoder's own config
-        # class does not know the key and would warn about it.
-        text_cfg = {**text_cfg, "rope_parameters": {k: v for k, v in rope.items() if k != "mrope_section"}}
-    cfg_cls = transformers.AutoConfig.for_model(**{**text_cfg, "model_type": text_cfg["model_type"]}).__class__
-    cfg = cfg_cls(**{k: v for k, v in text_cfg.items() if k != "model_type"})
-    mod = importlib.import_module(f"transformers.models.{text_cfg['model_type']}.modeling_{text_cfg['model_type']}")
+    cfg = hf_text_config(text_cfg)
+    name = fam.hf_module or text_cfg["model_type"]
+    mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     rotary_cls = getattr(mod, fam.decoder_layer_class.replace("DecoderLayer", "RotaryEmbedding"))
     rot = rotary_cls(config=cfg)
-    inv_freq = rot.inv_freq.detach().to(torch.float32).clone()
-    scaling = float(getattr(rot, "attention_scaling", 1.0))
+    prefix = f"{layer_type}_" if layer_type else ""
+    inv_freq = getattr(rot, f"{prefix}inv_freq").detach().to(torch.float32).clone()
+    scaling = float(getattr(rot, f"{prefix}attention_scaling", 1.0))
     return inv_freq, scaling
+
+
+def calibration_layer_kwargs(family: DecoderFamily, hf_config, rotary, x, positions) -> list[dict]:
+    """Keyword arguments of each HF decoder layer in AWQ's calibration pass over x [n, T, H] at 1-D
+    `positions` [1, T]: rotary cos/sin (per layer type where the family has several) and, for
+    sliding-window layers shorter than T, their window as a boolean mask; None: causal."""
+    import torch
+
+    n_layers = hf_config.num_hidden_layers
+    if not family.layer_types:
+        cos, sin = rotary(x[:1], positions)
+        same = {"position_embeddings": (cos, sin), "attention_mask": None, "position_ids": positions}
+        return [same] * n_layers
+    T = x.shape[1]
+    out, tables = [], {}
+    for t in hf_config.layer_types:
+        if t not in tables:
+            mask = None
+            window = hf_config.sliding_window if t == "sliding_attention" else None
+            if window is not None and window < T:
+                i = torch.arange(T, device=x.device)
+                mask = ((i[None] <= i[:, None]) & (i[None] > i[:, None] - window))[None, None]
+            tables[t] = {"position_embeddings": rotary(x[:1], positions, t), "attention_mask": mask,
+                         "position_ids": positions}
+        out.append(tables[t])
+    return out

@@ -19,6 +19,7 @@ FAMILIES: dict[str, str] = {
     "internvl": "vlmctl.models.internvl:InternVLFamily",
     "idefics3": "vlmctl.models.idefics3:Idefics3Family",
     "smolvlm": "vlmctl.models.idefics3:SmolVLMFamily",
+    "gemma3": "vlmctl.models.gemma3:Gemma3Family",
 }
 
 

@@ -25,7 +25,7 @@ import time
 import types
 from pathlib import Path
 
-from ..errors import BackendUnavailableError, CheckpointError
+from ..errors import BackendUnavailableError, CheckpointError, UnsupportedModelError
 from ..progress import Progress, ensure
 
 TESTED_VERSION = "0.2.9"
@@ -110,6 +110,11 @@ def quantize_with_autoawq(src_dir: Path, out_dir: Path, settings, base_dir: Path
     cfg = json.loads((src_dir / "config.json").read_text())
     if cfg.get("quantization_config"):
         raise CheckpointError(f"{src_dir}: already quantized; give a float checkpoint")
+    from awq.models.auto import AWQ_CAUSAL_LM_MODEL_MAP
+
+    if cfg.get("model_type") not in AWQ_CAUSAL_LM_MODEL_MAP:  # e.g. Gemma 3 (AutoAWQ 0.2.9 stops at Gemma 2)
+        raise UnsupportedModelError(f"AutoAWQ {autoawq_version()} has no {cfg.get('model_type')!r} decoder; use "
+                                    "quantization.impl: vlmctl")
     tokenizer = AutoTokenizer.from_pretrained(str(src_dir))
     cal = settings.calibration
     tokens = calib_ids if calib_ids is not None else load_calibration(cal.data, tokenizer, cal.samples, cal.seq_len,

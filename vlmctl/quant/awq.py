@@ -427,8 +427,9 @@ class LayerQuantizer:
         return [_first(block(x[lo:hi], **kw)) for lo, hi in self._chunks(x)]
 
     @staticmethod
-    def apply_scale(layer, group, scale):
-        """Fold 1/s into the op before the group and s into the group's linears (exact in float)."""
+    def apply_scale(layer, group, scale, norm_offset: float = 0.0):
+        """Fold 1/s into the op before the group and s into the group's linears (exact in float).
+        `norm_offset`: a norm before the group multiplies by (norm_offset + w) (Gemma's 1 + w)."""
         import torch
 
         prev = layer.get_submodule(group.prev_op)
@@ -437,7 +438,8 @@ class LayerQuantizer:
             if prev.bias is not None:
                 prev.bias.data[-scale.numel():].div_(scale)
         elif getattr(prev, "weight", None) is not None and prev.weight.dim() == 1 and prev.weight.numel() == scale.numel():
-            prev.weight.data.div_(scale)  # an RMSNorm / LayerNorm gain
+            # an RMSNorm / LayerNorm gain; a norm that multiplies by (offset + w) keeps its offset
+            prev.weight.data.add_(norm_offset).div_(scale).sub_(norm_offset)
             if getattr(prev, "bias", None) is not None:
                 prev.bias.data.div_(scale)
         else:
@@ -461,7 +463,7 @@ class LayerQuantizer:
             chosen.append((g, self.search_scale(layer, g, inputs[g.linears[0]])))
         scaled_inputs = dict(inputs)
         for g, s in chosen:
-            self.apply_scale(layer, g, s)
+            self.apply_scale(layer, g, s, self.family.norm_gain_offset)
             xs = inputs[g.linears[0]] / s
             for n in g.linears:
                 scaled_inputs[n] = xs
@@ -547,6 +549,14 @@ def embedding_weight(llm_dir: Path):
     return _Tensors(Path(llm_dir)).get(name)
 
 
+def embedding_scale(llm_dir: Path) -> float:
+    """What the decoder multiplies token embeddings by (1.0 for most; Gemma's sqrt(hidden))."""
+    from ..models.decoders import decoder_spec
+
+    scale = decoder_spec(json.loads((Path(llm_dir) / "config.json").read_text())).embed_scale
+    return 1.0 if scale is None else scale
+
+
 def valid_group_sizes(in_features: list[int]) -> list[int]:
     g = 0
     for n in in_features:
@@ -620,7 +630,7 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
     """
     import torch
 
-    from ..models.decoders import decoder_family
+    from ..models.decoders import calibration_layer_kwargs, decoder_family, decoder_spec
     from .calibration import load_calibration
 
     t0 = time.perf_counter()
@@ -667,10 +677,13 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
             x = calib_embeds.to(dev, torch.float32)
         else:
             x = torch.nn.functional.embedding(tokens, tensors.get(embed_name).to(torch.float32)).to(dev)
+            scale = decoder_spec(config_dict).embed_scale
+            if scale is not None:  # e.g. Gemma's sqrt(hidden)
+                x = x * scale
         rotary = type(parent.rotary_emb)(config=hf_config).to(dev)
         pos = torch.arange(seq_len, device=dev)[None]
-        cos, sin = rotary(x[:1], pos)
-    layer_kwargs = {"position_embeddings": (cos, sin), "attention_mask": None, "position_ids": pos}
+        per_layer = calibration_layer_kwargs(family, hf_config, rotary, x, pos)
+    layer_kwargs = per_layer[0]
     width = max(hf_config.hidden_size, getattr(hf_config, "intermediate_size", 0) or 0)
     # Samples per forward: on a CPU, intermediates of ~16 MiB stay on the allocator's heap (larger
     # ones are mmapped and page-faulted afresh on every use, which made the search ~30% slower); a
@@ -699,6 +712,7 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
             except RuntimeError as e:
                 raise CheckpointError(f"{src_dir}: layer {i} tensors do not match the config "
                                       f"({str(e).splitlines()[0][:200]})") from None
+            quantizer.kwargs = per_layer[i]  # rotary table and window of this layer's type
             x, packed = quantizer.quantize(layer, x)
             state = layer.state_dict()
             for k, v in state.items():

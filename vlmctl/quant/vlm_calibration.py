@@ -63,7 +63,7 @@ def image_text_embeddings(workspace: Path, records: list[dict], samples: int, se
 
     from ..models.registry import get_family
     from ..runtime.vision import TorchVisionRunner, VisionEncoder
-    from .awq import embedding_weight
+    from .awq import embedding_scale, embedding_weight
 
     progress = ensure(progress)
     workspace = Path(workspace)
@@ -75,6 +75,7 @@ def image_text_embeddings(workspace: Path, records: list[dict], samples: int, se
                            processor, cpu, torch.float32, cache_size=0)
     embed = embedding_weight(workspace / "llm").to(torch.float32)
     vocab = embed.shape[0]
+    scale = embedding_scale(workspace / "llm")
 
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
@@ -100,13 +101,13 @@ def image_text_embeddings(workspace: Path, records: list[dict], samples: int, se
                 if int(mask.sum()) != table.shape[0]:
                     raise InputError(f"calibration record at line {rec['line']}: {int(mask.sum())} image positions "
                                      f"but the images give {table.shape[0]} feature rows")
-                x = embed[ids.clamp(max=vocab - 1)]
-                x[mask] = table
+                x = embed[ids.clamp(max=vocab - 1)] * scale
+                x[mask] = table  # image rows are never scaled
             else:
                 ids = torch.tensor(tokenizer.encode(rec["text"]), dtype=torch.long)
                 if ids.numel() == 0:
                     continue
-                x = embed[ids]
+                x = embed[ids] * scale
             pieces.append(x)
             total += x.shape[0]
             task.advance()

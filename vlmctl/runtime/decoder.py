@@ -1,4 +1,4 @@
-"""The embedded decoder: a Llama-family transformer over a paged KV cache.
+"""The embedded decoder: a Llama-style transformer (and its variants, e.g. Gemma 3's) over a paged KV cache.
 
 A forward pass takes a flat batch of token chunks from several sequences (whole or chunked
 prompts, single decode tokens, recomputation after preemption) and returns logits for the chunks
@@ -9,7 +9,11 @@ prompt-embedding table (TensorRT-LLM's prompt-tuning contract, `vlmctl.formats.p
 On CUDA, a batch of decode rows (one new token per sequence) replays a CUDA graph captured per
 batch-size bucket, and the small operations run as fused Triton kernels (`vlmctl.runtime.ops`);
 on the CPU the same code runs the torch references. What the decoder is (shape, variants, tensor
-names) comes from its `DecoderSpec`; this module knows no model by name.
+names) comes from its `DecoderSpec`; this module knows no model by name. Variants it runs: the norm
+kind, the MLP activation, an embedding scale, q/k norms before rotary, sandwich norms around
+attention and MLP, the softmax scale, sliding-window layers with their own rotary table (the window
+holds in prefill and decode), rows of one image attending to each other during prefill, and a
+final logit softcap.
 """
 
 from __future__ import annotations
@@ -81,6 +85,12 @@ class Layer:
     o: Linear
     gate_up: Linear
     down: Linear
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    window: int | None = None  # sliding-window layer: keys at most this many positions back, itself included
+    cos_sin: torch.Tensor | None = None  # its rotary table (float32 [P, d])
 
 
 @dataclass
@@ -112,6 +122,17 @@ def cos_sin_table(inv_freq: torch.Tensor, scaling: float, positions: torch.Tenso
     return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), -1)
 
 
+def image_blocks(ids: np.ndarray, vocab_size: int) -> np.ndarray | None:
+    """Per row of a chunk: the index of its run of consecutive image rows (ids >= vocab_size), -1 for
+    other rows; None without image rows. A run is one image (transformers' Gemma 3 groups image
+    tokens the same way: consecutive ones form a block)."""
+    img = ids >= vocab_size
+    if not img.any():
+        return None
+    starts = img & ~np.concatenate(([False], img[:-1]))
+    return np.where(img, np.cumsum(starts) - 1, -1)
+
+
 class TorchDecoder:
     def __init__(self, spec: DecoderSpec, tensors: dict, *, dtype: torch.dtype, device="cpu", max_seq: int = 2048):
         self.spec = spec
@@ -122,13 +143,32 @@ class TorchDecoder:
                                                                  spec.num_kv_heads, spec.head_dim)
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
         self.eps = spec.rms_norm_eps
-        self.scale = spec.head_dim ** -0.5
+        spec.validate()
+        self.scale = spec.attention_scale if spec.attention_scale is not None else spec.head_dim ** -0.5
+        self.one_plus = spec.norm == "rms_one_plus"
+        self.activation = spec.activation
+        self.bidirectional_images = spec.image_attention == "bidirectional"
+        self.final_softcap = spec.final_logit_softcap
         self.max_seq = max_seq
         t = dict(tensors)
         self.embed = t.pop("embed")
+        # transformers multiplies by the scale after casting it to the weights' dtype
+        self.embed_scale = (None if spec.embed_scale is None else
+                            torch.tensor(spec.embed_scale, dtype=torch.float32).to(self.embed.dtype).to(self.device))
         self.norm = t.pop("norm")
         self.lm_head = self.embed if spec.tie_word_embeddings else t.pop("lm_head")
         quantized = spec.quantization is not None
+        self.inv_freq = torch.tensor(spec.rope_inv_freq, dtype=torch.float32, device=self.device)
+        self.mrope_section = spec.mrope_section
+        # cos|sin for every 1-D position a sequence can reach (M-RoPE prompt rows are computed per step)
+        n_pos = max(max_seq, spec.max_position_embeddings) + 1
+        self.cos_sin = cos_sin_table(self.inv_freq, spec.rope_attention_scaling,
+                                     torch.arange(n_pos, device=self.device))
+        self.cos_sin_local = self.cos_sin
+        if spec.rope_local_inv_freq:
+            local = torch.tensor(spec.rope_local_inv_freq, dtype=torch.float32, device=self.device)
+            self.cos_sin_local = cos_sin_table(local, spec.rope_local_attention_scaling,
+                                               torch.arange(n_pos, device=self.device))
         self.layers = []
         for i in range(spec.num_layers):
             p = f"layers.{i}"
@@ -139,17 +179,18 @@ class TorchDecoder:
                 return Linear(t.pop(f"{p}.{name}.weight"), bias)
 
             bias = t.pop(f"{p}.qkv.bias", None)
-            self.layers.append(Layer(t.pop(f"{p}.input_norm"), t.pop(f"{p}.post_norm"), lin("qkv", bias), lin("o"),
-                                     lin("gate_up"), lin("down")))
+            sliding = spec.is_sliding(i)
+            layer = Layer(t.pop(f"{p}.input_norm"), t.pop(f"{p}.post_norm"), lin("qkv", bias), lin("o"),
+                          lin("gate_up"), lin("down"), window=spec.sliding_window if sliding else None,
+                          cos_sin=self.cos_sin_local if sliding else self.cos_sin)
+            if spec.qk_norm:
+                layer.q_norm, layer.k_norm = t.pop(f"{p}.q_norm"), t.pop(f"{p}.k_norm")
+            if spec.sandwich_norms:
+                layer.attn_out_norm, layer.mlp_out_norm = t.pop(f"{p}.attn_out_norm"), t.pop(f"{p}.mlp_out_norm")
+            self.layers.append(layer)
         if t:
             raise EngineError(f"decoder weights hold tensors the runtime does not use: {sorted(t)[:3]}")
         self.inter = spec.intermediate_size
-        self.inv_freq = torch.tensor(spec.rope_inv_freq, dtype=torch.float32, device=self.device)
-        self.mrope_section = spec.mrope_section
-        # cos|sin for every 1-D position a sequence can reach (M-RoPE prompt rows are computed per step)
-        n_pos = max(max_seq, spec.max_position_embeddings) + 1
-        self.cos_sin = cos_sin_table(self.inv_freq, spec.rope_attention_scaling,
-                                     torch.arange(n_pos, device=self.device))
         self.k_cache = self.v_cache = None
         self.block_size = 0
         self.use_graphs = (self.device.type == "cuda" and os.environ.get("VLMCTL_CUDA_GRAPHS", "1") != "0")
@@ -229,30 +270,46 @@ class TorchDecoder:
     # ---- pieces ----------------------------------------------------------------------------
     def _embed(self, ids: torch.Tensor, fake_rows: torch.Tensor | None, table_rows: torch.Tensor | None,
                table: torch.Tensor | None) -> torch.Tensor:
-        x = F.embedding(ids.clamp(max=self.vocab_size - 1), self.embed)
-        if fake_rows is not None:
+        x = self._embed_tokens(ids.clamp(max=self.vocab_size - 1))
+        if fake_rows is not None:  # image rows are taken as they are (never scaled)
             x.index_copy_(0, fake_rows, table.index_select(0, table_rows).to(x.dtype))
         return x
 
+    def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(ids, self.embed)
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    def _norm(self, x, weight, residual=None):
+        return ops.rms_norm(x, weight, self.eps, residual, one_plus=self.one_plus)
+
     def _layers(self, x: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run every layer; `attend(li, qkv) -> [T, Hq, d]` does rotary, the KV append and attention.
-        Returns (residual, last MLP output)."""
+        """Run every layer; `attend(li, qkv) -> [T, Hq, d]` does rotary, the KV append and attention
+        (on q/k already normed where the spec has q/k norms). Returns (residual, last MLP output)."""
         residual, h_out = x, None
         T = x.shape[0]
         for li, layer in enumerate(self.layers):
-            h = ops.rms_norm(x, layer.input_norm, self.eps) if h_out is None else \
-                ops.rms_norm(h_out, layer.input_norm, self.eps, residual)
+            h = self._norm(x, layer.input_norm) if h_out is None else self._norm(h_out, layer.input_norm, residual)
             qkv = layer.qkv(h)
-            a = attend(li, qkv)
-            h = ops.rms_norm(layer.o(a.reshape(T, self.q_size)), layer.post_norm, self.eps, residual)
-            h_out = layer.down(ops.silu_mul(layer.gate_up(h)))
+            if layer.q_norm is not None:
+                ops.qk_norm(qkv, layer.q_norm, layer.k_norm, self.n_heads, self.n_kv, self.head_dim, self.eps,
+                            self.one_plus)
+            a = layer.o(attend(li, qkv).reshape(T, self.q_size))
+            if layer.attn_out_norm is not None:
+                a = self._norm(a, layer.attn_out_norm)
+            h = self._norm(a, layer.post_norm, residual)
+            h_out = layer.down(ops.act_mul(layer.gate_up(h), self.activation))
+            if layer.mlp_out_norm is not None:
+                h_out = self._norm(h_out, layer.mlp_out_norm)
         return residual, h_out
 
     def _final(self, residual: torch.Tensor, h_out: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         if rows is not None:
             residual, h_out = residual.index_select(0, rows), h_out.index_select(0, rows)
-        h = ops.rms_norm(h_out.contiguous(), self.norm, self.eps, residual.contiguous())
-        return F.linear(h, self.lm_head).float()
+        h = self._norm(h_out.contiguous(), self.norm, residual.contiguous())
+        logits = F.linear(h, self.lm_head)
+        if self.final_softcap is not None:  # in the model dtype, as transformers does
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()
 
     def _split(self, qkv: torch.Tensor, rows: slice, n: int):
         k = qkv[rows, self.q_size:self.q_size + self.kv_size].view(n, self.n_kv, self.head_dim)
@@ -301,10 +358,11 @@ class TorchDecoder:
         if mrope:
             pos3 = np.concatenate([c.positions if c.positions.ndim == 2 else np.broadcast_to(c.positions, (3, c.n))
                                    for c in cs], 1)
-            cos_sin = self._mrope_cos_sin(np.ascontiguousarray(pos3))
+            mrope_cos_sin = self._mrope_cos_sin(np.ascontiguousarray(pos3))
+            rope_tables = [mrope_cos_sin] * self.n_layers
             positions = torch.arange(T, device=dev)
         else:
-            cos_sin = self.cos_sin
+            rope_tables = [layer.cos_sin for layer in self.layers]
             positions = torch.from_numpy(np.concatenate([c.positions for c in cs]).astype(np.int64)).to(dev)
         ids_t = torch.from_numpy(ids).to(dev)
         slot_t = torch.from_numpy(slots).to(dev)
@@ -324,31 +382,34 @@ class TorchDecoder:
         prefill = []
         row = n_dec
         for c in cs[n_dec:]:
+            blocks = image_blocks(c.ids, self.vocab_size) if self.bidirectional_images else None
             prefill.append((slice(row, row + c.n), c.start, c.n,
-                            torch.tensor(c.block_table, dtype=torch.long, device=dev) if c.start else None))
+                            torch.tensor(c.block_table, dtype=torch.long, device=dev) if c.start else None,
+                            None if blocks is None else torch.from_numpy(blocks).to(dev)))
             row += c.n
 
         kc_all, vc_all = self.k_cache, self.v_cache
 
         def attend(li, qkv):
             kc, vc = kc_all[li], vc_all[li]
+            cos_sin, window = rope_tables[li], self.layers[li].window
             out = torch.empty((T, self.n_heads, self.head_dim), dtype=qkv.dtype, device=dev)
             if n_dec:
                 out[:n_dec] = ops.paged_decode_rope(qkv[:n_dec], cos_sin, positions[:n_dec], slot_t[:n_dec], kc, vc,
                                                     bt_dec, lens_dec, self.scale, self.n_heads, self.n_kv,
-                                                    self.head_dim, num_splits=splits)
+                                                    self.head_dim, num_splits=splits, window=window)
             if n_dec == T:
                 return out
             ops.rope_and_cache(qkv[n_dec:], cos_sin, positions[n_dec:], self.n_heads, self.n_kv, self.head_dim, kc, vc,
                                slot_t[n_dec:])
             q = qkv[:, :self.q_size].view(T, self.n_heads, self.head_dim)
-            for rows, start, n, bt in prefill:
+            for rows, start, n, bt, blocks in prefill:
                 if start == 0:
                     k, v = self._split(qkv, rows, n)
                 else:
                     k = ops.gather_context(kc, bt, start + n)
                     v = ops.gather_context(vc, bt, start + n)
-                out[rows] = ops.prefill_attention(q[rows], k, v, self.scale)
+                out[rows] = ops.prefill_attention(q[rows], k, v, self.scale, window, blocks)
             return out
 
         x = self._embed(ids_t, fr, tr, table)
@@ -368,11 +429,12 @@ class TorchDecoder:
         B = ids.shape[0]
 
         def attend(li, qkv):
-            return ops.paged_decode_rope(qkv, self.cos_sin, positions, slots, self.k_cache[li], self.v_cache[li],
+            layer = self.layers[li]
+            return ops.paged_decode_rope(qkv, layer.cos_sin, positions, slots, self.k_cache[li], self.v_cache[li],
                                          block_tables, context_lens, self.scale, self.n_heads, self.n_kv,
-                                         self.head_dim, num_splits=splits, workspace=workspace)
+                                         self.head_dim, num_splits=splits, workspace=workspace, window=layer.window)
 
-        x = F.embedding(ids, self.embed)
+        x = self._embed_tokens(ids)
         residual, h_out = self._layers(x, attend)
         return self._final(residual, h_out, None)
 
@@ -492,15 +554,21 @@ class TorchDecoder:
                 raise EngineError("prompt has image tokens but no prompt-embedding table")
             fr, tr = fake, ids[fake] - self.vocab_size
         positions = torch.arange(T, device=dev).repeat(B)
+        blocks = [None] * B
+        if self.bidirectional_images and fake.numel():
+            ids_np = input_ids.cpu().numpy()
+            blocks = [None if (b := image_blocks(ids_np[i], self.vocab_size)) is None else torch.from_numpy(b).to(dev)
+                      for i in range(B)]
 
         def attend(li, qkv):
-            ops.rope_and_cache(qkv, self.cos_sin, positions, self.n_heads, self.n_kv, self.head_dim)
+            layer = self.layers[li]
+            ops.rope_and_cache(qkv, layer.cos_sin, positions, self.n_heads, self.n_kv, self.head_dim)
             q = qkv[:, :self.q_size].view(B * T, self.n_heads, self.head_dim)
             out = torch.empty_like(q)
             for b in range(B):
                 rows = slice(b * T, (b + 1) * T)
                 k, v = self._split(qkv, rows, T)
-                out[rows] = ops.prefill_attention(q[rows], k, v, self.scale)
+                out[rows] = ops.prefill_attention(q[rows], k, v, self.scale, layer.window, blocks[b])
             return out
 
         x = self._embed(ids, fr, tr, table.to(dev) if table is not None else None)

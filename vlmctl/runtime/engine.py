@@ -193,10 +193,15 @@ class Engine:
         self.vision = self._load_vision(vision_manifest, opts)
         budget = opts.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
         budget = max(budget, lim["max_batch_size"])
-        num_blocks = self._kv_blocks(opts, lim["max_batch_size"], max_seq, budget)
+        # a decoder whose image rows see each other computes an image in one chunk, which may pass the
+        # budget by up to one image (scheduler.py)
+        whole_images = self.decoder.spec.image_attention == "bidirectional"
+        overshoot = int(self.config.get("image_tokens_per_image") or 0) if whole_images else 0
+        num_blocks = self._kv_blocks(opts, lim["max_batch_size"], max_seq, budget + overshoot)
         self.decoder.allocate_cache(num_blocks, opts.block_size)
         self.pool = BlockPool(num_blocks, opts.block_size, opts.enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, max_num_seqs=lim["max_batch_size"], max_num_batched_tokens=budget)
+        self.scheduler = Scheduler(self.pool, max_num_seqs=lim["max_batch_size"], max_num_batched_tokens=budget,
+                                   keep_images_whole=whole_images)
         self.limits = EngineLimits(**lim, max_seq_len=max_seq, max_num_batched_tokens=budget,
                                    kv_cache_tokens=self.pool.capacity * opts.block_size, block_size=opts.block_size)
         self.decoder.capture_graphs(lim["max_batch_size"])

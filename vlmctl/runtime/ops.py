@@ -2,9 +2,15 @@
 kernel in `vlmctl.runtime.kernels` when the tensors live on a CUDA device.
 
 The torch references are the CPU path (CI, `make demo`) and the oracle the kernel tests compare
-against. They follow transformers' Llama modules operation by operation (including where values
-are rounded to the model dtype), so the CPU runtime stays token-exact against the reference model.
+against. They follow transformers' modules operation by operation (including where values are
+rounded to the model dtype), so the CPU runtime stays token-exact against the reference model.
 
+Variants of the decoder spec and where they run on CUDA:
+  norm "rms_one_plus" (Gemma's (1 + w), float32 throughout)   add+RMSNorm kernel (ONE_PLUS)
+  q/k norm per head                                           its own in-place kernel, before rotary
+  activation "gelu_tanh"                                      the act·mul kernel (ACT)
+  sliding window in decode                                    both decode kernels (a window start)
+  sliding window / bidirectional image rows in prefill        torch SDPA with an explicit mask
 Set `VLMCTL_KERNELS=torch` to force the references on a GPU (debugging, A/B measurements).
 """
 
@@ -33,23 +39,46 @@ def _use_kernels(t: torch.Tensor) -> bool:
 
 
 # ---- RMSNorm (with the residual add fused in) ----------------------------------------------------
-def rms_norm_reference(x, weight, eps, residual=None):
+def rms_norm_reference(x, weight, eps, residual=None, one_plus=False):
     if residual is not None:
         residual.add_(x)
         x = residual
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    if one_plus:  # Gemma: (1 + w) in float32, one rounding at the end
+        return (x32 * (1.0 + weight.float())).to(dtype)
+    return weight * x32.to(dtype)  # Llama: the normalized row is rounded before the weight multiplies it
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm(x) over the last axis of [T, H]; with `residual`: `residual += x` in place, then RMSNorm(residual)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             one_plus: bool = False) -> torch.Tensor:
+    """RMSNorm(x) over the last axis of [T, H]; with `residual`: `residual += x` in place, then RMSNorm(residual).
+    `one_plus`: the gain is (1 + weight) and the product is taken in float32 (Gemma's norm)."""
     if _use_kernels(x) and x.dim() == 2:
         from .kernels.fused import add_rms_norm
 
-        return add_rms_norm(x, weight, eps, residual)
-    return rms_norm_reference(x, weight, eps, residual)
+        return add_rms_norm(x, weight, eps, residual, one_plus=one_plus)
+    return rms_norm_reference(x, weight, eps, residual, one_plus)
+
+
+# ---- per-head q/k norm (before rotary) -------------------------------------------------------------
+def qk_norm_reference(qkv, q_weight, k_weight, n_q, n_kv, head_dim, eps, one_plus=False):
+    T = qkv.shape[0]
+    q = qkv[:, :n_q * head_dim].view(T, n_q, head_dim)
+    k = qkv[:, n_q * head_dim:(n_q + n_kv) * head_dim].view(T, n_kv, head_dim)
+    q.copy_(rms_norm_reference(q, q_weight, eps, None, one_plus))
+    k.copy_(rms_norm_reference(k, k_weight, eps, None, one_plus))
+
+
+def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_q: int, n_kv: int, head_dim: int,
+            eps: float, one_plus: bool = False) -> None:
+    """In place on qkv [T, (n_q + 2 n_kv) * d]: RMSNorm over each q head (q_weight [d]) and k head (k_weight)."""
+    if _use_kernels(qkv):
+        from .kernels.fused import qk_norm as kernel
+
+        return kernel(qkv, q_weight, k_weight, n_q, n_kv, head_dim, eps, one_plus)
+    return qk_norm_reference(qkv, q_weight, k_weight, n_q, n_kv, head_dim, eps, one_plus)
 
 
 # ---- rotary embedding + paged KV-cache append ----------------------------------------------------
@@ -86,18 +115,32 @@ def rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Te
     return rope_and_cache_reference(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cache, v_cache, slot_mapping)
 
 
-# ---- SiLU(gate) * up -----------------------------------------------------------------------------
+# ---- act(gate) * up -------------------------------------------------------------------------------
 def silu_mul_reference(gate_up):
     g, u = gate_up.chunk(2, -1)
     return F.silu(g) * u
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    if _use_kernels(gate_up) and gate_up.dim() == 2:
-        from .kernels.fused import silu_mul as kernel
+def gelu_tanh_mul_reference(gate_up):
+    g, u = gate_up.chunk(2, -1)
+    return F.gelu(g, approximate="tanh") * u
 
-        return kernel(gate_up)
-    return silu_mul_reference(gate_up)
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return act_mul(gate_up, "silu")
+
+
+def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> act(gate) * up; `activation`: "silu" | "gelu_tanh"."""
+    if _use_kernels(gate_up) and gate_up.dim() == 2:
+        from .kernels.fused import act_mul as kernel
+
+        return kernel(gate_up, activation)
+    if activation == "silu":
+        return silu_mul_reference(gate_up)
+    if activation == "gelu_tanh":
+        return gelu_tanh_mul_reference(gate_up)
+    raise ValueError(f"unknown activation {activation!r}")
 
 
 # ---- attention over the paged cache --------------------------------------------------------------
@@ -108,8 +151,9 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     return cache.index_select(0, block_table[:nb]).flatten(0, 1)[:length]
 
 
-def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """q [B, Hq, d]; attends each row over its first context_lens[b] cached positions -> [B, Hq, d]."""
+def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, window=None):
+    """q [B, Hq, d]; attends each row over its first context_lens[b] cached positions (with `window`,
+    only the last `window` of them) -> [B, Hq, d]."""
     B, Hq, d = q.shape
     Hkv = k_cache.shape[2]
     L = int(context_lens.max())
@@ -117,7 +161,11 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scal
     nb = -(-L // bs)
     k = k_cache[block_tables[:, :nb].long()].flatten(1, 2)[:, :L]  # [B, L, Hkv, d]
     v = v_cache[block_tables[:, :nb].long()].flatten(1, 2)[:, :L]
-    mask = torch.arange(L, device=q.device)[None] < context_lens[:, None].to(q.device)
+    idx = torch.arange(L, device=q.device)[None]
+    lens = context_lens[:, None].to(q.device)
+    mask = idx < lens
+    if window is not None:
+        mask &= idx >= lens - window
     out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=Hkv != Hq)
     return out[:, :, 0]
@@ -125,38 +173,64 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scal
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, num_splits: int = 1, out: torch.Tensor | None = None,
-                 workspace=None) -> torch.Tensor:
-    """One query token per sequence over the paged cache, read in place on CUDA."""
+                 workspace=None, window: int | None = None) -> torch.Tensor:
+    """One query token per sequence over the paged cache, read in place on CUDA; `window`: attend only
+    the last `window` positions (the token itself included)."""
     if _use_kernels(q) and q.dtype != torch.float32 and q.shape[-1] >= 16:
         from .kernels.paged_attention import paged_decode as kernel
 
-        return kernel(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out, workspace)
-    return paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return kernel(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out, workspace, window)
+    return paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, window)
 
 
 def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, n_q: int, n_kv: int, head_dim: int,
-                      num_splits: int = 1, workspace=None) -> torch.Tensor:
-    """Decode rows of qkv [B, (n_q + 2 n_kv) * d] straight from the QKV projection: rotary of the new
-    token, its K/V appended at `slots`, attention over the cache -> [B, n_q, d]. On CUDA one kernel
-    does all three; elsewhere (and for head sizes it does not take) the separate operations run."""
+                      num_splits: int = 1, workspace=None, window: int | None = None) -> torch.Tensor:
+    """Decode rows of qkv [B, (n_q + 2 n_kv) * d] straight from the QKV projection (after any q/k norm):
+    rotary of the new token, its K/V appended at `slots`, attention over the cache (the last `window`
+    positions with a window) -> [B, n_q, d]. On CUDA one kernel does all three; elsewhere (and for
+    head sizes it does not take) the separate operations run."""
     if _use_kernels(qkv):
         from .kernels.paged_attention import fused_rope_supported, paged_decode_rope as kernel
 
         if fused_rope_supported(head_dim, qkv.dtype):
             return kernel(qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, scale, n_q,
-                          n_kv, num_splits, workspace)
+                          n_kv, num_splits, workspace, window)
     rope_and_cache(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cache, v_cache, slots)
     q = qkv[:, :n_q * head_dim].view(qkv.shape[0], n_q, head_dim)
-    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, None, workspace)
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, None, workspace, window)
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def prefill_mask(n: int, L: int, window: int | None = None, blocks: torch.Tensor | None = None,
+                 device=None) -> torch.Tensor:
+    """bool [n, L]: which context positions query i (at position L - n + i) sees. Causal, or also the
+    later rows of its own block (`blocks` [n]: block id per query row, -1 for none: the rows of one
+    image see each other); then, with a window, only keys less than `window` positions back
+    (transformers' AND(sliding window, OR(causal, block)))."""
+    qpos = torch.arange(L - n, L, device=device)[:, None]
+    kpos = torch.arange(L, device=device)[None]
+    mask = kpos <= qpos
+    if blocks is not None:
+        kb = torch.full((L,), -1, dtype=blocks.dtype, device=device)
+        kb[L - n:] = blocks
+        mask |= (blocks[:, None] == kb[None]) & (blocks[:, None] >= 0)
+    if window is not None:
+        mask &= kpos > qpos - window
+    return mask
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
+                      blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a query chunk [n, Hq, d] over its context [L, Hkv, d] (L >= n): query i sits
-    at context position L - n + i (earlier positions come from the cache). Returns [n, Hq, d]."""
+    at context position L - n + i (earlier positions come from the cache). Returns [n, Hq, d].
+    `window`: a sliding-window layer's span; `blocks`: per query row, the id of the image whose rows
+    see each other (-1 for other rows) - see `prefill_mask`."""
     n, Hq, _ = q.shape
     L, Hkv = k.shape[0], k.shape[1]
+    if window is not None and L - n - window + 1 > 0:
+        first = L - n - window + 1  # no query of the chunk sees a key before this one
+        k, v, L = k[first:], v[first:], L - first
     qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     gqa = Hkv != Hq
     if gqa and q.is_cuda:
@@ -164,7 +238,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         kt = kt.repeat_interleave(Hq // Hkv, 1)
         vt = vt.repeat_interleave(Hq // Hkv, 1)
         gqa = False
-    if L == n:
+    if window is not None or blocks is not None:
+        mask = prefill_mask(n, L, window, blocks, q.device)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    elif L == n:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     elif q.is_cuda:
         from torch.nn.attention.bias import causal_lower_right

@@ -9,6 +9,13 @@ arrival order while the token budget, the sequence limit and free blocks allow; 
 than what is left of the budget is prefilled in chunks over several steps, interleaved with the
 decode tokens of the running requests, so a burst of new prompts never stalls running streams.
 
+For decoders whose image rows attend to each other during prefill (`keep_images_whole`), a chunk
+never ends inside an image: every image row must be computed together with the image's later
+rows. Such a chunk ends before the image instead, or, when the image is where the chunk starts,
+takes the rest of it whole even beyond the step's budget (by less than one image), so a prompt
+always advances. A chunk may start inside an image when the prefix cache holds its first rows:
+those were computed with the whole image in view.
+
 It decides only; the engine runs the chunks and then calls `advance`.
 """
 
@@ -36,11 +43,13 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 keep_images_whole: bool = False):
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.keep_images_whole = keep_images_whole
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -70,6 +79,19 @@ class Scheduler:
         req.block_ids = []
 
     # ---- one step ----------------------------------------------------------------------------
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        """Tokens of `req` to compute now under `budget` (see the module docstring for images)."""
+        start = req.num_computed
+        n = min(req.num_tokens - start, budget)
+        if not self.keep_images_whole or start + n == req.num_tokens:
+            return n
+        end = start + n
+        for first, rows in req.image_spans:
+            if first < end < first + rows:
+                end = first if first > start else first + rows
+                break
+        return end - start
+
     def _grow(self, req: Request, upto: int) -> bool:
         need = -(-upto // self.block_size) - len(req.block_ids)
         if need <= 0:
@@ -115,7 +137,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = self._chunk_len(req, budget)
             while not self._grow(req, req.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -132,7 +154,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             self._prefix_hit(req)
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = self._chunk_len(req, budget)
             if not self._grow(req, req.num_computed + n):
                 self._free(req)
                 req.num_computed = req.num_committed = 0

@@ -1,10 +1,11 @@
-"""Fused small ops of the decoder step (Triton): residual add + RMSNorm, rotary + KV-cache append,
-SiLU·mul. Each replaces several eager kernels; `vlmctl.runtime.ops` holds the torch references
-(the CPU path) and the tests compare the two under `TRITON_INTERPRET=1`.
+"""Fused small ops of the decoder step (Triton): residual add + RMSNorm (Llama's w or Gemma's 1 + w),
+the per-head q/k norm, rotary + KV-cache append, act·mul (SiLU or GELU-tanh). Each replaces several
+eager kernels; `vlmctl.runtime.ops` holds the torch references (the CPU path) and the tests compare
+the two under `TRITON_INTERPRET=1`.
 
-Rounding follows transformers' Llama modules where it matters for closeness: the residual sum is
-rounded to the model dtype before the norm, the normalized row is rounded before the weight
-multiplies it, rotary products are rounded per term.
+Rounding follows transformers' modules where it matters for closeness: the residual sum is
+rounded to the model dtype before the norm; Llama's normalized row is rounded before the weight
+multiplies it, Gemma's (1 + w) product is rounded once; rotary products are rounded per term.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import triton.language as tl
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_r, stride_o, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ONE_PLUS: tl.constexpr = False):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -27,22 +28,59 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, stride_x, strid
         tl.store(res_ptr + row * stride_r + cols, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / n_cols
-    normed = (xf * tl.math.rsqrt(var + eps)).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype)
+    if ONE_PLUS:
+        y = (xf * tl.math.rsqrt(var + eps) * (1.0 + w.to(tl.float32))).to(x.dtype)
+    else:
+        normed = (xf * tl.math.rsqrt(var + eps)).to(x.dtype)
+        y = (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype)
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm of rows of x [T, H]; with `residual`, first `residual += x` (in place) and normalize that."""
+                 out: torch.Tensor | None = None, one_plus: bool = False) -> torch.Tensor:
+    """RMSNorm of rows of x [T, H]; with `residual`, first `residual += x` (in place) and normalize that.
+    `one_plus`: gain (1 + weight), the product in float32 (Gemma)."""
     T, H = x.shape
     out = torch.empty_like(x) if out is None else out
     BLOCK = triton.next_power_of_2(H)
     _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, weight, out, H, x.stride(0),
                                residual.stride(0) if residual is not None else 0, out.stride(0), eps,
-                               HAS_RES=residual is not None, BLOCK=BLOCK, num_warps=8 if BLOCK >= 4096 else 4)
+                               HAS_RES=residual is not None, BLOCK=BLOCK, ONE_PLUS=one_plus,
+                               num_warps=8 if BLOCK >= 4096 else 4)
     return out
+
+
+@triton.jit
+def _qk_norm_kernel(qkv_ptr, qw_ptr, kw_ptr, stride_t, n_q_heads, eps, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    ONE_PLUS: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)  # q heads, then k heads
+    d = tl.arange(0, D_PAD)
+    mask = d < HEAD_DIM
+    base = qkv_ptr + t * stride_t + h * HEAD_DIM
+    x = tl.load(base + d, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / HEAD_DIM
+    is_q = h < n_q_heads
+    w = tl.where(is_q, tl.load(qw_ptr + d, mask=mask, other=0.0), tl.load(kw_ptr + d, mask=mask, other=0.0))
+    if ONE_PLUS:
+        y = (xf * tl.math.rsqrt(var + eps) * (1.0 + w.to(tl.float32))).to(x.dtype)
+    else:
+        normed = (xf * tl.math.rsqrt(var + eps)).to(x.dtype)
+        y = (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype)
+    tl.store(base + d, y, mask=mask)
+
+
+def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_q_heads: int, n_kv_heads: int,
+            head_dim: int, eps: float, one_plus: bool = False) -> None:
+    """In place: RMSNorm over each q head (weight q_weight [d]) and k head (k_weight) of qkv [T, (nq + 2 nkv) * d]."""
+    T = qkv.shape[0]
+    if T == 0:
+        return
+    _qk_norm_kernel[(T, n_q_heads + n_kv_heads)](qkv, q_weight, k_weight, qkv.stride(0), n_q_heads, eps,
+                                                 HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+                                                 ONE_PLUS=one_plus, num_warps=1 if head_dim <= 128 else 2)
 
 
 @triton.jit
@@ -106,24 +144,38 @@ def rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Te
         HEAD_DIM=head_dim, HALF=head_dim // 2, WRITE_CACHE=write, num_warps=1)
 
 
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, stride_gu, stride_o, BLOCK: tl.constexpr):
+def _act_mul_kernel(gu_ptr, out_ptr, n_cols, stride_gu, stride_o, BLOCK: tl.constexpr, ACT: tl.constexpr = 0):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
     u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0)
     gf = g.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    if ACT == 0:  # SiLU
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    else:  # GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh through exp
+        inner = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
+        inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)  # tanh is +-1 in float32 beyond; exp stays finite
+        th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+        act = (0.5 * gf * (1.0 + th)).to(g.dtype)
     tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """[T, 2I] (gate | up) -> act(gate) * up, [T, I]; `activation` "silu" or "gelu_tanh"."""
     T, two_i = gate_up.shape
     inter = two_i // 2
     out = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
-    _silu_mul_kernel[(T, triton.cdiv(inter, BLOCK))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
-                                                     BLOCK=BLOCK, num_warps=4)
+    _act_mul_kernel[(T, triton.cdiv(inter, BLOCK))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
+                                                    BLOCK=BLOCK, ACT=ACTIVATIONS[activation], num_warps=4)
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+    return act_mul(gate_up, "silu")

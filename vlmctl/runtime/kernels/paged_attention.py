@@ -2,7 +2,9 @@
 blocks in place through the sequence's block table (no gather copy), grouped-query heads of one KV
 head together, online softmax in float32, and optional split-K over the context (flash-decoding)
 so a small batch still fills the GPU. Shapes are static per call and lengths are read on the
-device, so the call is CUDA-graph capturable. Reference: `vlmctl.runtime.ops.paged_decode_reference`.
+device, so the call is CUDA-graph capturable. A sliding-window layer passes its window: only the
+last `window` positions are read (the splits divide that span). Reference:
+`vlmctl.runtime.ops.paged_decode_reference`.
 """
 
 from __future__ import annotations
@@ -15,16 +17,19 @@ import triton.language as tl
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr,
                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
-                   scale_log2, block_size, group, num_splits,
+                   scale_log2, block_size, group, num_splits, window,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                   SPLIT: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr = False):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + seq)
+    lo = 0  # the first position attended (a sliding window starts later)
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx - window, 0)
     # this program's share of the context, in whole tiles
-    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    per_split = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, ctx)
 
     g = tl.arange(0, BLOCK_G)
@@ -75,8 +80,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_
 @triton.jit
 def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr,
                         ml_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
-                        scale_log2, block_size, group, num_splits, n_q_heads, n_kv_heads,
-                        HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+                        scale_log2, block_size, group, num_splits, n_q_heads, n_kv_heads, window,
+                        HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                        HAS_WINDOW: tl.constexpr = False):
     """`_decode_kernel` with the new token's rotary and KV append folded in: q and k of the token are
     rotated here (rounded per term as transformers does), the split that owns the last position
     writes k and v to the cache and attends to them from registers, the others read the cache."""
@@ -85,10 +91,13 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    lo = 0  # the first position attended (a sliding window starts later)
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx - window, 0)
+    per_split = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, ctx - 1)  # cached positions; the new one (ctx - 1) comes from qkv
-    owner = split == (ctx - 1) // per_split
+    owner = split == (ctx - 1 - lo) // per_split
 
     g = tl.arange(0, BLOCK_G)
     h = tl.arange(0, HALF)
@@ -200,9 +209,11 @@ def fused_rope_supported(head_dim: int, dtype) -> bool:
 def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, n_q: int, n_kv: int, num_splits: int = 1,
-                      workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      window: int | None = None) -> torch.Tensor:
     """Decode attention of qkv rows [B, (n_q + 2 n_kv) * d] (not yet rotated) with the rotary of the new
-    token and its KV append done in the same kernel. context_lens count the new token."""
+    token and its KV append done in the same kernel. context_lens count the new token; `window`:
+    attend only the last `window` positions."""
     B = qkv.shape[0]
     D = k_cache.shape[3]
     group = n_q // n_kv
@@ -219,8 +230,8 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
         qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, out, part, ml,
         qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group,
-        num_splits, n_q, n_kv, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=64 if D <= 128 else 32, SPLIT=split, num_warps=4, num_stages=2)
+        num_splits, n_q, n_kv, window or 0, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=64 if D <= 128 else 32, SPLIT=split, HAS_WINDOW=window is not None, num_warps=4, num_stages=2)
     if split:
         _combine_kernel[(B, n_q)](part, ml, out, out.stride(0), out.stride(1), n_q, num_splits, HEAD_DIM=D, D_PAD=D,
                                   BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
@@ -229,9 +240,11 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, num_splits: int = 1, out: torch.Tensor | None = None,
-                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 window: int | None = None) -> torch.Tensor:
     """q [B, Hq, d] (row stride free), caches [blocks, block_size, Hkv, d], block_tables [B, max_blocks]
-    int32, context_lens [B] int32 (tokens to attend, the current one included) -> out [B, Hq, d]."""
+    int32, context_lens [B] int32 (tokens to attend, the current one included) -> out [B, Hq, d].
+    `window`: attend only the last `window` of them."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     group = Hq // Hkv
@@ -250,8 +263,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, block_tables, context_lens, out, part, ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group, num_splits,
-        HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, SPLIT=split,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        window or 0, HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, SPLIT=split,
+        IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None, num_warps=4, num_stages=2)
     if split:
         _combine_kernel[(B, Hq)](part, ml, out, out.stride(0), out.stride(1), Hq, num_splits, HEAD_DIM=D,
                                  D_PAD=triton.next_power_of_2(D),
