@@ -79,7 +79,8 @@ def content(*kinds: str, text: str) -> list[dict]:
 @pytest.fixture(scope="module", params=list(VERSIONS))
 def built(request, tmp_path_factory):
     """A built engine per version; Qwen2.5-VL's checkpoint has its own video processor file
-    (another pixel range and frame rate than its images)."""
+    (another pixel range and frame rate than its images, and the per-frame share of a whole-video
+    pixel budget, `cap_pixels_per_frame`, small enough to shrink every video here)."""
     from vlmctl.pipeline import build
     from vlmctl.recipe import load_recipe
 
@@ -88,7 +89,8 @@ def built(request, tmp_path_factory):
     ckpt = make_qwen2_vl(d / "ckpt", version=VERSIONS[family], seed=21)
     video_cfg = dict(PIXELS)
     if family == "qwen2_5_vl":
-        video_cfg = {"min_pixels": 128, "max_pixels": 2048, "fps": 1.6}
+        video_cfg = {"min_pixels": 128, "max_pixels": 2048, "fps": 1.6, "cap_pixels_per_frame": True,
+                     "max_video_tokens": 100}
         (ckpt / "video_preprocessor_config.json").write_text(json.dumps({
             **video_cfg, "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
             "video_processor_type": "Qwen2VLVideoProcessor"}))
@@ -101,7 +103,7 @@ def built(request, tmp_path_factory):
 
 def reference_video(ckpt, path, video_cfg):
     return qwen_video_inputs(ckpt, path, fps=video_cfg.get("fps", 2.0), min_pixels=video_cfg["min_pixels"],
-                             max_pixels=video_cfg["max_pixels"])
+                             max_pixels=video_cfg["max_pixels"], cap_video_tokens=video_cfg.get("max_video_tokens"))
 
 
 # (frames, (width, height), fps, codec/container): t > max merged side in the first case, so the text

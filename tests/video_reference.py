@@ -10,8 +10,9 @@ reimplemented here, each piece from the transformers / torchvision source it sta
 - torchvision's `resize` of a uint8 CPU tensor in bicubic mode (`resize_image`: native uint8
   `interpolate` with antialiasing);
 - the video processors' fused rescale + normalize (`_fuse_mean_std_and_rescale_factor`);
-- `Qwen2VLVideoProcessor.sample_frames` (fps within min/max frames, whole temporal patches) and the
-  temporal half of its `patchify` (two consecutive frames per temporal patch, the last repeated).
+- `Qwen2VLVideoProcessor.sample_frames` (fps within min/max frames, whole temporal patches), its
+  `resize`'s `cap_pixels_per_frame` bound, and the temporal half of its `patchify` (two consecutive
+  frames per temporal patch, the last repeated).
 Nothing here imports vlmctl.
 """
 
@@ -60,7 +61,7 @@ def qwen_sample_fn(fps: float, min_frames: int = 4, max_frames: int = 768, tempo
 
 
 def qwen_video_inputs(ckpt: Path, path: Path, *, fps: float = 2.0, min_pixels: int, max_pixels: int,
-                      min_frames: int = 4, max_frames: int = 768) -> dict:
+                      min_frames: int = 4, max_frames: int = 768, cap_video_tokens: int | None = None) -> dict:
     """pixel_values_videos, video_grid_thw and second_per_grid_ts of one video, as Qwen2VLProcessor
     (Qwen2.5-VL's for second_per_grid_ts) would give them for `path` sampled at `fps`."""
     from transformers import AutoImageProcessor
@@ -69,6 +70,9 @@ def qwen_video_inputs(ckpt: Path, path: Path, *, fps: float = 2.0, min_pixels: i
     ip = AutoImageProcessor.from_pretrained(ckpt)
     T, p, m = ip.temporal_patch_size, ip.patch_size, ip.merge_size
     frames, meta = read_video(path, qwen_sample_fn(fps, min_frames, max_frames, T))
+    if cap_video_tokens is not None:  # cap_pixels_per_frame: an even share of 90% of the token budget's pixels
+        budget = int(cap_video_tokens * (p * m) ** 2 * 0.9)
+        max_pixels = max(min(max_pixels, budget * T // len(frames)), int(min_pixels * 1.05))
     h, w = smart_resize(frames.shape[1], frames.shape[2], p * m, min_pixels, max_pixels)
     resized = tv_resize(frames, (h, w)).permute(0, 2, 3, 1).numpy()  # back to HWC for the image processor
     # The image processor (do_resize=False) normalizes each frame and lays out its patches; its temporal
