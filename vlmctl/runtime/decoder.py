@@ -426,8 +426,6 @@ class TorchDecoder:
 
     # ---- decode rows (CUDA graphs per batch bucket) --------------------------------------------
     def _decode_body(self, ids, positions, slots, block_tables, context_lens, splits: int, workspace):
-        B = ids.shape[0]
-
         def attend(li, qkv):
             layer = self.layers[li]
             return ops.paged_decode_rope(qkv, layer.cos_sin, positions, slots, self.k_cache[li], self.v_cache[li],
