@@ -68,7 +68,7 @@ def test_calibration_short_data_and_errors(tmp_path):
 
 
 def test_perplexity_protocol():
-    from vlmctl.quant.perplexity import perplexity
+    from vlmctl.measure.perplexity import perplexity
 
     vocab = 7
     ids = torch.arange(100) % vocab

@@ -67,7 +67,7 @@ def quantized(tmp_path_factory):
 
 def dequantized_state(qdir: Path, dequant=None) -> dict:
     from vlmctl.checkpoint import load_state_dict
-    from vlmctl.quant.packing import dequantize_gemm
+    from vlmctl.formats.awq_gemm import dequantize_gemm
 
     dequant = dequant or dequantize_gemm
     cfg = json.loads((qdir / "config.json").read_text())["quantization_config"]
@@ -156,7 +156,7 @@ def test_runtime_equals_transformers_on_dequantized_weights(quantized):
 def test_awq_beats_round_to_nearest(quantized):
     """On a model with outlier activation channels, AWQ's logits are closer to the float model's
     than plain round-to-nearest at the same group size."""
-    from vlmctl.quant.awq import pseudo_quantize
+    from vlmctl.quant.awq_math import pseudo_quantize
 
     src, out, _ = quantized
     ids = heldout_ids(src, n=4)
@@ -190,7 +190,7 @@ def _layer(kv_heads=2, seed=0):
 
 def test_scale_folding_is_exact():
     from vlmctl.models.decoders import decoder_family
-    from vlmctl.quant.awq import LayerQuantizer
+    from vlmctl.quant.awq_layer import LayerQuantizer
 
     fam = decoder_family("llama")
     layer, x, kw = _layer(kv_heads=4)
@@ -206,7 +206,7 @@ def test_scale_folding_is_exact():
 def test_groups_come_from_the_family(monkeypatch, kv_heads, expect_o):
     """o_proj is scaled against v_proj only when their shapes agree (not under grouped-query attention)."""
     from vlmctl.models.decoders import decoder_family
-    from vlmctl.quant.awq import LayerQuantizer
+    from vlmctl.quant.awq_layer import LayerQuantizer
 
     searched = []
     orig = LayerQuantizer.search_scale
@@ -223,7 +223,8 @@ def test_groups_come_from_the_family(monkeypatch, kv_heads, expect_o):
 def test_bf16_delta_search_ranks_like_float32():
     """The block search with bf16 deltas (fast path) computes the float32 losses closely."""
     from vlmctl.models.decoders import decoder_family
-    from vlmctl.quant.awq import LayerQuantizer, grid_scales
+    from vlmctl.quant.awq_layer import LayerQuantizer
+    from vlmctl.quant.awq_math import grid_scales
 
     layer, x, kw = _layer()
     fam = decoder_family("llama")
@@ -260,7 +261,7 @@ def test_scale_search_matches_autoawq(duo):
     """Same best scales as AutoAWQ's _search_best_scale (with its CPU weight-backup bug fixed), for a
     block group and a single-linear group."""
     from vlmctl.models.decoders import decoder_family
-    from vlmctl.quant.awq import LayerQuantizer
+    from vlmctl.quant.awq_layer import LayerQuantizer
 
     aq = _autoawq_quantizer(GROUP, duo)
     fam = decoder_family("llama")
@@ -300,7 +301,7 @@ def test_autoawq_cpu_backup_fix():
 
 
 def test_clip_search_matches_autoawq():
-    from vlmctl.quant.awq import clip_thresholds
+    from vlmctl.quant.awq_math import clip_thresholds
 
     aq = _autoawq_quantizer(GROUP)
     torch.manual_seed(1)

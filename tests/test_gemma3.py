@@ -475,7 +475,7 @@ def test_awq_scale_folding_keeps_the_one_plus_norm_exact():
     from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer, Gemma3RotaryEmbedding
 
     from vlmctl.models.decoders import decoder_family
-    from vlmctl.quant.awq import LayerQuantizer
+    from vlmctl.quant.awq_layer import LayerQuantizer
 
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

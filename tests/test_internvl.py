@@ -248,7 +248,7 @@ def test_awq_build_matches_transformers_on_dequantized_weights(tmp_path, capsys)
     from vlmctl.checkpoint import load_state_dict
     from vlmctl.models.base import DECODER
     from vlmctl.models.registry import get_family
-    from vlmctl.quant.packing import dequantize_gemm
+    from vlmctl.formats.awq_gemm import dequantize_gemm
 
     ckpt = make_internvl(tmp_path / "ckpt", seed=11)
     recipe = write_recipe(tmp_path / "r.yaml", ckpt, limits={"max_images_per_request": 2})

@@ -114,7 +114,7 @@ def test_onnx_and_host_packing_match_hf_image_features(built):
     assert manifest["info"]["validate_batch"] != EXPORT_BATCH and manifest["info"]["max_abs_error"] < 1e-4
 
     fam = LlavaNextFamily()
-    proc = fam.load_processor(eng / "convert" / "processor")
+    proc = fam.load_processor(eng / "convert" / "processor", eng / "convert" / "vision")
     model = LlavaNextForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
     sess = ort_session(eng / "export-vision" / "model.onnx", ["CPUExecutionProvider"])
     images = [make_image(30, (90, 33)), make_image(31, (33, 90)), make_image(32, (57, 57))]

@@ -163,7 +163,7 @@ def test_onnx_and_host_packing_match_hf_image_features(built):
     manifest = json.loads((eng / "export-vision" / "manifest.json").read_text())
     assert manifest["info"]["validate_batch"] != EXPORT_BATCH and manifest["info"]["max_abs_error"] < 1e-4
     fam = LlavaOnevisionFamily()
-    proc = fam.load_processor(eng / "convert" / "processor")
+    proc = fam.load_processor(eng / "convert" / "processor", eng / "convert" / "vision")
     ref = Reference(ckpt)
     sess = ort_session(eng / "export-vision" / "model.onnx", ["CPUExecutionProvider"])
     for images in ([make_image(60, (110, 100))], [make_image(61, (90, 33)), make_image(62, (33, 90)),

@@ -240,7 +240,7 @@ def dequantized_hf_model(ckpt: Path, version: str, vlm_dir: Path, group_size: in
     `vlm_dir` (packed linears dequantized; norms and biases as AWQ's scaling left them)."""
     from safetensors.torch import load_file
 
-    from vlmctl.quant.packing import dequantize_gemm
+    from vlmctl.formats.awq_gemm import dequantize_gemm
 
     model = _hf_class(version).from_pretrained(ckpt, dtype=torch.float32).eval()
     awq = {}

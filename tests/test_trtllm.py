@@ -591,7 +591,7 @@ def test_engine_loads_vision_before_the_executor(tiny_llava_engine, envs, tmp_pa
     shutil.rmtree(eng / "build-llm")
     llm = json.loads((eng / "convert" / "llm" / "config.json").read_text())
     # published as build-llm publishes (with its manifest): chat/serve check an engine's files at start
-    from vlmctl.artifacts import run_stage
+    from vlmctl.formats.artifacts import run_stage
 
     def write(out):
         _layout(out, vocab=llm["vocab_size"], hidden=llm["hidden_size"], table_rows=64,

@@ -1,9 +1,11 @@
 """Checkpoint conversion: split a VLM checkpoint into vision (tower + projector) and decoder parts.
 
-Output layout (one directory, written atomically by the pipeline):
+Output layout (a conversion workspace, formats/workdir.py; one directory, written atomically by the
+pipeline):
   vision/     model.safetensors (vision tower + projector) + config.json (the VLM config)
   llm/        the decoder as a plain Hugging Face causal-LM checkpoint, with its tokenizer
   processor/  tokenizer, image processor, chat template and config, as the runtime needs them
+  family.json the family module that reads it
 
 Every tensor is checked against the names, shapes and dtypes the architecture expects;
 unknown or missing tensors fail the stage.
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from .checkpoint import ShardWriter, iter_tensors
 from .errors import CheckpointError
+from .formats.workdir import Workspace
 from .models.base import DECODER, VISION
 from .models.registry import detect_family, read_config
 from .progress import Progress, ensure
@@ -76,8 +79,8 @@ def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: P
     expected = expected_tensors(family, config)
     target = getattr(torch, DTYPES[dtype])
 
-    out = Path(out)
-    writers = {VISION: ShardWriter(out / "vision"), DECODER: ShardWriter(out / "llm")}
+    ws = Workspace(Path(out))
+    writers = {VISION: ShardWriter(ws.vision), DECODER: ShardWriter(ws.llm)}
     seen: set[str] = set()
     decoder_names: set[str] = set()
     counts = {VISION: 0, DECODER: 0}
@@ -111,7 +114,7 @@ def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: P
     # vision/: the whole VLM config (the vision wrapper needs projector and feature-layer settings)
     config_out = dict(config)
     config_out["torch_dtype"] = dtype
-    (out / "vision" / "config.json").write_text(json.dumps(config_out, indent=2))
+    ws.vision_config.write_text(json.dumps(config_out, indent=2))
 
     # llm/: a plain causal LM
     text_cfg = family.text_config_dict(config)
@@ -120,18 +123,18 @@ def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: P
     text_cfg["tie_word_embeddings"] = family.ties_lm_head(config) and "lm_head.weight" not in decoder_names
     text_cfg["torch_dtype"] = dtype
     text_cfg.pop("dtype", None)
-    (out / "llm" / "config.json").write_text(json.dumps(text_cfg, indent=2))
-    proc = out / "processor"
+    (ws.llm / "config.json").write_text(json.dumps(text_cfg, indent=2))
+    proc = ws.processor
     proc.mkdir(parents=True)
     for name in PROCESSOR_FILES:
         if (src / name).exists():
             shutil.copy2(src / name, proc / name)
             if name in TOKENIZER_FILES or name in ("generation_config.json", "chat_template.jinja"):
-                shutil.copy2(src / name, out / "llm" / name)
+                shutil.copy2(src / name, ws.llm / name)
     if not any((proc / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise CheckpointError(f"{src}: no tokenizer files (tokenizer.json or tokenizer.model)")
     if image_settings:
         family.apply_image_settings(proc, image_settings)
-    (out / "family.json").write_text(json.dumps({"family": family.name, "architecture": config["architectures"][0],
-                                                 "decoder_model_type": text_cfg["model_type"], "dtype": dtype}, indent=2))
+    ws.write_family({"family": family.name, "architecture": config["architectures"][0],
+                     "decoder_model_type": text_cfg["model_type"], "dtype": dtype})
     return {"family": family.name, "vision_tensors": counts[VISION], "decoder_tensors": counts[DECODER]}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..backends.tensorrt import import_trt, tensorrt_available
 from ..errors import StageError
+from ..formats.workdir import ONNX_FILE, VISION_ENGINE_FILE, VISION_RUNTIME_FILE
 from ..progress import Progress, ensure
 
 
@@ -62,24 +63,27 @@ def build_trt_engine(onnx_path: Path, engine_path: Path, *, max_batch: int, work
             "strongly_typed": True}
 
 
-def build_vision_engine(export_dir: Path, out_dir: Path, *, backend: str, dtype: str, max_batch: int,
+def build_vision_engine(onnx_path: Path, out_dir: Path, *, backend: str, dtype: str, max_batch: int,
                         workspace_gib: float, progress: Progress | None = None, profile: dict | None = None) -> dict:
-    onnx_path = Path(export_dir) / "model.onnx"
+    """The build-vision stage: a TensorRT engine from export-vision's ONNX file when the backend is
+    tensorrt, and in every case VISION_RUNTIME_FILE, the record of which runner the runtime starts with."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if backend == "tensorrt":
-        info = build_trt_engine(onnx_path, out_dir / "model.engine", max_batch=max_batch,
+        info = build_trt_engine(onnx_path, out_dir / VISION_ENGINE_FILE, max_batch=max_batch,
                                 workspace_gib=workspace_gib, progress=progress, shapes_profile=profile)
-        runner = {"runner": "tensorrt", "engine": "model.engine"}
+        runner = {"runner": "tensorrt", "engine": VISION_ENGINE_FILE}
     else:
         import onnxruntime
 
         why = "recipe asks for it" if backend in ("onnxruntime", "torch") else "tensorrt is not installed"
         if backend == "onnxruntime" and not tensorrt_available():
             why = "tensorrt is not installed (or vision.backend is onnxruntime)"
+        runs = f"ONNX Runtime runs ../export-vision/{ONNX_FILE}" if backend == "onnxruntime" else \
+            "torch runs the vision weights"
         info = {"backend": backend, "backend_version": f"onnxruntime {onnxruntime.__version__}"
-                if backend == "onnxruntime" else "torch", "note": f"no TensorRT engine built: {why}; "
-                f"{'ONNX Runtime runs ../export-vision/model.onnx' if backend == 'onnxruntime' else 'torch runs the vision weights'}"}
-        runner = {"runner": backend, "onnx": "../export-vision/model.onnx"}
-    (out_dir / "runtime.json").write_text(json.dumps({**runner, "dtype": dtype, "max_batch": max_batch}, indent=2))
+                if backend == "onnxruntime" else "torch", "note": f"no TensorRT engine built: {why}; {runs}"}
+        runner = {"runner": backend, "onnx": f"../export-vision/{ONNX_FILE}"}
+    (out_dir / VISION_RUNTIME_FILE).write_text(json.dumps({**runner, "dtype": dtype, "max_batch": max_batch},
+                                                          indent=2))
     return info

@@ -159,7 +159,9 @@ class VLMFamily:
         raise NotImplementedError
 
     # ---- prompt & images -------------------------------------------------------------------
-    def load_processor(self, processor_dir: Path) -> "FamilyProcessor":
+    def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "FamilyProcessor":
+        """The prompt and image processor of an engine or workspace: from its processor/ directory, and
+        for families whose host-side packing reads a vision tensor, from its vision/ part."""
         raise NotImplementedError
 
     def max_image_tokens(self, config_dict: dict) -> int:
@@ -213,6 +215,29 @@ class FamilyProcessor:
     def postprocess_features(self, features: np.ndarray, item: ImageItem) -> np.ndarray:
         """Vision runner output for one image -> [num_tokens, hidden] rows for the prompt table."""
         return features.reshape(-1, features.shape[-1])
+
+    def run_vision(self, items: list[ImageItem], runner) -> list:
+        """The feature rows ([num_tokens, hidden] torch tensors) of images that share a `batch_key`,
+        from one call of `runner(feed) -> tensor` (a vision backend running the exported graph or
+        the family's module): collate, run, split per image, postprocess. The runtime's vision
+        encoder and AWQ's image-text calibration both go through here."""
+        import torch
+
+        from ..errors import EngineError
+
+        feed, sizes = self.collate(items)
+        out = runner(feed)
+        rows = []
+        for it, chunk in zip(items, torch.split(out, sizes)):
+            feats = self.postprocess_features(chunk, it)
+            if not isinstance(feats, torch.Tensor):
+                feats = torch.from_numpy(np.ascontiguousarray(feats))
+            feats = feats.reshape(-1, feats.shape[-1])
+            if feats.shape[0] != it.num_tokens:
+                raise EngineError(f"vision produced {feats.shape[0]} rows for an image expected to give "
+                                  f"{it.num_tokens}")
+            rows.append(feats)
+        return rows
 
     def position_ids(self, token_ids: list[int], prompt: EncodedPrompt):
         """None for ordinary 1-D positions; families with multi-dimensional rotary override."""

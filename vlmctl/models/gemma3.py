@@ -178,7 +178,7 @@ class Gemma3Family(VLMFamily):
     def max_image_tokens(self, config_dict: dict) -> int:
         return self.tokens_per_image(config_dict)  # every image, whatever its size
 
-    def load_processor(self, processor_dir: Path) -> "Gemma3ProcessorAdapter":
+    def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "Gemma3ProcessorAdapter":
         return Gemma3ProcessorAdapter(self, Path(processor_dir))
 
 

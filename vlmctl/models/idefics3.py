@@ -231,7 +231,7 @@ class Idefics3Family(VLMFamily):
         """fake / image / global-image strings, as this architecture's processor chooses them."""
         return dict(_TOKENS)
 
-    def load_processor(self, processor_dir: Path) -> "Idefics3ProcessorAdapter":
+    def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "Idefics3ProcessorAdapter":
         return Idefics3ProcessorAdapter(self, Path(processor_dir))
 
 

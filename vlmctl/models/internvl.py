@@ -249,7 +249,7 @@ class InternVLFamily(VLMFamily):
         rest = (vc.num_channels, h, w)
         return {"pixel_values": ((1, *rest), (min(per_image, hi), *rest), (hi, *rest))}
 
-    def load_processor(self, processor_dir: Path) -> "InternVLProcessorAdapter":
+    def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "InternVLProcessorAdapter":
         return InternVLProcessorAdapter(self, Path(processor_dir))
 
 

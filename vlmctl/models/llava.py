@@ -152,7 +152,7 @@ class LlavaFamily(VLMFamily):
     def max_image_tokens(self, config_dict: dict) -> int:
         return self.tokens_per_image(config_dict)
 
-    def load_processor(self, processor_dir: Path) -> "LlavaProcessorAdapter":
+    def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "LlavaProcessorAdapter":
         return LlavaProcessorAdapter(self, Path(processor_dir))
 
 

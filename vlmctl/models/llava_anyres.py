@@ -258,14 +258,14 @@ class AnyresLlavaFamily(LlavaFamily):
     def max_image_tokens(self, config_dict: dict) -> int:
         return self.geometry(config_dict).max_tokens()
 
-    def load_processor(self, processor_dir: Path) -> "AnyresProcessorAdapter":
-        return AnyresProcessorAdapter(self, Path(processor_dir))
+    def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "AnyresProcessorAdapter":
+        return AnyresProcessorAdapter(self, Path(processor_dir), vision_dir)
 
 
 class AnyresProcessorAdapter(FamilyProcessor):
     """Chat template + the family's PIL image processor; expands `<image>` per image size."""
 
-    def __init__(self, family: AnyresLlavaFamily, processor_dir: Path):
+    def __init__(self, family: AnyresLlavaFamily, processor_dir: Path, vision_dir: Path | None):
         import torch
         from transformers import AutoImageProcessor, AutoTokenizer
 
@@ -289,7 +289,9 @@ class AnyresProcessorAdapter(FamilyProcessor):
         if crop != self.geometry.crop:
             raise CheckpointError(f"{processor_dir}: the image processor makes {crop}-pixel crops but the vision "
                                   f"tower takes {self.geometry.crop}")
-        self.newline = read_vision_tensor(processor_dir.parent / "vision", NEWLINE)
+        if vision_dir is None:
+            raise CheckpointError(f"{family.name}: the processor needs the converted vision part (it holds {NEWLINE})")
+        self.newline = read_vision_tensor(Path(vision_dir), NEWLINE)
         self.torch = torch
 
     def _processor_crop(self) -> int | None:

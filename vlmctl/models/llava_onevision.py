@@ -50,8 +50,8 @@ class LlavaOnevisionFamily(AnyresLlavaFamily):
             raise CheckpointError(f"{self.name}: vision_aspect_ratio {aspect!r} is not supported (only anyres_max_N)")
         return int(digits)
 
-    def load_processor(self, processor_dir):
-        return OnevisionProcessorAdapter(self, processor_dir)
+    def load_processor(self, processor_dir, vision_dir=None):
+        return OnevisionProcessorAdapter(self, processor_dir, vision_dir)
 
 
 class OnevisionProcessorAdapter(AnyresProcessorAdapter):

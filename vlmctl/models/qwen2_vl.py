@@ -394,7 +394,7 @@ class Qwen2VLFamily(VLMFamily):
         if lo > hi:
             raise RecipeError(f"image: min_pixels {lo} is larger than max_pixels {hi} (with the checkpoint's values)")
 
-    def load_processor(self, processor_dir: Path) -> "QwenProcessorAdapter":
+    def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "QwenProcessorAdapter":
         return QwenProcessorAdapter(self, Path(processor_dir))
 
 
