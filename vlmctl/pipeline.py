@@ -75,17 +75,16 @@ def resolve_vision_backend(recipe: Recipe) -> str:
 def resolve_decoder_backend(recipe: Recipe, family=None) -> str:
     """torch or trtllm. `auto` takes TensorRT-LLM when its interpreter has 1.2.x and the recipe is
     one it builds (float16/bfloat16); a recipe asking for tensor/pipeline parallelism must get it.
-    A family whose image rows attend to each other (`image_attention` "bidirectional") gets the torch
-    decoder: TensorRT-LLM's prompt-table engines attend causally, which would change the answers."""
+    A family TensorRT-LLM's prompt-table engine does not compute correctly (`supports_trtllm` false:
+    bidirectional image attention, multimodal rotary positions) gets the torch decoder."""
     from .backends.trtllm import trtllm_available
 
     want = recipe.decoder.backend
     parallel = recipe.decoder.tp_size * recipe.decoder.pp_size > 1
-    if family is not None and family.image_attention != "causal":
+    if family is not None and not family.supports_trtllm:
         if want == "trtllm" or parallel:
-            raise StageError(f"decoder.backend trtllm: TensorRT-LLM's prompt-table engine attends causally among "
-                             f"image rows, but {family.name} needs each image's rows to see each other; use "
-                             "decoder.backend: torch (one GPU)")
+            raise StageError(f"decoder.backend trtllm: the {family.name} family is not served by TensorRT-LLM: "
+                             f"{family.trtllm_refusal}; use decoder.backend: torch (one GPU)")
         return "torch"
     if want == "auto":
         if recipe.dtype == "float32" and not parallel:
@@ -216,7 +215,7 @@ def _spec_export_vision(recipe: Recipe, workdir: Path, progress: Progress | None
 
 
 def _spec_build_vision(recipe: Recipe, workdir: Path, progress: Progress | None, dry: bool = False) -> StageSpec:
-    from .export.tensorrt import build_vision_engine
+    from .export.tensorrt import build_vision_engine, vision_profile
 
     backend = resolve_vision_backend(recipe)
     lim = recipe.limits
@@ -224,7 +223,8 @@ def _spec_build_vision(recipe: Recipe, workdir: Path, progress: Progress | None,
     settings = {"backend": backend, "dtype": recipe.dtype, "max_images": max_images,
                 "workspace_gib": recipe.vision.workspace_gib, **backend_fingerprint(backend)}
     wd = WorkDir(workdir)
-    profile = _family(workdir).vision_profile(wd.convert.read_vision_config(), wd.convert.processor, lim.model_dump())
+    axis = _family(workdir).vision_axis(wd.convert.read_vision_config(), wd.convert.processor)
+    profile = vision_profile(axis, lim.max_batch_size, lim.max_images_per_request) if axis is not None else None
     if profile is not None:
         settings["profile"] = {k: [list(s) for s in v] for k, v in profile.items()}
     inputs = {"onnx": stage_part_hash(workdir, "export-vision")}
@@ -251,7 +251,7 @@ def _spec_build_llm(recipe: Recipe, workdir: Path, progress: Progress | None, dr
         llm_dir, llm_hash = wd.convert.llm, stage_part_hash(workdir, "convert", wd.convert.llm.name)
     vlm_config = wd.convert.read_vision_config()
     lim = recipe.limits
-    per_image = family.engine_image_tokens(vlm_config, wd.convert.processor)
+    per_image = family.max_image_tokens(vlm_config, wd.convert.processor)
     table_size = prompt_table_size(lim, per_image)
     extra = {"name": recipe.name, "backend": backend, "limits": lim.model_dump(), "prompt_table_size": table_size,
              "image_tokens_per_image": per_image, "eos_token_ids": _eos_ids(wd.convert.processor)}
@@ -267,7 +267,8 @@ def _spec_build_llm(recipe: Recipe, workdir: Path, progress: Progress | None, dr
         if backend == "trtllm":
             from .export.trtllm import build_trtllm_engine
 
-            return build_trtllm_engine(llm_dir, out, recipe=recipe, extra_config=extra, progress=progress)
+            return build_trtllm_engine(llm_dir, out, recipe=recipe, family=family, extra_config=extra,
+                                       progress=progress)
         from .export.torch_decoder import build_torch_decoder
 
         return build_torch_decoder(llm_dir, out, engine_root=workdir, dtype=recipe.dtype, extra_config=extra,

@@ -32,10 +32,25 @@ def profile_shapes(input_shapes: dict[str, tuple[int, ...]], max_batch: int) -> 
     return out
 
 
+def vision_profile(axis, max_batch_size: int, max_images_per_request: int) -> dict[str, tuple[tuple, tuple, tuple]]:
+    """min/opt/max shapes per input of a vision graph whose axis 0 counts crops, tiles or patches, from
+    the family's per-image `VisionAxis` (models/base.py): one vision call holds at most every image the
+    engine admits at once (or, when calls do not batch across requests, one request's images), each at
+    its most rows."""
+    if axis.across_requests:
+        images = max(1, max_batch_size * max(max_images_per_request, 1))
+    else:
+        images = max(1, max_images_per_request)
+    hi = images * axis.max_rows
+    opt = min(axis.opt_rows, hi)
+    lo = min(axis.min_rows, opt)
+    return {name: ((lo, *rest), (opt, *rest), (hi, *rest)) for name, rest in axis.trailing.items()}
+
+
 def build_trt_engine(onnx_path: Path, engine_path: Path, *, max_batch: int, workspace_gib: float,
                      progress: Progress | None = None, shapes_profile: dict | None = None) -> dict:
-    """`shapes_profile`: the family's (min, opt, max) shape per input (dynamic non-batch axes, e.g.
-    patches); by default axis 0 of every input is a batch of 1..max_batch."""
+    """`shapes_profile`: (min, opt, max) shape per input (`vision_profile`, for graphs whose axis 0 is
+    crops or patches); by default axis 0 of every input is a batch of 1..max_batch."""
     trt = import_trt()
     progress = ensure(progress)
     logger = trt.Logger(trt.Logger.WARNING)

@@ -225,16 +225,15 @@ def _run(cmd: list[str], what: str) -> None:
         raise StageError(f"build-llm: {what} failed: " + " | ".join(tail))
 
 
-def build_trtllm_engine(llm_dir: Path, out_dir: Path, *, recipe, extra_config: dict,
+def build_trtllm_engine(llm_dir: Path, out_dir: Path, *, recipe, family, extra_config: dict,
                         progress: Progress | None = None) -> dict:
+    """The build-llm stage with TensorRT-LLM, for the decoder of `family` (a VLMFamily) in `llm_dir`."""
     llm_dir, out_dir = Path(llm_dir), Path(out_dir)
+    if not family.supports_trtllm:
+        # e.g. an engine that would apply 1-D rotary to image tokens: wrong answers, no error
+        raise BackendUnavailableError(f"build-llm: the {family.name} family is not served by TensorRT-LLM: "
+                                      f"{family.trtllm_refusal}; set decoder.backend: torch")
     llm_config = json.loads((llm_dir / "config.json").read_text())
-    rope = llm_config.get("rope_parameters") or {}
-    if rope.get("mrope_section"):
-        # A plain causal-LM engine would apply 1-D rotary to image tokens: wrong answers, no error.
-        raise BackendUnavailableError("build-llm: this decoder uses multimodal rotary positions (M-RoPE), which "
-                                      "vlmctl's TensorRT-LLM flow (a prompt-table engine with 1-D positions) does "
-                                      "not drive; set decoder.backend: torch")
     quant = quant_config_for(llm_config)
     dec = recipe.decoder
     capability = compute_capability()

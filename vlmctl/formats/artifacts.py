@@ -1,8 +1,9 @@
 """Stage artifacts: caching by hash, manifests, atomic outputs.
 
-Each stage owns one directory under the work directory (formats/workdir.py names them). A stage's cache key hashes the tool version,
-the stage name, its resolved settings and the content hashes of its inputs; when the manifest
-in its directory records the same key (and its files are intact), the stage is a cache hit.
+Each stage owns one directory under the work directory (formats/workdir.py names them). A stage's
+cache key hashes the tool version, the stage name, its resolved settings and the content hashes of
+its inputs; when the manifest in its directory records the same key (and its files are intact), the
+stage is a cache hit.
 Outputs are written to a temporary sibling directory and renamed into place only on success,
 so an interrupted build never leaves a directory that looks finished. Temporary directories are
 named after the host and process that own them; one whose process is gone (a killed build) is

@@ -1,14 +1,21 @@
-"""The interface every VLM family module implements.
+"""The contract every VLM family module implements: `VLMFamily` and its `FamilyProcessor`.
 
 A family module is the only place that knows a model: how its checkpoint splits into vision
 and decoder, how the vision part is wrapped for export, how images are preprocessed and how many
 feature rows each becomes, how the chat template and image placeholders expand, and which
 decoder family runs the language part. Generic code (convert, export, runtime, serve) only
 talks to this interface.
+
+Both classes are abstract: a family that leaves out a required hook cannot be instantiated (the
+registry test instantiates every one). What families share is written here once: the processor's
+set-up (config, tokenizer, chat template, image processor) and `FamilyProcessor.encode`, a
+template method; a family supplies the image items and the text each image placeholder becomes.
 """
 
 from __future__ import annotations
 
+import abc
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +55,24 @@ class TritonStock:
     max_images: int | None = None
 
 
+@dataclass(frozen=True)
+class VisionAxis:
+    """How images fill the vision graph's dynamic axis 0 when it is not simply a batch of images
+    (crops, tiles or patches): the family's per-image facts, from which export/tensorrt.py computes
+    the TensorRT optimization profile.
+
+    `max_rows`: the most axis rows one image needs (its most crops, or patches); `opt_rows`: the
+    rows TensorRT tunes for; `min_rows`: the fewest rows of one vision call; `trailing`: every graph
+    input's shape after axis 0; `across_requests`: whether one vision call batches the images of
+    several requests (the processor's `batch_key`), or only those of one request."""
+
+    max_rows: int
+    opt_rows: int
+    trailing: dict[str, tuple[int, ...]]
+    min_rows: int = 1
+    across_requests: bool = True
+
+
 @dataclass
 class EncodedPrompt:
     """A tokenized prompt whose image placeholders are already expanded.
@@ -62,11 +87,19 @@ class EncodedPrompt:
     text: str = ""
 
 
-class VLMFamily:
-    """Base class. Subclasses set the class attributes and override what differs."""
+def image_hash(image) -> str:
+    """An image's content hash (mode, size and pixels): the vision feature cache's key."""
+    h = hashlib.sha256()
+    h.update(f"{image.mode}:{image.size}".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+class VLMFamily(abc.ABC):
+    """Base class. Subclasses set the class attributes and implement the abstract hooks."""
 
     name: ClassVar[str]
-    architectures: ClassVar[tuple[str, ...]]
+    architectures: ClassVar[tuple[str, ...]]  # the HF architectures it reads (models/registry.py maps them here)
     # Supported features, shown in `vlmctl models` and the README table.
     multi_image: ClassVar[bool] = True
     # Served by tensorrtllm_backend 1.2's stock multimodal Python models (export-triton), or None.
@@ -74,19 +107,19 @@ class VLMFamily:
     # How the decoder attends among an image's rows during prefill: "causal" (like text), or
     # "bidirectional" (the rows of one image see each other; the decoder spec carries it to the runtime).
     image_attention: ClassVar[str] = "causal"
-
-    # ---- detection -------------------------------------------------------------------------
-    @classmethod
-    def matches(cls, config: dict) -> bool:
-        return any(a in cls.architectures for a in config.get("architectures") or [])
+    # Whether TensorRT-LLM's prompt-table engine (causal attention, 1-D positions) computes this VLM's
+    # decoder as the reference does; when not, `trtllm_refusal` says why and the decoder runs on torch.
+    supports_trtllm: ClassVar[bool] = True
+    trtllm_refusal: ClassVar[str] = ""
 
     # ---- conversion ------------------------------------------------------------------------
+    @abc.abstractmethod
     def hf_config(self, config_dict: dict):
         """The transformers config object for the whole VLM."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def hf_model_class(self):
-        raise NotImplementedError
+        """transformers' class of the whole VLM (the reference, and the tensor inventory convert checks)."""
 
     # (old prefix, current prefix) pairs for checkpoints saved in an older transformers layout.
     legacy_prefixes: ClassVar[tuple[tuple[str, str], ...]] = ()
@@ -100,21 +133,21 @@ class VLMFamily:
                 return new + key[len(old):]
         return key
 
+    @abc.abstractmethod
     def split_key(self, key: str) -> tuple[str, str]:
         """(VISION or DECODER, name inside that part) for a canonical tensor name."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def join_key(self, part: str, name: str) -> str:
         """Inverse of `split_key`: the whole-VLM tensor name of `name` inside `part` (AWQ's VLM checkpoint)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def text_config_dict(self, config_dict: dict) -> dict:
         """config.json of the standalone decoder (a plain HF causal LM)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def vision_module_names(self) -> list[str]:
         """Module prefixes of the vision part in the whole-VLM checkpoint (AWQ's modules_to_not_convert)."""
-        raise NotImplementedError
 
     def ties_lm_head(self, config_dict: dict) -> bool:
         """Whether transformers ties this VLM's lm_head to its word embedding: the *top-level* flag of the
@@ -123,6 +156,9 @@ class VLMFamily:
         A text config that says false does not untie. Even when tied, transformers keeps a separate
         lm_head that the checkpoint contains; `convert` does the same."""
         return bool(getattr(self.hf_config(config_dict), "tie_word_embeddings", False))
+
+    def decoder_model_type(self, config_dict: dict) -> str:
+        return self.text_config_dict(config_dict)["model_type"]
 
     # ---- vision ----------------------------------------------------------------------------
     @staticmethod
@@ -143,35 +179,42 @@ class VLMFamily:
             raise CheckpointError(f"{vision_dir}: vision weights do not match the config "
                                   f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
 
+    @abc.abstractmethod
     def build_vision_module(self, vision_dir: Path, dtype):
         """torch module: ONNX inputs -> image features [batch, rows, decoder hidden]."""
-        raise NotImplementedError
 
     def onnx_io(self, vision_config: dict) -> tuple[list[str], list[str], dict[str, dict[int, str]]]:
         """ONNX input names, output names and dynamic axes."""
         return ["pixel_values"], ["image_features"], {"pixel_values": {0: "batch"}, "image_features": {0: "batch"}}
 
+    @abc.abstractmethod
     def example_vision_inputs(self, vision_config: dict, batch: int, dtype, seed: int = 0) -> dict[str, Any]:
-        raise NotImplementedError
+        """Random graph inputs for `batch` images (export and ONNX validation)."""
 
+    @abc.abstractmethod
     def hf_image_features(self, model, inputs: dict[str, Any]):
         """Image features through transformers' own path (reference for validation tests)."""
-        raise NotImplementedError
+
+    def vision_axis(self, config_dict: dict, processor_dir: Path) -> VisionAxis | None:
+        """How images fill the graph's dynamic axis under the engine's processor settings; None when
+        axis 0 is a batch of whole images (one graph row per image)."""
+        return None
+
+    def triton_vision_files(self, vision_dir: Path, dest: Path) -> list[str]:
+        """Files the stock `multimodal_encoders` model reads beside the vision engine (names written)."""
+        return []
 
     # ---- prompt & images -------------------------------------------------------------------
+    @abc.abstractmethod
     def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "FamilyProcessor":
         """The prompt and image processor of an engine or workspace: from its processor/ directory, and
         for families whose host-side packing reads a vision tensor, from its vision/ part."""
-        raise NotImplementedError
 
-    def max_image_tokens(self, config_dict: dict) -> int:
-        """Upper bound of feature rows one image becomes (sizes the prompt-embedding table)."""
-        raise NotImplementedError
-
-    def engine_image_tokens(self, config_dict: dict, processor_dir: Path) -> int:
-        """`max_image_tokens` under the engine's processor settings (dynamic-resolution families read
-        their max_pixels there)."""
-        return self.max_image_tokens(config_dict)
+    @abc.abstractmethod
+    def max_image_tokens(self, config_dict: dict, processor_dir: Path | None = None) -> int:
+        """Upper bound of the feature rows one image becomes (sizes the prompt-embedding table), under
+        the processor settings saved in `processor_dir` (dynamic-resolution families read their pixel or
+        crop limits there), or the checkpoints' usual settings without it."""
 
     def apply_image_settings(self, processor_dir: Path, settings: dict) -> None:
         """Write a recipe's `image:` settings (min/max pixels) into the engine's processor config."""
@@ -180,27 +223,104 @@ class VLMFamily:
         raise RecipeError(f"image.{next(iter(settings))}: the {self.name} family has no such setting "
                           "(only dynamic-resolution models take min_pixels / max_pixels)")
 
-    def vision_profile(self, config_dict: dict, processor_dir: Path, limits: dict) -> dict | None:
-        """TensorRT optimization-profile (min, opt, max) shapes per vision input, for graphs whose
-        dynamic axis is not a batch of images; None: axis 0 is a batch of 1..max images."""
-        return None
 
-    def triton_vision_files(self, vision_dir: Path, dest: Path) -> list[str]:
-        """Files the stock `multimodal_encoders` model reads beside the vision engine (names written)."""
-        return []
+class FamilyProcessor(abc.ABC):
+    """Built from an engine's processor/ directory: turns chat messages and images into an EncodedPrompt.
 
-    # ---- decoder ---------------------------------------------------------------------------
-    def decoder_model_type(self, config_dict: dict) -> str:
-        return self.text_config_dict(config_dict)["model_type"]
+    `encode` is the same for every family: render the chat template, find the image placeholders
+    (`placeholder`, the text the template writes per image), make each image's ImageItem
+    (`image_items`), replace each placeholder by the text its rows become (`image_text`), tokenize
+    (`tokenize`), and check that the tokenizer kept one `image_token_id` per feature row. This is
+    how the HF processors expand placeholders (in the text, before tokenizing)."""
 
+    placeholder: str  # what the chat template writes per image
+    image_token_id: int  # the id of each image row's position in the expanded prompt
 
-class FamilyProcessor:
-    """Built from an engine's processor/ directory: turns chat messages and images into an EncodedPrompt."""
+    def __init__(self, family: VLMFamily, processor_dir: Path):
+        from transformers import AutoTokenizer
 
+        from .chat import load_chat_template
+
+        self.family = family
+        self.processor_dir = Path(processor_dir)
+        self.config = read_json(self.processor_dir / "config.json")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.processor_dir))
+        self.chat_template = load_chat_template(self.processor_dir, self.tokenizer)
+        self.image_processor = self.load_image_processor()
+
+    def load_image_processor(self):
+        """The checkpoint's image processor (transformers' Auto class unless the family names one)."""
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(str(self.processor_dir))
+
+    # ---- checks the families' set-up shares ---------------------------------------------------
+    def config_token_id(self, *keys: str) -> int:
+        """The first of `keys` that config.json sets (the image token's id)."""
+        from ..errors import CheckpointError
+
+        for k in keys:
+            if self.config.get(k) is not None and int(self.config[k]) >= 0:
+                return int(self.config[k])
+        raise CheckpointError(f"{self.processor_dir}/config.json: no {keys[0]}")
+
+    def require_token(self, token: str, what: str = "") -> int:
+        """The id of `token`, which must be one token of the tokenizer's vocabulary."""
+        from ..errors import CheckpointError
+
+        tid = self.tokenizer.convert_tokens_to_ids(token)
+        if tid is None or (tid == self.tokenizer.unk_token_id and token != self.tokenizer.unk_token):
+            raise CheckpointError(f"{self.processor_dir}: the tokenizer has no {token!r} token{what}")
+        return int(tid)
+
+    # ---- the prompt ---------------------------------------------------------------------------
     def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None) -> EncodedPrompt:
         """`tools`: OpenAI function tools (models/tool_calls.normalize_tools) for the template to show."""
-        raise NotImplementedError
+        from ..errors import CheckpointError, InputError
+        from .chat import render_chat
 
+        text = render_chat(self.tokenizer, self.chat_template, messages, tools)
+        pieces = text.split(self.placeholder)
+        if len(pieces) - 1 != len(images):
+            raise InputError(f"the prompt has {len(pieces) - 1} image placeholder(s) but {len(images)} image(s) "
+                             "were given")
+        items = self.image_items(list(images), [image_hash(img) for img in images]) if images else []
+        expanded = pieces[0] + "".join(self.image_text(item) + rest for item, rest in zip(items, pieces[1:]))
+        ids = [int(t) for t in self.tokenize(expanded)]
+        if sum(1 for t in ids if t == self.image_token_id) != sum(it.num_tokens for it in items):
+            raise CheckpointError(f"the tokenizer does not keep the image token (id {self.image_token_id}) as one "
+                                  "token per feature row")
+        return EncodedPrompt(token_ids=ids, images=items, image_placeholder_id=self.image_token_id, text=text)
+
+    def image_items(self, images: list, hashes: list[str]) -> list[ImageItem]:
+        """The ImageItems of one prompt's images, in order (a family whose items depend on the other
+        images of the prompt overrides this; others implement `image_item`)."""
+        return [self.image_item(img, h) for img, h in zip(images, hashes)]
+
+    def image_item(self, image, content_hash: str) -> ImageItem:
+        """One image's preprocessed inputs and row count."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither image_items nor image_item")
+
+    @abc.abstractmethod
+    def image_text(self, item: ImageItem) -> str:
+        """The text one image's placeholder becomes: `item.num_tokens` image tokens, with whatever
+        separators the family's processor puts around and between them."""
+
+    def tokenize(self, text: str) -> list[int]:
+        """The expanded prompt's ids, as the family's processor tokenizes it."""
+        return list(self.tokenizer(text)["input_ids"])
+
+    # ---- rows an image becomes ----------------------------------------------------------------
+    @abc.abstractmethod
+    def num_image_tokens(self, size: tuple[int, int]) -> int:
+        """Feature rows an image of `size` = (width, height) pixels (PIL's `Image.size`) becomes when it
+        is its prompt's only image."""
+
+    def max_image_tokens(self) -> int:
+        """Upper bound of `num_image_tokens` over every size, under this processor's settings."""
+        return self.family.max_image_tokens(self.config, self.processor_dir)
+
+    # ---- vision -------------------------------------------------------------------------------
     def batch_key(self, item: ImageItem) -> tuple:
         """Images with equal keys can share one vision call (default: equal input shapes)."""
         return tuple((k, v.shape[1:], v.dtype.str) for k, v in item.inputs.items())
@@ -242,19 +362,6 @@ class FamilyProcessor:
     def position_ids(self, token_ids: list[int], prompt: EncodedPrompt):
         """None for ordinary 1-D positions; families with multi-dimensional rotary override."""
         return None
-
-
-def expand_placeholders(ids: list[int], placeholder_id: int, items: list[ImageItem]) -> list[int]:
-    """Each occurrence of the image placeholder id becomes `num_tokens` copies, image by image."""
-    expanded: list[int] = []
-    k = 0
-    for t in ids:
-        if t == placeholder_id:
-            expanded.extend([t] * items[k].num_tokens)
-            k += 1
-        else:
-            expanded.append(t)
-    return expanded
 
 
 def read_json(path: Path) -> dict:

@@ -57,10 +57,10 @@ class LlavaOnevisionFamily(AnyresLlavaFamily):
 class OnevisionProcessorAdapter(AnyresProcessorAdapter):
     def image_items(self, images: list, hashes: list[str]) -> list[ImageItem]:
         if len(images) == 1:
-            return [self.anyres_item(images[0], hashes[0])]
+            return [self.image_item(images[0], hashes[0])]
         # One sample with several images: the image processor pads each to a square single crop
         # (nested list = one sample, as the processor's chat-template path passes them).
-        out = self.image_processor(images=[list(images)], return_tensors="np")
+        out = self.image_processor(images=[[img.convert("RGB") for img in images]], return_tensors="np")
         items = []
         for i, h in enumerate(hashes):
             crop = np.ascontiguousarray(out["pixel_values"][i][:1], dtype=np.float32)
