@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .checkpoint import ShardWriter, iter_tensors
 from .errors import CheckpointError
+from .formats.awq_gemm import AwqGemmConfig
 from .formats.workdir import Workspace
 from .models.base import DECODER, VISION
 from .models.registry import detect_family, read_config
@@ -46,10 +47,10 @@ def expected_tensors(family, config_dict: dict) -> dict[str, tuple[tuple[int, ..
     return {k: (tuple(v.shape), k in tied) for k, v in model.state_dict().items()}
 
 
-def read_vlm_decoder(src: Path) -> tuple[dict, dict, dict | None]:
+def read_vlm_decoder(src: Path) -> tuple[dict, dict]:
     """The decoder of a whole-VLM checkpoint, in memory, as a plain causal LM: (text config, tensors by
-    causal-LM name, quantization_config or None). Float or AWQ (vlmctl's whole-VLM AWQ checkpoint keeps
-    the vision modules float and lists them in `modules_to_not_convert`)."""
+    causal-LM name). Float or AWQ (vlmctl's whole-VLM AWQ checkpoint keeps the vision modules float and
+    lists them in `modules_to_not_convert`): the text config then declares the decoder's AWQ settings."""
     src = Path(src)
     config = read_config(src)
     family = detect_family(config, where=str(src / "config.json"))
@@ -60,7 +61,10 @@ def read_vlm_decoder(src: Path) -> tuple[dict, dict, dict | None]:
             tensors[name] = tensor
     text_cfg = family.text_config_dict(config)
     text_cfg["tie_word_embeddings"] = family.ties_lm_head(config) and "lm_head.weight" not in tensors
-    return text_cfg, tensors, config.get("quantization_config")
+    awq = AwqGemmConfig.from_config(config, str(src / "config.json"))
+    if awq is not None:  # the vision modules it lists are no part of the decoder
+        text_cfg = AwqGemmConfig(awq.bits, awq.group_size, awq.zero_point).apply_to(text_cfg)
+    return text_cfg, tensors
 
 
 def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: Progress | None = None,

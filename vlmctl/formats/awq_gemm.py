@@ -70,6 +70,10 @@ class AwqGemmConfig:
         return {"quant_method": "awq", "bits": self.bits, "group_size": self.group_size, "zero_point": self.zero_point,
                 "version": "gemm", "modules_to_not_convert": list(self.modules_to_not_convert) or None}
 
+    def apply_to(self, config: dict) -> dict:
+        """A copy of a HF config dict that declares these AWQ settings."""
+        return {**config, "quantization_config": self.to_config()}
+
 
 # ---- nibble packing ------------------------------------------------------------------------------
 # nibble k of a word holds column ORDER[k] of its 8-column run

@@ -140,11 +140,6 @@ class WorkDir:
     def __post_init__(self):
         object.__setattr__(self, "root", Path(self.root))
 
-    def stage(self, name: str) -> Path:
-        if name not in STAGES:
-            raise ValueError(f"unknown stage {name!r}")
-        return self.root / name
-
     @property
     def recipe_file(self) -> Path:
         return self.root / RECIPE_FILE
@@ -211,9 +206,6 @@ class EngineDir(WorkDir):
         if not d.root.is_dir() or not d.is_engine():
             raise EngineError(not_an_engine(d.root))
         return d
-
-    def read_llm_config(self) -> dict:
-        return _read_json(self.llm_config, "the decoder config", EngineError)
 
     def vision_runner(self) -> str:
         """The vision runner build-vision recorded (tensorrt, onnxruntime or torch)."""

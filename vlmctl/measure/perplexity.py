@@ -104,8 +104,7 @@ def load_logits_fn(model: Path, dtype: str = "float32", device: str = "cpu") -> 
     elif _is_whole_vlm(cfg):  # e.g. the vlm/ checkpoint `vlmctl quantize` writes: score its decoder
         from ..convert import read_vlm_decoder
 
-        text_cfg, tensors, q = read_vlm_decoder(d)
-        text_cfg = {**text_cfg, "quantization_config": q} if q else text_cfg
+        text_cfg, tensors = read_vlm_decoder(d)
         dec = TorchDecoder.from_hf_tensors(text_cfg, tensors, dtype=dtype, device=device, max_seq=16)
         quant = quantization_method(text_cfg) or "none"
         kind = "hf-vlm"

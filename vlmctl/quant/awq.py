@@ -215,8 +215,7 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
     task.done()
     writer.close()
 
-    cfg_out = dict(config_dict)
-    cfg_out["quantization_config"] = AwqGemmConfig(BITS, group_size).to_config()
+    cfg_out = AwqGemmConfig(BITS, group_size).apply_to(config_dict)
     (out_dir / "config.json").write_text(json.dumps(cfg_out, indent=2))
     copy_side_files(src_dir, out_dir)
     return {

@@ -48,9 +48,8 @@ def write_vlm_checkpoint(workspace: Workspace, quantized_llm: Path, out_dir: Pat
             task.advance()
     writer.close()
     task.done()
-    cfg = workspace.read_vision_config()
-    cfg["quantization_config"] = AwqGemmConfig(awq.bits, awq.group_size,
-                                               modules_to_not_convert=tuple(family.vision_module_names())).to_config()
+    vision_float = AwqGemmConfig(awq.bits, awq.group_size, modules_to_not_convert=tuple(family.vision_module_names()))
+    cfg = vision_float.apply_to(workspace.read_vision_config())
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     if workspace.processor.is_dir():
         copy_side_files(workspace.processor, out_dir)

@@ -18,7 +18,8 @@ import json
 import random
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import EngineError, InputError
+from ..formats.prompt_table import fake_ids
 from ..formats.workdir import Workspace
 from ..progress import Progress, ensure
 from .calibration import DEFAULT_SEED, _read_text, _resolve
@@ -97,14 +98,15 @@ def image_text_embeddings(workspace: Workspace, records: list[dict], samples: in
                         raise InputError(f"calibration record at line {rec['line']}: cannot read image {p} ({e})") from None
                 content = [{"type": "image"} for _ in images] + [{"type": "text", "text": rec["text"]}]
                 prompt = processor.encode([{"role": "user", "content": content}], images)
-                ids = torch.tensor(prompt.token_ids, dtype=torch.long)
                 table = torch.cat(_image_rows(processor, prompt.images, run))
-                mask = ids == prompt.image_placeholder_id
-                if int(mask.sum()) != table.shape[0]:
-                    raise InputError(f"calibration record at line {rec['line']}: {int(mask.sum())} image positions "
-                                     f"but the images give {table.shape[0]} feature rows")
+                try:  # the runtime's prompt-table contract: row `id - vocab` of the table for each fake id
+                    ids = torch.from_numpy(fake_ids(prompt.token_ids, prompt.image_placeholder_id, vocab,
+                                                    table.shape[0]))
+                except EngineError as e:
+                    raise InputError(f"calibration record at line {rec['line']}: {e.message}") from None
+                rows = ids >= vocab
                 x = embed[ids.clamp(max=vocab - 1)] * scale
-                x[mask] = table  # image rows are never scaled
+                x[rows] = table[ids[rows] - vocab]  # image rows are never scaled
             else:
                 ids = torch.tensor(tokenizer.encode(rec["text"]), dtype=torch.long)
                 if ids.numel() == 0:

@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..formats.artifacts import check_engine_files
 from ..errors import (BackendUnavailableError, EngineError, InputError, LimitError, OptionError, RequestError,
                       VlmctlError)
+from ..formats.artifacts import check_engine_files
 from ..formats.prompt_table import fake_ids, image_spans
 from ..formats.workdir import EngineDir
 from ..host import resolve_device
