@@ -61,8 +61,9 @@ def rtn_checkpoint(src: Path, out: Path, group_size: int) -> Path:
     import torch
 
     from vlmctl.checkpoint import ShardWriter, load_state_dict
-    from vlmctl.quant.awq import awq_config, copy_side_files, quantize_weight
-    from vlmctl.quant.packing import pack_gemm
+    from vlmctl.checkpoint import copy_side_files
+    from vlmctl.formats.awq_gemm import AwqGemmConfig, pack_gemm
+    from vlmctl.quant.awq_math import quantize_weight
 
     if (out / "config.json").exists():
         return out
@@ -81,7 +82,7 @@ def rtn_checkpoint(src: Path, out: Path, group_size: int) -> Path:
             w.add(name, t)
     w.close()
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = awq_config(group_size)
+    cfg["quantization_config"] = AwqGemmConfig(4, group_size).to_config()
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     copy_side_files(src, tmp)
     tmp.rename(out)
@@ -163,7 +164,7 @@ def main() -> None:
 
     import torch
 
-    from vlmctl.quant.perplexity import evaluate_perplexity
+    from vlmctl.measure.perplexity import evaluate_perplexity
 
     wd = args.workdir
     wd.mkdir(parents=True, exist_ok=True)

@@ -100,7 +100,7 @@ def make_awq_engine(engine: Path, work: Path, group: int) -> Path:
     the arithmetic, not the quality, is measured), built by the torch backend's build-llm."""
     from vlmctl.export.torch_decoder import build_torch_decoder
     from vlmctl.formats.torch_layout import read_layout
-    from vlmctl.quant.packing import pack_gemm
+    from vlmctl.formats.awq_gemm import pack_gemm
 
     out = work / "engine-awq"
     if (out / "build-llm" / "config.json").exists():
@@ -173,7 +173,7 @@ def weight_gib(eng) -> float:
 
 
 def ttft_single(eng, cfg_kwargs: dict, n: int = 5) -> dict:
-    from vlmctl.bench import BenchConfig, synthetic_requests
+    from vlmctl.measure.bench import BenchConfig, synthetic_requests
     from vlmctl.runtime.sampling import SamplingParams
 
     cfg = BenchConfig(num_requests=n, concurrency=1, run=7, **cfg_kwargs)
@@ -205,7 +205,7 @@ def ttft_single(eng, cfg_kwargs: dict, n: int = 5) -> dict:
 
 def running_plus_burst(eng, cfg_kwargs: dict, running: int = 32, burst: int = 64) -> dict:
     """ITL and TPOT of `running` streams while a burst of new requests is admitted."""
-    from vlmctl.bench import BenchConfig, synthetic_requests
+    from vlmctl.measure.bench import BenchConfig, synthetic_requests
     from vlmctl.runtime.sampling import SamplingParams
 
     cfg = BenchConfig(num_requests=running + burst, concurrency=running + burst, run=11, **cfg_kwargs)
@@ -244,7 +244,7 @@ def running_plus_burst(eng, cfg_kwargs: dict, running: int = 32, burst: int = 64
 def hf_peer(ckpt: Path, cfg_kwargs: dict, batch: int, out_tokens: int) -> dict:
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    from vlmctl.bench import BenchConfig, synthetic_requests
+    from vlmctl.measure.bench import BenchConfig, synthetic_requests
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float16 if dev == "cuda" else torch.float32
@@ -300,7 +300,7 @@ def main():
     if dev == "cuda":
         res["engine"]["gpu_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
     log("engine:", json.dumps(res["engine"]))
-    from vlmctl.bench import BenchConfig, bench_engine
+    from vlmctl.measure.bench import BenchConfig, bench_engine
 
     if "ttft" not in args.skip:
         res["ttft_single"] = ttft_single(eng, {"image_size": size, "prompt_len": 9})

@@ -68,7 +68,7 @@ def test_calibration_short_data_and_errors(tmp_path):
 
 
 def test_perplexity_protocol():
-    from vlmctl.quant.perplexity import perplexity
+    from vlmctl.measure.perplexity import perplexity
 
     vocab = 7
     ids = torch.arange(100) % vocab
@@ -186,3 +186,30 @@ def test_awq_engine_matches_transformers_and_keeps_vision(tiny_llava, tiny_llava
     data = calib_file(tmp_path)
     e = cli_json("eval", "ppl", eng, "--data", data, "--seq-len", "32", "--samples", "2", "--json", capsys=capsys)
     assert e["kind"] == "engine" and e["quantization"] == "awq" and math.isfinite(e["perplexity"])
+
+
+def test_quantize_a_work_directory(tiny_llava, tmp_path, capsys):
+    """`vlmctl quantize WORKDIR` runs the work directory's quantize stage: the recipe there gains the
+    options, the output has a manifest and is a cache hit the second time, -o is refused, and the
+    next build-llm builds on the quantized decoder. A conversion workspace (its convert/) is quantized
+    the same way into -o."""
+    wd = tmp_path / "w"
+    cli("convert", tiny_llava, "-o", wd, "--set", "dtype=float32", capsys=capsys)
+    args = ("--group-size", "32", "--calib-samples", "2", "--calib-seq-len", "32", "--json")
+    first = cli_json("quantize", wd, *args, capsys=capsys)
+    assert first["name"] == "quantize" and not first["cached"] and first["threads"] >= 1
+    assert {"llm/config.json", "vlm/config.json"} <= set(first["outputs"])
+    manifest = json.loads((wd / "quantize" / "manifest.json").read_text())
+    assert manifest["settings"]["group_size"] == 32 and manifest["info"]["vlm"]["vision_tensors"] > 0
+    recipe = json.loads((wd / "recipe.json").read_text())
+    assert recipe["quantization"]["method"] == "awq" and recipe["quantization"]["group_size"] == 32
+    assert cli_json("quantize", wd, *args, capsys=capsys)["cached"]
+    code, _, err = cli("quantize", wd, "-o", tmp_path / "elsewhere", capsys=capsys, expect=None)
+    assert code == 5 and "work directory" in err and not (tmp_path / "elsewhere").exists()  # InputError
+    llm = cli_json("build-llm", wd, "--json", capsys=capsys)
+    cfg = json.loads((wd / "build-llm" / "config.json").read_text())
+    assert cfg["decoder"]["quantization"]["method"] == "awq" and llm["info"]["quantization"] == "awq"
+    # the workspace itself (no recipe.json there) goes into -o, published whole
+    ws = cli_json("quantize", wd / "convert", "-o", tmp_path / "q", *args, capsys=capsys)
+    assert ws["output"] == str(tmp_path / "q") and (tmp_path / "q" / "vlm" / "config.json").exists()
+    assert not list(tmp_path.glob(".q.*"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlmctl.quant.packing import ORDER, dequantize_gemm, pack_gemm, unpack_gemm
+from vlmctl.formats.awq_gemm import ORDER, dequantize_gemm, pack_gemm, unpack_gemm
 
 
 def _random(out_f=64, in_f=128, g=32, seed=0):

@@ -35,7 +35,7 @@ def _bench():
 
 def test_awq_beats_round_to_nearest_on_smollm2(tmp_path):
     from vlmctl.quant.awq import quantize_causal_lm
-    from vlmctl.quant.perplexity import evaluate_perplexity
+    from vlmctl.measure.perplexity import evaluate_perplexity
     from vlmctl.recipe import QuantizationSettings
 
     bench = _bench()

@@ -32,7 +32,7 @@ def test_same_checkpoint_as_autoawq_in_float32(tmp_path, monkeypatch, duo):
     from vlmctl.quant.autoawq_impl import quantize_with_autoawq
     from vlmctl.quant.awq import quantize_causal_lm
     from vlmctl.quant.calibration import load_calibration
-    from vlmctl.quant.packing import dequantize_gemm
+    from vlmctl.formats.awq_gemm import dequantize_gemm
     from transformers import AutoTokenizer
 
     _need_autoawq()

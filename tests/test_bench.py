@@ -37,7 +37,7 @@ def test_offline_bench_table_output(tiny_llava_engine, capsys):
 
 
 def test_same_image_hits_the_feature_cache(tiny_llava_engine):
-    from vlmctl.bench import BenchConfig, bench_engine
+    from vlmctl.measure.bench import BenchConfig, bench_engine
     from vlmctl.runtime.engine import Engine
 
     eng = Engine(tiny_llava_engine, enable_prefix_caching=False)  # else the image's KV blocks are reused instead
@@ -65,7 +65,7 @@ def test_url_bench_unreachable_server_is_a_clear_error(capsys):
 
 
 def test_summarize_statistics():
-    from vlmctl.bench import Sample, summarize
+    from vlmctl.measure.bench import Sample, summarize
 
     samples = [Sample(start=0.0, token_times=[0.1, 0.2, 0.4], output_tokens=3, prompt_tokens=10),
                Sample(start=1.0, token_times=[1.3, 1.4, 1.5], output_tokens=3, prompt_tokens=20),

@@ -11,9 +11,6 @@ as in the model card's generation path) and Gemma3ForConditionalGeneration.gener
 
 from __future__ import annotations
 
-# Families whose tiny-model parity this module proves (tests/test_registry.py checks every one is covered).
-COVERS_FAMILIES = ('gemma3',)
-
 import json
 from pathlib import Path
 
@@ -22,6 +19,7 @@ import pytest
 import torch
 
 from conftest import cli, cli_json, write_recipe
+from parity import assert_greedy_parity, parity_test, strip_eos
 from tiny_gemma3 import make_gemma3
 from tiny_models import make_image
 
@@ -63,9 +61,6 @@ def hf_greedy(model, proc, messages, images, max_new_tokens=MAX_NEW):
     return out[0, enc["input_ids"].shape[1]:].tolist()
 
 
-def strip_eos(ids, eos):
-    eos = eos if isinstance(eos, list) else [eos]
-    return ids[: next((i for i, t in enumerate(ids) if t in eos), len(ids))]
 
 
 def load_hf(ckpt: Path):
@@ -286,6 +281,7 @@ CASES = [(["wide"], 30, "what is in this image?"), (["wide"], 31, "what is in th
          (["strip", "tall"], 34, "Tell me a story about a robot."), ([], 0, "Tell me a story about a robot.")]
 
 
+@parity_test('gemma3')
 def test_chat_json_matches_transformers_generate(model, tmp_path, capsys):
     """Several image sizes, two images in one message and a text-only turn; every prompt is longer
     than the sliding window. The same prompt with another image of the same size decodes differently."""
@@ -303,7 +299,7 @@ def test_chat_json_matches_transformers_generate(model, tmp_path, capsys):
                        "--max-tokens", str(MAX_NEW), "--json", capsys=capsys)
         assert got["prompt_tokens"] > 2 * WINDOW
         ref = hf_greedy(hf, proc, [user(len(images), prompt)], images)
-        assert got["token_ids"] == strip_eos(ref, eos), (names, prompt)
+        assert_greedy_parity(got["token_ids"], ref, eos)
         assert got["finish_reason"] == ("stop" if len(strip_eos(ref, eos)) < len(ref) else "length")
         outputs.append(got["token_ids"])
     assert outputs[0] != outputs[1]  # same size and prompt, other pixels
@@ -475,7 +471,7 @@ def test_awq_scale_folding_keeps_the_one_plus_norm_exact():
     from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer, Gemma3RotaryEmbedding
 
     from vlmctl.models.decoders import decoder_family
-    from vlmctl.quant.awq import LayerQuantizer
+    from vlmctl.quant.awq_layer import LayerQuantizer
 
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -617,7 +613,7 @@ def test_trtllm_backend_is_refused_for_bidirectional_image_attention():
 
     fam = get_family("gemma3")
     assert resolve_decoder_backend(Recipe(source="x", dtype="bfloat16"), fam) == "torch"
-    with pytest.raises(StageError, match="causally"):
+    with pytest.raises(StageError, match="causally"):  # the family's own reason
         resolve_decoder_backend(Recipe(source="x", dtype="bfloat16", decoder={"backend": "trtllm"}), fam)
 
 

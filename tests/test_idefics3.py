@@ -10,9 +10,6 @@ SmolVLMProcessor.replace_image_token for the placeholder text.
 
 from __future__ import annotations
 
-# Families whose tiny-model parity this module proves (tests/test_registry.py checks every one is covered).
-COVERS_FAMILIES = ('idefics3', 'smolvlm')
-
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +19,7 @@ import pytest
 import torch
 
 from conftest import cli, cli_json, write_recipe
+from parity import assert_greedy_parity, parity_test, strip_eos
 from tiny_idefics3 import make_idefics3
 from tiny_models import make_image
 
@@ -80,8 +78,6 @@ def load_hf(ckpt: Path, arch: str):
     return cls.from_pretrained(ckpt, dtype=torch.float32).eval()
 
 
-def strip_eos(ids, eos):
-    return ids[: ids.index(eos)] if eos in ids else ids
 
 
 def user(n_images: int, text: str) -> dict:
@@ -132,7 +128,7 @@ def test_encode_matches_processor_expansion_and_crops(models, arch):
     ip = Idefics3ImageProcessorPil.from_pretrained(ckpt)
     cfg = json.loads((ckpt / "config.json").read_text())
     seq = {"idefics3": 16, "smolvlm": 9}[arch]
-    assert proc.image_seq_len == fam.image_seq_len(cfg) == seq
+    assert proc.rows_per_crop == fam.rows_per_crop(cfg) == seq
     seen = set()
     for i, size in enumerate([*SIZES.values(), (33, 32), (200, 10), (10, 200), (95, 65), (1, 1)]):
         img = make_image(i, size)
@@ -219,7 +215,7 @@ def test_onnx_matches_torch_and_hf_at_unseen_crop_counts(models, arch):
     proc = fam.load_processor(engine / "convert" / "processor")
     real = torch.from_numpy(proc.preprocess(make_image(5, SIZES["grid"]))[0])  # a real image's crops
     assert real.shape[0] not in (2, 3)
-    seq = fam.image_seq_len(cfg)
+    seq = fam.rows_per_crop(cfg)
     for pv in (fam.example_vision_inputs(cfg, 1, torch.float32, seed=1)["pixel_values"],
                fam.example_vision_inputs(cfg, 5, torch.float32, seed=5)["pixel_values"], real):
         got = sess.run(None, {"pixel_values": pv.numpy()})[0]
@@ -238,6 +234,7 @@ CASES = [(["wide"], 30, "what is in this image?"), (["wide"], 31, "what is in th
 
 
 @pytest.mark.parametrize("arch", ["idefics3", "smolvlm"])
+@parity_test('idefics3', 'smolvlm')
 def test_chat_json_matches_transformers_generate(models, arch, tmp_path, capsys):
     """Several grids (4x2, 4x4, 4x1 on idefics3; the 3-crop-wide equivalents on smolvlm), two images
     in one message, and a text-only turn. The same prompt with another image of the same size
@@ -255,7 +252,7 @@ def test_chat_json_matches_transformers_generate(models, arch, tmp_path, capsys)
         got = cli_json("chat", engine, *args, "--prompt", prompt, "--temperature", "0",
                        "--max-tokens", str(MAX_NEW), "--json", capsys=capsys)
         ref = hf_greedy(hf, ckpt, arch, [user(len(images), prompt)], images)
-        assert got["token_ids"] == strip_eos(ref, eos), (names, prompt)
+        assert_greedy_parity(got["token_ids"], ref, eos)
         assert got["finish_reason"] == ("stop" if eos in ref else "length")
         outputs.append(got["token_ids"])
     assert outputs[0] != outputs[1]  # same size and prompt, other pixels
@@ -368,6 +365,7 @@ def test_awq_build_matches_transformers_on_dequantized_weights(tmp_path, capsys,
 def test_tensorrt_profile_and_table_count_crops(tmp_path):
     """The vision engine's batch axis is crops and the prompt table's rows per image are the most
     crops an image becomes under the engine's processor settings (a square image's full grid)."""
+    from vlmctl.export.tensorrt import vision_profile
     from vlmctl.models.idefics3 import Idefics3Family
 
     fam = Idefics3Family()
@@ -375,13 +373,17 @@ def test_tensorrt_profile_and_table_count_crops(tmp_path):
         ckpt = make_idefics3(tmp_path / f"ck{longest}{splitting}", longest_edge=longest,
                              do_image_splitting=splitting, text_layers=1, vision_layers=1)
         cfg = json.loads((ckpt / "config.json").read_text())
-        prof = fam.vision_profile(cfg, ckpt, {"max_batch_size": 2, "max_images_per_request": 3})
+        prof = vision_profile(fam.vision_axis(cfg, ckpt), max_batch_size=2, max_images_per_request=3)
         lo, _, hi = prof["pixel_values"]
         assert lo == (1, 3, 32, 32) and hi == (2 * 3 * crops, 3, 32, 32)
-        assert fam.engine_image_tokens(cfg, ckpt) == crops * 16
+        assert fam.max_image_tokens(cfg, ckpt) == crops * 16
         proc = fam.load_processor(ckpt)
-        most = max(proc.preprocess(make_image(0, s))[0].shape[0] for s in [(40, 40), (300, 20), (64, 47), (5, 5)])
+        assert proc.max_image_tokens() == crops * 16
+        sizes = [(40, 40), (300, 20), (64, 47), (5, 5)]
+        most = max(proc.preprocess(make_image(0, s))[0].shape[0] for s in sizes)
         assert most == crops
+        for s in sizes:  # the count without preprocessing equals the preprocessed crops' rows
+            assert proc.num_image_tokens(s) == proc.preprocess(make_image(0, s))[0].shape[0] * 16, s
     assert fam.max_image_tokens(cfg) == 17 * 16
 
 
@@ -424,7 +426,7 @@ def test_hub_shaped_configs(arch, vision, text, scale, rows):
     cfg = _hub_like(arch, vision, text, scale, 49190)
     fam = detect_family(cfg)
     assert fam.name == arch
-    assert fam.image_seq_len(cfg) == rows and fam.max_image_tokens(cfg) == 17 * rows
+    assert fam.rows_per_crop(cfg) == rows and fam.max_image_tokens(cfg) == 17 * rows
     dec = fam.text_config_dict(cfg)
     assert dec["architectures"] == ["LlamaForCausalLM"] and dec["tie_word_embeddings"] is False
     rt = decoder_spec(dec)

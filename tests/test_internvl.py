@@ -8,9 +8,6 @@ placeholder text (the combined processor itself needs torchvision to load).
 
 from __future__ import annotations
 
-# Families whose tiny-model parity this module proves (tests/test_registry.py checks every one is covered).
-COVERS_FAMILIES = ('internvl',)
-
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +17,7 @@ import pytest
 import torch
 
 from conftest import cli, cli_json, write_recipe
+from parity import assert_greedy_parity, parity_test, strip_eos
 from tiny_models import make_image, make_internvl
 
 MAX_NEW = 12
@@ -64,8 +62,6 @@ def load_hf(ckpt):
     return InternVLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
 
 
-def strip_eos(ids, eos):
-    return ids[: ids.index(eos)] if eos in ids else ids
 
 
 def user(n_images: int, text: str) -> dict:
@@ -107,7 +103,7 @@ def test_encode_matches_processor_expansion_and_tiling(ivl_engine, ivl_ckpt):
     proc = fam.load_processor(ivl_engine / "convert" / "processor")
     ip = AutoImageProcessor.from_pretrained(ivl_ckpt)
     cfg = json.loads((ivl_ckpt / "config.json").read_text())
-    assert proc.tokens_per_tile == 16 and fam.max_image_tokens(cfg) == 13 * 16
+    assert proc.rows_per_tile == 16 and fam.max_image_tokens(cfg) == 13 * 16  # GotOcr2's default 12 tiles + 1
     seen_tiles = set()
     for i, size in enumerate([*SIZES.values(), (33, 32), (200, 10), (10, 200), (95, 65)]):
         img = make_image(i, size)
@@ -119,6 +115,7 @@ def test_encode_matches_processor_expansion_and_tiling(ivl_engine, ivl_ckpt):
         tiles = ip.get_number_of_image_patches(size[1], size[0], {"crop_to_patches": True})
         assert item.inputs["pixel_values"].shape[0] == tiles == item.meta["tiles"]
         assert item.num_tokens == 16 * tiles == got.token_ids.count(got.image_placeholder_id)
+        assert proc.num_image_tokens(size) == item.num_tokens
         np.testing.assert_array_equal(item.inputs["pixel_values"], ref_pv.numpy())
         seen_tiles.add(tiles)
     assert {1, 3, 4, 5, 7} <= seen_tiles
@@ -186,6 +183,7 @@ def test_vision_wrapper_matches_hf_feature_layers(tmp_path, layer, kw):
                                           (["small"], "hello world!"),
                                           (["grid3x2", "strip"], "Tell me a story about a robot.")],
                          ids=["wide-3tiles", "tall-4tiles", "small-1tile", "two-images-7+5tiles"])
+@parity_test('internvl')
 def test_chat_json_matches_transformers_generate(ivl_engine, ivl_ckpt, ivl_hf, tmp_path, capsys, names, prompt):
     images, args = [], []
     for i, name in enumerate(names):
@@ -197,7 +195,7 @@ def test_chat_json_matches_transformers_generate(ivl_engine, ivl_ckpt, ivl_hf, t
                    "--max-tokens", str(MAX_NEW), "--json", capsys=capsys)
     eos = ivl_hf.generation_config.eos_token_id
     ref = hf_greedy(ivl_hf, ivl_ckpt, [user(len(images), prompt)], images)
-    assert got["token_ids"] == strip_eos(ref, eos)
+    assert_greedy_parity(got["token_ids"], ref, eos)
     assert got["finish_reason"] == ("stop" if eos in ref else "length")
 
 
@@ -248,7 +246,7 @@ def test_awq_build_matches_transformers_on_dequantized_weights(tmp_path, capsys)
     from vlmctl.checkpoint import load_state_dict
     from vlmctl.models.base import DECODER
     from vlmctl.models.registry import get_family
-    from vlmctl.quant.packing import dequantize_gemm
+    from vlmctl.formats.awq_gemm import dequantize_gemm
 
     ckpt = make_internvl(tmp_path / "ckpt", seed=11)
     recipe = write_recipe(tmp_path / "r.yaml", ckpt, limits={"max_images_per_request": 2})
@@ -287,20 +285,28 @@ def test_awq_build_matches_transformers_on_dequantized_weights(tmp_path, capsys)
 
 
 def test_tensorrt_profile_counts_tiles(tmp_path):
-    """The vision engine's batch axis is tiles: its profile must cover every image at its most tiles."""
+    """The vision engine's batch axis is tiles: its profile must cover every image at its most tiles,
+    and the prompt table every image at its most rows. The expected numbers come from the checkpoint's
+    own image processor (transformers' tile counts) and processor_config.json, not from vlmctl."""
     import json
 
-    from vlmctl.models.internvl import InternVLFamily
+    from transformers import AutoImageProcessor
+    from transformers.models.internvl.processing_internvl import InternVLProcessor
+
     from tiny_models import make_internvl
+    from vlmctl.export.tensorrt import vision_profile
+    from vlmctl.models.internvl import InternVLFamily
 
     ckpt = make_internvl(tmp_path / "ck")
     cfg = json.loads((ckpt / "config.json").read_text())
+    ip = AutoImageProcessor.from_pretrained(ckpt)
+    assert ip.max_patches == 6  # the tiny processor's setting, not GotOcr2's default 12
+    sizes = [(w, h) for w in (8, 31, 32, 64, 95, 100, 190, 300) for h in (8, 20, 32, 47, 64, 96, 190, 300)]
+    most_tiles = max(int(ip.get_number_of_image_patches(h, w, dict(InternVLProcessor.images_kwargs)))
+                     for w, h in sizes)
+    rows_per_tile = json.loads((ckpt / "processor_config.json").read_text())["image_seq_length"]
     fam = InternVLFamily()
-    prof = fam.vision_profile(cfg, ckpt, {"max_batch_size": 2, "max_images_per_request": 3})
+    prof = vision_profile(fam.vision_axis(cfg, ckpt), max_batch_size=2, max_images_per_request=3)
     (lo, opt, hi) = prof["pixel_values"]
-    from vlmctl.models.internvl import _processor_max_patches
-
-    assert _processor_max_patches(ckpt) == 6  # the tiny processor's setting, not the default 12
-    per_image = fam.max_tiles(6)
-    assert lo[0] == 1 and hi[0] == 2 * 3 * per_image and lo[1:] == hi[1:]
-    assert fam.engine_image_tokens(cfg, ckpt) == fam.tokens_for_tiles(cfg, per_image)
+    assert lo == (1, 3, 32, 32) and opt == (most_tiles, 3, 32, 32) and hi == (2 * 3 * most_tiles, 3, 32, 32)
+    assert fam.max_image_tokens(cfg, ckpt) == most_tiles * rows_per_tile

@@ -3,9 +3,6 @@ per-crop ONNX graph + host-side packing == transformers' own image-feature path.
 
 from __future__ import annotations
 
-# Families whose tiny-model parity this module proves (tests/test_registry.py checks every one is covered).
-COVERS_FAMILIES = ('llava_next',)
-
 import json
 
 import numpy as np
@@ -13,6 +10,7 @@ import pytest
 import torch
 
 from conftest import cli, cli_json, write_recipe
+from parity import assert_greedy_parity, parity_test, strip_eos
 from tiny_llava_anyres import make_llava_next
 from tiny_models import make_image
 
@@ -46,8 +44,6 @@ def hf_reference(ckpt, messages, images, max_new_tokens):
     return inputs["input_ids"][0].tolist(), out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-def strip_eos(ids, eos=2):
-    return ids[: ids.index(eos)] if eos in ids else ids
 
 
 CASES = [
@@ -63,6 +59,7 @@ CASES = [
 @pytest.mark.parametrize("decoder,sizes,prompt", CASES,
                          ids=["mistral-wide", "mistral-tall", "mistral-two-images", "llama-very-wide",
                               "llama-two-images"])
+@parity_test('llava_next')
 def test_chat_json_matches_transformers_generate(built, tmp_path, capsys, decoder, sizes, prompt):
     ckpt, eng = built[decoder]
     image_args, images = [], []
@@ -76,7 +73,7 @@ def test_chat_json_matches_transformers_generate(built, tmp_path, capsys, decode
     messages = [{"role": "user", "content": [{"type": "image"}] * len(sizes) + [{"type": "text", "text": prompt}]}]
     ref_prompt, ref = hf_reference(ckpt, messages, images, 12)
     assert got["prompt_tokens"] == len(ref_prompt)
-    assert got["token_ids"] == strip_eos(ref)
+    assert_greedy_parity(got["token_ids"], ref, eos=2)
     assert got["finish_reason"] == ("stop" if 2 in ref else "length")
 
 
@@ -86,16 +83,18 @@ def test_prompt_expansion_matches_processor(built):
 
     from vlmctl.models.llava_next import LlavaNextFamily
 
-    ckpt, _ = built["mistral"]
+    ckpt, eng = built["mistral"]
     proc = LlavaNextProcessor.from_pretrained(ckpt)
     cfg = json.loads((ckpt / "config.json").read_text())
     fam = LlavaNextFamily()
-    bound = fam.max_image_tokens(cfg)
+    mine = fam.load_processor(eng / "convert" / "processor", eng / "convert" / "vision")
+    bound = mine.max_image_tokens()
+    assert bound == fam.max_image_tokens(cfg)
     counts = []
     for h in (5, 17, 28, 29, 40, 56, 57, 83, 200, 1000):
         for w in (3, 28, 30, 55, 90, 300):
             n = proc._get_number_of_features(h, w, 28, 28) - 1  # -1: "default" drops the CLS row
-            assert fam.image_tokens(cfg, (h, w)) == n, (h, w)
+            assert mine.num_image_tokens((w, h)) == n, (h, w)
             counts.append(n)
     assert max(counts) <= bound
     assert max(counts) == bound  # a square image on the 2x2 pinpoint reaches it
@@ -114,7 +113,7 @@ def test_onnx_and_host_packing_match_hf_image_features(built):
     assert manifest["info"]["validate_batch"] != EXPORT_BATCH and manifest["info"]["max_abs_error"] < 1e-4
 
     fam = LlavaNextFamily()
-    proc = fam.load_processor(eng / "convert" / "processor")
+    proc = fam.load_processor(eng / "convert" / "processor", eng / "convert" / "vision")
     model = LlavaNextForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
     sess = ort_session(eng / "export-vision" / "model.onnx", ["CPUExecutionProvider"])
     images = [make_image(30, (90, 33)), make_image(31, (33, 90)), make_image(32, (57, 57))]
@@ -190,7 +189,7 @@ def test_awq_build_matches_transformers_on_dequantized_weights(built, tmp_path, 
                   return_tensors="pt")
     with torch.no_grad():
         ref = model.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
-    assert got["token_ids"] == strip_eos(ref)
+    assert got["token_ids"] == strip_eos(ref, 2)
     vlm_cfg = json.loads((awq_eng / "quantize" / "vlm" / "config.json").read_text())
     assert set(vlm_cfg["quantization_config"]["modules_to_not_convert"]) >= {"vision_tower", "multi_modal_projector"}
 
@@ -204,6 +203,8 @@ def test_tensorrt_profile_counts_crops(built):
     cfg = json.loads((ckpt / "config.json").read_text())
     fam = LlavaNextFamily()
     assert fam.max_crops(cfg) == 5
-    lo, opt, hi = fam.vision_profile(cfg, ckpt, {"max_batch_size": 2, "max_images_per_request": 2})["pixel_values"]
+    from vlmctl.export.tensorrt import vision_profile
+
+    lo, opt, hi = vision_profile(fam.vision_axis(cfg, ckpt), max_batch_size=2, max_images_per_request=2)["pixel_values"]
     assert lo == (1, 3, 28, 28) and opt == (5, 3, 28, 28) and hi == (20, 3, 28, 28)
     assert fam.onnx_io(cfg)[2]["pixel_values"] == {0: "crops"}

@@ -9,9 +9,6 @@ counts from transformers' own `LlavaOnevisionProcessor.replace_image_token`.
 
 from __future__ import annotations
 
-# Families whose tiny-model parity this module proves (tests/test_registry.py checks every one is covered).
-COVERS_FAMILIES = ('llava_onevision',)
-
 import json
 
 import numpy as np
@@ -19,6 +16,7 @@ import pytest
 import torch
 
 from conftest import cli, cli_json, write_recipe
+from parity import assert_greedy_parity, parity_test, strip_eos
 from tiny_llava_anyres import make_llava_onevision
 from tiny_models import make_image
 
@@ -78,8 +76,6 @@ class Reference:
         return inputs["input_ids"][0].tolist(), out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-def strip_eos(ids, eos=2):
-    return ids[: ids.index(eos)] if eos in ids else ids
 
 
 CASES = [
@@ -93,6 +89,7 @@ CASES = [
 
 @pytest.mark.parametrize("key,sizes,prompt", CASES, ids=["max9-wide", "max9-downscaled", "max9-two-images",
                                                          "max2-tall", "max2-two-images"])
+@parity_test('llava_onevision')
 def test_chat_json_matches_transformers_generate(built, tmp_path, capsys, key, sizes, prompt):
     ckpt, eng = built[key]
     image_args, images = [], []
@@ -106,7 +103,7 @@ def test_chat_json_matches_transformers_generate(built, tmp_path, capsys, key, s
     messages = [{"role": "user", "content": [{"type": "image"}] * len(sizes) + [{"type": "text", "text": prompt}]}]
     ref_prompt, ref = Reference(ckpt).generate(messages, images, 12)
     assert got["prompt_tokens"] == len(ref_prompt)
-    assert got["token_ids"] == strip_eos(ref)
+    assert_greedy_parity(got["token_ids"], ref, eos=2)
     assert got["finish_reason"] == ("stop" if 2 in ref else "length")
 
 
@@ -127,7 +124,7 @@ def test_multi_turn_images_count_as_one_sample(built):
     ref_prompt, ref = Reference(ckpt).generate(messages, images, 10)
     assert prompt.token_ids == ref_prompt
     got = eng.generate([prompt], SamplingParams(max_tokens=10, temperature=0))[0].token_ids
-    assert got == strip_eos(ref)
+    assert got == strip_eos(ref, 2)
 
 
 def test_prompt_expansion_matches_processor(built):
@@ -138,17 +135,18 @@ def test_prompt_expansion_matches_processor(built):
 
     fam = LlavaOnevisionFamily()
     for key in CKPTS:
-        ckpt, _ = built[key]
+        ckpt, eng = built[key]
         cfg = json.loads((ckpt / "config.json").read_text())
         p = object.__new__(LlavaOnevisionProcessor)
         p.image_processor = AutoImageProcessor.from_pretrained(ckpt, backend="pil")
         p.num_image_tokens, p.vision_aspect_ratio = 16, cfg["vision_aspect_ratio"]
-        bound = fam.max_image_tokens(cfg)
+        mine = fam.load_processor(eng / "convert" / "processor", eng / "convert" / "vision")
+        bound = mine.max_image_tokens()
         counts = []
         for h in (5, 17, 28, 29, 40, 56, 57, 83, 100, 200, 1000):
             for w in (3, 28, 30, 55, 90, 110, 300):
                 n = p._get_number_of_features(h, w, 28, 28)
-                assert fam.image_tokens(cfg, (h, w)) == n, (key, h, w)
+                assert mine.num_image_tokens((w, h)) == n, (key, h, w)
                 counts.append(n)
         assert max(counts) <= bound
 
@@ -163,7 +161,7 @@ def test_onnx_and_host_packing_match_hf_image_features(built):
     manifest = json.loads((eng / "export-vision" / "manifest.json").read_text())
     assert manifest["info"]["validate_batch"] != EXPORT_BATCH and manifest["info"]["max_abs_error"] < 1e-4
     fam = LlavaOnevisionFamily()
-    proc = fam.load_processor(eng / "convert" / "processor")
+    proc = fam.load_processor(eng / "convert" / "processor", eng / "convert" / "vision")
     ref = Reference(ckpt)
     sess = ort_session(eng / "export-vision" / "model.onnx", ["CPUExecutionProvider"])
     for images in ([make_image(60, (110, 100))], [make_image(61, (90, 33)), make_image(62, (33, 90)),
@@ -209,6 +207,6 @@ def test_awq_build_matches_transformers_on_dequantized_weights(built, tmp_path, 
                                       LlavaOnevisionFamily())
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     _, ref_ids = ref.generate(messages, [image], 12)
-    assert got["token_ids"] == strip_eos(ref_ids)
+    assert got["token_ids"] == strip_eos(ref_ids, 2)
     vlm_cfg = json.loads((awq_eng / "quantize" / "vlm" / "config.json").read_text())
     assert set(vlm_cfg["quantization_config"]["modules_to_not_convert"]) >= {"vision_tower", "multi_modal_projector"}

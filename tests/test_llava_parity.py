@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-# Families whose tiny-model parity this module proves (tests/test_registry.py checks every one is covered).
-COVERS_FAMILIES = ('llava',)
-
 import pytest
 import torch
 
 from conftest import cli, cli_json, write_recipe
+from parity import assert_greedy_parity, parity_test
 from tiny_models import make_image, make_llava
 
 
@@ -24,8 +22,6 @@ def hf_greedy(ckpt, messages, images, max_new_tokens):
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-def strip_eos(ids, eos=2):
-    return ids[: ids.index(eos)] if eos in ids else ids
 
 
 CASES = [
@@ -39,6 +35,7 @@ CASES = [
 
 @pytest.mark.parametrize("kwargs,sizes,prompt", CASES, ids=["gqa-default", "mha-full-last", "mqa-multilayer-tied",
                                                            "two-images-layer-3"])
+@parity_test('llava')
 def test_chat_json_matches_transformers_generate(tmp_path, capsys, kwargs, sizes, prompt):
     ckpt = make_llava(tmp_path / "ckpt", **kwargs)
     recipe = write_recipe(tmp_path / "r.yaml", ckpt, limits={"max_images_per_request": len(sizes),
@@ -54,7 +51,7 @@ def test_chat_json_matches_transformers_generate(tmp_path, capsys, kwargs, sizes
                    "--max-tokens", "12", "--json", capsys=capsys)
     messages = [{"role": "user", "content": [{"type": "image"}] * len(sizes) + [{"type": "text", "text": prompt}]}]
     ref = hf_greedy(ckpt, messages, images, 12)
-    assert got["token_ids"] == strip_eos(ref)
+    assert_greedy_parity(got["token_ids"], ref, eos=2)
     assert got["completion_tokens"] == len(got["token_ids"])
     assert got["finish_reason"] == ("stop" if 2 in ref else "length")
 

@@ -104,7 +104,7 @@ def test_source_is_not_reread_on_a_cache_hit(tiny_llava, tmp_path, monkeypatch):
     import os
     import shutil
 
-    import vlmctl.artifacts as artifacts
+    import vlmctl.formats.artifacts as artifacts
     from vlmctl.pipeline import stage_convert
     from vlmctl.recipe import load_recipe
 

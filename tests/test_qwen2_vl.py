@@ -15,9 +15,6 @@ repeated grid_thw.prod() // merge_size**2 times, mm_token_type_ids marking the i
 
 from __future__ import annotations
 
-# Families whose tiny-model parity this module proves (tests/test_registry.py checks every one is covered).
-COVERS_FAMILIES = ('qwen2_vl', 'qwen2_5_vl')
-
 import json
 from pathlib import Path
 
@@ -26,6 +23,7 @@ import pytest
 import torch
 
 from conftest import cli, cli_json, write_recipe
+from parity import assert_greedy_parity, parity_test, strip_eos
 from tiny_models import make_image, make_qwen2_vl
 
 VERSIONS = {"qwen2_vl": "2", "qwen2_5_vl": "2.5"}
@@ -71,11 +69,6 @@ def eos_ids(ckpt: Path) -> set[int]:
     return set(e if isinstance(e, list) else [e])
 
 
-def strip_eos(ids: list[int], eos: set[int]) -> list[int]:
-    for i, t in enumerate(ids):
-        if t in eos:
-            return ids[:i]
-    return ids
 
 
 def user(prompt: str, n_images: int) -> list[dict]:
@@ -96,6 +89,7 @@ CASES = [
 @pytest.mark.parametrize("family,kwargs,sizes,prompt", CASES,
                          ids=["qwen2-one-image", "qwen2-two-images-mqa-tied", "qwen2.5-one-image",
                               "qwen2.5-two-images-mha"])
+@parity_test('qwen2_vl', 'qwen2_5_vl')
 def test_chat_json_matches_transformers_generate(tmp_path, capsys, family, kwargs, sizes, prompt):
     version = VERSIONS[family]
     ckpt = make_qwen2_vl(tmp_path / "ckpt", version=version, **kwargs)
@@ -111,7 +105,7 @@ def test_chat_json_matches_transformers_generate(tmp_path, capsys, family, kwarg
     got = cli_json("chat", tmp_path / "eng", *image_args, "--prompt", prompt, "--temperature", "0",
                    "--max-tokens", "12", "--json", capsys=capsys)
     ref = hf_greedy(ckpt, version, user(prompt, len(sizes)), images, 12)
-    assert got["token_ids"] == strip_eos(ref, eos_ids(ckpt))
+    assert_greedy_parity(got["token_ids"], ref, eos_ids(ckpt))
     assert got["finish_reason"] == ("stop" if len(got["token_ids"]) < len(ref) else "length")
 
 
@@ -184,7 +178,7 @@ def test_tokens_and_mrope_positions_match_transformers(built):
     prompt = proc.encode(messages, images)
     ref = hf_inputs(ckpt, messages, images)
     assert prompt.token_ids == ref["input_ids"][0].tolist()
-    assert [it.num_tokens for it in prompt.images] == [proc.num_image_tokens(*im.size) for im in images]
+    assert [it.num_tokens for it in prompt.images] == [proc.num_image_tokens(im.size) for im in images]
     model = _hf_class(VERSIONS[family]).from_pretrained(ckpt, dtype=torch.float32).eval()
     pos, delta = model.model.get_rope_index(ref["input_ids"], ref["mm_token_type_ids"],
                                             image_grid_thw=ref["image_grid_thw"])
@@ -240,7 +234,7 @@ def dequantized_hf_model(ckpt: Path, version: str, vlm_dir: Path, group_size: in
     `vlm_dir` (packed linears dequantized; norms and biases as AWQ's scaling left them)."""
     from safetensors.torch import load_file
 
-    from vlmctl.quant.packing import dequantize_gemm
+    from vlmctl.formats.awq_gemm import dequantize_gemm
 
     model = _hf_class(version).from_pretrained(ckpt, dtype=torch.float32).eval()
     awq = {}
@@ -397,11 +391,23 @@ def test_trtllm_refuses_an_mrope_decoder(built, tmp_path):
     before TensorRT-LLM is even needed, and the bundled recipes pick the embedded decoder."""
     from vlmctl.errors import BackendUnavailableError
     from vlmctl.export.trtllm import build_trtllm_engine
+    from vlmctl.models.registry import get_family
+    from vlmctl.pipeline import resolve_decoder_backend
     from vlmctl.recipe import load_recipe
 
     _, _, eng = built
     with pytest.raises(BackendUnavailableError, match="M-RoPE"):
-        build_trtllm_engine(eng / "convert" / "llm", tmp_path / "out", recipe=None, extra_config={})
+        build_trtllm_engine(eng / "convert" / "llm", tmp_path / "out", recipe=None, family=get_family("qwen2_vl"),
+                            extra_config={})
     for name in ("qwen2-vl-2b-instruct", "qwen2-vl-7b-instruct", "qwen2.5-vl-3b-instruct", "qwen2.5-vl-7b-instruct"):
         r = load_recipe(name)
         assert r.decoder.backend == "torch" and r.image.max_pixels == 1280 * 28 * 28
+    # the backend choice asks the family: `auto` takes the torch decoder, `trtllm` is refused with the reason
+    from vlmctl.errors import StageError
+    from vlmctl.recipe import Recipe
+
+    for name in ("qwen2_vl", "qwen2_5_vl"):
+        fam = get_family(name)
+        assert resolve_decoder_backend(Recipe(source="x", dtype="float16"), fam) == "torch"
+        with pytest.raises(StageError, match="M-RoPE"):
+            resolve_decoder_backend(Recipe(source="x", dtype="float16", decoder={"backend": "trtllm"}), fam)

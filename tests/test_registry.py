@@ -1,43 +1,109 @@
-"""Every registered family has a tiny-model parity test; every family is detected from its config."""
+"""The family registry: every architecture maps to the family that declares it, every family fulfils
+the abstract contract, and every family has a tiny-model greedy-parity test (structurally: a test
+marked `@parity_test` in tests/parity.py, which fails unless it compares tokens through the shared
+helper)."""
 
 from __future__ import annotations
 
-import ast
+import importlib
+import inspect
 from pathlib import Path
 
-from vlmctl.models.registry import FAMILIES, all_families, detect_family
+import pytest
+
+import parity
+from vlmctl.models.base import FamilyProcessor, VLMFamily
+from vlmctl.models.registry import ARCHITECTURES, FAMILIES, all_families, detect_family, family_class
 
 TESTS = Path(__file__).parent
 
 
-def covered_families() -> dict[str, Path]:
-    """family -> test module declaring it in COVERS_FAMILIES (read without importing the modules)."""
-    out = {}
-    for path in TESTS.glob("test_*.py"):
-        tree = ast.parse(path.read_text())
-        for node in tree.body:
-            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "COVERS_FAMILIES" for t in node.targets):
-                for fam in ast.literal_eval(node.value):
-                    out[fam] = path
-    return out
-
-
 def test_every_registered_family_has_a_tiny_parity_test():
-    covered = covered_families()
-    missing = sorted(set(FAMILIES) - set(covered))
-    assert not missing, f"families without a tiny-model parity test: {missing}"
-    for fam, path in covered.items():
-        assert fam in FAMILIES, f"{path.name} covers unknown family {fam!r}"
-        text = path.read_text()
-        # the module must compare vlmctl's tokens with transformers' generate
-        assert ".generate(" in text and ("chat" in text), f"{path.name} has no generate-parity test"
+    for path in sorted(TESTS.glob("test_*.py")):  # importing a test module registers its parity tests
+        importlib.import_module(path.stem)
+    missing = sorted(set(FAMILIES) - set(parity.PARITY_TESTS))
+    assert not missing, f"families without a tiny-model parity test (@parity_test): {missing}"
+    unknown = sorted(set(parity.PARITY_TESTS) - set(FAMILIES))
+    assert not unknown, f"@parity_test names unknown families: {unknown}"
+    for fam, tests in parity.PARITY_TESTS.items():
+        for t in tests:
+            module = importlib.import_module(t.__module__)
+            # the marked function is what pytest collects (a test at module level, named test_*)
+            assert t.__name__.startswith("test_") and getattr(module, t.__name__) is t, (fam, t)
 
 
-def test_each_architecture_is_detected_as_its_family():
-    seen = set()
+def test_the_parity_mark_fails_a_test_that_compares_nothing():
+    @parity.parity_test("nothing")
+    def test_forgets_to_compare():
+        return None
+
+    try:
+        with pytest.raises(AssertionError, match="never called assert_greedy_parity"):
+            test_forgets_to_compare()
+
+        @parity.parity_test("nothing")
+        def test_compares(x):
+            parity.assert_greedy_parity([5, 6], [5, 6, 2, 9], eos=2)
+            return x
+
+        assert test_compares(3) == 3
+        assert list(inspect.signature(test_compares).parameters) == ["x"]  # pytest still sees the fixtures
+        with pytest.raises(AssertionError, match="greedy tokens"):
+            parity.assert_greedy_parity([5, 7], [5, 6, 2], eos={2, 3})
+    finally:
+        parity.PARITY_TESTS.pop("nothing", None)
+
+
+def test_each_architecture_maps_to_the_family_declaring_it():
+    declared = {}
     for name, cls in all_families().items():
         assert cls.architectures, name
         for arch in cls.architectures:
-            assert arch not in seen, f"{arch} is claimed by two families"
-            seen.add(arch)
-            assert detect_family({"architectures": [arch]}).name == name
+            assert arch not in declared, f"{arch} is claimed by two families"
+            declared[arch] = name
+    assert declared == ARCHITECTURES
+    for arch, name in ARCHITECTURES.items():
+        assert detect_family({"architectures": ["SomethingElse", arch]}).name == name
+
+
+def test_families_fulfil_the_abstract_contract():
+    """Every registered family instantiates (no abstract hook left out), and its processor class
+    implements the processor's abstract hooks; the base classes themselves cannot be instantiated."""
+    with pytest.raises(TypeError):
+        VLMFamily()
+    for name in FAMILIES:
+        fam = family_class(name)()  # TypeError if a family leaves an abstract hook out
+        assert fam.name == name and not type(fam).__abstractmethods__
+    import vlmctl.models.gemma3 as g
+    import vlmctl.models.idefics3 as i
+    import vlmctl.models.internvl as iv
+    import vlmctl.models.llava as ll
+    import vlmctl.models.llava_anyres as la
+    import vlmctl.models.qwen2_vl as q
+
+    import vlmctl.models.llava_onevision as lo
+
+    for cls in (ll.LlavaProcessorAdapter, la.AnyresProcessorAdapter, q.QwenProcessorAdapter,
+                iv.InternVLProcessorAdapter, i.Idefics3ProcessorAdapter, g.Gemma3ProcessorAdapter,
+                lo.OnevisionProcessorAdapter):
+        assert issubclass(cls, FamilyProcessor) and not cls.__abstractmethods__, cls
+    # The families that take videos supply the video hooks (the base's only raise).
+    video_processors = {"qwen2_vl": q.QwenProcessorAdapter, "qwen2_5_vl": q.QwenProcessorAdapter,
+                        "llava_onevision": lo.OnevisionProcessorAdapter}
+    assert {name for name in FAMILIES if family_class(name).video} == set(video_processors)
+    for cls in video_processors.values():
+        for hook in ("video_items", "video_text"):
+            assert getattr(cls, hook) is not getattr(FamilyProcessor, hook), (cls, hook)
+
+
+def test_detection_imports_one_family_module():
+    """detect_family is a dict lookup: resolving one architecture imports that family's module only."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from vlmctl.models.registry import detect_family; "
+            "detect_family({'architectures': ['Gemma3ForConditionalGeneration']}); "
+            "print(sorted(m for m in sys.modules if m.startswith('vlmctl.models.') and m not in "
+            "('vlmctl.models.base', 'vlmctl.models.registry')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert eval(out) == ["vlmctl.models.gemma3"]

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import cli
-from test_llava_parity import hf_greedy, strip_eos
+from parity import strip_eos
+from test_llava_parity import hf_greedy
 from tiny_models import make_image
 
 EOS = 2

@@ -28,6 +28,7 @@ import trtllm_contract as C
 from vlmctl.errors import BackendUnavailableError, EngineError, InputError, RecipeError, StageError
 from vlmctl.export import trtllm as T
 from vlmctl.models.base import EncodedPrompt, ImageItem
+from vlmctl.models.registry import get_family
 from vlmctl.runtime import trtllm_decoder as D
 from vlmctl.runtime import trtllm_worker as W
 from vlmctl.runtime.sampling import SamplingParams
@@ -248,12 +249,14 @@ def test_build_refuses_before_conversion(tmp_path, no_trtllm_python, monkeypatch
     monkeypatch.setenv("VLMCTL_CUDA_CAPABILITY", "10.0")
     llm = _llm_dir(tmp_path, quantization_config=AWQ_CONFIG)
     with pytest.raises(StageError, match="SM>=100"):
-        T.build_trtllm_engine(llm, tmp_path / "out", recipe=_recipe(quant=True), extra_config={"prompt_table_size": 8})
+        T.build_trtllm_engine(llm, tmp_path / "out", recipe=_recipe(quant=True), family=get_family("llava"),
+                              extra_config={"prompt_table_size": 8})
     mrope = tmp_path / "m"
     mrope.mkdir()
     (mrope / "config.json").write_text(json.dumps({"model_type": "qwen2", "rope_parameters": {"mrope_section": [1]}}))
-    with pytest.raises(BackendUnavailableError, match="M-RoPE"):
-        T.build_trtllm_engine(mrope, tmp_path / "out", recipe=_recipe(), extra_config={"prompt_table_size": 8})
+    with pytest.raises(BackendUnavailableError, match="M-RoPE"):  # the family says so; no config sniffing
+        T.build_trtllm_engine(mrope, tmp_path / "out", recipe=_recipe(), family=get_family("qwen2_vl"),
+                              extra_config={"prompt_table_size": 8})
 
 
 def test_parallel_recipes_need_trtllm():
@@ -591,7 +594,7 @@ def test_engine_loads_vision_before_the_executor(tiny_llava_engine, envs, tmp_pa
     shutil.rmtree(eng / "build-llm")
     llm = json.loads((eng / "convert" / "llm" / "config.json").read_text())
     # published as build-llm publishes (with its manifest): chat/serve check an engine's files at start
-    from vlmctl.artifacts import run_stage
+    from vlmctl.formats.artifacts import run_stage
 
     def write(out):
         _layout(out, vocab=llm["vocab_size"], hidden=llm["hidden_size"], table_rows=64,

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from conftest import cli, cli_json, write_recipe
-from test_llava_onevision import Reference, strip_eos
+from parity import assert_greedy_parity, parity_test, strip_eos
+from test_llava_onevision import Reference
 from tiny_llava_anyres import make_llava_onevision
 from tiny_models import make_image
 from tiny_video import frames_of, make_video
@@ -30,6 +31,7 @@ from video_reference import onevision_video_inputs
 pytest.importorskip("av", reason="video input needs PyAV (the `video` extra)")
 
 SIZE = 28  # the tiny tower's crop
+EOS = 2  # the tiny tokenizer's end of sequence
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +84,7 @@ def user(*kinds, text):
 @pytest.mark.parametrize("key,frames,codec,suffix", [("default", 12, "libx264", ".mp4"),
                                                      ("six-frames", 20, "mpeg4", ".avi")],
                          ids=["all-12-frames-mp4", "6-of-20-frames-avi"])
+@parity_test("llava_onevision")
 def test_chat_json_video_matches_transformers_generate(built, tmp_path, capsys, key, frames, codec, suffix):
     ckpt, eng, ref, num_frames = built[key]
     path = make_video(tmp_path / f"clip{suffix}", frames_of(10, frames, (40, 30)), fps=5, codec=codec)
@@ -92,7 +95,7 @@ def test_chat_json_video_matches_transformers_generate(built, tmp_path, capsys, 
     assert got["prompt_tokens"] == inputs["input_ids"].shape[1]
     assert (inputs["input_ids"] == ref.model.config.video_token_id).sum() == min(num_frames, frames) * 4 + 1
     ids = generate(ref, inputs, 12)
-    assert got["token_ids"] == strip_eos(ids)
+    assert_greedy_parity(got["token_ids"], ids, EOS)
     other = onevision_video_inputs(make_video(tmp_path / f"o{suffix}", frames_of(11, frames, (40, 30)), fps=5,
                                               codec=codec), SIZE, min(num_frames, frames))
     assert generate(ref, reference_inputs(ref, user("video", text="what is in this image?"), [], [other]), 12) != ids
@@ -114,7 +117,7 @@ def test_image_and_video_in_one_message_through_the_engine(built, tmp_path):
     assert [it.meta.get("video", False) for it in prompt.images] == [False, True]  # the template puts images first
     assert "grid" in prompt.images[0].meta
     got = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0))[0].token_ids
-    assert got == strip_eos(generate(ref, inputs, 10))
+    assert got == strip_eos(generate(ref, inputs, 10), EOS)
 
 
 def test_onnx_frames_and_host_pooling_match_hf_video_features(built, tmp_path):
@@ -125,7 +128,7 @@ def test_onnx_frames_and_host_pooling_match_hf_video_features(built, tmp_path):
 
     ckpt, eng_dir, ref, num_frames = built["default"]
     fam = LlavaOnevisionFamily()
-    proc = fam.load_processor(eng_dir / "convert" / "processor")
+    proc = fam.load_processor(eng_dir / "convert" / "processor", eng_dir / "convert" / "vision")
     path = make_video(tmp_path / "long.mp4", frames_of(30, 45, (64, 36)), fps=8)
     video = onevision_video_inputs(path, SIZE, 32)
     with torch.no_grad():
@@ -161,4 +164,4 @@ def test_text_only_prompt(built):
     inputs = reference_inputs(ref, messages, [], [])
     assert prompt.token_ids == inputs["input_ids"][0].tolist() and not prompt.images
     got = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].token_ids
-    assert got == strip_eos(generate(ref, inputs, 8))
+    assert got == strip_eos(generate(ref, inputs, 8), EOS)

@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from vlmctl.quant.packing import dequantize_gemm, pack_gemm, unpack_gemm
+from vlmctl.formats.awq_gemm import dequantize_gemm, pack_gemm, unpack_gemm
 from vlmctl.runtime.kernels import w4a16 as W
 
 HAS_CUDA = torch.cuda.is_available()
@@ -53,7 +53,7 @@ def test_nibble_order_and_sign_bit():
     assert int(p["q4weight"][1, 1]) == -(1 << 28) and int(p["q4weight"][1, 0]) == 0  # 0xF0000000 as int32
     assert int(p["q4weight"][2, 1]) == 9 << 12
     # the same interleave as AutoAWQ's (along N there, along K here)
-    from vlmctl.quant.packing import ORDER
+    from vlmctl.formats.awq_gemm import ORDER
 
     assert W.ORDER == ORDER
     assert p["q4zeros"].dtype == torch.uint8 and p["q4scales"].dtype == torch.float16
@@ -103,7 +103,9 @@ def test_repack_of_fused_linears_is_the_concatenation():
 
 def test_repack_in_several_chunks(monkeypatch):
     """A linear wider than one repack chunk (chunks bound build-time memory) repacks exactly."""
-    monkeypatch.setattr(W, "_REPACK_CHUNK_ELEMS", 3 * 256)  # 3 words per row -> 24 output columns per chunk
+    from vlmctl.formats import w4a16 as layout
+
+    monkeypatch.setattr(layout, "_REPACK_CHUNK_ELEMS", 3 * 256)  # 3 words per row -> 24 output columns per chunk
     g, k = 128, 256
     n = 8 * 13
     codes, zeros, scales, qweight, qzeros = _random_awq(n, k, g, seed=3)

@@ -152,7 +152,7 @@ def dequantized_reference(model_cls, ckpt: Path, quantized_llm: Path, family):
 
     from vlmctl.checkpoint import iter_tensors
     from vlmctl.models.base import DECODER
-    from vlmctl.quant.packing import dequantize_gemm
+    from vlmctl.formats.awq_gemm import dequantize_gemm
 
     quant = json.loads((Path(quantized_llm) / "config.json").read_text())["quantization_config"]
     tensors = {k: t for k, t, _ in iter_tensors(quantized_llm)}

@@ -1,4 +1,5 @@
-"""Reading and writing safetensors checkpoints: tensor iteration with clear errors, sharded writing."""
+"""Reading and writing safetensors checkpoints: tensor iteration and lazy access by name with clear
+errors, sharded writing. What the tensors mean is not here (formats/, models/)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from typing import Iterator
 from .errors import CheckpointError
 
 SHARD_BYTES = 4 << 30
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt")
+# config.json is what a writer of a new checkpoint rewrites; manifest.json describes a vlmctl stage directory
+SIDE_FILE_SKIP = ("config.json", "manifest.json")
 
 
 def weight_files(ckpt_dir: Path) -> list[Path]:
@@ -47,6 +51,79 @@ def iter_tensors(ckpt_dir: Path) -> Iterator[tuple[str, "object", Path]]:
                 yield k, handle.get_tensor(k), f
             except Exception as e:
                 raise CheckpointError(f"{f}: tensor {k!r} cannot be read ({_short(e)})") from None
+
+
+class TensorReader:
+    """Lazy access to the tensors of a safetensors checkpoint directory by name (memory-mapped).
+
+    `release()` closes the files: pages of a memory-mapped file that were read stay resident (and
+    count as this process's memory) until the mapping goes, so a reader that walks a large checkpoint
+    layer by layer (the AWQ quantizer) releases them as it goes; the next access reopens the file.
+    """
+
+    def __init__(self, ckpt_dir: Path):
+        self.dir = Path(ckpt_dir)
+        self.files: dict[str, Path] = {}
+        self._handles: dict[Path, object] = {}
+        for f in weight_files(self.dir):
+            for k in self._handle(f).keys():
+                self.files[k] = f
+
+    def _handle(self, f: Path):
+        h = self._handles.get(f)
+        if h is None:
+            from safetensors import safe_open
+
+            try:
+                h = safe_open(str(f), framework="pt")
+            except Exception as e:  # also when a file changed or vanished since it was listed
+                raise CheckpointError(f"{f}: not a valid safetensors file ({_short(e)})") from None
+            self._handles[f] = h
+        return h
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def names(self) -> list[str]:
+        """Every tensor name, in file order."""
+        return list(self.files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self._file(name)).get_slice(name).get_shape())
+
+    def get(self, name: str):
+        f = self._file(name)
+        try:
+            return self._handle(f).get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{f}: tensor {name!r} cannot be read ({_short(e)})") from None
+
+    def _file(self, name: str) -> Path:
+        if name not in self.files:
+            raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+        return self.files[name]
+
+    def release(self) -> None:
+        self._handles.clear()
+
+
+class DictTensorReader(TensorReader):
+    """The same access over tensors already in memory (e.g. the decoder part of a whole-VLM checkpoint)."""
+
+    def __init__(self, tensors: dict, where: str = "decoder"):
+        self.tensors = tensors
+        self.files = {k: Path(where) for k in tensors}
+        self._handles = {}
+        self.dir = Path(where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.get(name).shape)
+
+    def get(self, name: str):
+        self._file(name)  # the missing-tensor error
+        return self.tensors[name]
 
 
 def read_config_json(ckpt_dir: Path) -> dict:
@@ -108,6 +185,15 @@ class ShardWriter:
         index = {"metadata": {"total_size": sum(s["bytes"] for s in self.shards)}, "weight_map": weight_map}
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         return files
+
+
+def copy_side_files(src_dir: Path, out_dir: Path) -> None:
+    """Tokenizer, generation config, chat template...: every non-weight file but config.json."""
+    import shutil
+
+    for p in Path(src_dir).iterdir():
+        if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and p.name not in SIDE_FILE_SKIP:
+            shutil.copy2(p, Path(out_dir) / p.name)
 
 
 def load_state_dict(ckpt_dir: Path) -> dict:

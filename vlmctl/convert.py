@@ -1,9 +1,11 @@
 """Checkpoint conversion: split a VLM checkpoint into vision (tower + projector) and decoder parts.
 
-Output layout (one directory, written atomically by the pipeline):
+Output layout (a conversion workspace, formats/workdir.py; one directory, written atomically by the
+pipeline):
   vision/     model.safetensors (vision tower + projector) + config.json (the VLM config)
   llm/        the decoder as a plain Hugging Face causal-LM checkpoint, with its tokenizer
   processor/  tokenizer, image processor, chat template and config, as the runtime needs them
+  family.json the family module that reads it
 
 Every tensor is checked against the names, shapes and dtypes the architecture expects;
 unknown or missing tensors fail the stage.
@@ -17,6 +19,8 @@ from pathlib import Path
 
 from .checkpoint import ShardWriter, iter_tensors
 from .errors import CheckpointError
+from .formats.awq_gemm import AwqGemmConfig
+from .formats.workdir import Workspace
 from .models.base import DECODER, VISION
 from .models.registry import detect_family, read_config
 from .progress import Progress, ensure
@@ -43,10 +47,10 @@ def expected_tensors(family, config_dict: dict) -> dict[str, tuple[tuple[int, ..
     return {k: (tuple(v.shape), k in tied) for k, v in model.state_dict().items()}
 
 
-def read_vlm_decoder(src: Path) -> tuple[dict, dict, dict | None]:
+def read_vlm_decoder(src: Path) -> tuple[dict, dict]:
     """The decoder of a whole-VLM checkpoint, in memory, as a plain causal LM: (text config, tensors by
-    causal-LM name, quantization_config or None). Float or AWQ (vlmctl's whole-VLM AWQ checkpoint keeps
-    the vision modules float and lists them in `modules_to_not_convert`)."""
+    causal-LM name). Float or AWQ (vlmctl's whole-VLM AWQ checkpoint keeps the vision modules float and
+    lists them in `modules_to_not_convert`): the text config then declares the decoder's AWQ settings."""
     src = Path(src)
     config = read_config(src)
     family = detect_family(config, where=str(src / "config.json"))
@@ -57,7 +61,10 @@ def read_vlm_decoder(src: Path) -> tuple[dict, dict, dict | None]:
             tensors[name] = tensor
     text_cfg = family.text_config_dict(config)
     text_cfg["tie_word_embeddings"] = family.ties_lm_head(config) and "lm_head.weight" not in tensors
-    return text_cfg, tensors, config.get("quantization_config")
+    awq = AwqGemmConfig.from_config(config, str(src / "config.json"))
+    if awq is not None:  # the vision modules it lists are no part of the decoder
+        text_cfg = AwqGemmConfig(awq.bits, awq.group_size, awq.zero_point).apply_to(text_cfg)
+    return text_cfg, tensors
 
 
 def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: Progress | None = None,
@@ -76,8 +83,8 @@ def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: P
     expected = expected_tensors(family, config)
     target = getattr(torch, DTYPES[dtype])
 
-    out = Path(out)
-    writers = {VISION: ShardWriter(out / "vision"), DECODER: ShardWriter(out / "llm")}
+    ws = Workspace(Path(out))
+    writers = {VISION: ShardWriter(ws.vision), DECODER: ShardWriter(ws.llm)}
     seen: set[str] = set()
     decoder_names: set[str] = set()
     counts = {VISION: 0, DECODER: 0}
@@ -111,7 +118,7 @@ def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: P
     # vision/: the whole VLM config (the vision wrapper needs projector and feature-layer settings)
     config_out = dict(config)
     config_out["torch_dtype"] = dtype
-    (out / "vision" / "config.json").write_text(json.dumps(config_out, indent=2))
+    ws.vision_config.write_text(json.dumps(config_out, indent=2))
 
     # llm/: a plain causal LM
     text_cfg = family.text_config_dict(config)
@@ -120,18 +127,18 @@ def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: P
     text_cfg["tie_word_embeddings"] = family.ties_lm_head(config) and "lm_head.weight" not in decoder_names
     text_cfg["torch_dtype"] = dtype
     text_cfg.pop("dtype", None)
-    (out / "llm" / "config.json").write_text(json.dumps(text_cfg, indent=2))
-    proc = out / "processor"
+    (ws.llm / "config.json").write_text(json.dumps(text_cfg, indent=2))
+    proc = ws.processor
     proc.mkdir(parents=True)
     for name in PROCESSOR_FILES:
         if (src / name).exists():
             shutil.copy2(src / name, proc / name)
             if name in TOKENIZER_FILES or name in ("generation_config.json", "chat_template.jinja"):
-                shutil.copy2(src / name, out / "llm" / name)
+                shutil.copy2(src / name, ws.llm / name)
     if not any((proc / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise CheckpointError(f"{src}: no tokenizer files (tokenizer.json or tokenizer.model)")
     if image_settings:
         family.apply_image_settings(proc, image_settings)
-    (out / "family.json").write_text(json.dumps({"family": family.name, "architecture": config["architectures"][0],
-                                                 "decoder_model_type": text_cfg["model_type"], "dtype": dtype}, indent=2))
+    ws.write_family({"family": family.name, "architecture": config["architectures"][0],
+                     "decoder_model_type": text_cfg["model_type"], "dtype": dtype})
     return {"family": family.name, "vision_tensors": counts[VISION], "decoder_tensors": counts[DECODER]}

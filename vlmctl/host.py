@@ -1,4 +1,5 @@
-"""What this host offers the compute commands: the torch device and the CPU thread count.
+"""What this host offers the compute commands: the torch device and the CPU thread count (and, for
+the reports of long commands, the process's peak memory).
 
 The CLI calls `resolve_device` and `configure_threads` once per command, before loading a model, so
 a device this host lacks or a thread count that cannot work is one `error:` line (exit 2), not a
@@ -75,3 +76,22 @@ def resolve_device(device: str | None) -> str:
             raise OptionError(f"--device {device}: this host has {torch.cuda.device_count()} CUDA device(s)")
         return d
     raise OptionError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory in MiB.
+
+    Linux's VmHWM is the high-water mark of the current address space; getrusage's ru_maxrss also
+    counts the parent's memory at fork/exec time, which makes a child look as big as its parent.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            lines = f.read().splitlines()
+        for line in lines:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

@@ -1,35 +1,40 @@
 """The stage graph: convert -> quantize -> export-vision -> build-vision -> build-llm.
 
 Each stage is a function of (recipe, work directory) that declares its settings and inputs
-(content hashes of upstream outputs) and does its work through `artifacts.run_stage`, which
+(content hashes of upstream outputs) and does its work through `formats.artifacts.run_stage`, which
 provides the cache and atomic publication. `build()` runs them in order. The work directory
-also keeps `recipe.json`, the resolved recipe, so stand-alone stage commands reuse it.
+(formats/workdir.py) also keeps `recipe.json`, the resolved recipe, so stand-alone stage commands
+reuse it. `quantize()` is `vlmctl quantize` for any source: a work directory's stage, or a
+stand-alone output published the same atomic way.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .artifacts import STAGES, StageResult, cache_status, hash_tree, read_manifest, run_stage, stage_part_hash
-from .errors import BackendUnavailableError, RecipeError, StageError
+from .errors import BackendUnavailableError, InputError, RecipeError, StageError
+from .formats.artifacts import (StageResult, atomic_dir, cache_status, hash_tree, read_manifest, run_stage,
+                                stage_part_hash)
+from .formats.workdir import CHECKPOINT, RECIPE_FILE, STAGES, WorkDir, Workspace, classify
+from .models.decoders import is_decoder_config
 from .models.registry import detect_family, get_family, read_config
 from .progress import Progress, ensure
 from .recipe import Recipe, resolve_source
-
-RECIPE_FILE = "recipe.json"
 
 
 def save_recipe(workdir: Path, recipe: Recipe) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     data = recipe.public_dict()
     data["base_dir"] = recipe.base_dir
-    tmp = workdir / f".{RECIPE_FILE}.tmp"
+    final = WorkDir(workdir).recipe_file
+    tmp = final.with_name(f".{RECIPE_FILE}.tmp")
     tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(workdir / RECIPE_FILE)
+    tmp.replace(final)
 
 
 def load_workdir_recipe(workdir: Path, overrides: list[str] | None = None) -> Recipe:
@@ -37,7 +42,7 @@ def load_workdir_recipe(workdir: Path, overrides: list[str] | None = None) -> Re
     from .recipe import _apply_override, _format_validation_error, parse_override
     from pydantic import ValidationError
 
-    path = Path(workdir) / RECIPE_FILE
+    path = WorkDir(workdir).recipe_file
     if not path.exists():
         raise StageError(f"{workdir}: no {RECIPE_FILE}; run `vlmctl convert SRC -o {workdir}` or `vlmctl build` first")
     data = json.loads(path.read_text())
@@ -51,10 +56,7 @@ def load_workdir_recipe(workdir: Path, overrides: list[str] | None = None) -> Re
 
 
 def _family(workdir: Path):
-    m = read_manifest(workdir / "convert")
-    if m is None:
-        raise StageError(f"{workdir}: stage 'convert' has not run here; run `vlmctl convert` first")
-    return get_family(m["info"]["family"])
+    return get_family(WorkDir(workdir).family_name())
 
 
 # ---- backends ------------------------------------------------------------------------------
@@ -73,17 +75,16 @@ def resolve_vision_backend(recipe: Recipe) -> str:
 def resolve_decoder_backend(recipe: Recipe, family=None) -> str:
     """torch or trtllm. `auto` takes TensorRT-LLM when its interpreter has 1.2.x and the recipe is
     one it builds (float16/bfloat16); a recipe asking for tensor/pipeline parallelism must get it.
-    A family whose image rows attend to each other (`image_attention` "bidirectional") gets the torch
-    decoder: TensorRT-LLM's prompt-table engines attend causally, which would change the answers."""
+    A family TensorRT-LLM's prompt-table engine does not compute correctly (`supports_trtllm` false:
+    bidirectional image attention, multimodal rotary positions) gets the torch decoder."""
     from .backends.trtllm import trtllm_available
 
     want = recipe.decoder.backend
     parallel = recipe.decoder.tp_size * recipe.decoder.pp_size > 1
-    if family is not None and family.image_attention != "causal":
+    if family is not None and not family.supports_trtllm:
         if want == "trtllm" or parallel:
-            raise StageError(f"decoder.backend trtllm: TensorRT-LLM's prompt-table engine attends causally among "
-                             f"image rows, but {family.name} needs each image's rows to see each other; use "
-                             "decoder.backend: torch (one GPU)")
+            raise StageError(f"decoder.backend trtllm: the {family.name} family is not served by TensorRT-LLM: "
+                             f"{family.trtllm_refusal}; use decoder.backend: torch (one GPU)")
         return "torch"
     if want == "auto":
         if recipe.dtype == "float32" and not parallel:
@@ -142,7 +143,7 @@ def _spec_convert(recipe: Recipe, workdir: Path, progress: Progress | None, dry:
         workdir.mkdir(parents=True, exist_ok=True)
     # Source hashes are remembered by (size, mtime) so a cache hit does not re-read a 14 GB checkpoint.
     src_hash = hash_tree(src, [p for p in src.rglob("*") if p.is_file() and ".cache" not in p.parts],
-                         stat_cache=workdir / ".source-hashes.json", save_cache=not dry)
+                         stat_cache=WorkDir(workdir).source_hashes, save_cache=not dry)
     settings: dict = {"dtype": recipe.dtype}
     image = recipe.image.model_dump(exclude_none=True)
     if image:  # only when set, so engines built without it keep their cache key
@@ -154,7 +155,8 @@ def _spec_convert(recipe: Recipe, workdir: Path, progress: Progress | None, dry:
 def _spec_quantize(recipe: Recipe, workdir: Path, progress: Progress | None, dry: bool = False):
     q = recipe.quantization
     if q.method == "none":
-        return StageResult("quantize", False, 0.0, workdir / "quantize", skipped="quantization.method is none")
+        return StageResult("quantize", False, 0.0, WorkDir(workdir).quantize.root,
+                           skipped="quantization.method is none")
     if recipe.decoder.backend == "auto" and resolve_decoder_backend(recipe) == "trtllm":
         from .recipe import check_trtllm_group_size
 
@@ -162,15 +164,17 @@ def _spec_quantize(recipe: Recipe, workdir: Path, progress: Progress | None, dry
             check_trtllm_group_size(recipe)
         except ValueError as e:
             raise RecipeError(f"decoder.backend auto picks TensorRT-LLM here, and {e}") from None
-    from .quant.awq import quantize_workspace
+    from .quant.awq_vlm import quantize_workspace
 
-    inputs = {"llm": stage_part_hash(workdir, "convert", "llm"), "vision": stage_part_hash(workdir, "convert", "vision")}
+    wd = WorkDir(workdir)
+    inputs = {"llm": stage_part_hash(workdir, "convert", wd.convert.llm.name),
+              "vision": stage_part_hash(workdir, "convert", wd.convert.vision.name)}
     calib_hash = _calibration_hash(q.calibration.data, Path(recipe.base_dir))
     if calib_hash is not None:
         inputs["calibration"] = calib_hash
     settings = q.model_dump(mode="json")
     return StageSpec("quantize", workdir, settings, inputs,
-                     lambda out: quantize_workspace(workdir / "convert", out, q, Path(recipe.base_dir), progress))
+                     lambda out: quantize_workspace(wd.convert, out, q, Path(recipe.base_dir), progress))
 
 
 def _calibration_hash(spec: str | None, base_dir: Path) -> str | None:
@@ -179,7 +183,7 @@ def _calibration_hash(spec: str | None, base_dir: Path) -> str | None:
     and dataset names."""
     import os
 
-    from .artifacts import hash_json, sha256_file
+    from .formats.artifacts import hash_json, sha256_file
     from .quant.vlm_calibration import calibration_files
 
     files = calibration_files(spec, base_dir)
@@ -195,14 +199,15 @@ def _spec_export_vision(recipe: Recipe, workdir: Path, progress: Progress | None
     from .export.onnx_vision import export_vision_onnx
 
     family = _family(workdir)
+    wd = WorkDir(workdir)
     v = recipe.vision
     settings = {"dtype": recipe.dtype, "opset": v.opset, "validate_batch_size": v.validate_batch_size,
                 "max_rel_error": v.max_rel_error, "min_cosine": v.min_cosine}
     if v.max_abs_error is not None:
         settings["max_abs_error"] = v.max_abs_error
-    inputs = {"vision": stage_part_hash(workdir, "convert", "vision")}
+    inputs = {"vision": stage_part_hash(workdir, "convert", wd.convert.vision.name)}
     return StageSpec("export-vision", workdir, settings, inputs,
-                     lambda out: export_vision_onnx(family, workdir / "convert" / "vision", out, dtype=recipe.dtype,
+                     lambda out: export_vision_onnx(family, wd.convert.vision, out, dtype=recipe.dtype,
                                                     opset=v.opset, validate_batch_size=v.validate_batch_size,
                                                     max_rel_error=v.max_rel_error, max_abs_error=v.max_abs_error,
                                                     min_cosine=v.min_cosine,
@@ -210,21 +215,22 @@ def _spec_export_vision(recipe: Recipe, workdir: Path, progress: Progress | None
 
 
 def _spec_build_vision(recipe: Recipe, workdir: Path, progress: Progress | None, dry: bool = False) -> StageSpec:
-    from .export.tensorrt import build_vision_engine
+    from .export.tensorrt import build_vision_engine, vision_profile
 
     backend = resolve_vision_backend(recipe)
     lim = recipe.limits
     max_images = max(1, lim.max_batch_size * max(lim.max_images_per_request, 1))
     settings = {"backend": backend, "dtype": recipe.dtype, "max_images": max_images,
                 "workspace_gib": recipe.vision.workspace_gib, **backend_fingerprint(backend)}
-    profile = _family(workdir).vision_profile(json.loads((workdir / "convert" / "vision" / "config.json").read_text()),
-                                              workdir / "convert" / "processor", lim.model_dump())
+    wd = WorkDir(workdir)
+    axis = _family(workdir).vision_axis(wd.convert.read_vision_config(), wd.convert.processor)
+    profile = vision_profile(axis, lim.max_batch_size, lim.max_images_per_request) if axis is not None else None
     if profile is not None:
         settings["profile"] = {k: [list(s) for s in v] for k, v in profile.items()}
     inputs = {"onnx": stage_part_hash(workdir, "export-vision")}
     return StageSpec("build-vision", workdir, settings, inputs,
-                     lambda out: build_vision_engine(workdir / "export-vision", out, backend=backend,
-                                                     dtype=recipe.dtype, max_batch=max_images,
+                     lambda out: build_vision_engine(wd.onnx, out, backend=backend, dtype=recipe.dtype,
+                                                     max_batch=max_images,
                                                      workspace_gib=recipe.vision.workspace_gib, progress=progress,
                                                      profile=profile))
 
@@ -233,34 +239,36 @@ def _spec_build_llm(recipe: Recipe, workdir: Path, progress: Progress | None, dr
     from .export.trtllm import prompt_table_size
 
     family = _family(workdir)
+    wd = WorkDir(workdir)
     backend = resolve_decoder_backend(recipe, family)
     quantized = recipe.quantization.method != "none"
     if quantized:
-        if read_manifest(workdir / "quantize") is None:
+        if read_manifest(wd.quantize.root) is None:
             raise StageError(f"{workdir}: quantization.method is {recipe.quantization.method} but stage 'quantize' "
                              "has not run; run `vlmctl quantize` first")
-        llm_dir, llm_hash = workdir / "quantize" / "llm", stage_part_hash(workdir, "quantize", "llm")
+        llm_dir, llm_hash = wd.quantize.llm, stage_part_hash(workdir, "quantize", wd.quantize.llm.name)
     else:
-        llm_dir, llm_hash = workdir / "convert" / "llm", stage_part_hash(workdir, "convert", "llm")
-    vlm_config = json.loads((workdir / "convert" / "vision" / "config.json").read_text())
+        llm_dir, llm_hash = wd.convert.llm, stage_part_hash(workdir, "convert", wd.convert.llm.name)
+    vlm_config = wd.convert.read_vision_config()
     lim = recipe.limits
-    per_image = family.engine_image_tokens(vlm_config, workdir / "convert" / "processor")
+    per_image = family.max_image_tokens(vlm_config, wd.convert.processor)
     table_size = prompt_table_size(lim, per_image)
     extra = {"name": recipe.name, "backend": backend, "limits": lim.model_dump(), "prompt_table_size": table_size,
-             "image_tokens_per_image": per_image, "eos_token_ids": _eos_ids(workdir / "convert" / "processor")}
+             "image_tokens_per_image": per_image, "eos_token_ids": _eos_ids(wd.convert.processor)}
     settings = {"backend": backend, "dtype": recipe.dtype, "image_attention": family.image_attention, **extra,
                 **backend_fingerprint(backend)}
     if backend == "trtllm":
         dec = recipe.decoder
         settings["parallel"] = {"tp_size": dec.tp_size, "pp_size": dec.pp_size}
         settings["kv_cache_free_gpu_memory_fraction"] = dec.kv_cache_free_gpu_memory_fraction
-    inputs = {"llm": llm_hash, "processor": stage_part_hash(workdir, "convert", "processor")}
+    inputs = {"llm": llm_hash, "processor": stage_part_hash(workdir, "convert", wd.convert.processor.name)}
 
     def work(out: Path) -> dict:
         if backend == "trtllm":
             from .export.trtllm import build_trtllm_engine
 
-            return build_trtllm_engine(llm_dir, out, recipe=recipe, extra_config=extra, progress=progress)
+            return build_trtllm_engine(llm_dir, out, recipe=recipe, family=family, extra_config=extra,
+                                       progress=progress)
         from .export.torch_decoder import build_torch_decoder
 
         return build_torch_decoder(llm_dir, out, engine_root=workdir, dtype=recipe.dtype, extra_config=extra,
@@ -377,3 +385,59 @@ def build(recipe: Recipe, workdir: Path, *, until: str | None = None, force: boo
         if on_stage:
             on_stage(res)
     return results
+
+
+# ---- quantize outside the stage graph ------------------------------------------------------
+def quantize(source: Path, output: Path | None, overrides: list[str] | None = None, *, force: bool = False,
+             progress: Progress | None = None) -> "StageResult | dict":
+    """`vlmctl quantize SOURCE [-o OUTPUT]`, with `overrides` as `--set` items.
+
+    A work directory (it has recipe.json) runs its quantize stage: cached, with a manifest; returns the
+    StageResult. Any other source (a conversion workspace, a VLM checkpoint, a plain causal LM) is
+    quantized into `output` (see `quant.awq_vlm.quantize_path`); returns the quantizer's summary."""
+    source = Path(source)
+    wd = WorkDir(source)
+    if wd.recipe_file.exists():
+        if output is not None:
+            raise InputError(f"{source} is a work directory: its output goes to {wd.quantize.root} (drop -o)")
+        recipe = load_workdir_recipe(source, overrides)
+        save_recipe(source, recipe)
+        return stage_quantize(recipe, source, force=force, progress=progress)
+    if output is None:
+        raise InputError("-o/--output is required unless SOURCE is a work directory")
+    from .recipe import recipe_from_source
+
+    recipe = recipe_from_source(str(source), overrides)
+    return quantize_into(source, output, recipe, force=force, progress=progress)
+
+
+def quantize_into(source: Path, output: Path, recipe: Recipe, *, force: bool = False,
+                  progress: Progress | None = None) -> dict:
+    """Quantize `source` into `output` with the recipe's quantization settings, published as a stage is:
+    written into a temporary sibling and renamed into place only on success."""
+    from .quant.awq_vlm import quantize_path
+
+    output = Path(output)
+    if output.exists() and not force:
+        raise InputError(f"{output} already exists (use --force to replace it)")
+    if output.resolve() == Path(source).resolve():
+        raise InputError("the output directory must differ from the source")
+    source = Path(source)
+    settings, base_dir = recipe.quantization, Path(recipe.base_dir)
+    with atomic_dir(output) as tmp:
+        if classify(source) == CHECKPOINT and not is_decoder_config(read_config(source)):
+            # a whole VLM: converted (in the recipe's dtype) into a workspace inside the output, then dropped
+            from .convert import convert_checkpoint
+            from .quant.awq_vlm import quantize_workspace
+
+            detect_family(read_config(source), where=str(source / "config.json"))  # a clear error when unsupported
+            ws = Workspace(tmp / ".convert")
+            try:
+                convert_checkpoint(source, ws.root, recipe.dtype, progress)
+                summary = quantize_workspace(ws, tmp, settings, base_dir, progress)
+            finally:
+                shutil.rmtree(ws.root, ignore_errors=True)
+        else:
+            summary = quantize_path(source, tmp, settings, base_dir, progress)
+    summary["output"] = str(output)
+    return summary

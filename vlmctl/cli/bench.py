@@ -35,7 +35,7 @@ def bench_command(
     out_file: Path = typer.Option(None, "--out", help="Also write the JSON result to this file"),
     json_: bool = JsonOption,
 ):
-    from ..bench import BenchConfig, bench_engine, bench_url
+    from ..measure.bench import BenchConfig, bench_engine, bench_url
     from ..errors import InputError
 
     if (engine_dir is None) == (url is None):

@@ -26,8 +26,8 @@ def build_command(
     recipe = load_recipe(recipe_path, overrides)
     output = output or Path("engines") / recipe.name
     if until is not None:
-        from ..artifacts import STAGES
         from ..errors import RecipeError
+        from ..formats.workdir import STAGES
 
         if until not in STAGES:
             raise RecipeError(f"--until {until!r}: unknown stage (stages: {', '.join(STAGES)})")

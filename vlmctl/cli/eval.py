@@ -24,7 +24,7 @@ def ppl_command(
     json_: bool = JsonOption,
 ):
     from ..errors import OptionError
-    from ..quant.perplexity import evaluate_perplexity
+    from ..measure.perplexity import evaluate_perplexity
 
     if dtype not in ("float32", "float16", "bfloat16"):
         raise OptionError(f"--dtype {dtype!r}: expected float32, float16 or bfloat16")

@@ -1,4 +1,4 @@
-"""`vlmctl quantize --awq SRC`: AWQ 4-bit quantization of the language part only."""
+"""`vlmctl quantize [--awq] SRC`: AWQ 4-bit quantization of the language part only (pipeline.quantize)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ def quantize_command(
                                             "VLM checkpoint, or a plain HF Llama-family causal LM directory"),
     output: Path = typer.Option(None, "-o", "--output",
                                 help="Output directory (not used for a work directory: it gets quantize/)"),
-    awq: bool = typer.Option(True, "--awq", help="AWQ 4-bit weights, group-wise with zero points (the only method)"),
+    awq: bool = typer.Option(True, "--awq", help="AWQ 4-bit weights, group-wise with zero points. AWQ is the only "
+                                                 "method and the default: the flag only names it, with or without "
+                                                 "it the command does the same"),
     group_size: int = typer.Option(None, "--group-size", help="Input channels per quantization group (default 128)"),
     calib_data: str = typer.Option(None, "--calib-data",
                                    help=".txt or .jsonl file, or a Hugging Face dataset NAME:CONFIG@SPLIT "
@@ -31,7 +33,6 @@ def quantize_command(
     force: bool = typer.Option(False, "--force", help="Re-run (work directory) or replace an existing OUTPUT"),
     json_: bool = JsonOption,
 ):
-    from ..errors import InputError
     from ..host import configure_threads
 
     n_threads = configure_threads(threads)
@@ -46,64 +47,22 @@ def quantize_command(
     if dtype:
         sets.append(f"dtype={dtype}")
 
-    if (source / "recipe.json").exists():  # a work directory: run the pipeline stage (cached, manifest)
-        from ..pipeline import load_workdir_recipe, save_recipe, stage_quantize
+    from ..pipeline import quantize
 
-        if output is not None:
-            raise InputError(f"{source} is a work directory: its output goes to {source / 'quantize'} (drop -o)")
-        recipe = load_workdir_recipe(source, sets)
-        save_recipe(source, recipe)
-        with progress_for(json_) as progress:
-            res = stage_quantize(recipe, source, force=force, progress=progress)
-        if json_:
-            print_json({**res.to_json(), "threads": n_threads})
-        else:
-            render_stage(res)
-            _render_summary({**res.info, "threads": n_threads})
-        return
-
-    if output is None:
-        raise InputError("-o/--output is required unless SOURCE is a work directory")
-    from ..recipe import recipe_from_source
-
-    recipe = recipe_from_source(str(source), sets)
     with progress_for(json_) as progress:
-        summary = quantize_to(source, output, recipe, force=force, progress=progress)
-    summary["threads"] = n_threads
-    if json_:
-        print_json(summary)
+        res = quantize(source, output, sets, force=force, progress=progress)
+    if isinstance(res, dict):  # quantized into OUTPUT
+        res["threads"] = n_threads
+        if json_:
+            print_json(res)
+        else:
+            console.print(f"[green]✓[/green] quantize: wrote {output}")
+            _render_summary(res)
+    elif json_:  # a work directory's stage
+        print_json({**res.to_json(), "threads": n_threads})
     else:
-        console.print(f"[green]✓[/green] quantize: wrote {output}")
-        _render_summary(summary)
-
-
-def quantize_to(source: Path, output: Path, recipe, *, force: bool = False, progress=None) -> dict:
-    """Quantize into a temporary sibling of `output`, renamed into place only on success."""
-    import shutil
-
-    from ..artifacts import reclaim_stale_temps, temp_name
-    from ..errors import InputError
-    from ..quant.awq import quantize_path
-
-    output = Path(output)
-    if output.exists() and not force:
-        raise InputError(f"{output} already exists (use --force to replace it)")
-    if output.resolve() == Path(source).resolve():
-        raise InputError("the output directory must differ from the source")
-    reclaim_stale_temps(output.parent, [output.name])
-    tmp = output.with_name(temp_name(output.name, "tmp"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        summary = quantize_path(source, tmp, recipe.quantization, Path(recipe.base_dir), progress, dtype=recipe.dtype)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if output.exists():
-        shutil.rmtree(output)
-    tmp.rename(output)
-    summary["output"] = str(output)
-    return summary
+        render_stage(res)
+        _render_summary({**res.info, "threads": n_threads})
 
 
 def _render_summary(info: dict) -> None:

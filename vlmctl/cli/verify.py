@@ -13,7 +13,7 @@ def verify_command(
     engine_dir: Path = typer.Argument(..., help="Engine (or work) directory made by `vlmctl build`"),
     json_: bool = JsonOption,
 ):
-    from ..artifacts import verify_engine
+    from ..formats.artifacts import verify_engine
     from ..errors import EngineError
 
     if not engine_dir.is_dir():

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..backends.onnxruntime import ort_session  # noqa: F401  (re-exported: callers import it from here)
 from ..errors import StageError
+from ..formats.workdir import ONNX_FILE, ONNX_IO_FILE
 from ..models.base import read_json
 from ..progress import Progress, ensure
 
@@ -63,7 +64,7 @@ def export_vision_onnx(family, vision_dir: Path, out_dir: Path, *, dtype: str, o
     module = family.build_vision_module(vision_dir, torch.float32).to(tdtype)
     in_names, out_names, dyn = family.onnx_io(config)
     example = family.example_vision_inputs(config, EXPORT_BATCH, tdtype, seed=0)
-    out_path = out_dir / "model.onnx"
+    out_path = out_dir / ONNX_FILE
     out_dir.mkdir(parents=True, exist_ok=True)
 
     task = progress.task("export-vision: torch.onnx.export", total=None)
@@ -91,7 +92,7 @@ def export_vision_onnx(family, vision_dir: Path, out_dir: Path, *, dtype: str, o
                          f"max error {report['max_rel_error']:.3g} of the features' largest magnitude "
                          f"{report['feature_scale']:.3g} (limit {tol_rel:g}), max abs error "
                          f"{report['max_abs_error']:.3g}{abs_limit}, cosine {report['cosine']:.6f} (limit {min_cosine})")
-    (out_dir / "io.json").write_text(json.dumps({"inputs": in_names, "outputs": out_names, "dtype": onnx_dtype,
+    (out_dir / ONNX_IO_FILE).write_text(json.dumps({"inputs": in_names, "outputs": out_names, "dtype": onnx_dtype,
                                                  "feature_rows": report["feature_rows"],
                                                  "hidden_size": report["hidden_size"]}, indent=2))
     import onnxruntime

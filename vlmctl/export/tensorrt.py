@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..backends.tensorrt import import_trt, tensorrt_available
 from ..errors import StageError
+from ..formats.workdir import ONNX_FILE, VISION_ENGINE_FILE, VISION_RUNTIME_FILE
 from ..progress import Progress, ensure
 
 
@@ -31,10 +32,25 @@ def profile_shapes(input_shapes: dict[str, tuple[int, ...]], max_batch: int) -> 
     return out
 
 
+def vision_profile(axis, max_batch_size: int, max_images_per_request: int) -> dict[str, tuple[tuple, tuple, tuple]]:
+    """min/opt/max shapes per input of a vision graph whose axis 0 counts crops, tiles or patches, from
+    the family's per-image `VisionAxis` (models/base.py): one vision call holds at most every image the
+    engine admits at once (or, when calls do not batch across requests, one request's images), each at
+    its most rows, or one part of a video (`axis.part_rows`), whichever is larger."""
+    if axis.across_requests:
+        images = max(1, max_batch_size * max(max_images_per_request, 1))
+    else:
+        images = max(1, max_images_per_request)
+    hi = max(images * axis.max_rows, axis.part_rows)
+    opt = min(axis.opt_rows, hi)
+    lo = min(axis.min_rows, opt)
+    return {name: ((lo, *rest), (opt, *rest), (hi, *rest)) for name, rest in axis.trailing.items()}
+
+
 def build_trt_engine(onnx_path: Path, engine_path: Path, *, max_batch: int, workspace_gib: float,
                      progress: Progress | None = None, shapes_profile: dict | None = None) -> dict:
-    """`shapes_profile`: the family's (min, opt, max) shape per input (dynamic non-batch axes, e.g.
-    patches); by default axis 0 of every input is a batch of 1..max_batch."""
+    """`shapes_profile`: (min, opt, max) shape per input (`vision_profile`, for graphs whose axis 0 is
+    crops or patches); by default axis 0 of every input is a batch of 1..max_batch."""
     trt = import_trt()
     progress = ensure(progress)
     logger = trt.Logger(trt.Logger.WARNING)
@@ -62,24 +78,27 @@ def build_trt_engine(onnx_path: Path, engine_path: Path, *, max_batch: int, work
             "strongly_typed": True}
 
 
-def build_vision_engine(export_dir: Path, out_dir: Path, *, backend: str, dtype: str, max_batch: int,
+def build_vision_engine(onnx_path: Path, out_dir: Path, *, backend: str, dtype: str, max_batch: int,
                         workspace_gib: float, progress: Progress | None = None, profile: dict | None = None) -> dict:
-    onnx_path = Path(export_dir) / "model.onnx"
+    """The build-vision stage: a TensorRT engine from export-vision's ONNX file when the backend is
+    tensorrt, and in every case VISION_RUNTIME_FILE, the record of which runner the runtime starts with."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if backend == "tensorrt":
-        info = build_trt_engine(onnx_path, out_dir / "model.engine", max_batch=max_batch,
+        info = build_trt_engine(onnx_path, out_dir / VISION_ENGINE_FILE, max_batch=max_batch,
                                 workspace_gib=workspace_gib, progress=progress, shapes_profile=profile)
-        runner = {"runner": "tensorrt", "engine": "model.engine"}
+        runner = {"runner": "tensorrt", "engine": VISION_ENGINE_FILE}
     else:
         import onnxruntime
 
         why = "recipe asks for it" if backend in ("onnxruntime", "torch") else "tensorrt is not installed"
         if backend == "onnxruntime" and not tensorrt_available():
             why = "tensorrt is not installed (or vision.backend is onnxruntime)"
+        runs = f"ONNX Runtime runs ../export-vision/{ONNX_FILE}" if backend == "onnxruntime" else \
+            "torch runs the vision weights"
         info = {"backend": backend, "backend_version": f"onnxruntime {onnxruntime.__version__}"
-                if backend == "onnxruntime" else "torch", "note": f"no TensorRT engine built: {why}; "
-                f"{'ONNX Runtime runs ../export-vision/model.onnx' if backend == 'onnxruntime' else 'torch runs the vision weights'}"}
-        runner = {"runner": backend, "onnx": "../export-vision/model.onnx"}
-    (out_dir / "runtime.json").write_text(json.dumps({**runner, "dtype": dtype, "max_batch": max_batch}, indent=2))
+                if backend == "onnxruntime" else "torch", "note": f"no TensorRT engine built: {why}; {runs}"}
+        runner = {"runner": backend, "onnx": f"../export-vision/{ONNX_FILE}"}
+    (out_dir / VISION_RUNTIME_FILE).write_text(json.dumps({**runner, "dtype": dtype, "max_batch": max_batch},
+                                                          indent=2))
     return info

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..checkpoint import read_config_json
+from ..checkpoint import TensorReader, read_config_json
 from ..formats.awq_gemm import AwqGemmConfig
-from ..formats.torch_layout import (FORMAT, WEIGHTS, HFTensorReader, LayoutConfig, awq_tensors, check_hf_sources,
-                                    torch_dtype, write_layout)
+from ..formats.torch_layout import (FORMAT, WEIGHTS, LayoutConfig, awq_tensors, check_hf_sources, torch_dtype,
+                                    write_layout)
 from ..models.decoders import decoder_spec
 from ..progress import Progress
 
@@ -32,7 +32,7 @@ def build_torch_decoder(llm_dir: Path, out_dir: Path, *, engine_root: Path, dtyp
     awq = AwqGemmConfig.from_config(cfg, str(llm_dir / "config.json"))
     spec = replace(decoder_spec(cfg, awq), image_attention=image_attention)
     spec.validate()
-    reader = HFTensorReader(llm_dir)
+    reader = TensorReader(llm_dir)
     if awq is None:
         check_hf_sources(reader, spec, llm_dir)
         rel = os.path.relpath(llm_dir.resolve(), Path(engine_root).resolve())
@@ -41,7 +41,7 @@ def build_torch_decoder(llm_dir: Path, out_dir: Path, *, engine_root: Path, dtyp
         from safetensors.torch import save_file
 
         # repacked at build time for the W4A16 kernels, so loading is a memory map
-        from ..runtime.kernels.w4a16 import repack_gemm_tensors
+        from ..formats.w4a16 import repack_gemm_tensors
 
         spec, tensors = repack_gemm_tensors(spec, awq_tensors(reader, spec, llm_dir, torch_dtype(dtype), progress))
         Path(out_dir).mkdir(parents=True, exist_ok=True)

@@ -37,8 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
-from ..errors import BackendUnavailableError, EngineError, InputError, StageError, UnsupportedModelError
+from ..errors import (BackendUnavailableError, CheckpointError, EngineError, InputError, StageError,
+                      UnsupportedModelError)
 from ..formats.triton_config import ModelConfig, Step, Tensor
+from ..formats.workdir import EngineDir, WorkDir
 from ..progress import Progress, ensure
 
 # The all_models directory of tensorrtllm_backend inside NVIDIA's Triton TensorRT-LLM container
@@ -97,23 +99,24 @@ def _read_json(path: Path, what: str) -> dict:
 
 def read_engine(engine_dir: Path, *, kv_cache_fraction: float | None = None) -> EngineFacts:
     """Check that `engine_dir` is a vlmctl engine directory that the stock multimodal models can serve."""
-    from ..artifacts import read_manifest
+    from ..formats.artifacts import read_manifest
     from ..models.registry import get_family
-    from .trtllm import ENGINE_FORMAT
+    from ..formats.trtllm_engine import engine_path, is_trtllm_engine
 
     engine_dir = Path(engine_dir)
-    llm_cfg_path, fam_path = engine_dir / "build-llm" / "config.json", engine_dir / "convert" / "family.json"
-    if not llm_cfg_path.exists() or not fam_path.exists():
-        raise EngineError(f"{engine_dir}: not a vlmctl engine directory (run `vlmctl build RECIPE -o {engine_dir}`)")
-    llm = _read_json(llm_cfg_path, "the decoder config")
-    if llm.get("format") != ENGINE_FORMAT:
+    ed = EngineDir.open(engine_dir)
+    llm = _read_json(ed.llm_config, "the decoder config")
+    if not is_trtllm_engine(llm):
         raise EngineError(f"{engine_dir}: its decoder is not a TensorRT-LLM engine (backend "
                           f"{llm.get('backend', llm.get('format'))!r}); a Triton repository needs one: rebuild with "
                           "`--set decoder.backend=trtllm` (or serve this engine with `vlmctl serve`)")
-    trtllm_engine = engine_dir / "build-llm" / llm.get("engine", "engine")
+    trtllm_engine = engine_path(ed.build_llm, llm)
     built = _read_json(trtllm_engine / "config.json", "the TensorRT-LLM engine's config.json")
     pretrained, build_cfg = built.get("pretrained_config") or {}, built.get("build_config") or {}
-    family = get_family(_read_json(fam_path, "convert/family.json")["family"])
+    try:
+        family = get_family(ed.family_name())
+    except CheckpointError as e:
+        raise EngineError(e.message) from None
     stock = family.triton_stock
     if stock is None:
         from ..models.registry import FAMILIES, family_class
@@ -138,8 +141,8 @@ def read_engine(engine_dir: Path, *, kv_cache_fraction: float | None = None) -> 
             f"{engine_dir}: the stock preprocessing would give each image {table_rows // max(max_batch, 1) // max_images} "
             f"prompt rows (prompt table {table_rows} / batch {max_batch} / {max_images} images) but the vision model "
             f"gives {rows_per_image}; rebuild with limits.max_input_len >= {max_images * rows_per_image}")
-    onnx = engine_dir / "export-vision" / "model.onnx"
-    io = _read_json(engine_dir / "export-vision" / "io.json", "export-vision/io.json")
+    onnx = ed.onnx
+    io = _read_json(ed.onnx_io, "export-vision/io.json")
     if not onnx.exists() or len(io.get("inputs", [])) != 1 or len(io.get("outputs", [])) != 1:
         raise EngineError(f"{engine_dir}/export-vision: needs one ONNX graph of one input and one output "
                           "(rerun `vlmctl export-vision`)")
@@ -148,12 +151,12 @@ def read_engine(engine_dir: Path, *, kv_cache_fraction: float | None = None) -> 
     if not 0 < fraction < KV_FRACTION_LIMIT:
         raise InputError(f"KV-cache memory fraction {fraction}: must be above 0 and below {KV_FRACTION_LIMIT} (the "
                          "vision engine shares GPU 0 with the decoder); pass --kv-cache-fraction")
-    vision = (read_manifest(engine_dir / "build-vision") or {}).get("settings", {})
-    backend_version = str((read_manifest(engine_dir / "build-llm") or {}).get("backend_version") or "")
+    vision = (read_manifest(ed.build_vision) or {}).get("settings", {})
+    backend_version = str((read_manifest(ed.build_llm) or {}).get("backend_version") or "")
     parallel = llm.get("parallel") or {}
     return EngineFacts(
         engine_dir=engine_dir.resolve(), family=family, stock=stock, trtllm_engine=trtllm_engine.resolve(),
-        processor=(engine_dir / "convert" / "processor").resolve(), onnx=onnx.resolve(),
+        processor=ed.convert.processor.resolve(), onnx=onnx.resolve(),
         onnx_input=io["inputs"][0], onnx_output=io["outputs"][0], max_batch=max_batch, max_images=max_images,
         table_rows=table_rows, hidden=int(pretrained.get("hidden_size", llm.get("hidden_size", 0))),
         vocab=int(pretrained.get("vocab_size", llm.get("vocab_size", 0))),
@@ -239,9 +242,9 @@ def vision_profile(facts: EngineFacts, onnx_info: dict) -> dict:
         return {VISION_INPUT: [list(s) for s in prof]}
     from .tensorrt import profile_shapes
 
-    from ..artifacts import read_manifest
+    from ..formats.artifacts import read_manifest
 
-    settings = (read_manifest(facts.engine_dir / "build-vision") or {}).get("settings", {})
+    settings = (read_manifest(WorkDir(facts.engine_dir).build_vision) or {}).get("settings", {})
     max_images = int(settings.get("max_images", facts.max_batch * facts.max_images))
     shape = tuple(onnx_info["input"]["shape"])
     try:
@@ -520,9 +523,9 @@ def export_triton_repo(engine_dir: Path, out_dir: Path, *, streaming: bool = Fal
         raise BackendUnavailableError(f"export-triton builds the vision engine with TensorRT-LLM 1.2's TensorRT, but "
                                       f"{python} has {have}; set {PYTHON_ENV} to TensorRT-LLM 1.2's interpreter")
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    from ..formats.artifacts import atomic_dir
+
+    with atomic_dir(out_dir) as tmp:
         for m in MODELS:
             (tmp / m / "1").mkdir(parents=True)
         vision = tmp / "multimodal_encoders" / "1" / VISION_SUBDIR
@@ -541,7 +544,7 @@ def export_triton_repo(engine_dir: Path, out_dir: Path, *, streaming: bool = Fal
         cfg = builder_config(facts.stock, onnx_info, profile, facts.vision_rows)
         cfg["vlmctl"] = {"tensorrt_version": trt_version, "source_onnx": str(facts.onnx)}
         (vision / "config.json").write_text(json.dumps(cfg, indent=2))
-        extra = facts.family.triton_vision_files(facts.engine_dir / "convert" / "vision", vision)
+        extra = facts.family.triton_vision_files(WorkDir(facts.engine_dir).convert.vision, vision)
         paths = {"engine": server_path(facts.trtllm_engine, mount_list),
                  "processor": server_path(facts.processor, mount_list),
                  "vision": server_path(final_vision, mount_list)}
@@ -564,10 +567,4 @@ def export_triton_repo(engine_dir: Path, out_dir: Path, *, streaming: bool = Fal
             "note": "tensorrtllm_backend's multimodal models are legacy upstream (end of life with TensorRT-LLM "
                     "1.2); the successor is trtllm-serve on the PyTorch backend"}
         (tmp / METADATA).write_text(json.dumps(result, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return result

@@ -30,9 +30,10 @@ from pathlib import Path
 from ..backends.cuda import compute_capability, sm_string
 from ..backends.trtllm import PYTHON_ENV, trtllm_available, trtllm_python, trtllm_version  # noqa: F401
 from ..errors import BackendUnavailableError, StageError
+from ..formats import trtllm_engine
 from ..progress import Progress, ensure
 
-ENGINE_FORMAT = "tensorrt-llm"
+ENGINE_FORMAT = trtllm_engine.FORMAT  # build-llm/config.json (formats/trtllm_engine.py)
 # The largest context batch the engine schedules at once; TensorRT-LLM warns above 16384.
 MAX_NUM_TOKENS_CAP = 8192
 # TensorRT-LLM's weight-only groupwise GEMM (fpA_intB) kernels take these AWQ/GPTQ group sizes.
@@ -80,24 +81,32 @@ def quant_config_for(llm_config: dict) -> dict | None:
     `update_quant_config_from_hf`): W4A16_GPTQ with the checkpoint's group size and zero points,
     plus `use_autoawq=True` for `from_hugging_face` (see `from_hf_kwargs`). W4A16_AWQ would be wrong
     here: that is ModelOpt's format (pre-quant scales, symmetric int4)."""
-    q = llm_config.get("quantization_config")
-    if not q:
-        return None
-    if q.get("quant_method") != "awq" or int(q.get("bits", 4)) != 4 or str(q.get("version", "gemm")).lower() != "gemm":
+    from ..errors import CheckpointError
+    from ..formats.awq_gemm import AwqGemmConfig
+
+    try:
+        q = AwqGemmConfig.from_config(llm_config)
+    except CheckpointError as e:  # another method, version or bit width
+        raw = llm_config.get("quantization_config") or {}
         raise StageError(f"build-llm: TensorRT-LLM reads 4-bit AutoAWQ GEMM checkpoints only (got quant_method "
-                         f"{q.get('quant_method')!r}, bits {q.get('bits')}, version {q.get('version')!r})")
-    group = int(q.get("group_size", 128))
+                         f"{raw.get('quant_method')!r}, bits {raw.get('bits')}, version {raw.get('version')!r}: "
+                         f"{e.message})") from None
+    if q is None:
+        return None
+    group = q.group_size
     if group not in AWQ_GROUP_SIZES:
         raise StageError(f"build-llm: AWQ group size {group} has no TensorRT-LLM weight-only kernel (it takes "
                          f"{' or '.join(map(str, AWQ_GROUP_SIZES))}); set quantization.group_size or decoder.backend: torch")
-    if not q.get("zero_point", True):
+    if not q.zero_point:
         raise StageError("build-llm: TensorRT-LLM's AutoAWQ loader expects zero points (quantization.zero_point: true)")
     return {"quant_algo": "W4A16_GPTQ", "group_size": group, "has_zero_point": True, "pre_quant_scale": False}
 
 
 def from_hf_kwargs(llm_config: dict) -> dict:
     """Extra keyword arguments for `<Model>.from_hugging_face` (AutoAWQ's packing order)."""
-    return {"use_autoawq": True} if llm_config.get("quantization_config") else {}
+    from ..formats.awq_gemm import AwqGemmConfig
+
+    return {"use_autoawq": True} if AwqGemmConfig.from_config(llm_config) is not None else {}
 
 
 def hf_config_for_trtllm(text_cfg: dict) -> dict:
@@ -216,16 +225,15 @@ def _run(cmd: list[str], what: str) -> None:
         raise StageError(f"build-llm: {what} failed: " + " | ".join(tail))
 
 
-def build_trtllm_engine(llm_dir: Path, out_dir: Path, *, recipe, extra_config: dict,
+def build_trtllm_engine(llm_dir: Path, out_dir: Path, *, recipe, family, extra_config: dict,
                         progress: Progress | None = None) -> dict:
+    """The build-llm stage with TensorRT-LLM, for the decoder of `family` (a VLMFamily) in `llm_dir`."""
     llm_dir, out_dir = Path(llm_dir), Path(out_dir)
+    if not family.supports_trtllm:
+        # e.g. an engine that would apply 1-D rotary to image tokens: wrong answers, no error
+        raise BackendUnavailableError(f"build-llm: the {family.name} family is not served by TensorRT-LLM: "
+                                      f"{family.trtllm_refusal}; set decoder.backend: torch")
     llm_config = json.loads((llm_dir / "config.json").read_text())
-    rope = llm_config.get("rope_parameters") or {}
-    if rope.get("mrope_section"):
-        # A plain causal-LM engine would apply 1-D rotary to image tokens: wrong answers, no error.
-        raise BackendUnavailableError("build-llm: this decoder uses multimodal rotary positions (M-RoPE), which "
-                                      "vlmctl's TensorRT-LLM flow (a prompt-table engine with 1-D positions) does "
-                                      "not drive; set decoder.backend: torch")
     quant = quant_config_for(llm_config)
     dec = recipe.decoder
     capability = compute_capability()
@@ -237,7 +245,7 @@ def build_trtllm_engine(llm_dir: Path, out_dir: Path, *, recipe, extra_config: d
     lim = recipe.limits
     world = dec.tp_size * dec.pp_size
     table_rows = int(extra_config["prompt_table_size"])  # pipeline: prompt_table_size(limits, rows per image)
-    build_cmd = trtllm_build_command(ckpt, out_dir / "engine", max_batch_size=lim.max_batch_size,
+    build_cmd = trtllm_build_command(ckpt, out_dir / trtllm_engine.ENGINE_SUBDIR, max_batch_size=lim.max_batch_size,
                                      max_input_len=lim.max_input_len,
                                      max_seq_len=lim.max_input_len + lim.max_output_len,
                                      prompt_table_size=table_rows, python=python, workers=world)
@@ -255,7 +263,8 @@ def build_trtllm_engine(llm_dir: Path, out_dir: Path, *, recipe, extra_config: d
     eos = extra_config.get("eos_token_ids") or []
     pad = llm_config.get("pad_token_id")
     (out_dir / "config.json").write_text(json.dumps({
-        "format": ENGINE_FORMAT, "format_version": 2, "engine": "engine", "dtype": recipe.dtype,
+        "format": trtllm_engine.FORMAT, "format_version": trtllm_engine.FORMAT_VERSION,
+        "engine": trtllm_engine.ENGINE_SUBDIR, "dtype": recipe.dtype,
         "vocab_size": int(llm_config["vocab_size"]), "hidden_size": int(llm_config["hidden_size"]),
         "quantization": quant, "end_id": eos[0] if eos else None,
         "pad_id": pad if pad is not None else (eos[0] if eos else None),

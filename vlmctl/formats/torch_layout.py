@@ -29,6 +29,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..checkpoint import TensorReader
 from ..errors import CheckpointError, EngineError
 
 FORMAT = "vlmctl-torch-decoder"
@@ -214,59 +215,7 @@ def weights_location(layout_dir: Path, layout: LayoutConfig) -> Path:
     raise EngineError(f"{layout_dir}: unknown weights kind {kind!r} in {CONFIG}")
 
 
-class HFTensorReader:
-    """Lazy access to the tensors of a safetensors checkpoint directory by name (memory-mapped)."""
-
-    def __init__(self, ckpt_dir: Path):
-        from safetensors import safe_open
-
-        from ..checkpoint import weight_files
-
-        self.where: dict[str, object] = {}
-        self.dir = Path(ckpt_dir)
-        for f in weight_files(self.dir):
-            try:
-                h = safe_open(str(f), framework="pt")
-                for k in h.keys():
-                    self.where[k] = h
-            except Exception as e:
-                raise CheckpointError(f"{f}: not a valid safetensors file ({str(e).splitlines()[0][:200]})") from None
-
-    def names(self) -> set[str]:
-        return set(self.where)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.where[name].get_slice(name).get_shape())
-
-    def get(self, name: str):
-        try:
-            return self.where[name].get_tensor(name)
-        except KeyError:
-            raise CheckpointError(f"{self.dir}: decoder tensor {name!r} is missing") from None
-        except Exception as e:
-            raise CheckpointError(f"{self.dir}: tensor {name!r} cannot be read ({str(e).splitlines()[0][:200]})") \
-                from None
-
-
-class DictTensorReader(HFTensorReader):
-    """The same access over tensors already in memory (e.g. the decoder part of a whole-VLM checkpoint)."""
-
-    def __init__(self, tensors: dict, where: str = "decoder"):
-        self.tensors = tensors
-        self.where = {k: None for k in tensors}
-        self.dir = Path(where)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.tensors[name].shape)
-
-    def get(self, name: str):
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise CheckpointError(f"{self.dir}: decoder tensor {name!r} is missing") from None
-
-
-def check_hf_sources(reader: HFTensorReader, spec: DecoderSpec, where: Path) -> None:
+def check_hf_sources(reader: TensorReader, spec: DecoderSpec, where: Path) -> None:
     """Every runtime tensor's sources exist with the right shapes, and nothing is left over."""
     used: set[str] = set()
     for name, sources in spec.tensor_sources.items():
@@ -274,7 +223,7 @@ def check_hf_sources(reader: HFTensorReader, spec: DecoderSpec, where: Path) -> 
         for i in layers:
             rt = name.format(i=i) if i is not None else name
             parts = [s.format(i=i) if i is not None else s for s in sources]
-            missing = [p for p in parts if p not in reader.where]
+            missing = [p for p in parts if p not in reader]
             if missing:
                 raise CheckpointError(f"{where}: decoder tensor {missing[0]!r} is missing")
             shapes = [reader.shape(p) for p in parts]
@@ -283,18 +232,18 @@ def check_hf_sources(reader: HFTensorReader, spec: DecoderSpec, where: Path) -> 
             if want is not None and fused != want:
                 raise CheckpointError(f"{where}: {rt} (from {', '.join(parts)}) has shape {fused}, expected {want}")
             used.update(parts)
-    leftovers = sorted(reader.names() - used - ({"lm_head.weight"} if spec.tie_word_embeddings else set()))
+    leftovers = sorted(set(reader.names()) - used - ({"lm_head.weight"} if spec.tie_word_embeddings else set()))
     if leftovers:
         raise CheckpointError(f"{where}: decoder has {len(leftovers)} tensor(s) the runtime does not use, "
                               f"e.g. {leftovers[:3]}")
 
 
-def load_hf_weights(ckpt_dir: "Path | HFTensorReader", spec: DecoderSpec, device, dtype) -> dict:
+def load_hf_weights(ckpt_dir: "Path | TensorReader", spec: DecoderSpec, device, dtype) -> dict:
     """Runtime tensors of a float decoder (a checkpoint directory, or a reader), fused while they are
     copied to `device`."""
     import torch
 
-    reader = ckpt_dir if isinstance(ckpt_dir, HFTensorReader) else HFTensorReader(ckpt_dir)
+    reader = ckpt_dir if isinstance(ckpt_dir, TensorReader) else TensorReader(ckpt_dir)
     check_hf_sources(reader, spec, reader.dir)
     out = {}
     for name in spec.runtime_names():
@@ -338,7 +287,7 @@ def load_packed_weights(path: Path, device) -> dict:
 AWQ_PARTS = ("qweight", "qzeros", "scales")
 
 
-def awq_tensors(reader: HFTensorReader, spec: DecoderSpec, where: Path, dtype, progress=None) -> dict:
+def awq_tensors(reader: TensorReader, spec: DecoderSpec, where: Path, dtype, progress=None) -> dict:
     """Runtime tensors of an AWQ GEMM decoder: packed linears fused along the output axis (AutoAWQ packs
     each run of 8 output columns on its own, so concatenation is exact), float tensors cast to `dtype`."""
     import torch
@@ -350,7 +299,7 @@ def awq_tensors(reader: HFTensorReader, spec: DecoderSpec, where: Path, dtype, p
     used: set[str] = set()
 
     def take(name):
-        if name not in reader.where:
+        if name not in reader:
             raise CheckpointError(f"{where}: decoder tensor {name!r} is missing")
         used.add(name)
         return reader.get(name)
@@ -362,7 +311,7 @@ def awq_tensors(reader: HFTensorReader, spec: DecoderSpec, where: Path, dtype, p
                 continue
             rt = template.format(i=i)
             parts = [s.format(i=i) for s in sources]
-            if rt.endswith(".weight") and f"{parts[0][:-len('.weight')]}.qweight" in reader.where:
+            if rt.endswith(".weight") and f"{parts[0][:-len('.weight')]}.qweight" in reader:
                 mods = [p[:-len(".weight")] for p in parts]
                 for suffix in AWQ_PARTS:
                     t = torch.cat([take(f"{m}.{suffix}") for m in mods], 1)
@@ -372,7 +321,7 @@ def awq_tensors(reader: HFTensorReader, spec: DecoderSpec, where: Path, dtype, p
         if i is not None:
             task.advance()
     task.done()
-    leftovers = sorted(reader.names() - used - ({"lm_head.weight"} if spec.tie_word_embeddings else set()))
+    leftovers = sorted(set(reader.names()) - used - ({"lm_head.weight"} if spec.tie_word_embeddings else set()))
     if leftovers:
         raise CheckpointError(f"{where}: decoder has {len(leftovers)} tensor(s) the runtime does not use, "
                               f"e.g. {leftovers[:3]}")

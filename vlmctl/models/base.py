@@ -1,14 +1,22 @@
-"""The interface every VLM family module implements.
+"""The contract every VLM family module implements: `VLMFamily` and its `FamilyProcessor`.
 
 A family module is the only place that knows a model: how its checkpoint splits into vision
 and decoder, how the vision part is wrapped for export, how images are preprocessed and how many
 feature rows each becomes, how the chat template and image placeholders expand, and which
 decoder family runs the language part. Generic code (convert, export, runtime, serve) only
 talks to this interface.
+
+Both classes are abstract: a family that leaves out a required hook cannot be instantiated (the
+registry test instantiates every one). What families share is written here once: the processor's
+set-up (config, tokenizer, chat template, image processor) and `FamilyProcessor.encode`, a
+template method; a family supplies the image items and the text each image placeholder becomes
+(and, where it takes videos, the video items and the text each video placeholder becomes).
 """
 
 from __future__ import annotations
 
+import abc
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +57,27 @@ class TritonStock:
     max_images: int | None = None
 
 
+@dataclass(frozen=True)
+class VisionAxis:
+    """How images fill the vision graph's dynamic axis 0 when it is not simply a batch of images
+    (crops, tiles or patches): the family's per-image facts, from which export/tensorrt.py computes
+    the TensorRT optimization profile.
+
+    `max_rows`: the most axis rows one image needs (its most crops, or patches); `opt_rows`: the
+    rows TensorRT tunes for; `min_rows`: the fewest rows of one vision call; `trailing`: every graph
+    input's shape after axis 0; `across_requests`: whether one vision call batches the images of
+    several requests (the processor's `batch_key`), or only those of one request; `part_rows`: the
+    most rows of a vision call that holds one part of a video alone (`FamilyProcessor.vision_parts`),
+    where that can exceed what the images of one call take (0: no such call)."""
+
+    max_rows: int
+    opt_rows: int
+    trailing: dict[str, tuple[int, ...]]
+    min_rows: int = 1
+    across_requests: bool = True
+    part_rows: int = 0
+
+
 @dataclass
 class EncodedPrompt:
     """A tokenized prompt whose image placeholders are already expanded.
@@ -70,11 +99,19 @@ class EncodedPrompt:
         return tuple(i for i in (self.image_placeholder_id, self.video_placeholder_id) if i >= 0)
 
 
-class VLMFamily:
-    """Base class. Subclasses set the class attributes and override what differs."""
+def image_hash(image) -> str:
+    """An image's content hash (mode, size and pixels): the vision feature cache's key."""
+    h = hashlib.sha256()
+    h.update(f"{image.mode}:{image.size}".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+class VLMFamily(abc.ABC):
+    """Base class. Subclasses set the class attributes and implement the abstract hooks."""
 
     name: ClassVar[str]
-    architectures: ClassVar[tuple[str, ...]]
+    architectures: ClassVar[tuple[str, ...]]  # the HF architectures it reads (models/registry.py maps them here)
     # Supported features, shown in `vlmctl models` and the README table.
     multi_image: ClassVar[bool] = True
     # Takes videos (`encode(..., videos=[media.video.Video])`); families without it refuse them.
@@ -84,19 +121,19 @@ class VLMFamily:
     # How the decoder attends among an image's rows during prefill: "causal" (like text), or
     # "bidirectional" (the rows of one image see each other; the decoder spec carries it to the runtime).
     image_attention: ClassVar[str] = "causal"
-
-    # ---- detection -------------------------------------------------------------------------
-    @classmethod
-    def matches(cls, config: dict) -> bool:
-        return any(a in cls.architectures for a in config.get("architectures") or [])
+    # Whether TensorRT-LLM's prompt-table engine (causal attention, 1-D positions) computes this VLM's
+    # decoder as the reference does; when not, `trtllm_refusal` says why and the decoder runs on torch.
+    supports_trtllm: ClassVar[bool] = True
+    trtllm_refusal: ClassVar[str] = ""
 
     # ---- conversion ------------------------------------------------------------------------
+    @abc.abstractmethod
     def hf_config(self, config_dict: dict):
         """The transformers config object for the whole VLM."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def hf_model_class(self):
-        raise NotImplementedError
+        """transformers' class of the whole VLM (the reference, and the tensor inventory convert checks)."""
 
     # (old prefix, current prefix) pairs for checkpoints saved in an older transformers layout.
     legacy_prefixes: ClassVar[tuple[tuple[str, str], ...]] = ()
@@ -110,21 +147,21 @@ class VLMFamily:
                 return new + key[len(old):]
         return key
 
+    @abc.abstractmethod
     def split_key(self, key: str) -> tuple[str, str]:
         """(VISION or DECODER, name inside that part) for a canonical tensor name."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def join_key(self, part: str, name: str) -> str:
         """Inverse of `split_key`: the whole-VLM tensor name of `name` inside `part` (AWQ's VLM checkpoint)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def text_config_dict(self, config_dict: dict) -> dict:
         """config.json of the standalone decoder (a plain HF causal LM)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def vision_module_names(self) -> list[str]:
         """Module prefixes of the vision part in the whole-VLM checkpoint (AWQ's modules_to_not_convert)."""
-        raise NotImplementedError
 
     def ties_lm_head(self, config_dict: dict) -> bool:
         """Whether transformers ties this VLM's lm_head to its word embedding: the *top-level* flag of the
@@ -133,6 +170,9 @@ class VLMFamily:
         A text config that says false does not untie. Even when tied, transformers keeps a separate
         lm_head that the checkpoint contains; `convert` does the same."""
         return bool(getattr(self.hf_config(config_dict), "tie_word_embeddings", False))
+
+    def decoder_model_type(self, config_dict: dict) -> str:
+        return self.text_config_dict(config_dict)["model_type"]
 
     # ---- vision ----------------------------------------------------------------------------
     @staticmethod
@@ -153,33 +193,42 @@ class VLMFamily:
             raise CheckpointError(f"{vision_dir}: vision weights do not match the config "
                                   f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
 
+    @abc.abstractmethod
     def build_vision_module(self, vision_dir: Path, dtype):
         """torch module: ONNX inputs -> image features [batch, rows, decoder hidden]."""
-        raise NotImplementedError
 
     def onnx_io(self, vision_config: dict) -> tuple[list[str], list[str], dict[str, dict[int, str]]]:
         """ONNX input names, output names and dynamic axes."""
         return ["pixel_values"], ["image_features"], {"pixel_values": {0: "batch"}, "image_features": {0: "batch"}}
 
+    @abc.abstractmethod
     def example_vision_inputs(self, vision_config: dict, batch: int, dtype, seed: int = 0) -> dict[str, Any]:
-        raise NotImplementedError
+        """Random graph inputs for `batch` images (export and ONNX validation)."""
 
+    @abc.abstractmethod
     def hf_image_features(self, model, inputs: dict[str, Any]):
         """Image features through transformers' own path (reference for validation tests)."""
-        raise NotImplementedError
+
+    def vision_axis(self, config_dict: dict, processor_dir: Path) -> VisionAxis | None:
+        """How images fill the graph's dynamic axis under the engine's processor settings; None when
+        axis 0 is a batch of whole images (one graph row per image)."""
+        return None
+
+    def triton_vision_files(self, vision_dir: Path, dest: Path) -> list[str]:
+        """Files the stock `multimodal_encoders` model reads beside the vision engine (names written)."""
+        return []
 
     # ---- prompt & images -------------------------------------------------------------------
-    def load_processor(self, processor_dir: Path) -> "FamilyProcessor":
-        raise NotImplementedError
+    @abc.abstractmethod
+    def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "FamilyProcessor":
+        """The prompt and image processor of an engine or workspace: from its processor/ directory, and
+        for families whose host-side packing reads a vision tensor, from its vision/ part."""
 
-    def max_image_tokens(self, config_dict: dict) -> int:
-        """Upper bound of feature rows one image becomes (sizes the prompt-embedding table)."""
-        raise NotImplementedError
-
-    def engine_image_tokens(self, config_dict: dict, processor_dir: Path) -> int:
-        """`max_image_tokens` under the engine's processor settings (dynamic-resolution families read
-        their max_pixels there)."""
-        return self.max_image_tokens(config_dict)
+    @abc.abstractmethod
+    def max_image_tokens(self, config_dict: dict, processor_dir: Path | None = None) -> int:
+        """Upper bound of the feature rows one image becomes (sizes the prompt-embedding table), under
+        the processor settings saved in `processor_dir` (dynamic-resolution families read their pixel or
+        crop limits there), or the checkpoints' usual settings without it."""
 
     def apply_image_settings(self, processor_dir: Path, settings: dict) -> None:
         """Write a recipe's `image:` settings (min/max pixels) into the engine's processor config."""
@@ -188,29 +237,150 @@ class VLMFamily:
         raise RecipeError(f"image.{next(iter(settings))}: the {self.name} family has no such setting "
                           "(only dynamic-resolution models take min_pixels / max_pixels)")
 
-    def vision_profile(self, config_dict: dict, processor_dir: Path, limits: dict) -> dict | None:
-        """TensorRT optimization-profile (min, opt, max) shapes per vision input, for graphs whose
-        dynamic axis is not a batch of images; None: axis 0 is a batch of 1..max images."""
-        return None
 
-    def triton_vision_files(self, vision_dir: Path, dest: Path) -> list[str]:
-        """Files the stock `multimodal_encoders` model reads beside the vision engine (names written)."""
-        return []
+class FamilyProcessor(abc.ABC):
+    """Built from an engine's processor/ directory: turns chat messages and images into an EncodedPrompt.
 
-    # ---- decoder ---------------------------------------------------------------------------
-    def decoder_model_type(self, config_dict: dict) -> str:
-        return self.text_config_dict(config_dict)["model_type"]
+    `encode` is the same for every family: render the chat template, find the image placeholders
+    (`placeholder`, the text the template writes per image), make each image's ImageItem
+    (`image_items`), replace each placeholder by the text its rows become (`image_text`), tokenize
+    (`tokenize`), and check that the tokenizer kept one `image_token_id` per feature row. This is
+    how the HF processors expand placeholders (in the text, before tokenizing). Families with
+    `video = True` do the same for videos, in prompt order with the images: `video_placeholder`,
+    `video_items`, `video_text`, one `video_token_id` per row."""
 
+    placeholder: str  # what the chat template writes per image
+    image_token_id: int  # the id of each image row's position in the expanded prompt
+    # Video families only: what the template writes per video, and the id of each video row's position
+    # (-1: this checkpoint has no video token, so it takes no videos).
+    video_placeholder: str = ""
+    video_token_id: int = -1
 
-class FamilyProcessor:
-    """Built from an engine's processor/ directory: turns chat messages and images into an EncodedPrompt."""
+    def __init__(self, family: VLMFamily, processor_dir: Path):
+        from transformers import AutoTokenizer
 
-    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None) -> EncodedPrompt:
+        from .chat import load_chat_template
+
+        self.family = family
+        self.processor_dir = Path(processor_dir)
+        self.config = read_json(self.processor_dir / "config.json")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.processor_dir))
+        self.chat_template = load_chat_template(self.processor_dir, self.tokenizer)
+        self.image_processor = self.load_image_processor()
+
+    def load_image_processor(self):
+        """The checkpoint's image processor (transformers' Auto class unless the family names one)."""
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(str(self.processor_dir))
+
+    # ---- checks the families' set-up shares ---------------------------------------------------
+    def config_token_id(self, *keys: str) -> int:
+        """The first of `keys` that config.json sets (the image token's id)."""
+        from ..errors import CheckpointError
+
+        for k in keys:
+            if self.config.get(k) is not None and int(self.config[k]) >= 0:
+                return int(self.config[k])
+        raise CheckpointError(f"{self.processor_dir}/config.json: no {keys[0]}")
+
+    def require_token(self, token: str, what: str = "") -> int:
+        """The id of `token`, which must be one token of the tokenizer's vocabulary."""
+        from ..errors import CheckpointError
+
+        tid = self.tokenizer.convert_tokens_to_ids(token)
+        if tid is None or (tid == self.tokenizer.unk_token_id and token != self.tokenizer.unk_token):
+            raise CheckpointError(f"{self.processor_dir}: the tokenizer has no {token!r} token{what}")
+        return int(tid)
+
+    # ---- the prompt ---------------------------------------------------------------------------
+    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None, videos=(),
+               video_limits=None) -> EncodedPrompt:
         """`tools`: OpenAI function tools (models/tool_calls.normalize_tools) for the template to show.
-        Families with `video = True` also take `videos` (media.video.Video, in prompt order of the
-        `{"type": "video"}` parts) and `video_limits` (media.video.VideoLimits)."""
-        raise NotImplementedError
+        `videos`: media.video.Video objects in the prompt order of the messages' `{"type": "video"}`
+        parts, with `video_limits` (media.video.VideoLimits; its defaults when None); only families
+        with `video = True` take them. Images and videos are expanded in prompt order, and
+        `EncodedPrompt.images` lists their items in that order."""
+        from ..errors import CheckpointError, InputError
+        from .chat import render_chat
 
+        videos = list(videos or [])
+        if videos and not self.family.video:
+            raise InputError(f"the {self.family.name} family takes no video input")
+        if videos and self.video_token_id < 0:
+            raise InputError(f"this {self.family.name} checkpoint has no video token, so it takes no videos")
+        text = render_chat(self.tokenizer, self.chat_template, messages, tools)
+        marks = {self.placeholder: "image"}
+        if self.family.video and self.video_token_id >= 0:
+            marks[self.video_placeholder] = "video"
+        pieces, kinds = split_on_placeholders(text, marks)
+        for kind, given in (("image", images), ("video", videos)):
+            if kinds.count(kind) != len(given):
+                raise InputError(f"the prompt has {kinds.count(kind)} {kind} placeholder(s) but {len(given)} "
+                                 f"{kind}(s) were given")
+        image_items = self.image_items(list(images), [image_hash(img) for img in images]) if images else []
+        video_items = []
+        if videos:
+            from ..media.video import VideoLimits
+
+            video_items = self.video_items(videos, video_limits or VideoLimits())
+        queue = {"image": iter(image_items), "video": iter(video_items)}
+        text_of = {"image": self.image_text, "video": self.video_text}
+        ordered, expanded = [], [pieces[0]]
+        for kind, rest in zip(kinds, pieces[1:]):
+            item = next(queue[kind])
+            ordered.append(item)
+            expanded.append(text_of[kind](item) + rest)
+        ids = [int(t) for t in self.tokenize("".join(expanded))]
+        for kind, token_id, items in (("image", self.image_token_id, image_items),
+                                      ("video", self.video_token_id, video_items)):
+            if sum(1 for t in ids if t == token_id) != sum(it.num_tokens for it in items):
+                raise CheckpointError(f"the tokenizer does not keep the {kind} token (id {token_id}) as one token per "
+                                      "feature row")
+        return EncodedPrompt(token_ids=ids, images=ordered, image_placeholder_id=self.image_token_id, text=text,
+                             video_placeholder_id=self.video_token_id if video_items else -1)
+
+    def image_items(self, images: list, hashes: list[str]) -> list[ImageItem]:
+        """The ImageItems of one prompt's images, in order (a family whose items depend on the other
+        images of the prompt overrides this; others implement `image_item`)."""
+        return [self.image_item(img, h) for img, h in zip(images, hashes)]
+
+    def image_item(self, image, content_hash: str) -> ImageItem:
+        """One image's preprocessed inputs and row count."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither image_items nor image_item")
+
+    @abc.abstractmethod
+    def image_text(self, item: ImageItem) -> str:
+        """The text one image's placeholder becomes: `item.num_tokens` image tokens, with whatever
+        separators the family's processor puts around and between them."""
+
+    def video_items(self, videos: list, limits) -> list[ImageItem]:
+        """The ImageItems of one prompt's videos, in order (families with `video = True`): each video's
+        frames sampled and preprocessed as the family's video processor does, its rows counted, its
+        vision work split into `meta["parts"]` where one call would be larger than an image's (see
+        `vision_parts`), within `limits` (media.video.VideoLimits: frames, pixels, decode bounds)."""
+        raise NotImplementedError(f"{type(self).__name__} belongs to a family with video = True but has no video_items")
+
+    def video_text(self, item: ImageItem) -> str:
+        """The text one video's placeholder becomes (families with `video = True`): `item.num_tokens`
+        video tokens, with whatever the family's processor puts around them."""
+        raise NotImplementedError(f"{type(self).__name__} belongs to a family with video = True but has no video_text")
+
+    def tokenize(self, text: str) -> list[int]:
+        """The expanded prompt's ids, as the family's processor tokenizes it."""
+        return list(self.tokenizer(text)["input_ids"])
+
+    # ---- rows an image becomes ----------------------------------------------------------------
+    @abc.abstractmethod
+    def num_image_tokens(self, size: tuple[int, int]) -> int:
+        """Feature rows an image of `size` = (width, height) pixels (PIL's `Image.size`) becomes when it
+        is its prompt's only image."""
+
+    def max_image_tokens(self) -> int:
+        """Upper bound of `num_image_tokens` over every size, under this processor's settings."""
+        return self.family.max_image_tokens(self.config, self.processor_dir)
+
+    # ---- vision -------------------------------------------------------------------------------
     def vision_parts(self, item: ImageItem) -> list[ImageItem] | None:
         """Items the vision runner encodes in place of `item`, whose rows, concatenated in order, are
         the item's rows (a video split into chunks of frames, so one vision call stays the size of an
@@ -232,38 +402,44 @@ class FamilyProcessor:
         """Vision runner output for one image -> [num_tokens, hidden] rows for the prompt table."""
         return features.reshape(-1, features.shape[-1])
 
+    def run_vision(self, items: list[ImageItem], runner) -> list:
+        """The feature rows ([num_tokens, hidden] torch tensors) of images that share a `batch_key`,
+        from one call of `runner(feed) -> tensor` (a vision backend running the exported graph or
+        the family's module): collate, run, split per image, postprocess. The runtime's vision
+        encoder and AWQ's image-text calibration both go through here."""
+        import torch
+
+        from ..errors import EngineError
+
+        feed, sizes = self.collate(items)
+        out = runner(feed)
+        rows = []
+        for it, chunk in zip(items, torch.split(out, sizes)):
+            feats = self.postprocess_features(chunk, it)
+            if not isinstance(feats, torch.Tensor):
+                feats = torch.from_numpy(np.ascontiguousarray(feats))
+            feats = feats.reshape(-1, feats.shape[-1])
+            if feats.shape[0] != it.num_tokens:
+                raise EngineError(f"vision produced {feats.shape[0]} rows for an image expected to give "
+                                  f"{it.num_tokens}")
+            rows.append(feats)
+        return rows
+
     def position_ids(self, token_ids: list[int], prompt: EncodedPrompt):
         """None for ordinary 1-D positions; families with multi-dimensional rotary override."""
         return None
 
 
-def expand_placeholders(ids: list[int], placeholder_id: int, items: list[ImageItem]) -> list[int]:
-    """Each occurrence of the image placeholder id becomes `num_tokens` copies, image by image."""
-    expanded: list[int] = []
-    k = 0
-    for t in ids:
-        if t == placeholder_id:
-            expanded.extend([t] * items[k].num_tokens)
-            k += 1
-        else:
-            expanded.append(t)
-    return expanded
+def split_on_placeholders(text: str, marks: dict[str, str]) -> tuple[list[str], list[str]]:
+    """`text` split at every occurrence of the placeholder strings in `marks` (placeholder -> kind):
+    the pieces between them (one more than the placeholders) and each placeholder's kind, in order.
+    A longer placeholder wins where one is a prefix of another."""
+    import re
 
-
-def expand_media(ids: list[int], groups: dict[int, list[ImageItem]]) -> tuple[list[int], list[ImageItem]]:
-    """Each occurrence of a placeholder id in `groups` becomes its next item's `num_tokens` copies;
-    returns the expanded ids and the items in prompt order (images and videos interleaved)."""
-    expanded: list[int] = []
-    ordered: list[ImageItem] = []
-    nxt = {pid: iter(items) for pid, items in groups.items()}
-    for t in ids:
-        if t in nxt:
-            item = next(nxt[t])
-            ordered.append(item)
-            expanded.extend([t] * item.num_tokens)
-        else:
-            expanded.append(t)
-    return expanded, ordered
+    marks = {m: k for m, k in marks.items() if m}
+    pattern = "|".join(re.escape(m) for m in sorted(marks, key=len, reverse=True))
+    parts = re.split(f"({pattern})", text)
+    return parts[0::2], [marks[m] for m in parts[1::2]]
 
 
 def read_json(path: Path) -> dict:

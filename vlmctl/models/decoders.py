@@ -122,6 +122,12 @@ def decoder_family(model_type: str) -> DecoderFamily:
     raise UnsupportedModelError(f"unsupported decoder model_type {model_type!r} (supported: {known})")
 
 
+def is_decoder_config(config: dict) -> bool:
+    """Whether a config.json is a plain decoder's (a causal LM of a supported decoder family) rather than a
+    whole VLM's."""
+    return config.get("model_type") in {t for f in DECODER_FAMILIES.values() for t in f.model_types}
+
+
 def decoder_spec(text_cfg: dict, awq=None):
     """The runtime's `DecoderSpec` of a Hugging Face decoder config (plain dict); `awq`: its AwqGemmConfig."""
     from ..formats.torch_layout import DecoderSpec

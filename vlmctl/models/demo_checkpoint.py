@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..formats.awq_gemm import without_quantization
 
 IMAGE_SIZE, PATCH = 224, 32
 
@@ -79,8 +80,7 @@ def build_demo_checkpoint(out: Path, seed: int = 0) -> Path:
     lm, tok = load_smollm2()
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     image_id = tok.convert_tokens_to_ids("<image>")
-    text_cfg = lm.config.to_dict()
-    text_cfg.pop("quantization_config", None)
+    text_cfg = without_quantization(lm.config.to_dict())  # GGUF's marker, if the config still has it
     old_vocab = text_cfg["vocab_size"]
     text_cfg["vocab_size"] = max(old_vocab, len(tok))
     vision = CLIPVisionConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
@@ -128,8 +128,7 @@ def build_smolvlm_demo_checkpoint(out: Path, seed: int = 0) -> Path:
     layout = ["<global-img>"] + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
     tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
                                                          "<end_of_utterance>", *layout]})
-    text_cfg = lm.config.to_dict()
-    text_cfg.pop("quantization_config", None)
+    text_cfg = without_quantization(lm.config.to_dict())  # GGUF's marker, if the config still has it
     old_vocab = text_cfg["vocab_size"]
     text_cfg["vocab_size"] = max(old_vocab, len(tok))
     eos = tok.convert_tokens_to_ids("<|im_end|>")

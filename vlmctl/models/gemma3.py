@@ -27,15 +27,14 @@ transformers' own PIL image processor (Gemma3ImageProcessorPil).
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import CheckpointError, InputError, UnsupportedModelError
-from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, VLMFamily, read_json
-from .chat import load_chat_template, render_chat
+from ..formats.awq_gemm import without_quantization
+from .base import DECODER, VISION, FamilyProcessor, ImageItem, VLMFamily, read_json
 
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 # The hub's (transformers 4.x) tensor names -> transformers 5's module names.
@@ -48,13 +47,6 @@ _LEGACY_PREFIXES = (
     ("model.vision_tower.vision_model.", "model.vision_tower."),
 )
 DEFAULT_IMAGE_SEQ_LENGTH = 256  # Gemma3Processor's default image_seq_length
-
-
-def image_hash(image) -> str:
-    h = hashlib.sha256()
-    h.update(f"{image.mode}:{image.size}".encode())
-    h.update(image.tobytes())
-    return h.hexdigest()
 
 
 class Gemma3VisionWrapper:
@@ -89,11 +81,14 @@ class Gemma3Family(VLMFamily):
     architectures = ("Gemma3ForConditionalGeneration",)
     multi_image = True
     image_attention = "bidirectional"
+    supports_trtllm = False
+    trtllm_refusal = ("its image rows attend to each other (bidirectional), but TensorRT-LLM's prompt-table engine "
+                      "attends causally among them, which would change the answers")
 
     def hf_config(self, config_dict: dict):
         from transformers import Gemma3Config
 
-        cfg = Gemma3Config.from_dict({k: v for k, v in config_dict.items() if k != "quantization_config"})
+        cfg = Gemma3Config.from_dict(without_quantization(config_dict))
         if getattr(cfg.text_config, "use_bidirectional_attention", False):
             raise UnsupportedModelError("Gemma 3 with use_bidirectional_attention is an embedding model, not a "
                                         "generator")
@@ -171,14 +166,14 @@ class Gemma3Family(VLMFamily):
         return out.pooler_output if hasattr(out, "pooler_output") else out
 
     # ---- prompt ----------------------------------------------------------------------------
-    def tokens_per_image(self, config_dict: dict) -> int:
-        """Feature rows of one image."""
+    def rows_per_image(self, config_dict: dict) -> int:
+        """Feature rows of every image, whatever its size."""
         return int(self.hf_config(config_dict).mm_tokens_per_image)
 
-    def max_image_tokens(self, config_dict: dict) -> int:
-        return self.tokens_per_image(config_dict)  # every image, whatever its size
+    def max_image_tokens(self, config_dict: dict, processor_dir: Path | None = None) -> int:
+        return self.rows_per_image(config_dict)
 
-    def load_processor(self, processor_dir: Path) -> "Gemma3ProcessorAdapter":
+    def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "Gemma3ProcessorAdapter":
         return Gemma3ProcessorAdapter(self, Path(processor_dir))
 
 
@@ -205,14 +200,9 @@ class Gemma3ProcessorAdapter(FamilyProcessor):
     """Chat template + Gemma 3's PIL image processor, expanding `<start_of_image>` as Gemma3Processor does."""
 
     def __init__(self, family: Gemma3Family, processor_dir: Path):
-        from transformers import AutoTokenizer
-
-        config = read_json(processor_dir / "config.json")
-        cfg = family.hf_config(config)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(processor_dir))
-        self.image_processor = load_image_processor(processor_dir)
+        super().__init__(family, processor_dir)
+        cfg = family.hf_config(self.config)
         self.image_settings = processor_image_settings()
-        self.chat_template = load_chat_template(processor_dir, self.tokenizer)
         tok = self.tokenizer
         self.image_token_id = int(cfg.image_token_index)
         names = {}
@@ -223,7 +213,8 @@ class Gemma3ProcessorAdapter(FamilyProcessor):
                 raise CheckpointError(f"{processor_dir}: the tokenizer has no {what} token of id {tid}")
             names[what] = t
         self.boi, self.eoi, self.image_token = names["begin-of-image"], names["end-of-image"], names["image"]
-        proc_cfg = processor_dir / "processor_config.json"
+        self.placeholder = self.boi  # the chat template writes `<start_of_image>` per image
+        proc_cfg = self.processor_dir / "processor_config.json"
         seq = read_json(proc_cfg).get("image_seq_length") if proc_cfg.exists() else None
         self.image_seq_length = int(seq) if seq is not None else DEFAULT_IMAGE_SEQ_LENGTH
         if self.image_seq_length != cfg.mm_tokens_per_image:
@@ -237,6 +228,9 @@ class Gemma3ProcessorAdapter(FamilyProcessor):
         # Gemma3Processor.full_image_sequence
         self.full_image_sequence = f"\n\n{self.boi}{self.image_token * self.image_seq_length}{self.eoi}\n\n"
 
+    def load_image_processor(self):
+        return load_image_processor(self.processor_dir)
+
     def preprocess(self, image) -> np.ndarray:
         """One image -> pixel_values [1, 3, S, S]."""
         try:
@@ -248,23 +242,17 @@ class Gemma3ProcessorAdapter(FamilyProcessor):
             raise InputError(f"the image processor made {pv.shape[0]} inputs of one image")
         return pv
 
-    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None) -> EncodedPrompt:
-        text = render_chat(self.tokenizer, self.chat_template, messages, tools)
-        pieces = text.split(self.boi)
-        if len(pieces) - 1 != len(images):
-            raise InputError(f"the prompt has {len(pieces) - 1} image placeholder(s) but {len(images)} image(s) "
-                             "were given")
-        items: list[ImageItem] = []
-        expanded = [pieces[0]]
-        for img, rest in zip(images, pieces[1:]):
-            pv = self.preprocess(img.convert("RGB"))
-            items.append(ImageItem(inputs={"pixel_values": pv}, num_tokens=self.image_seq_length,
-                                   content_hash=image_hash(img)))
-            expanded += [self.full_image_sequence, rest]  # Gemma3Processor.replace_image_token
-        full = "".join(expanded)
-        bos = self.tokenizer.bos_token
+    def image_item(self, image, content_hash: str) -> ImageItem:
+        pv = self.preprocess(image.convert("RGB"))
+        return ImageItem(inputs={"pixel_values": pv}, num_tokens=self.image_seq_length, content_hash=content_hash)
+
+    def image_text(self, item: ImageItem) -> str:
+        return self.full_image_sequence  # Gemma3Processor.replace_image_token
+
+    def tokenize(self, text: str) -> list[int]:
         # the template writes the BOS itself; Gemma3Processor then tokenizes without special tokens
-        ids = list(self.tokenizer(full, add_special_tokens=not (bos and full.startswith(bos)))["input_ids"])
-        if sum(1 for t in ids if t == self.image_token_id) != sum(it.num_tokens for it in items):
-            raise CheckpointError(f"the tokenizer does not keep {self.image_token!r} as one token")
-        return EncodedPrompt(token_ids=ids, images=items, image_placeholder_id=self.image_token_id, text=text)
+        bos = self.tokenizer.bos_token
+        return list(self.tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"])
+
+    def num_image_tokens(self, size: tuple[int, int]) -> int:
+        return self.image_seq_length

@@ -29,7 +29,6 @@ Not supported: video inputs (SmolVLM2's `<video>`).
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 from pathlib import Path
 from typing import Any
@@ -37,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, InputError, UnsupportedModelError
-from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, VLMFamily, read_json
-from .chat import load_chat_template, render_chat
+from ..formats.awq_gemm import without_quantization
+from .base import DECODER, VISION, FamilyProcessor, ImageItem, VisionAxis, VLMFamily, read_json
 
 _VISION_PREFIXES = ("vision_model.", "connector.")
 # Idefics3Processor's default when processor_config.json has no image_seq_len.
@@ -49,13 +48,6 @@ DEFAULT_MAX_CROPS = 4 * 4 + 1
 # defaults as is; SmolVLMProcessor takes tokenizer attributes of these names when the tokenizer has them.
 _TOKENS = {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
            "global_image_token": "<global-img>"}
-
-
-def image_hash(image) -> str:
-    h = hashlib.sha256()
-    h.update(f"{image.mode}:{image.size}".encode())
-    h.update(image.tobytes())
-    return h.hexdigest()
 
 
 def expand_image(rows: int, cols: int, image_seq_len: int, fake: str, image: str, global_img: str) -> str:
@@ -124,8 +116,7 @@ class Idefics3Family(VLMFamily):
     def hf_config(self, config_dict: dict):
         import transformers
 
-        cfg = getattr(transformers, f"{self.kind}Config").from_dict(
-            {k: v for k, v in config_dict.items() if k != "quantization_config"})
+        cfg = getattr(transformers, f"{self.kind}Config").from_dict(without_quantization(config_dict))
         self._check(cfg)
         return cfg
 
@@ -205,33 +196,29 @@ class Idefics3Family(VLMFamily):
         return feats.reshape(pv.shape[0], -1, feats.shape[-1])
 
     # ---- prompt ----------------------------------------------------------------------------
-    def image_seq_len(self, config_dict: dict) -> int:
+    def rows_per_crop(self, config_dict: dict) -> int:
         """Feature rows per crop: Idefics3Model.image_seq_len."""
         cfg = self.hf_config(config_dict)
         vc = cfg.vision_config
         return (vc.image_size // vc.patch_size) ** 2 // int(cfg.scale_factor) ** 2
 
-    def max_image_tokens(self, config_dict: dict) -> int:
-        # config.json does not carry the processor's size; the checkpoints use the default 4 crops
-        # along the longest edge, so the bound assumes it.
-        return DEFAULT_MAX_CROPS * self.image_seq_len(config_dict)
+    def max_image_tokens(self, config_dict: dict, processor_dir: Path | None = None) -> int:
+        # Without the engine's processor settings: the checkpoints' default 4 crops along the longest edge.
+        crops = max_crops(load_image_processor(processor_dir)) if processor_dir is not None else DEFAULT_MAX_CROPS
+        return crops * self.rows_per_crop(config_dict)
 
-    def engine_image_tokens(self, config_dict: dict, processor_dir: Path) -> int:
-        return max_crops(load_image_processor(processor_dir)) * self.image_seq_len(config_dict)
-
-    def vision_profile(self, config_dict: dict, processor_dir: Path, limits: dict) -> dict | None:
-        """TensorRT profile: the batch axis counts crops, up to every admitted image at its most crops."""
+    def vision_axis(self, config_dict: dict, processor_dir: Path) -> VisionAxis:
+        """The graph's batch axis counts crops: an image needs up to its most crops."""
         vc = self.hf_config(config_dict).vision_config
         per_image = max_crops(load_image_processor(processor_dir))
-        hi = max(1, limits["max_batch_size"] * max(limits["max_images_per_request"], 1)) * per_image
-        rest = (vc.num_channels, vc.image_size, vc.image_size)
-        return {"pixel_values": ((1, *rest), (min(per_image, hi), *rest), (hi, *rest))}
+        return VisionAxis(max_rows=per_image, opt_rows=per_image,
+                          trailing={"pixel_values": (vc.num_channels, vc.image_size, vc.image_size)})
 
     def placeholder_tokens(self, tokenizer) -> dict[str, str]:
         """fake / image / global-image strings, as this architecture's processor chooses them."""
         return dict(_TOKENS)
 
-    def load_processor(self, processor_dir: Path) -> "Idefics3ProcessorAdapter":
+    def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "Idefics3ProcessorAdapter":
         return Idefics3ProcessorAdapter(self, Path(processor_dir))
 
 
@@ -269,42 +256,34 @@ class Idefics3ProcessorAdapter(FamilyProcessor):
     do (see `expand_image`), then tokenizing the whole text as they do."""
 
     def __init__(self, family: Idefics3Family, processor_dir: Path):
-        from transformers import AutoTokenizer
-
-        config = read_json(processor_dir / "config.json")
-        self.family = family
-        self.tokenizer = AutoTokenizer.from_pretrained(str(processor_dir))
-        self.image_processor = load_image_processor(processor_dir)
-        self.chat_template = load_chat_template(processor_dir, self.tokenizer)
+        super().__init__(family, processor_dir)
         tokens = family.placeholder_tokens(self.tokenizer)
-        self.fake_token, self.image_token, self.global_token = (tokens["fake_image_token"], tokens["image_token"],
+        self.fake_token, self.placeholder, self.global_token = (tokens["fake_image_token"], tokens["image_token"],
                                                                  tokens["global_image_token"])
         # The global-image and row/column tags may be plain text (Idefics3-8B's tokenizer spells them
         # out); the image and fake tokens must be tokens (the processor would add the fake token as a
         # new id the embedding table does not have).
-        unk = self.tokenizer.unk_token_id
-        for tok in (self.fake_token, self.image_token):
-            tid = self.tokenizer.convert_tokens_to_ids(tok)
-            if tid is None or (tid == unk and tok != self.tokenizer.unk_token):
-                raise CheckpointError(f"{processor_dir}: the tokenizer has no {tok!r} token")
-        if "image_token_id" not in config:
-            raise CheckpointError(f"{processor_dir}/config.json: no image_token_id")
-        self.image_token_id = int(config["image_token_id"])
-        if self.tokenizer.convert_tokens_to_ids(self.image_token) != self.image_token_id:
-            raise CheckpointError(f"{processor_dir}: the tokenizer's {self.image_token!r} is not config.json's "
+        for tok in (self.fake_token, self.placeholder):
+            self.require_token(tok)
+        self.image_token_id = self.config_token_id("image_token_id")
+        if self.tokenizer.convert_tokens_to_ids(self.placeholder) != self.image_token_id:
+            raise CheckpointError(f"{processor_dir}: the tokenizer's {self.placeholder!r} is not config.json's "
                                   f"image_token_id {self.image_token_id}")
-        proc_cfg = processor_dir / "processor_config.json"
+        proc_cfg = self.processor_dir / "processor_config.json"
         seq = read_json(proc_cfg).get("image_seq_len") if proc_cfg.exists() else None
-        self.image_seq_len = int(seq) if seq is not None else DEFAULT_IMAGE_SEQ_LEN
-        rows = family.image_seq_len(config)
-        if self.image_seq_len != rows:
-            raise CheckpointError(f"{processor_dir}: the processor's image_seq_len {self.image_seq_len} disagrees with "
-                                  f"the vision config ({rows} rows per crop)")
+        self.rows_per_crop = int(seq) if seq is not None else DEFAULT_IMAGE_SEQ_LEN
+        rows = family.rows_per_crop(self.config)
+        if self.rows_per_crop != rows:
+            raise CheckpointError(f"{processor_dir}: the processor's image_seq_len {self.rows_per_crop} disagrees "
+                                  f"with the vision config ({rows} rows per crop)")
         crop = int(self.image_processor.max_image_size["longest_edge"])
-        tower = int(family.hf_config(config).vision_config.image_size)
+        tower = int(family.hf_config(self.config).vision_config.image_size)
         if crop != tower:
             raise CheckpointError(f"{processor_dir}: the image processor's crops are {crop} px but the vision tower "
                                   f"takes {tower} px images")
+
+    def load_image_processor(self):
+        return load_image_processor(self.processor_dir)
 
     def preprocess(self, image) -> tuple[np.ndarray, int, int]:
         """One image -> (pixel_values [crops, 3, S, S] (grid row-major, then the global crop), rows, cols)."""
@@ -324,22 +303,16 @@ class Idefics3ProcessorAdapter(FamilyProcessor):
                                         "does not support")
         return pv, rows, cols
 
-    def encode(self, messages: list[dict], images: list) -> EncodedPrompt:
-        text = render_chat(self.tokenizer, self.chat_template, messages)
-        pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(images):
-            raise InputError(f"the prompt has {len(pieces) - 1} image placeholder(s) but {len(images)} image(s) "
-                             "were given")
-        items: list[ImageItem] = []
-        expanded = [pieces[0]]
-        for img, rest in zip(images, pieces[1:]):
-            pv, rows, cols = self.preprocess(img)
-            items.append(ImageItem(inputs={"pixel_values": pv}, num_tokens=pv.shape[0] * self.image_seq_len,
-                                   meta={"crops": pv.shape[0], "rows": rows, "cols": cols},
-                                   content_hash=image_hash(img)))
-            expanded += [expand_image(rows, cols, self.image_seq_len, self.fake_token, self.image_token,
-                                      self.global_token), rest]
-        ids = list(self.tokenizer("".join(expanded))["input_ids"])
-        if sum(1 for t in ids if t == self.image_token_id) != sum(it.num_tokens for it in items):
-            raise CheckpointError(f"the tokenizer does not keep {self.image_token!r} as one token")
-        return EncodedPrompt(token_ids=ids, images=items, image_placeholder_id=self.image_token_id, text=text)
+    def image_item(self, image, content_hash: str) -> ImageItem:
+        pv, rows, cols = self.preprocess(image)
+        return ImageItem(inputs={"pixel_values": pv}, num_tokens=pv.shape[0] * self.rows_per_crop,
+                         meta={"crops": pv.shape[0], "rows": rows, "cols": cols}, content_hash=content_hash)
+
+    def image_text(self, item: ImageItem) -> str:
+        return expand_image(item.meta["rows"], item.meta["cols"], self.rows_per_crop, self.fake_token,
+                            self.placeholder, self.global_token)
+
+    def num_image_tokens(self, size: tuple[int, int]) -> int:
+        width, height = size
+        crops = int(self.image_processor.get_number_of_image_patches(height, width, {})[0])
+        return max(crops, 1) * self.rows_per_crop

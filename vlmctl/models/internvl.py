@@ -17,15 +17,13 @@ The vision ONNX graph takes tiles on its dynamic batch axis: [tiles, 3, H, W] ->
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import CheckpointError, InputError, UnsupportedModelError
-from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, VLMFamily, read_json
-from .chat import load_chat_template, render_chat
+from .base import DECODER, VISION, FamilyProcessor, ImageItem, VisionAxis, VLMFamily, read_json
 
 # transformers 4.x layout (before the `model.` base-model refactor) -> current names.
 _LEGACY_PREFIXES = (
@@ -44,13 +42,6 @@ DEFAULT_MAX_PATCHES = 12
 
 # Placeholder tokens: names of the tokenizer attributes (extra_special_tokens) and their defaults.
 _SPECIAL = {"context_image_token": "<IMG_CONTEXT>", "start_image_token": "<img>", "end_image_token": "</img>"}
-
-
-def image_hash(image) -> str:
-    h = hashlib.sha256()
-    h.update(f"{image.mode}:{image.size}".encode())
-    h.update(image.tobytes())
-    return h.hexdigest()
 
 
 def _pair(v) -> tuple[int, int]:
@@ -216,7 +207,8 @@ class InternVLFamily(VLMFamily):
         return out.pooler_output if hasattr(out, "pooler_output") else out
 
     # ---- prompt ----------------------------------------------------------------------------
-    def tokens_per_tile(self, config_dict: dict) -> int:
+    def rows_per_crop(self, config_dict: dict) -> int:
+        """Feature rows of one tile (the processor's image_seq_length)."""
         cfg = self.hf_config(config_dict)
         vc = cfg.vision_config
         grid = _pair(vc.image_size)[0] // _pair(vc.patch_size)[0]
@@ -229,27 +221,19 @@ class InternVLFamily(VLMFamily):
             return 1
         return max_patches + 1
 
-    def tokens_for_tiles(self, config_dict: dict, tiles: int) -> int:
-        return tiles * self.tokens_per_tile(config_dict)
+    def max_image_tokens(self, config_dict: dict, processor_dir: Path | None = None) -> int:
+        # Without the engine's processor settings: InternVL checkpoints use the GotOcr2 default (12).
+        patches = _processor_max_patches(processor_dir) if processor_dir is not None else DEFAULT_MAX_PATCHES
+        return self.max_tiles(patches) * self.rows_per_crop(config_dict)
 
-    def max_image_tokens(self, config_dict: dict) -> int:
-        # config.json does not carry the processor's max_patches; InternVL checkpoints use the
-        # GotOcr2 default (12), so the bound assumes it.
-        return self.tokens_for_tiles(config_dict, self.max_tiles())
-
-    def engine_image_tokens(self, config_dict: dict, processor_dir: Path) -> int:
-        return self.tokens_for_tiles(config_dict, self.max_tiles(_processor_max_patches(processor_dir)))
-
-    def vision_profile(self, config_dict: dict, processor_dir: Path, limits: dict) -> dict | None:
-        """TensorRT profile: the batch axis counts tiles, up to every admitted image at its most tiles."""
+    def vision_axis(self, config_dict: dict, processor_dir: Path) -> VisionAxis:
+        """The graph's batch axis counts tiles: an image needs up to its most tiles."""
         vc = self.hf_config(config_dict).vision_config
         h, w = _pair(vc.image_size)
         per_image = self.max_tiles(_processor_max_patches(processor_dir))
-        hi = max(1, limits["max_batch_size"] * max(limits["max_images_per_request"], 1)) * per_image
-        rest = (vc.num_channels, h, w)
-        return {"pixel_values": ((1, *rest), (min(per_image, hi), *rest), (hi, *rest))}
+        return VisionAxis(max_rows=per_image, opt_rows=per_image, trailing={"pixel_values": (vc.num_channels, h, w)})
 
-    def load_processor(self, processor_dir: Path) -> "InternVLProcessorAdapter":
+    def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "InternVLProcessorAdapter":
         return InternVLProcessorAdapter(self, Path(processor_dir))
 
 
@@ -272,38 +256,30 @@ class InternVLProcessorAdapter(FamilyProcessor):
     `<img>` + `<IMG_CONTEXT>` x (image_seq_length x tiles) + `</img>`, then tokenizing the result."""
 
     def __init__(self, family: InternVLFamily, processor_dir: Path):
-        from transformers import AutoImageProcessor, AutoTokenizer
-
-        config = read_json(processor_dir / "config.json")
-        self.family = family
-        self.tokenizer = AutoTokenizer.from_pretrained(str(processor_dir))
-        self.image_processor = AutoImageProcessor.from_pretrained(str(processor_dir))
-        self.chat_template = load_chat_template(processor_dir, self.tokenizer)
-        if "image_token_id" not in config:
-            raise CheckpointError(f"{processor_dir}/config.json: no image_token_id")
-        self.image_token_id = int(config["image_token_id"])
+        super().__init__(family, processor_dir)
+        self.image_token_id = self.config_token_id("image_token_id")
         tokens = {attr: getattr(self.tokenizer, attr, None) or default for attr, default in _SPECIAL.items()}
-        unk = self.tokenizer.unk_token_id
         for attr, tok in tokens.items():
-            tid = self.tokenizer.convert_tokens_to_ids(tok)
-            if tid is None or (tid == unk and tok != self.tokenizer.unk_token):
-                raise CheckpointError(f"{processor_dir}: the tokenizer has no {tok!r} token ({attr})")
-        self.context_token = tokens["context_image_token"]
+            self.require_token(tok, f" ({attr})")
+        self.placeholder = tokens["context_image_token"]
         self.start_token = tokens["start_image_token"]
         self.end_token = tokens["end_image_token"]
-        if self.tokenizer.convert_tokens_to_ids(self.context_token) != self.image_token_id:
-            raise CheckpointError(f"{processor_dir}: the tokenizer's {self.context_token!r} is not config.json's "
+        if self.tokenizer.convert_tokens_to_ids(self.placeholder) != self.image_token_id:
+            raise CheckpointError(f"{processor_dir}: the tokenizer's {self.placeholder!r} is not config.json's "
                                   f"image_token_id {self.image_token_id}")
-        self.tokens_per_tile = family.tokens_per_tile(config)
-        proc_cfg = processor_dir / "processor_config.json"
+        self.rows_per_tile = family.rows_per_crop(self.config)
+        proc_cfg = self.processor_dir / "processor_config.json"
         seq = read_json(proc_cfg).get("image_seq_length") if proc_cfg.exists() else None
-        if seq is not None and int(seq) != self.tokens_per_tile:
+        if seq is not None and int(seq) != self.rows_per_tile:
             raise CheckpointError(f"{proc_cfg}: image_seq_length {seq} disagrees with the vision config "
-                                  f"({self.tokens_per_tile} rows per tile)")
+                                  f"({self.rows_per_tile} rows per tile)")
         self.image_kwargs = dict(PROCESSOR_IMAGE_KWARGS)
 
     def num_tiles(self, width: int, height: int) -> int:
         return int(self.image_processor.get_number_of_image_patches(height, width, self.image_kwargs))
+
+    def num_image_tokens(self, size: tuple[int, int]) -> int:
+        return self.num_tiles(*size) * self.rows_per_tile
 
     def preprocess(self, image) -> np.ndarray:
         """One image -> pixel_values [tiles, 3, H, W] (grid tiles row-major, then the thumbnail)."""
@@ -313,25 +289,13 @@ class InternVLProcessorAdapter(FamilyProcessor):
             raise InputError("the image processor returned an inconsistent number of tiles")
         return pv
 
-    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None) -> EncodedPrompt:
-        text = render_chat(self.tokenizer, self.chat_template, messages, tools)
-        pieces = text.split(self.context_token)
-        if len(pieces) - 1 != len(images):
-            raise InputError(f"the prompt has {len(pieces) - 1} image placeholder(s) but {len(images)} image(s) "
-                             "were given")
-        items: list[ImageItem] = []
-        expanded = [pieces[0]]
-        for img, rest in zip(images, pieces[1:]):
-            pv = self.preprocess(img)
-            n = pv.shape[0] * self.tokens_per_tile
-            items.append(ImageItem(inputs={"pixel_values": pv}, num_tokens=n, meta={"tiles": pv.shape[0]},
-                                   content_hash=image_hash(img)))
-            expanded += [self.start_token, self.context_token * n, self.end_token, rest]
-        expanded_text = "".join(expanded)
-        ids = list(self.tokenizer(expanded_text)["input_ids"])
-        if sum(1 for t in ids if t == self.image_token_id) != sum(it.num_tokens for it in items):
-            raise CheckpointError(f"the tokenizer does not keep {self.context_token!r} as one token")
-        return EncodedPrompt(token_ids=ids, images=items, image_placeholder_id=self.image_token_id, text=text)
+    def image_item(self, image, content_hash: str) -> ImageItem:
+        pv = self.preprocess(image)
+        return ImageItem(inputs={"pixel_values": pv}, num_tokens=pv.shape[0] * self.rows_per_tile,
+                         meta={"tiles": pv.shape[0]}, content_hash=content_hash)
+
+    def image_text(self, item: ImageItem) -> str:
+        return self.start_token + self.placeholder * item.num_tokens + self.end_token
 
 
 def _causal_lm_class(model_type: str) -> str:

@@ -6,15 +6,13 @@ feature layer and select strategy, the image-token count, and the chat-template 
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError, InputError
-from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, TritonStock, VLMFamily, read_json
-from .chat import load_chat_template, render_chat
+from ..errors import CheckpointError
+from .base import DECODER, VISION, FamilyProcessor, ImageItem, TritonStock, VLMFamily, read_json
 
 # Legacy (transformers 4.x, as on the hub) -> current transformers names.
 _LEGACY_PREFIXES = (
@@ -23,13 +21,6 @@ _LEGACY_PREFIXES = (
     ("vision_tower.", "model.vision_tower."),
     ("multi_modal_projector.", "model.multi_modal_projector."),
 )
-
-
-def image_hash(image) -> str:
-    h = hashlib.sha256()
-    h.update(f"{image.mode}:{image.size}".encode())
-    h.update(image.tobytes())
-    return h.hexdigest()
 
 
 class LlavaVisionWrapper:
@@ -143,16 +134,17 @@ class LlavaFamily(VLMFamily):
         return torch.stack(list(feats))
 
     # ---- prompt ----------------------------------------------------------------------------
-    def tokens_per_image(self, config_dict: dict) -> int:
+    def rows_per_image(self, config_dict: dict) -> int:
+        """Every image's feature rows: the tower's patches (and its CLS row under the "full" strategy)."""
         cfg = self.hf_config(config_dict)
         vc = cfg.vision_config
         n = (vc.image_size // vc.patch_size) ** 2 + 1
         return n - 1 if cfg.vision_feature_select_strategy == "default" else n
 
-    def max_image_tokens(self, config_dict: dict) -> int:
-        return self.tokens_per_image(config_dict)
+    def max_image_tokens(self, config_dict: dict, processor_dir: Path | None = None) -> int:
+        return self.rows_per_image(config_dict)
 
-    def load_processor(self, processor_dir: Path) -> "LlavaProcessorAdapter":
+    def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "LlavaProcessorAdapter":
         return LlavaProcessorAdapter(self, Path(processor_dir))
 
 
@@ -160,33 +152,21 @@ class LlavaProcessorAdapter(FamilyProcessor):
     """Chat template + CLIP image processor, expanding `<image>` as LlavaProcessor does."""
 
     def __init__(self, family: LlavaFamily, processor_dir: Path):
-        from transformers import AutoImageProcessor, AutoTokenizer
+        super().__init__(family, processor_dir)
+        self.image_token_id = self.config_token_id("image_token_index", "image_token_id")
+        self.placeholder = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self.rows = family.rows_per_image(self.config)
 
-        config = read_json(processor_dir / "config.json")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(processor_dir))
-        self.image_processor = AutoImageProcessor.from_pretrained(str(processor_dir))
-        self.chat_template = load_chat_template(processor_dir, self.tokenizer)
-        self.image_token_id = int(config.get("image_token_index", config.get("image_token_id", -1)))
-        if self.image_token_id < 0:
-            raise CheckpointError(f"{processor_dir}/config.json: no image_token_index")
-        self.image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
-        self.tokens_per_image = family.tokens_per_image(config)
+    def image_item(self, image, content_hash: str) -> ImageItem:
+        pv = self.image_processor(images=[image.convert("RGB")], return_tensors="np")["pixel_values"]
+        return ImageItem(inputs={"pixel_values": np.ascontiguousarray(pv, dtype=np.float32)}, num_tokens=self.rows,
+                         content_hash=content_hash)
 
-    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None) -> EncodedPrompt:
-        text = render_chat(self.tokenizer, self.chat_template, messages, tools)
-        n_placeholders = text.count(self.image_token)
-        if n_placeholders != len(images):
-            raise InputError(f"the prompt has {n_placeholders} image placeholder(s) but {len(images)} image(s) were given")
-        ids = self.tokenizer(text)["input_ids"]
-        expanded: list[int] = []
-        for t in ids:
-            expanded.extend([t] * self.tokens_per_image if t == self.image_token_id else [t])
-        items = []
-        for img in images:
-            pv = self.image_processor(images=[img.convert("RGB")], return_tensors="np")["pixel_values"]
-            items.append(ImageItem(inputs={"pixel_values": np.ascontiguousarray(pv, dtype=np.float32)},
-                                   num_tokens=self.tokens_per_image, content_hash=image_hash(img)))
-        return EncodedPrompt(token_ids=expanded, images=items, image_placeholder_id=self.image_token_id, text=text)
+    def image_text(self, item: ImageItem) -> str:
+        return self.placeholder * item.num_tokens
+
+    def num_image_tokens(self, size: tuple[int, int]) -> int:
+        return self.rows
 
 
 def _causal_lm_class(model_type: str) -> str:

@@ -27,10 +27,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..errors import CheckpointError, InputError, UnsupportedModelError
-from .base import VISION, EncodedPrompt, FamilyProcessor, ImageItem, expand_media, expand_placeholders, read_json
-from .chat import load_chat_template, render_chat
-from .llava import LlavaFamily, LlavaVisionWrapper, image_hash
+from ..errors import CheckpointError, UnsupportedModelError
+from .base import VISION, FamilyProcessor, ImageItem, VisionAxis, read_json
+from .llava import LlavaFamily, LlavaVisionWrapper
 
 NEWLINE = "image_newline"
 # Rows a vision tower adds to the patch rows of a crop (CLIP's class embedding; SigLIP has none).
@@ -193,13 +192,11 @@ class AnyresLlavaFamily(LlavaFamily):
         g = self.geometry(config_dict)
         return 1 + max((ph // g.crop) * (pw // g.crop) for ph, pw in g.pinpoints)
 
-    def vision_profile(self, config_dict: dict, processor_dir: Path, limits: dict) -> dict | None:
-        """TensorRT profile: the batch axis counts crops, up to every admitted image at its most crops."""
+    def vision_axis(self, config_dict: dict, processor_dir: Path) -> VisionAxis:
+        """The graph's batch axis counts crops: an image needs up to its most crops."""
         g = self.geometry(config_dict)
         per_image = self.max_crops(config_dict)
-        hi = max(1, limits["max_batch_size"] * max(limits["max_images_per_request"], 1)) * per_image
-        rest = (3, g.crop, g.crop)
-        return {"pixel_values": ((1, *rest), (min(per_image, hi), *rest), (hi, *rest))}
+        return VisionAxis(max_rows=per_image, opt_rows=per_image, trailing={"pixel_values": (3, g.crop, g.crop)})
 
     def hf_image_features(self, model, inputs: dict[str, Any]):
         """transformers' own path. With `image_sizes` (and for OneVision `batch_num_images`):
@@ -248,38 +245,26 @@ class AnyresLlavaFamily(LlavaFamily):
     def _max_num_patches(self, cfg) -> int | None:
         return None
 
-    def tokens_per_image(self, config_dict: dict) -> int:  # LLaVA-1.5's fixed count does not apply
-        raise NotImplementedError("anyres families count tokens per image size: see geometry().num_tokens")
+    def rows_per_image(self, config_dict: dict) -> int:  # LLaVA-1.5's fixed count does not apply
+        raise UnsupportedModelError("anyres families count rows per image size: see num_image_tokens")
 
-    def image_tokens(self, config_dict: dict, image_size: tuple[int, int]) -> int:
-        """Prompt rows of one image of (height, width) pixels when it is the prompt's only image."""
-        return self.geometry(config_dict).num_tokens(image_size)
-
-    def max_image_tokens(self, config_dict: dict) -> int:
+    def max_image_tokens(self, config_dict: dict, processor_dir: Path | None = None) -> int:
         return self.geometry(config_dict).max_tokens()
 
-    def load_processor(self, processor_dir: Path) -> "AnyresProcessorAdapter":
-        return AnyresProcessorAdapter(self, Path(processor_dir))
+    def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "AnyresProcessorAdapter":
+        return AnyresProcessorAdapter(self, Path(processor_dir), vision_dir)
 
 
 class AnyresProcessorAdapter(FamilyProcessor):
     """Chat template + the family's PIL image processor; expands `<image>` per image size."""
 
-    def __init__(self, family: AnyresLlavaFamily, processor_dir: Path):
+    def __init__(self, family: AnyresLlavaFamily, processor_dir: Path, vision_dir: Path | None):
         import torch
-        from transformers import AutoImageProcessor, AutoTokenizer
 
-        config = read_json(processor_dir / "config.json")
-        self.family = family
-        self.tokenizer = AutoTokenizer.from_pretrained(str(processor_dir))
-        # The PIL backend is transformers' reference implementation of these processors.
-        self.image_processor = AutoImageProcessor.from_pretrained(str(processor_dir), backend="pil")
-        self.chat_template = load_chat_template(processor_dir, self.tokenizer)
-        self.image_token_id = int(config.get("image_token_index", config.get("image_token_id", -1)))
-        if self.image_token_id < 0:
-            raise CheckpointError(f"{processor_dir}/config.json: no image_token_index")
-        self.image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
-        self.geometry = family.geometry(config)
+        super().__init__(family, processor_dir)
+        self.image_token_id = self.config_token_id("image_token_index", "image_token_id")
+        self.placeholder = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self.geometry = family.geometry(self.config)
         ip_pinpoints = tuple(tuple(int(v) for v in p)
                              for p in getattr(self.image_processor, "image_grid_pinpoints", None) or ())
         if ip_pinpoints != self.geometry.pinpoints:
@@ -289,8 +274,16 @@ class AnyresProcessorAdapter(FamilyProcessor):
         if crop != self.geometry.crop:
             raise CheckpointError(f"{processor_dir}: the image processor makes {crop}-pixel crops but the vision "
                                   f"tower takes {self.geometry.crop}")
-        self.newline = read_vision_tensor(processor_dir.parent / "vision", NEWLINE)
+        if vision_dir is None:
+            raise CheckpointError(f"{family.name}: the processor needs the converted vision part (it holds {NEWLINE})")
+        self.newline = read_vision_tensor(Path(vision_dir), NEWLINE)
         self.torch = torch
+
+    def load_image_processor(self):
+        from transformers import AutoImageProcessor
+
+        # The PIL backend is transformers' reference implementation of these processors.
+        return AutoImageProcessor.from_pretrained(str(self.processor_dir), backend="pil")
 
     def _processor_crop(self) -> int | None:
         ip = self.image_processor
@@ -303,32 +296,17 @@ class AnyresProcessorAdapter(FamilyProcessor):
                     return int(v)
         return None
 
-    # ---- encode ----------------------------------------------------------------------------
-    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None, videos=(),
-               video_limits=None) -> EncodedPrompt:
-        text = render_chat(self.tokenizer, self.chat_template, messages, tools)
-        n_placeholders = text.count(self.image_token)
-        if n_placeholders != len(images):
-            raise InputError(f"the prompt has {n_placeholders} image placeholder(s) but {len(images)} image(s) "
-                             "were given")
-        ids = self.tokenizer(text)["input_ids"]
-        items = self.image_items([img.convert("RGB") for img in images], [image_hash(img) for img in images])
-        if not videos:
-            expanded = expand_placeholders(ids, self.image_token_id, items)
-            return EncodedPrompt(token_ids=expanded, images=items, image_placeholder_id=self.image_token_id,
-                                 text=text)
-        video_token_id, video_items = self.video_items(text, list(videos), video_limits)
-        expanded, ordered = expand_media(ids, {self.image_token_id: items, video_token_id: video_items})
-        return EncodedPrompt(token_ids=expanded, images=ordered, image_placeholder_id=self.image_token_id, text=text,
-                             video_placeholder_id=video_token_id)
+    # ---- the prompt --------------------------------------------------------------------------
+    def image_text(self, item: ImageItem) -> str:
+        return self.placeholder * item.num_tokens
 
-    def video_items(self, text: str, videos: list, limits) -> tuple[int, list[ImageItem]]:
-        """(video placeholder id, one item per video) for families that take videos."""
-        raise InputError(f"the {self.family.name} family takes no video input")
+    def num_image_tokens(self, size: tuple[int, int]) -> int:
+        width, height = size
+        return self.geometry.num_tokens((height, width))
 
-    def anyres_item(self, image, content_hash: str) -> ImageItem:
+    def image_item(self, image, content_hash: str) -> ImageItem:
         """Base crop + grid crops of one image, as the image processor makes them."""
-        out = self.image_processor(images=[image], return_tensors="np")
+        out = self.image_processor(images=[image.convert("RGB")], return_tensors="np")
         h, w = (int(v) for v in out["image_sizes"][0])
         gh, gw = self.geometry.grid_shape((h, w))
         crops = np.ascontiguousarray(out["pixel_values"][0][: gh * gw + 1], dtype=np.float32)
@@ -336,9 +314,6 @@ class AnyresProcessorAdapter(FamilyProcessor):
             raise CheckpointError(f"the image processor made {crops.shape[0]} crops for a {gh}x{gw} grid")
         return ImageItem(inputs={"pixel_values": crops}, num_tokens=self.geometry.num_tokens((h, w)),
                          meta={"image_size": (h, w), "grid": (gh, gw)}, content_hash=content_hash)
-
-    def image_items(self, images: list, hashes: list[str]) -> list[ImageItem]:
-        return [self.anyres_item(img, h) for img, h in zip(images, hashes)]
 
     # ---- host-side packing (transformers' pack_image_features) -----------------------------
     def postprocess_features(self, features, item: ImageItem):

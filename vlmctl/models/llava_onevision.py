@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from ..errors import CheckpointError, InputError, LimitError
-from .base import ImageItem, TritonStock, read_json
+from .base import ImageItem, TritonStock
 from .llava_anyres import NEWLINE, AnyresLlavaFamily, AnyresProcessorAdapter, read_vision_tensor
 from .video import FrameTransform, uniform_indices, video_processor_config
 
@@ -66,8 +66,8 @@ class LlavaOnevisionFamily(AnyresLlavaFamily):
             raise CheckpointError(f"{self.name}: vision_aspect_ratio {aspect!r} is not supported (only anyres_max_N)")
         return int(digits)
 
-    def load_processor(self, processor_dir):
-        return OnevisionProcessorAdapter(self, processor_dir)
+    def load_processor(self, processor_dir, vision_dir=None):
+        return OnevisionProcessorAdapter(self, processor_dir, vision_dir)
 
     def hf_video_features(self, model, inputs: dict):
         """transformers' own rows of each video ([videos, frames * pooled + 1, hidden]) for
@@ -80,10 +80,11 @@ class LlavaOnevisionFamily(AnyresLlavaFamily):
 
 
 class OnevisionProcessorAdapter(AnyresProcessorAdapter):
-    def __init__(self, family, processor_dir):
-        super().__init__(family, processor_dir)
-        config = read_json(processor_dir / "config.json")
-        self.video_token_id = int(config.get("video_token_index", config.get("video_token_id", -1)))
+    def __init__(self, family, processor_dir, vision_dir):
+        super().__init__(family, processor_dir, vision_dir)
+        self.video_token_id = int(self.config.get("video_token_index", self.config.get("video_token_id", -1)))
+        if self.video_token_id >= 0:  # the template writes the token itself per video, as for images
+            self.video_placeholder = self.tokenizer.convert_ids_to_tokens(self.video_token_id)
         vcfg = video_processor_config(processor_dir)
         size = dict(vcfg.get("size") or VIDEO_DEFAULT_SIZE)
         if (size.get("height"), size.get("width")) != (self.geometry.crop, self.geometry.crop):
@@ -97,22 +98,16 @@ class OnevisionProcessorAdapter(AnyresProcessorAdapter):
         self.pooled = math.ceil(self.geometry.grid / 2)
 
     # ---- videos ----------------------------------------------------------------------------
-    def video_items(self, text: str, videos: list, limits) -> tuple[int, list[ImageItem]]:
-        from ..media.video import VideoLimits
-
-        if self.video_token_id < 0:
-            raise InputError("this llava_onevision checkpoint has no video token, so it takes no videos")
-        token = self.tokenizer.convert_ids_to_tokens(self.video_token_id)
-        n = text.count(token)
-        if n != len(videos):
-            raise InputError(f"the prompt has {n} video placeholder(s) but {len(videos)} video(s) were given")
-        limits = limits or VideoLimits()
+    def video_items(self, videos: list, limits) -> list[ImageItem]:
         budget, items = limits.max_pixels, []
         for video in videos:
             item = self.video_item(video, limits, budget)
             budget -= len(item.meta["frames"]) * self.geometry.crop ** 2
             items.append(item)
-        return self.video_token_id, items
+        return items
+
+    def video_text(self, item: ImageItem) -> str:
+        return self.video_placeholder * item.num_tokens
 
     def frame_indices(self, total: int, fps: float | None, cap: int, what: str) -> np.ndarray:
         """transformers' `default_sample_indices_fn` (num_frames, or fps seconds' worth), at most `cap`
@@ -165,13 +160,11 @@ class OnevisionProcessorAdapter(AnyresProcessorAdapter):
         return rows
 
     def image_items(self, images: list, hashes: list[str]) -> list[ImageItem]:
-        if not images:  # text only, or videos only
-            return []
         if len(images) == 1:
-            return [self.anyres_item(images[0], hashes[0])]
+            return [self.image_item(images[0], hashes[0])]
         # One sample with several images: the image processor pads each to a square single crop
         # (nested list = one sample, as the processor's chat-template path passes them).
-        out = self.image_processor(images=[list(images)], return_tensors="np")
+        out = self.image_processor(images=[[img.convert("RGB") for img in images]], return_tensors="np")
         items = []
         for i, h in enumerate(hashes):
             crop = np.ascontiguousarray(out["pixel_values"][i][:1], dtype=np.float32)

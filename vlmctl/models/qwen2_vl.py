@@ -46,8 +46,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, InputError, LimitError, UnsupportedModelError
-from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, VLMFamily, expand_media, read_json
-from .chat import load_chat_template, render_chat
+from ..formats.awq_gemm import without_quantization
+from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, VisionAxis, VLMFamily, read_json
 from .video import FrameTransform, video_processor_config
 
 IMAGE_TOKEN = "<|image_pad|>"
@@ -63,13 +63,6 @@ VIDEO_DEFAULT_MAX_TOKENS = 128000
 # transformers leaves the sampling rate unset (every frame given is used); vlmctl samples at the rate
 # Qwen's own qwen-vl-utils uses, unless the checkpoint's video processor names `fps` or `num_frames`.
 DEFAULT_VIDEO_FPS = 2.0
-
-
-def image_hash(image) -> str:
-    h = hashlib.sha256()
-    h.update(f"{image.mode}:{image.size}".encode())
-    h.update(image.tobytes())
-    return h.hexdigest()
 
 
 # ---- host-side grid computations (numpy; each mirrors one transformers function) -----------------
@@ -330,11 +323,14 @@ class Qwen2VLFamily(VLMFamily):
     video = True
     windowed = False  # Qwen2.5-VL's window attention
     timed_video = False  # Qwen2.5-VL: video temporal positions in seconds (tokens_per_second)
+    supports_trtllm = False
+    trtllm_refusal = ("its decoder uses multimodal rotary positions (M-RoPE), which vlmctl's TensorRT-LLM flow (a "
+                      "prompt-table engine with 1-D positions) does not drive")
 
     def hf_config(self, config_dict: dict):
         from transformers import Qwen2VLConfig
 
-        return Qwen2VLConfig.from_dict(_strip_quant(config_dict))
+        return Qwen2VLConfig.from_dict(without_quantization(config_dict))
 
     def hf_model_class(self):
         from transformers import Qwen2VLForConditionalGeneration
@@ -475,32 +471,29 @@ class Qwen2VLFamily(VLMFamily):
         feats = out.pooler_output if hasattr(out, "pooler_output") else out
         return torch.cat(list(feats), 0) if isinstance(feats, (list, tuple)) else feats
 
-    def vision_profile(self, config_dict: dict, processor_dir: Path, limits: dict) -> dict:
-        """TensorRT bounds of the patch axis: one vision call holds the images of one request
-        (see `batch_key`), each at most max_pixels, or a part of a video (at most one image's patches,
-        or one temporal patch of frames at the video processor's max_pixels)."""
+    def vision_axis(self, config_dict: dict, processor_dir: Path) -> VisionAxis:
+        """The patch axis: one vision call holds the images of one request (see `batch_key`), each
+        at most max_pixels, or one part of a video alone (at most one image's patches, or one temporal
+        patch of frames at the video processor's max_pixels); patches come in whole merge units."""
         g = self.vision_geometry(config_dict)
         _, max_pixels = processor_pixels(processor_dir)
         unit = g["merge"] ** 2
         per_image = max(unit, max_pixels // g["patch_size"] ** 2 // unit * unit)
-        hi = per_image * max(1, limits.get("max_images_per_request", 1))
         video_pixels = QwenVideoSettings.from_config(video_processor_config(processor_dir)).max_pixels
-        hi = max(hi, video_pixels // g["patch_size"] ** 2 // unit * unit)
-        opt = max(unit, per_image // 4 // unit * unit)
+        part = max(per_image, video_pixels // g["patch_size"] ** 2 // unit * unit)
         dim = g["in_channels"] * g["temporal_patch_size"] * g["patch_size"] ** 2
         trailing = {"pixel_values": (dim,), "vision_pos_ids": (2,), "attention_segments": (), "window_segments": ()}
         names, _, _ = self.onnx_io(config_dict)
-        return {n: ((unit, *trailing[n]), (opt, *trailing[n]), (hi, *trailing[n])) for n in names}
+        return VisionAxis(max_rows=per_image, opt_rows=max(unit, per_image // 4 // unit * unit),
+                          trailing={n: trailing[n] for n in names}, min_rows=unit, across_requests=False,
+                          part_rows=part)
 
     # ---- prompt ----------------------------------------------------------------------------
-    def max_image_tokens(self, config_dict: dict) -> int:
+    def max_image_tokens(self, config_dict: dict, processor_dir: Path | None = None) -> int:
         # Without the processor's settings: transformers' default max_pixels.
         g = self.vision_geometry(config_dict)
-        return DEFAULT_MAX_PIXELS // (g["patch_size"] * g["merge"]) ** 2
-
-    def engine_image_tokens(self, config_dict: dict, processor_dir: Path) -> int:
-        g = self.vision_geometry(config_dict)
-        return processor_pixels(processor_dir)[1] // (g["patch_size"] * g["merge"]) ** 2
+        max_pixels = processor_pixels(processor_dir)[1] if processor_dir is not None else DEFAULT_MAX_PIXELS
+        return max_pixels // (g["patch_size"] * g["merge"]) ** 2
 
     def apply_image_settings(self, processor_dir: Path, settings: dict) -> None:
         """min_pixels / max_pixels as top-level keys of preprocessor_config.json (as the hub's files
@@ -520,7 +513,7 @@ class Qwen2VLFamily(VLMFamily):
         if lo > hi:
             raise RecipeError(f"image: min_pixels {lo} is larger than max_pixels {hi} (with the checkpoint's values)")
 
-    def load_processor(self, processor_dir: Path) -> "QwenProcessorAdapter":
+    def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "QwenProcessorAdapter":
         return QwenProcessorAdapter(self, Path(processor_dir))
 
 
@@ -533,7 +526,7 @@ class Qwen2_5_VLFamily(Qwen2VLFamily):
     def hf_config(self, config_dict: dict):
         from transformers import Qwen2_5_VLConfig
 
-        return Qwen2_5_VLConfig.from_dict(_strip_quant(config_dict))
+        return Qwen2_5_VLConfig.from_dict(without_quantization(config_dict))
 
     def hf_model_class(self):
         from transformers import Qwen2_5_VLForConditionalGeneration
@@ -550,11 +543,6 @@ def processor_pixels(processor_dir: Path) -> tuple[int, int]:
     lo = cfg.get("min_pixels") or size.get("shortest_edge") or DEFAULT_MIN_PIXELS
     hi = cfg.get("max_pixels") or size.get("longest_edge") or DEFAULT_MAX_PIXELS
     return int(lo), int(hi)
-
-
-def _strip_quant(config_dict: dict) -> dict:
-    # An AWQ whole-VLM config describes the decoder's packing, not the architecture.
-    return {k: v for k, v in config_dict.items() if k != "quantization_config"}
 
 
 def collate_vision(items: list[ImageItem]) -> tuple[dict[str, np.ndarray], list[int]]:
@@ -577,18 +565,15 @@ def collate_vision(items: list[ImageItem]) -> tuple[dict[str, np.ndarray], list[
 class QwenProcessorAdapter(FamilyProcessor):
     """Chat template + the checkpoint's image processor, expanding `<|image_pad|>` as Qwen2VLProcessor does."""
 
-    def __init__(self, family: Qwen2VLFamily, processor_dir: Path):
-        from transformers import AutoImageProcessor, AutoTokenizer
+    placeholder = IMAGE_TOKEN
+    video_placeholder = VIDEO_TOKEN
 
-        config = read_json(processor_dir / "config.json")
-        self.family = family
-        self.tokenizer = AutoTokenizer.from_pretrained(str(processor_dir))
-        self.image_processor = AutoImageProcessor.from_pretrained(str(processor_dir))
-        self.chat_template = load_chat_template(processor_dir, self.tokenizer)
-        self.image_token_id = int(config.get("image_token_id", -1))
-        if self.image_token_id < 0 or self.tokenizer.convert_ids_to_tokens(self.image_token_id) != IMAGE_TOKEN:
+    def __init__(self, family: Qwen2VLFamily, processor_dir: Path):
+        super().__init__(family, processor_dir)
+        self.image_token_id = self.config_token_id("image_token_id")
+        if self.tokenizer.convert_ids_to_tokens(self.image_token_id) != IMAGE_TOKEN:
             raise CheckpointError(f"{processor_dir}/config.json: image_token_id does not name {IMAGE_TOKEN}")
-        self.geometry = family.vision_geometry(config)
+        self.geometry = family.vision_geometry(self.config)
         ip = self.image_processor
         if (ip.patch_size, ip.merge_size, ip.temporal_patch_size) != (
                 self.geometry["patch_size"], self.geometry["merge"], self.geometry["temporal_patch_size"]):
@@ -606,35 +591,24 @@ class QwenProcessorAdapter(FamilyProcessor):
                                       f"config.json ({self.geometry[geo]})")
         self.video_settings = QwenVideoSettings.from_config(vcfg)
         self.frames = FrameTransform(vcfg)
-        self.video_token_id = int(config.get("video_token_id", -1))
+        self.video_token_id = int(self.config.get("video_token_id", -1))
         if self.video_token_id >= 0 and self.tokenizer.convert_ids_to_tokens(self.video_token_id) != VIDEO_TOKEN:
             self.video_token_id = -1  # a checkpoint without the video token takes no videos
-        tps = getattr(family.hf_config(config).vision_config, "tokens_per_second", None) if family.timed_video else None
-        self.tokens_per_second = tps
+        self.tokens_per_second = getattr(family.hf_config(self.config).vision_config, "tokens_per_second", None) \
+            if family.timed_video else None
 
-    def num_image_tokens(self, width: int, height: int) -> int:
-        """Tokens an image of this size becomes (dynamic resolution within min/max pixels)."""
+    def num_image_tokens(self, size: tuple[int, int]) -> int:
+        """Rows an image of (width, height) becomes (dynamic resolution within min/max pixels)."""
+        width, height = size
         factor = self.geometry["patch_size"] * self.geometry["merge"]
         h, w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
         return (h // self.geometry["patch_size"]) * (w // self.geometry["patch_size"]) // self.geometry["merge"] ** 2
 
-    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None, videos=(),
-               video_limits=None) -> EncodedPrompt:
-        text = render_chat(self.tokenizer, self.chat_template, messages, tools)
-        n_placeholders = text.count(IMAGE_TOKEN)
-        if n_placeholders != len(images):
-            raise InputError(f"the prompt has {n_placeholders} image placeholder(s) but {len(images)} image(s) "
-                             "were given")
-        videos = list(videos or [])
-        n_video = text.count(VIDEO_TOKEN)
-        if n_video != len(videos):
-            raise InputError(f"the prompt has {n_video} video placeholder(s) but {len(videos)} video(s) were given")
-        if videos and self.video_token_id < 0:
-            raise InputError(f"this {self.family.name} checkpoint has no {VIDEO_TOKEN} token, so it takes no videos")
+    def image_items(self, images: list, hashes: list[str]) -> list[ImageItem]:
         m = self.geometry["merge"]
         request = uuid.uuid4().hex  # images of one request share a vision call (see batch_key)
         items = []
-        for img in images:
+        for img, content_hash in zip(images, hashes):
             out = self.image_processor(images=[img.convert("RGB")], return_tensors="np")
             grid = tuple(int(x) for x in out["image_grid_thw"][0])
             n = grid[0] * grid[1] * grid[2] // m ** 2
@@ -643,24 +617,24 @@ class QwenProcessorAdapter(FamilyProcessor):
             if self.family.windowed:
                 order, _ = window_index([grid], m, self.geometry["window_size"], self.geometry["patch_size"])
                 meta["restore"] = np.argsort(order)
-            items.append(ImageItem(inputs=inputs, num_tokens=n, meta=meta, content_hash=image_hash(img)))
-        video_items = []
-        if videos:
-            from ..media.video import VideoLimits
+            items.append(ImageItem(inputs=inputs, num_tokens=n, meta=meta, content_hash=content_hash))
+        return items
 
-            limits = video_limits or VideoLimits()
-            budget = limits.max_pixels
-            for k, video in enumerate(videos):
-                item, used = self.video_item(video, limits, budget, f"{request}:video{k}")
-                video_items.append(item)
-                budget -= used
-        ids = self.tokenizer(text)["input_ids"]
-        groups = {self.image_token_id: items}
-        if videos:
-            groups[self.video_token_id] = video_items
-        expanded, ordered = expand_media(ids, groups)
-        return EncodedPrompt(token_ids=expanded, images=ordered, image_placeholder_id=self.image_token_id, text=text,
-                             video_placeholder_id=self.video_token_id if videos else -1)
+    def image_text(self, item: ImageItem) -> str:
+        return IMAGE_TOKEN * item.num_tokens
+
+    # ---- videos ----------------------------------------------------------------------------
+    def video_items(self, videos: list, limits) -> list[ImageItem]:
+        request = uuid.uuid4().hex  # each part of a video is its own vision call (see batch_key)
+        budget, items = limits.max_pixels, []
+        for k, video in enumerate(videos):
+            item, used = self.video_item(video, limits, budget, f"{request}:video{k}")
+            items.append(item)
+            budget -= used
+        return items
+
+    def video_text(self, item: ImageItem) -> str:
+        return VIDEO_TOKEN * item.num_tokens
 
     def video_item(self, video, limits, pixel_budget: int, key: str) -> tuple[ImageItem, int]:
         """One video (media.video.Video) -> its prompt item, with its vision work split into parts of

@@ -26,6 +26,7 @@ import types
 from pathlib import Path
 
 from ..errors import BackendUnavailableError, CheckpointError, UnsupportedModelError
+from ..formats.awq_gemm import AwqGemmConfig, quantization_method
 from ..progress import Progress, ensure
 
 TESTED_VERSION = "0.2.9"
@@ -97,7 +98,8 @@ def quantize_with_autoawq(src_dir: Path, out_dir: Path, settings, base_dir: Path
     import torch
     from transformers import AutoTokenizer
 
-    from .awq import copy_side_files, peak_rss_mib
+    from ..checkpoint import copy_side_files
+    from ..host import peak_rss_mib
     from .calibration import load_calibration
 
     progress = ensure(progress)
@@ -108,7 +110,7 @@ def quantize_with_autoawq(src_dir: Path, out_dir: Path, settings, base_dir: Path
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     base_dir = Path(base_dir) if base_dir is not None else Path.cwd()
     cfg = json.loads((src_dir / "config.json").read_text())
-    if cfg.get("quantization_config"):
+    if quantization_method(cfg):
         raise CheckpointError(f"{src_dir}: already quantized; give a float checkpoint")
     from awq.models.auto import AWQ_CAUSAL_LM_MODEL_MAP
 
@@ -132,9 +134,13 @@ def quantize_with_autoawq(src_dir: Path, out_dir: Path, settings, base_dir: Path
     task.done()
     copy_side_files(src_dir, out_dir) if not (out_dir / "tokenizer_config.json").exists() else None
     saved = json.loads((out_dir / "config.json").read_text())
-    q = saved.get("quantization_config") or {}
-    if q.get("quant_method") != "awq" or str(q.get("version", "")).lower() != "gemm":
-        raise CheckpointError(f"{out_dir}: AutoAWQ wrote an unexpected quantization_config {q}")
+    try:
+        written = AwqGemmConfig.from_config(saved, str(out_dir / "config.json"))
+    except CheckpointError:
+        written = None
+    if written is None:
+        raise CheckpointError(f"{out_dir}: AutoAWQ wrote an unexpected quantization_config "
+                              f"{saved.get('quantization_config')}")
     return {
         "backend": "autoawq", "backend_version": autoawq_version(),
         "method": "awq", "impl": "autoawq", "bits": settings.bits, "group_size": settings.group_size,

@@ -18,7 +18,9 @@ import json
 import random
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import EngineError, InputError
+from ..formats.prompt_table import fake_ids
+from ..formats.workdir import Workspace
 from ..progress import Progress, ensure
 from .calibration import DEFAULT_SEED, _read_text, _resolve
 
@@ -55,27 +57,29 @@ def read_image_text_records(spec: str | None, base_dir: Path | None = None) -> l
     return records if any_image else None
 
 
-def image_text_embeddings(workspace: Path, records: list[dict], samples: int, seq_len: int,
+def image_text_embeddings(workspace: Workspace, records: list[dict], samples: int, seq_len: int,
                           seed: int = DEFAULT_SEED, progress: Progress | None = None):
     """Float32 decoder input embeddings [n, seq_len, hidden] from a conversion workspace."""
     import torch
     from PIL import Image
 
     from ..models.registry import get_family
-    from ..runtime.vision import TorchVisionRunner, VisionEncoder
     from .awq import embedding_scale, embedding_weight
 
     progress = ensure(progress)
-    workspace = Path(workspace)
-    family = get_family(json.loads((workspace / "family.json").read_text())["family"])
-    processor = family.load_processor(workspace / "processor")
+    workspace = workspace if isinstance(workspace, Workspace) else Workspace(Path(workspace))
+    family = get_family(workspace.family_name())
+    processor = family.load_processor(workspace.processor, workspace.vision)
     tokenizer = processor.tokenizer
-    cpu = torch.device("cpu")
-    vision = VisionEncoder(TorchVisionRunner(family, workspace / "vision", device=cpu, dtype=torch.float32),
-                           processor, cpu, torch.float32, cache_size=0)
-    embed = embedding_weight(workspace / "llm").to(torch.float32)
+    # the family's own torch module, float32 on the CPU: the reference the exported graphs are checked against
+    module = family.build_vision_module(workspace.vision, torch.float32).eval()
+
+    def run(feed):
+        return module(*[torch.from_numpy(v) for v in feed.values()])
+
+    embed = embedding_weight(workspace.llm).to(torch.float32)
     vocab = embed.shape[0]
-    scale = embedding_scale(workspace / "llm")
+    scale = embedding_scale(workspace.llm)
 
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
@@ -94,15 +98,15 @@ def image_text_embeddings(workspace: Path, records: list[dict], samples: int, se
                         raise InputError(f"calibration record at line {rec['line']}: cannot read image {p} ({e})") from None
                 content = [{"type": "image"} for _ in images] + [{"type": "text", "text": rec["text"]}]
                 prompt = processor.encode([{"role": "user", "content": content}], images)
-                ids = torch.tensor(prompt.token_ids, dtype=torch.long)
-                vision.encode(prompt.images)
-                table = torch.cat([item.features for item in prompt.images])
-                mask = ids == prompt.image_placeholder_id
-                if int(mask.sum()) != table.shape[0]:
-                    raise InputError(f"calibration record at line {rec['line']}: {int(mask.sum())} image positions "
-                                     f"but the images give {table.shape[0]} feature rows")
+                table = torch.cat(_image_rows(processor, prompt.images, run))
+                try:  # the runtime's prompt-table contract: row `id - vocab` of the table for each fake id
+                    ids = torch.from_numpy(fake_ids(prompt.token_ids, prompt.image_placeholder_id, vocab,
+                                                    table.shape[0]))
+                except EngineError as e:
+                    raise InputError(f"calibration record at line {rec['line']}: {e.message}") from None
+                rows = ids >= vocab
                 x = embed[ids.clamp(max=vocab - 1)] * scale
-                x[mask] = table  # image rows are never scaled
+                x[rows] = table[ids[rows] - vocab]  # image rows are never scaled
             else:
                 ids = torch.tensor(tokenizer.encode(rec["text"]), dtype=torch.long)
                 if ids.numel() == 0:
@@ -118,6 +122,18 @@ def image_text_embeddings(workspace: Path, records: list[dict], samples: int, se
     if n == 0:
         raise InputError(f"image-text calibration gave {total} positions; need at least one block of {seq_len}")
     return torch.cat(pieces)[: n * seq_len].view(n, seq_len, -1)
+
+
+def _image_rows(processor, items: list, run) -> list:
+    """Feature rows of each image, in order; images that can share a vision call share one."""
+    groups: dict[tuple, list[int]] = {}
+    for i, it in enumerate(items):
+        groups.setdefault(processor.batch_key(it), []).append(i)
+    rows: list = [None] * len(items)
+    for idx in groups.values():
+        for i, r in zip(idx, processor.run_vision([items[i] for i in idx], run)):
+            rows[i] = r
+    return rows
 
 
 def calibration_files(spec: str | None, base_dir: Path | None = None) -> list[Path]:

@@ -220,11 +220,10 @@ class TorchDecoder:
     @classmethod
     def from_hf_dir(cls, llm_dir: Path, *, dtype: str = "float32", device="cpu", max_seq: int = 2048) -> "TorchDecoder":
         """A float or AWQ-GEMM Hugging Face causal-LM directory (tests, perplexity)."""
-        from ..checkpoint import read_config_json
-        from ..formats.torch_layout import HFTensorReader
+        from ..checkpoint import TensorReader, read_config_json
 
         llm_dir = Path(llm_dir)
-        return cls._from_reader(read_config_json(llm_dir), HFTensorReader(llm_dir), dtype=dtype, device=device,
+        return cls._from_reader(read_config_json(llm_dir), TensorReader(llm_dir), dtype=dtype, device=device,
                                 max_seq=max_seq)
 
     @classmethod
@@ -232,7 +231,7 @@ class TorchDecoder:
                         max_seq: int = 2048) -> "TorchDecoder":
         """A decoder from a HF text config and its tensors by causal-LM name, already in memory (the
         decoder part of a whole-VLM checkpoint); float or AWQ GEMM per the config's quantization_config."""
-        from ..formats.torch_layout import DictTensorReader
+        from ..checkpoint import DictTensorReader
 
         return cls._from_reader(text_cfg, DictTensorReader(tensors), dtype=dtype, device=device, max_seq=max_seq)
 

@@ -33,17 +33,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..artifacts import check_engine_files
 from ..errors import (BackendUnavailableError, EngineError, InputError, LimitError, OptionError, RequestError,
                       VlmctlError)
+from ..formats.artifacts import check_engine_files
 from ..formats.prompt_table import fake_ids, image_spans
+from ..formats.workdir import EngineDir
 from ..host import resolve_device
+from ..media.video import VideoLimits
 from ..models.base import EncodedPrompt
 from ..models.registry import get_family
+from .image_limits import ImageLimits
 from .kv_cache import BlockPool, image_row_tokens
 from .request import FINISHED, RUNNING, Completion, Request, StepEvent
-from ..media.video import VideoLimits
-from .image_limits import ImageLimits
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Scheduled, Scheduler
 from .stopping import TextStream
@@ -139,18 +140,15 @@ class Engine:
         """Load an engine directory. A damaged one (a file missing or of the wrong size, an unreadable
         config, tokenizer, ONNX or weights file) is one EngineError, raised before anything serves."""
         self.engine_dir = engine_dir
-        llm_cfg_path = engine_dir / "build-llm" / "config.json"
-        fam_path = engine_dir / "convert" / "family.json"
-        if not llm_cfg_path.exists() or not fam_path.exists():
-            raise EngineError(f"{engine_dir}: not a vlmctl engine directory (run `vlmctl build RECIPE -o {engine_dir}`)")
+        ed = EngineDir.open(engine_dir)
         try:
-            self.config = json.loads(llm_cfg_path.read_text())
-            fam = json.loads(fam_path.read_text())
-            vision_manifest = json.loads((engine_dir / "build-vision" / "manifest.json").read_text())
+            self.config = json.loads(ed.llm_config.read_text())
         except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise EngineError(f"{engine_dir}: engine files are unreadable ({type(e).__name__}: {e})") from None
-        self.family = get_family(fam["family"])
-        self.processor = self.family.load_processor(engine_dir / "convert" / "processor")
+        family_name = ed.family_name()
+        vision_runner = ed.vision_runner()
+        self.family = get_family(family_name)
+        self.processor = self.family.load_processor(ed.convert.processor, ed.convert.vision)
         self.tokenizer = self.processor.tokenizer
         self.eos_ids = set(self.config.get("eos_token_ids") or [])
         self.model_name = self.config.get("name", engine_dir.name)
@@ -176,8 +174,8 @@ class Engine:
         if backend == "trtllm":
             from .trtllm_decoder import TrtllmDecoder
 
-            self.vision = self._load_vision(vision_manifest, opts)
-            self.decoder = TrtllmDecoder.load(engine_dir / "build-llm", max_batch=lim["max_batch_size"])
+            self.vision = self._load_vision(vision_runner, opts)
+            self.decoder = TrtllmDecoder.load(ed.build_llm, max_batch=lim["max_batch_size"])
             self.vocab_size = self.decoder.vocab_size
             self.limits = EngineLimits(**lim, max_seq_len=self.decoder.max_seq, max_num_batched_tokens=0,
                                        kv_cache_tokens=0, block_size=0)
@@ -190,10 +188,10 @@ class Engine:
 
         from .decoder import TorchDecoder
 
-        self.decoder = TorchDecoder.load(engine_dir / "build-llm", device=self.device, max_seq=max_seq)
+        self.decoder = TorchDecoder.load(ed.build_llm, device=self.device, max_seq=max_seq)
         self.decoder.use_graphs = self.decoder.use_graphs and opts.cuda_graphs
         self.vocab_size = self.decoder.vocab_size
-        self.vision = self._load_vision(vision_manifest, opts)
+        self.vision = self._load_vision(vision_runner, opts)
         budget = opts.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
         budget = max(budget, lim["max_batch_size"])
         # a decoder whose image rows see each other computes an image in one chunk, which may pass the
@@ -210,13 +208,13 @@ class Engine:
         self.decoder.capture_graphs(lim["max_batch_size"])
 
     # ---- loading -------------------------------------------------------------------------------
-    def _load_vision(self, vision_manifest: dict, opts: EngineOptions):
+    def _load_vision(self, built_runner: str, opts: EngineOptions):
         from ..formats.torch_layout import torch_dtype
         from .vision import VisionEncoder, choose_vision_runner
 
         dtype = torch_dtype(self.config.get("dtype", "float16"))
-        runner = choose_vision_runner(self.engine_dir, self.family, vision_manifest.get("backend", "onnxruntime"),
-                                      dtype, self.device, opts.vision_backend)
+        runner = choose_vision_runner(self.engine_dir, self.family, built_runner, dtype, self.device,
+                                      opts.vision_backend)
         return VisionEncoder(runner, self.processor, self.device, dtype, max_batch=opts.vision_batch_size,
                              cache_size=opts.feature_cache_size)
 

@@ -47,16 +47,12 @@ def expand_prompt(token_ids: list[int], placeholder_id: int, features: list[np.n
 
     Image k's rows follow image k-1's, counted per request, so row `id - vocab_size` of the
     request's table is the feature row of that position (TensorRT-LLM's prompt-tuning lookup)."""
-    ids = np.asarray(token_ids, dtype=np.int64).copy()
+    from ..formats.prompt_table import fake_ids
+
     if not features:
-        return ids.tolist(), None
+        return np.asarray(token_ids, dtype=np.int64).tolist(), None
     table = np.concatenate([_host(f) for f in features], 0)
-    mask = ids == placeholder_id
-    n = int(mask.sum())
-    if n != table.shape[0]:
-        raise EngineError(f"prompt has {n} image positions but the images give {table.shape[0]} rows")
-    ids[mask] = vocab_size + np.arange(n)
-    return ids.tolist(), table
+    return fake_ids(token_ids, placeholder_id, vocab_size, table.shape[0]).tolist(), table
 
 
 def _host(features) -> np.ndarray:
@@ -181,16 +177,16 @@ class TrtllmDecoder:
     @classmethod
     def load(cls, layout_dir: Path, *, max_batch: int | None = None, startup_timeout_s: float = 1800.0) -> "TrtllmDecoder":
         from ..backends.trtllm import trtllm_available, trtllm_python
-        from ..export.trtllm import ENGINE_FORMAT
+        from ..formats.trtllm_engine import engine_path, is_trtllm_engine
 
         layout_dir = Path(layout_dir)
         try:
             config = json.loads((layout_dir / "config.json").read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise EngineError(f"{layout_dir}: no readable decoder config.json ({e})") from None
-        if config.get("format") != ENGINE_FORMAT:
+        if not is_trtllm_engine(config):
             raise EngineError(f"{layout_dir}: not a TensorRT-LLM decoder (format {config.get('format')!r})")
-        engine = layout_dir / config.get("engine", "engine")
+        engine = engine_path(layout_dir, config)
         if not (engine / "config.json").exists():
             raise EngineError(f"{engine}: no TensorRT-LLM engine (config.json missing); rerun `vlmctl build-llm`")
         lim = config.get("limits", {})

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import BackendUnavailableError, EngineError, InputError
+from ..formats.workdir import WorkDir
 
 log = logging.getLogger("vlmctl.runtime")
 
@@ -86,14 +87,14 @@ def ort_gpu_providers() -> list[str]:
 def choose_vision_runner(engine_dir: Path, family, built_backend: str, dtype, device: torch.device,
                          want: str = "auto"):
     """The vision runner for this host (see the module docstring for the order)."""
-    engine_dir = Path(engine_dir)
+    engine = WorkDir(engine_dir)
     if want not in BACKENDS:
         raise InputError(f"unknown vision backend {want!r} (choose from {', '.join(BACKENDS)})")
-    onnx = engine_dir / "export-vision" / "model.onnx"
+    onnx = engine.onnx
     cuda = device.type == "cuda"
     if want == "tensorrt" or (want == "auto" and built_backend == "tensorrt" and cuda):
         try:
-            return TrtVisionRunner(engine_dir / "build-vision" / "model.engine")
+            return TrtVisionRunner(engine.vision_engine)
         except BackendUnavailableError:
             if want == "tensorrt":
                 raise
@@ -105,7 +106,7 @@ def choose_vision_runner(engine_dir: Path, family, built_backend: str, dtype, de
                                           "execution provider here (pip install onnxruntime-gpu)")
         return OrtVisionRunner(onnx, providers + ["CPUExecutionProvider"])
     if want == "torch" or (want == "auto" and cuda):
-        return TorchVisionRunner(family, engine_dir / "convert" / "vision", device=device, dtype=dtype)
+        return TorchVisionRunner(family, engine.convert.vision, device=device, dtype=dtype)
     return OrtVisionRunner(onnx)
 
 
@@ -193,17 +194,10 @@ class VisionEncoder:
             self.cache.hits += 1
 
     def _run(self, items: list) -> None:
-        feed, sizes = self.processor.collate(items)
-        out = self.runner(feed)
+        rows = self.processor.run_vision(items, self.runner)
         self.calls += 1
         self.images_encoded += len(items)
-        for it, chunk in zip(items, torch.split(out, sizes)):
-            feats = self.processor.postprocess_features(chunk, it)
-            if not isinstance(feats, torch.Tensor):
-                feats = torch.from_numpy(np.ascontiguousarray(feats))
-            feats = feats.reshape(-1, feats.shape[-1]).to(self.device, self.dtype)
-            if feats.shape[0] != it.num_tokens:
-                raise EngineError(f"vision produced {feats.shape[0]} rows for an image expected to give "
-                                  f"{it.num_tokens}")
+        for it, feats in zip(items, rows):
+            feats = feats.to(self.device, self.dtype)
             it.features = feats
             self.cache.put(it.content_hash, feats)

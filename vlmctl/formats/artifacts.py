@@ -1,9 +1,9 @@
 """Stage artifacts: caching by hash, manifests, atomic outputs.
 
-Each stage owns one directory under the work directory (`convert/`, `quantize/`,
-`export-vision/`, `build-vision/`, `build-llm/`). A stage's cache key hashes the tool version,
-the stage name, its resolved settings and the content hashes of its inputs; when the manifest
-in its directory records the same key (and its files are intact), the stage is a cache hit.
+Each stage owns one directory under the work directory (formats/workdir.py names them). A stage's
+cache key hashes the tool version, the stage name, its resolved settings and the content hashes of
+its inputs; when the manifest in its directory records the same key (and its files are intact), the
+stage is a cache hit.
 Outputs are written to a temporary sibling directory and renamed into place only on success,
 so an interrupted build never leaves a directory that looks finished. Temporary directories are
 named after the host and process that own them; one whose process is gone (a killed build) is
@@ -24,17 +24,14 @@ import os
 import shutil
 import socket
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from . import __version__
-from .errors import EngineError, StageError
-
-STAGES = ("convert", "quantize", "export-vision", "build-vision", "build-llm")
-MANIFEST = "manifest.json"
-# What chat/serve read: an engine directory without these is not one.
-ENGINE_STAGES = ("convert", "build-vision", "build-llm")
+from .. import __version__
+from ..errors import EngineError, StageError
+from .workdir import ENGINE_STAGES, MANIFEST, STAGES, not_an_engine
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -150,13 +147,9 @@ def run_stage(workdir: Path, name: str, settings: dict, inputs: dict[str, str],
         return StageResult(name, True, 0.0, stage_dir, [f["path"] for f in old["files"]], old.get("info", {}))
 
     workdir.mkdir(parents=True, exist_ok=True)
-    reclaim_stale_temps(workdir, STAGES)
-    tmp = workdir / temp_name(name, "tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    reclaim_stale_temps(workdir, STAGES)  # every stage's, not only this one's: a killed build left them
     t0 = time.perf_counter()
-    try:
+    with atomic_dir(stage_dir, reclaim=False) as tmp:
         info = fn(tmp) or {}
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         file_entries = [{"path": p.relative_to(tmp).as_posix(), "bytes": p.stat().st_size,
@@ -170,10 +163,6 @@ def run_stage(workdir: Path, name: str, settings: dict, inputs: dict[str, str],
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _publish(tmp, stage_dir)
     return StageResult(name, False, seconds, stage_dir, [f["path"] for f in file_entries], info)
 
 
@@ -238,14 +227,36 @@ def reclaim_stale_temps(parent: Path, bases) -> list[Path]:
     return removed
 
 
-def _publish(tmp: Path, stage_dir: Path) -> None:
-    if stage_dir.exists():
-        trash = stage_dir.with_name(temp_name(stage_dir.name, "old"))
-        stage_dir.rename(trash)
-        tmp.rename(stage_dir)
+@contextmanager
+def atomic_dir(final: Path, *, reclaim: bool = True) -> Iterator[Path]:
+    """A fresh temporary sibling of `final` to write into; when the block succeeds it replaces `final`
+    (renamed into place), when it raises (or is interrupted) it is removed. Nobody ever sees a
+    half-written `final`. With `reclaim`, temporaries of `final` that killed processes left are
+    removed first."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if reclaim:
+        reclaim_stale_temps(final.parent, [final.name])
+    tmp = final.with_name(temp_name(final.name, "tmp"))
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _publish(tmp, final)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    if final.exists():
+        trash = final.with_name(temp_name(final.name, "old"))
+        final.rename(trash)
+        tmp.rename(final)
         shutil.rmtree(trash, ignore_errors=True)
     else:
-        tmp.rename(stage_dir)
+        tmp.rename(final)
 
 
 def stage_part_hash(workdir: Path, stage: str, part: str | None = None) -> str:
@@ -266,9 +277,6 @@ def require_stage(workdir: Path, stage: str) -> dict:
     if m is None:
         raise StageError(f"{workdir}: stage {stage!r} has not run here; run `vlmctl {stage}` (or `vlmctl build`) first")
     return m
-
-
-
 
 
 # ---- engine directory integrity ----------------------------------------------------------------
@@ -323,7 +331,7 @@ def check_engine_files(engine_dir: Path) -> None:
     per file, no reading). Raises one EngineError naming the first problem."""
     engine_dir = Path(engine_dir)
     if not engine_dir.is_dir() or not any((engine_dir / s).is_dir() for s in ENGINE_STAGES):
-        raise EngineError(f"{engine_dir}: not a vlmctl engine directory (run `vlmctl build RECIPE -o {engine_dir}`)")
+        raise EngineError(not_an_engine(engine_dir))
     report = verify_engine(engine_dir, deep=False)
     if report["ok"]:
         return

@@ -6,6 +6,7 @@ window given the ones before it, and report exp(mean negative log-likelihood).
 
 `perplexity` takes any `logits_fn(ids[B, T]) -> logits[B, T, V]`; `load_logits_fn` builds one for
 a float or AWQ checkpoint, a workspace or an engine directory using vlmctl's own torch decoder.
+Not here: the calibration and evaluation text (quant/calibration.py).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import CheckpointError, InputError
+from ..formats.awq_gemm import quantization_method
+from ..formats.torch_layout import is_layout
+from ..formats.workdir import QUANTIZED, WORKDIR, WORKSPACE, WorkDir, Workspace, classify, has_tokenizer
 from ..progress import Progress, ensure
-from ..formats.torch_layout import FORMAT as LAYOUT_FORMAT
 
 
 def perplexity(logits_fn: Callable, token_ids, seq_len: int, samples: int | None = None, batch_size: int = 1,
@@ -53,43 +56,39 @@ def perplexity(logits_fn: Callable, token_ids, seq_len: int, samples: int | None
 def find_decoder_dir(model: Path) -> tuple[Path, Path]:
     """(directory the decoder loads from, directory holding its tokenizer) for any accepted input.
 
-    Accepted, in this order: an engine / work directory (its build-llm/ torch layout, else
-    quantize/llm, else convert/llm), a conversion workspace or quantize output (its llm/), or a
-    Hugging Face causal-LM directory (float or AWQ GEMM).
+    Accepted (`formats.workdir.classify`): an engine / work directory (its build-llm/ torch layout,
+    else quantize/llm, else convert/llm), a conversion workspace or quantize output (its llm/), or a
+    Hugging Face causal-LM or VLM directory (float or AWQ GEMM).
     """
     model = Path(model)
     if not model.is_dir():
         raise InputError(f"{model}: no such model directory")
-    processor = model / "convert" / "processor"
-    layout = model / "build-llm" / "config.json"
-    if layout.exists() and json.loads(layout.read_text()).get("format") == LAYOUT_FORMAT:
-        return model / "build-llm", processor
-    for sub in ("quantize/llm", "convert/llm"):
-        d = model / sub
-        if (d / "config.json").exists():
-            return d, d if _has_tokenizer(d) else processor
-    if (model / "llm" / "config.json").exists():
-        d = model / "llm"
-        return d, d if _has_tokenizer(d) else model / "processor"
-    if (model / "config.json").exists():
-        return model, model
-    raise CheckpointError(f"{model}: neither a Hugging Face causal-LM directory (config.json), a workspace (llm/) "
-                          "nor an engine directory (build-llm/)")
+    kind = classify(model)
+    if kind == WORKDIR:
+        wd = WorkDir(model)
+        processor = wd.convert.processor
+        if wd.llm_config.exists() and is_layout(json.loads(wd.llm_config.read_text())):
+            return wd.build_llm, processor
+        for d in (wd.quantize.llm, wd.convert.llm):
+            if (d / "config.json").exists():
+                return d, d if has_tokenizer(d) else processor
+        raise CheckpointError(f"{model}: this work directory has no decoder yet (build-llm/, quantize/llm or "
+                              "convert/llm)")
+    if kind in (WORKSPACE, QUANTIZED):
+        d = Workspace(model).llm
+        return d, d if has_tokenizer(d) else Workspace(model).processor
+    return model, model
 
 
 def _is_whole_vlm(cfg: dict) -> bool:
     """A config.json of a whole VLM (a registered family's architecture), not of a plain decoder."""
-    from ..models.decoders import DECODER_FAMILIES
+    from ..models.decoders import is_decoder_config
     from ..models.registry import detect_family
 
-    if cfg.get("model_type") in {t for f in DECODER_FAMILIES.values() for t in f.model_types}:
+    if is_decoder_config(cfg):
         return False
     detect_family(cfg)  # UnsupportedModelError (exit 4) for anything else
     return True
-
-
-def _has_tokenizer(d: Path) -> bool:
-    return any((d / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
 
 
 def load_logits_fn(model: Path, dtype: str = "float32", device: str = "cpu") -> tuple[Callable, Path, dict]:
@@ -98,23 +97,22 @@ def load_logits_fn(model: Path, dtype: str = "float32", device: str = "cpu") -> 
 
     d, tok_dir = find_decoder_dir(model)
     cfg = json.loads((d / "config.json").read_text())
-    if cfg.get("format") == LAYOUT_FORMAT:
+    if is_layout(cfg):
         dec = TorchDecoder.load(d, device=device, max_seq=16)
         kind = "engine"
         quant = (cfg.get("decoder", {}).get("quantization") or {}).get("method", "none")
     elif _is_whole_vlm(cfg):  # e.g. the vlm/ checkpoint `vlmctl quantize` writes: score its decoder
         from ..convert import read_vlm_decoder
 
-        text_cfg, tensors, q = read_vlm_decoder(d)
-        dec = TorchDecoder.from_hf_tensors({**text_cfg, "quantization_config": q} if q else text_cfg, tensors,
-                                           dtype=dtype, device=device, max_seq=16)
-        quant = (q or {}).get("quant_method", "none")
+        text_cfg, tensors = read_vlm_decoder(d)
+        dec = TorchDecoder.from_hf_tensors(text_cfg, tensors, dtype=dtype, device=device, max_seq=16)
+        quant = quantization_method(text_cfg) or "none"
         kind = "hf-vlm"
     else:
         dec = TorchDecoder.from_hf_dir(d, dtype=dtype, device=device, max_seq=16)
-        quant = (cfg.get("quantization_config") or {}).get("quant_method", "none")
+        quant = quantization_method(cfg) or "none"
         kind = "hf"
-    if not _has_tokenizer(tok_dir):
+    if not has_tokenizer(tok_dir):
         raise CheckpointError(f"{model}: no tokenizer found (looked in {tok_dir})")
     return dec.logits, tok_dir, {"kind": kind, "decoder_dir": str(d), "quantization": quant}
 
@@ -125,7 +123,7 @@ def evaluate_perplexity(model: Path, data: str, seq_len: int = 512, samples: int
     """Library entry point of `vlmctl eval ppl`."""
     from transformers import AutoTokenizer
 
-    from .calibration import load_eval_tokens
+    from ..quant.calibration import load_eval_tokens
 
     logits_fn, tok_dir, info = load_logits_fn(model, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))

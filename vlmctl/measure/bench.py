@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .errors import InputError
-from .progress import Progress, ensure
+from ..errors import InputError
+from ..progress import Progress, ensure
 
 WORDS = ("the a picture image shows red blue green small large cat dog sky tree house car road person "
          "describe what is in this on of and with near under over left right top bottom color shape").split()
@@ -124,7 +124,7 @@ def summarize(samples: list[Sample], duration: float) -> dict:
 # ---- offline ---------------------------------------------------------------------------------
 def bench_engine(engine, cfg: BenchConfig, progress: Progress | None = None) -> dict:
     """Run cfg against an `Engine` in this thread (no other user of the engine at the same time)."""
-    from .runtime.sampling import SamplingParams
+    from ..runtime.sampling import SamplingParams
 
     cfg.validate()
     progress = ensure(progress)
