@@ -66,7 +66,9 @@ class ChatChoice(_Choice):
         return {"tool_calls": calls} if calls else None
 
     def first(self) -> S.ChatChunkChoice:
-        return S.ChatChunkChoice(index=self.index, delta=S.DeltaMessage(role="assistant", content=""))
+        # with tools the message may turn out to be calls only, whose content is null, as OpenAI's
+        return S.ChatChunkChoice(index=self.index, delta=S.DeltaMessage(role="assistant",
+                                                                        content="" if self.tools is None else None))
 
     def delta(self, events) -> list[S.ChatChunkChoice]:
         self.events.extend(events)
