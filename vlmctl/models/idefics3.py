@@ -324,8 +324,8 @@ class Idefics3ProcessorAdapter(FamilyProcessor):
                                         "does not support")
         return pv, rows, cols
 
-    def encode(self, messages: list[dict], images: list) -> EncodedPrompt:
-        text = render_chat(self.tokenizer, self.chat_template, messages)
+    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None) -> EncodedPrompt:
+        text = render_chat(self.tokenizer, self.chat_template, messages, tools)
         pieces = text.split(self.image_token)
         if len(pieces) - 1 != len(images):
             raise InputError(f"the prompt has {len(pieces) - 1} image placeholder(s) but {len(images)} image(s) "

@@ -85,7 +85,9 @@ class ChatMessage(_Req):
     def to_engine(self) -> dict:
         """The message as models/chat.py renders it (the OpenAI shape; images as {"type": "image"})."""
         out: dict = {"role": "system" if self.role == "developer" else self.role}
-        if self.content is None or isinstance(self.content, str):
+        if self.content is None and self.tool_calls:
+            out["content"] = None  # calls only: templates check for content before writing the calls
+        elif self.content is None or isinstance(self.content, str):
             out["content"] = self.content or ""
         else:
             out["content"] = [{"type": "image"} if isinstance(p, ImageURLPart) else p.model_dump() for p in self.content]
