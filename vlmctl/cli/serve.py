@@ -5,7 +5,6 @@ from pathlib import Path
 
 import typer
 
-from .common import console
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -127,10 +126,13 @@ def serve_command(
                                                                     max_aspect_ratio=max_image_aspect_ratio))
     app = load_app(engine_dir, config, options)
     eng = app.state.engine
-    console.print(f"[bold]vlmctl serve[/bold] {app.state.model_name} on http://{host}:{port}/v1 "
-                  f"({eng.device}; max batch {eng.limits.max_batch_size}; "
-                  f"{f'KV cache {eng.limits.kv_cache_tokens} tokens; ' if eng.limits.kv_cache_tokens else ''}"
-                  f"vision {eng.vision.backend}; "
-                  f"{'API key required' if keys else 'no API key'})")
+    import logging
+
+    # a log line, not console output: with --log-format json every line on stderr is one JSON object
+    logging.getLogger("vlmctl.serve").info(
+        "vlmctl serve %s on http://%s:%d/v1 (%s; max batch %d; %svision %s; %s)", app.state.model_name, host, port,
+        eng.device, eng.limits.max_batch_size,
+        f"KV cache {eng.limits.kv_cache_tokens} tokens; " if eng.limits.kv_cache_tokens else "", eng.vision.backend,
+        "API key required" if keys else "no API key")
     run_server(app, host, port, shutdown_timeout_s=shutdown_timeout, log_level=log_level.lower(),
                log_format=log_format)

@@ -60,6 +60,15 @@ def configure_logging(level: str = "info", fmt: str = "text", stream=None) -> lo
             lg.addHandler(handler)
             lg.setLevel(lvl)
             lg.propagate = False
+    # what libraries print through their own loggers (transformers' warnings) or `warnings` joins the
+    # same stream in the same format, so a JSON log stays one object per line
+    logging.captureWarnings(True)
+    for name in ("py.warnings", "transformers"):
+        lg = logging.getLogger(name)
+        for h in list(lg.handlers):
+            lg.removeHandler(h)
+        lg.addHandler(handler)
+        lg.propagate = False
     _handler = handler
     return handler
 

@@ -123,8 +123,7 @@ class AccessLogMiddleware:
 
     def _log(self, scope, status: int, t0: float) -> None:
         now = time.perf_counter()
-        fields: dict = {"method": scope["method"], "path": scope["path"], "status": status,
-                        "total_s": round(now - t0, 4)}
+        fields: dict = {"method": scope["method"], "path": scope["path"], "status": status}
         info = (scope.get("state") or {}).get("access")
         if isinstance(info, AccessInfo):
             reqs = info.requests
@@ -135,12 +134,14 @@ class AccessLogMiddleware:
                 fields["completion_tokens"] = sum(len(r.output_ids) for r in reqs)
                 firsts = [r.first_token_time for r in reqs if r.first_token_time is not None]
                 fields["ttft_s"] = round(min(firsts) - t0, 4) if firsts else None
+                fields["total_s"] = round(now - t0, 4)
                 fields["finish_reason"] = ",".join(dict.fromkeys(r.finish_reason or "abort" for r in reqs))
                 if len(reqs) > 1:
                     fields["choices"] = len(reqs)
                 if self.log_text:
                     fields["prompt"] = [r.prompt.text for r in prompts.values()]
                     fields["output"] = [r.text for r in reqs]
+        fields.setdefault("total_s", round(now - t0, 4))
         msg = " ".join(f"{k}={_show(v)}" for k, v in fields.items() if k not in ("method", "path", "status"))
         access_log.info("%s %s %d %s", fields["method"], fields["path"], status, msg, extra={"fields": fields})
 
