@@ -567,20 +567,20 @@ class Engine:
             for item, (first, rows) in zip(req.prompt.images, req.image_spans):
                 if first < s.start + s.n and first + rows > s.start and item.features is None:
                     need.setdefault(req.id, (req, []))[1].append(item)
-        if not need:
-            return scheduled
-        try:
-            self.vision.encode([it for _, items in need.values() for it in items])
-        except Exception as e:  # one batch failed: retry per request, so only the faulty one fails
-            log.warning("vision batch failed (%s); retrying request by request", e)
-            for rid, (req, items) in need.items():
-                try:
-                    self.vision.encode(items)
-                except Exception as e2:
-                    events.append(self._fail(req, "image encoding", e2))
-        for rid, (req, _) in need.items():
-            if req.status == RUNNING:
-                req.table = None  # rebuilt below with the new features
+        if need:
+            try:
+                self.vision.encode([it for _, items in need.values() for it in items])
+            except Exception as e:  # one batch failed: retry per request, so only the faulty one fails
+                log.warning("vision batch failed (%s); retrying request by request", e)
+                for rid, (req, items) in need.items():
+                    try:
+                        self.vision.encode(items)
+                    except Exception as e2:
+                        events.append(self._fail(req, "image encoding", e2))
+            for rid, (req, _) in need.items():
+                if req.status == RUNNING:
+                    req.table = None  # rebuilt below with the new features
+        # (a request can find its images encoded already: n > 1 siblings share their leader's prompt)
         out = []
         for s in scheduled:
             req = s.request
