@@ -208,6 +208,22 @@ def test_completions_several_prompts_times_n(srv, client):
     assert r.usage.completion_tokens == 16
 
 
+def test_best_of_returns_the_most_likely_samples(srv, client):
+    """best_of 4, n 2: the two of the four samples (seeds seed..seed+3, the n = 4 choices) with the
+    highest mean token log-probability, best first; usage counts all four."""
+    kw = dict(model=model_of(srv), prompt="a red square on a blue background", max_tokens=6, temperature=1.3, seed=21)
+    four = client.completions.create(n=4, logprobs=0, **kw)
+    mean = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in four.choices]
+    order = sorted(range(4), key=lambda i: mean[i], reverse=True)
+    best = client.completions.create(n=2, extra_body={"best_of": 4}, **kw)
+    assert [c.text for c in best.choices] == [four.choices[i].text for i in order[:2]]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == four.usage.completion_tokens
+    for body, words in (({"n": 3, "best_of": 2}, "at least n"), ({"best_of": 2, "stream": True}, "cannot be streamed")):
+        r = httpx.post(srv[0] + "/v1/completions", json={"prompt": "a", "max_tokens": 2, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "best_of" and words in r.text
+
+
 # ---- penalties and friends, against transformers on the same model ------------------------------
 def hf_greedy(ckpt, messages, max_new_tokens: int, **generate_kwargs) -> str:
     from transformers import AutoProcessor, LlavaForConditionalGeneration
@@ -351,7 +367,6 @@ NOT_SERVED = {
     "completions": {
         "echo": ({"echo": True}, "echo"),
         "suffix": ({"suffix": "x"}, "suffix"),
-        "best_of": ({"best_of": 2}, "best_of"),
     },
 }
 UNKNOWN = {

@@ -39,6 +39,15 @@ def _ids(prefix: str, count: int) -> tuple[str, list[str]]:
     return rid, ([rid] if count == 1 else [f"{rid}-{i}" for i in range(count)])
 
 
+def _best(candidates: list, n: int) -> list:
+    """The n candidates with the highest mean token log-probability, best first (OpenAI's best_of)."""
+    def mean(c):
+        lps = [e["logprob"] for e in c.request.logprobs]
+        return sum(lps) / len(lps) if lps else float("-inf")
+
+    return sorted(candidates, key=mean, reverse=True)[:n]
+
+
 def _jobs(prompt, params, n: int) -> list:
     return [(prompt, params if i == 0 else params.replace(seed=choice_seed(params.seed, i))) for i in range(n)]
 
@@ -100,14 +109,21 @@ async def completion(ctx: ServeContext, request: Request):
     if not all(isinstance(t, str) for t in texts):
         raise APIError(400, "token-id prompts are not supported by this server; send the prompt as text",
                        param="prompt")
+    n = body.n or 1
+    best_of = body.best_of or n
+    if best_of < n:
+        raise APIError(400, f"best_of ({best_of}) must be at least n ({n})", param="best_of")
+    if best_of > n and body.stream:
+        raise APIError(400, "best_of > n cannot be streamed (the best are known only at the end)", param="best_of")
     grammar = response_format_spec(body.response_format)
     await compile_grammar(aeng, engine, grammar, "response_format")
-    n = body.n or 1
     jobs = []
+    # best_of ranks candidates by their tokens' mean log-probability, which each candidate then reports
+    logprobs = body.logprobs if body.logprobs is not None or best_of == n else 0
     for text in texts:
         prompt = await aeng.encode(engine.encode_text, text)
-        params = sampling_params(engine, body, len(prompt.token_ids), body.max_tokens, body.logprobs, grammar)
-        jobs += _jobs(prompt, params, n)  # OpenAI's order: the choices of prompt 0, then of prompt 1, ...
+        params = sampling_params(engine, body, len(prompt.token_ids), body.max_tokens, logprobs, grammar)
+        jobs += _jobs(prompt, params, best_of)  # OpenAI's order: the choices of prompt 0, then of prompt 1, ...
     rid, ids = _ids("cmpl", len(jobs))
     stream = aeng.submit_group(jobs, ids)
     request.state.access = AccessInfo(rid, stream.requests)
@@ -115,7 +131,13 @@ async def completion(ctx: ServeContext, request: Request):
     model = ctx.model_name
     if not body.stream:
         await collect(request, stream, choices)
-        resp = S.CompletionResponse(id=rid, model=model, choices=[c.final() for c in choices.values()],
+        out = list(choices.values())
+        if best_of > n:
+            out = [c for k in range(len(texts)) for c in _best(out[k * best_of:(k + 1) * best_of], n)]
+            for i, c in enumerate(out):
+                c.index = i
+        # usage counts every sample generated, best_of's candidates included (as OpenAI bills them)
+        resp = S.CompletionResponse(id=rid, model=model, choices=[c.final() for c in out],
                                     usage=usage_of(stream.requests))
         return JSONResponse(resp.model_dump())
     usage = None

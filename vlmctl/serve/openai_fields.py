@@ -221,7 +221,8 @@ COMPLETION_FIELDS: dict[str, FieldRule] = {
     "logprobs": _impl("0..5 alternatives per token"),
     "echo": _only((False,), "echoing the prompt (with its logprobs) is not supported"),
     "suffix": _only(("",), "insertion needs a fill-in-the-middle model"),
-    "best_of": _only((1,), "best_of > 1 is not supported; use n"),
+    "best_of": _impl("best_of samples per prompt (seed + i), the n with the highest mean token log-probability "
+                     "returned; not with stream"),
     # vLLM's extension: structured output for completions too
     **{k: FieldRule(r.action, r.note, r.allowed, extension=True) for k, r in CHAT_FIELDS.items()
        if k.startswith("response_format")},
