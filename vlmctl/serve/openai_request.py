@@ -126,12 +126,16 @@ async def compile_grammar(aeng, engine, spec: GrammarSpec | None, param: str) ->
     cannot use is a 400 naming `param`, never a failure inside a step."""
     if spec is None:
         return
-    if param == "response_format" and spec.kind == "json_schema":
-        param = "response_format.json_schema.schema"
+    if engine.backend != "torch":
+        raise InputError(f"{param} is not available with the TensorRT-LLM decoder backend (it samples inside its "
+                         "executor, where vlmctl cannot mask the logits); rebuild with decoder.backend: torch",
+                         param=param)
+    schema_param = "response_format.json_schema.schema" if param == "response_format" and spec.kind == "json_schema" \
+        else param
     try:
         await aeng.encode(engine.compile_grammar, spec)
     except InputError as e:
-        raise InputError(e.message, param=e.param if e.param and e.param != "response_format" else param) from None
+        raise InputError(e.message, param=schema_param) from None
     except BackendUnavailableError as e:
         raise InputError(e.message, param=param) from None
 
