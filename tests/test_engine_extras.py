@@ -147,7 +147,8 @@ def test_tensorrt_llm_refuses_what_it_cannot_apply():
     from vlmctl.runtime.trtllm_decoder import check_params
 
     check_params(sp(temperature=0.7, top_p=0.9, top_k=5, seed=1))
-    for kw, name in (({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1.0}, "frequency_penalty"),
+    for kw, name in (({"presence_penalty": 0.5}, "presence_penalty"),
+                     ({"frequency_penalty": -1.0}, "frequency_penalty"),
                      ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"min_p": 0.1}, "min_p"),
                      ({"logit_bias": {3: 1.0}}, "logit_bias"), ({"grammar": GrammarSpec.json_object()},
                                                                 "response_format")):

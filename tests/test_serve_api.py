@@ -82,7 +82,8 @@ def test_json_schema_outputs_validate(srv, client, name, sampling):
     # strict closes the objects itself; a loose schema allows undeclared keys unless it says otherwise,
     # and a random model fills open objects with keys without end, so the loose case spells it out
     for strict, schema in ((True, SCHEMAS[name]), (False, strictly(SCHEMAS[name]))):
-        rf = {"type": "json_schema", "json_schema": {"name": name.replace("-", "_"), "schema": schema, "strict": strict}}
+        rf = {"type": "json_schema",
+              "json_schema": {"name": name.replace("-", "_"), "schema": schema, "strict": strict}}
         r = client.chat.completions.create(model=model_of(srv), messages=USER, response_format=rf, max_tokens=120,
                                            logit_bias=bias, **sampling)
         choice = r.choices[0]
@@ -107,7 +108,8 @@ def test_json_object_on_both_endpoints(srv, client):
                                   extra_body={"response_format": rf, "logit_bias": bias})
     jsonschema.validate(json.loads(c.choices[0].text), SCHEMAS["enum"])
     chunks = list(client.completions.create(model=model_of(srv), prompt="a cat, a dog", max_tokens=60, temperature=0.7,
-                                            seed=2, stream=True, extra_body={"response_format": rf, "logit_bias": bias}))
+                                            seed=2, stream=True,
+                                            extra_body={"response_format": rf, "logit_bias": bias}))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.choices[0].text
 
 

@@ -121,7 +121,8 @@ def _max_images(value: int | None, built: int, backend: str, vision_backend: str
     built cap."""
     if value is None or value <= built or backend != "torch" or vision_backend == "tensorrt":
         if value is not None and value > built:
-            what = "the TensorRT-LLM decoder's prompt table" if backend != "torch" else "the TensorRT vision engine's profile"
+            what = ("the TensorRT-LLM decoder's prompt table" if backend != "torch"
+                    else "the TensorRT vision engine's profile")
             raise LimitError(f"--max-images-per-request {value} is above the engine's built limit {built}, which "
                              f"{what} was built for (rebuild with --set limits.max_images_per_request=N)")
         return _lower("max_images_per_request", value, built)

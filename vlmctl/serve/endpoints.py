@@ -91,8 +91,8 @@ async def chat_completion(ctx: ServeContext, request: Request):
         return JSONResponse(resp.model_dump())
     usage = None
     if body.stream_options and body.stream_options.include_usage:
-        def usage():
-            return S.ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage_of(stream.requests))
+        usage = lambda: S.ChatCompletionChunk(id=rid, model=model, choices=[],  # noqa: E731
+                                              usage=usage_of(stream.requests))
     return sse_response(stream, choices, lambda parts: S.ChatCompletionChunk(id=rid, model=model, choices=parts),
                         first=[S.ChatCompletionChunk(id=rid, model=model, choices=[c.first()])
                                for c in choices.values()], usage=usage)
@@ -142,7 +142,7 @@ async def completion(ctx: ServeContext, request: Request):
         return JSONResponse(resp.model_dump())
     usage = None
     if body.stream_options and body.stream_options.include_usage:
-        def usage():
-            return S.CompletionResponse(id=rid, model=model, choices=[], usage=usage_of(stream.requests))
+        usage = lambda: S.CompletionResponse(id=rid, model=model, choices=[],  # noqa: E731
+                                             usage=usage_of(stream.requests))
     return sse_response(stream, choices, lambda parts: S.CompletionResponse(id=rid, model=model, choices=parts),
                         usage=usage)

@@ -90,7 +90,8 @@ class ChatMessage(_Req):
         elif self.content is None or isinstance(self.content, str):
             out["content"] = self.content or ""
         else:
-            out["content"] = [{"type": "image"} if isinstance(p, ImageURLPart) else p.model_dump() for p in self.content]
+            out["content"] = [{"type": "image"} if isinstance(p, ImageURLPart) else p.model_dump()
+                              for p in self.content]
         for key in ("name", "tool_call_id", "refusal"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
