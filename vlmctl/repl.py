@@ -50,6 +50,29 @@ def read_message(read: Callable[[str], str], prompt: str, more: str) -> str:
     return "\n".join(lines)
 
 
+def terminal_reader(console) -> Callable[[str], str]:
+    """`read(prompt)` for the REPL. On a terminal it waits for a line in short `select` slices
+    instead of one blocking read: Ctrl-C's SIGINT may be delivered to one of the native libraries'
+    threads, which would leave a blocked read in the main thread uninterrupted (and the
+    KeyboardInterrupt pending) until the next Enter. Between slices Python runs the handler at once.
+    The terminal's own line editing (canonical mode) still applies."""
+    stdin = sys.stdin
+    if not stdin.isatty():
+        return lambda prompt: console.input(prompt)
+    import select
+
+    def read(prompt: str) -> str:
+        console.print(prompt, end="")
+        while not select.select([stdin], [], [], 0.1)[0]:
+            pass
+        line = stdin.readline()
+        if not line:
+            raise EOFError
+        return line[:-1] if line.endswith("\n") else line
+
+    return read
+
+
 def user_message(text: str, n_images: int) -> dict:
     return {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}
 
@@ -98,7 +121,7 @@ def run(engine, params, *, system: str | None = None, images: list | None = None
         sys.stdout.write(s)
         sys.stdout.flush()
 
-    read = read or (lambda p: console.input(p))
+    read = read or terminal_reader(console)
     console.print(f"[bold]vlmctl chat[/bold] — {engine.model_name} ({engine.device}). {HELP}")
     conv = Conversation(system=system)
     pending = list(images or [])
