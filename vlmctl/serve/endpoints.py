@@ -73,7 +73,7 @@ async def chat_completion(ctx: ServeContext, request: Request):
     images = await asyncio.gather(*(load_image_url(u, ctx.config.media, f"image {i + 1}")
                                     for i, u in enumerate(urls)))
     await compile_grammar(aeng, engine, grammar, grammar_param)
-    prompt = await aeng.encode(engine.encode, messages, list(images), tools.tools if tools else None)
+    prompt = await aeng.encode(engine.encode, messages, list(images), tools=tools.tools if tools else None)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(engine, body, len(prompt.token_ids), body.max_completion_tokens or body.max_tokens,
                              logprobs, grammar)
