@@ -1,4 +1,5 @@
-"""`vlmctl bench`: offline engine bench on the tiny LLaVA (the --url mode is tested in test_serve.py)."""
+"""`vlmctl bench`: offline engine bench on the tiny LLaVA; the --url mode against a served model (also in
+test_serve.py)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,37 @@ def test_summarize_statistics():
     assert s["tpot_ms"]["mean"] == pytest.approx(125.0)  # (0.3/2 + 0.2/2) / 2
     assert s["itl_ms"]["median"] == pytest.approx(100.0)
     assert s["mean_prompt_tokens"] == 15
+
+
+def test_url_bench_counts_a_stream_without_text_as_completed(tmp_path, capsys):
+    """A model whose every token decodes to "" (here: a zeroed lm_head, so greedy decoding picks token 0,
+    the special <unk>, which detokenization skips) streams no text at all; such a request completed."""
+    from safetensors.torch import load_file, save_file
+    from test_serve import start_uvicorn
+    from tiny_models import make_llava
+
+    from conftest import write_recipe
+    from vlmctl.pipeline import build
+    from vlmctl.recipe import load_recipe
+    from vlmctl.serve import ServerConfig, load_app
+
+    ckpt = make_llava(tmp_path / "ckpt", seed=4)
+    for f in ckpt.glob("*.safetensors"):
+        state = load_file(str(f))
+        heads = [k for k in state if k.endswith("lm_head.weight")]
+        assert heads
+        for k in heads:
+            state[k] = state[k] * 0
+        save_file(state, str(f), metadata={"format": "pt"})
+    build(load_recipe(write_recipe(tmp_path / "r.yaml", ckpt, limits={"max_batch_size": 4})), tmp_path / "eng")
+    app = load_app(tmp_path / "eng", ServerConfig(stats_interval_s=0))
+    url, stop = start_uvicorn(app)
+    try:
+        res = cli_json("bench", "--url", url, "-n", "4", "-c", "2", "--output-len", "5", "--image-size", "32x32",
+                       "--prompt-len", "3", "--json", capsys=capsys)
+    finally:
+        stop()
+    run = res["runs"][0]
+    assert run["completed"] == 4 and run["failed"] == 0, run["errors"]
+    assert run["total_output_tokens"] == 4 * 5
+    assert run["ttft_ms"]["mean"] > 0 and run["e2e_ms"]["mean"] >= run["ttft_ms"]["mean"]

@@ -25,11 +25,25 @@ FLOORS = [
     {"recipe"},
     {"pipeline"},
     {"serve", "measure"},
+    {"repl"},  # the interactive chat: CLI-level, under cli/chat.py only
     {"cli"},
     {"__main__"},  # `python -m vlmctl`
 ]
 FLOOR = {name: i for i, names in enumerate(FLOORS) for name in names}
 SHARED_FLOOR = 0  # the only floor whose members import one another
+
+# Inside serve/, bottom first (keys: the module under vlmctl.serve; "" is its __init__): the leaves
+# (wire schema, the field tables, media loading, metrics, logging, the engine's async wrapper), the
+# OpenAI-shaped errors, what the endpoints are made of, the endpoints, the app's wiring.
+SERVE_FLOORS = [
+    {"schema", "openai_fields", "media", "metrics", "logs", "async_engine"},
+    {"errors"},
+    {"middleware", "openai_request", "render", "streaming"},
+    {"endpoints"},
+    {"app"},
+    {""},
+]
+SERVE_FLOOR = {name: i for i, names in enumerate(SERVE_FLOORS) for name in names}
 
 
 def module_name(path: Path) -> str:
@@ -97,6 +111,31 @@ def test_imports_run_downward_only(graph):
     assert not bad, "imports that run up or sideways:\n" + "\n".join(sorted(bad))
 
 
+def _serve_module(dotted: str) -> str | None:
+    parts = dotted.split(".")
+    if parts[:2] != ["vlmctl", "serve"]:
+        return None
+    return parts[2] if len(parts) > 2 else ""
+
+
+def test_serve_modules_import_downward_only(graph):
+    mods = {_serve_module(m) for m in graph} - {None}
+    missing = sorted(mods - set(SERVE_FLOOR))
+    assert not missing, f"serve modules without a floor in this test: {missing}"
+    bad = []
+    for mod, deps in graph.items():
+        a = _serve_module(mod)
+        if a is None:
+            continue
+        for dep in deps:
+            b = _serve_module(dep)
+            if b is None or b == a:
+                continue
+            if SERVE_FLOOR[b] >= SERVE_FLOOR[a]:
+                bad.append(f"{mod} -> {dep} (serve floor {SERVE_FLOOR[a]} -> {SERVE_FLOOR[b]})")
+    assert not bad, "serve imports that run up or sideways:\n" + "\n".join(sorted(bad))
+
+
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one node (Tarjan)."""
     index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
@@ -149,3 +188,4 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     assert "vlmctl.formats.workdir" in deps and "vlmctl.runtime.scheduler" in deps
     assert "vlmctl.errors" in imports_of(ROOT / "formats" / "artifacts.py")
     assert "vlmctl.runtime.kernels.w4a16" in imports_of(ROOT / "runtime" / "decoder.py")
+    assert {"vlmctl.serve.errors", "vlmctl.serve.openai_request"} <= imports_of(ROOT / "serve" / "endpoints.py")

@@ -189,7 +189,8 @@ def test_nested_problems_carry_their_full_path(mutate, path):
 
 def test_completions_table():
     assert [p for p, _ in request_problems({"prompt": "a", "echo": True}, "completions")] == ["echo"]
-    assert [p for p, _ in request_problems({"prompt": "a", "best_of": 3}, "completions")] == ["best_of"]
+    assert request_problems({"prompt": "a", "best_of": 3}, "completions") == []  # served (serve/endpoints.py)
+    assert [p for p, _ in request_problems({"prompt": "a", "suffix": "b"}, "completions")] == ["suffix"]
     assert [p for p, _ in request_problems({"prompt": "a", "messages": []}, "completions")] == ["messages"]
     assert request_problems({"prompt": "a", "suffix": None, "echo": None}, "completions") == []
 
@@ -219,5 +220,5 @@ def test_bodies_serialized_by_the_openai_client():
                                        reasoning_effort="low")
     assert sorted(p for p, _ in request_problems(bodies[-1], "chat")) == ["audio", "modalities", "reasoning_effort"]
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt="a", max_tokens=3, best_of=2, echo=True)
-    assert sorted(p for p, _ in request_problems(bodies[-1], "completions")) == ["best_of", "echo"]
+        client.completions.create(model="m", prompt="a", max_tokens=3, best_of=2, echo=True, suffix="x")
+    assert sorted(p for p, _ in request_problems(bodies[-1], "completions")) == ["echo", "suffix"]

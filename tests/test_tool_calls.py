@@ -14,43 +14,13 @@ import random
 import jsonschema
 import pytest
 import torch
-from tiny_models import QWEN2_VL_CHAT_TEMPLATE, make_qwen_tokenizer
+from tiny_models import QWEN2_VL_CHAT_TEMPLATE, TOOLS_TEMPLATE, make_qwen_tokenizer
 
 from vlmctl.errors import InputError
 from vlmctl.models.chat import render_chat
 from vlmctl.models.tool_calls import (HERMES, ToolCallStreamParser, ToolChoice, call_schema, detect_format,
                                       forced_call_grammar, normalize_tools, parse_tool_calls, parse_tool_choice,
                                       template_renders_tools)
-
-# A Qwen2.5-VL-like template that renders tools the Hermes way (written for these tests). transformers
-# renders with trim_blocks, which eats a newline right after a {% tag %}: those are written {{ '\n' }}.
-TOOLS_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n"
-    "{% if messages[0].role == 'system' %}{{ messages[0].content[0].text if messages[0].content is not string "
-    "else messages[0].content }}{% else %}You are a helpful assistant.{% endif %}{{ '\n\n' }}# Tools\n\n"
-    "Functions you can call are listed in <tools></tools>:\n<tools>"
-    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n' }}</tools>\n\n"
-    "To call one, write its name and arguments as a JSON object inside <tool_call></tool_call>:\n"
-    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
-    "{% elif messages[0].role != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "{% for message in messages %}"
-    "{% if message.role == 'system' %}{% if not tools %}<|im_start|>system\n"
-    "{{ message.content[0].text if message.content is not string else message.content }}<|im_end|>\n{% endif %}"
-    "{% elif message.role == 'tool' %}"
-    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
-    "{{ '\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
-    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{% else %}<|im_start|>{{ message.role }}\n"
-    "{% if message.content is string %}{{ message.content }}{% else %}"
-    "{% for part in message.content %}{% if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}{% endif %}"
-    "{% for call in message.tool_calls or [] %}{% if not loop.first or message.content %}{{ '\n' }}{% endif %}"
-    "<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}}"
-    "\n</tool_call>{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 TOOLS = [
     {"type": "function", "function": {
@@ -68,9 +38,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    t = make_qwen_tokenizer()
-    t.add_tokens(["<tool_call>", "</tool_call>"])  # as in Qwen2.5's vocabulary: added, not special
-    return t
+    return make_qwen_tokenizer(tool_tokens=True)
 
 
 # ---- request validation -----------------------------------------------------------------------

@@ -582,12 +582,8 @@ def test_worker_reports_missing_tensorrt_llm(envs, tmp_path):
 
 
 # ---- the engine -------------------------------------------------------------------------------------------
-def test_engine_loads_vision_before_the_executor(tiny_llava_engine, envs, tmp_path, monkeypatch):
-    """TensorRT-LLM sizes its KV cache from the memory free when the executor starts: the vision
-    model must be loaded by then. Also a whole chat through the worker and the stand-in."""
-    from vlmctl.runtime import engine as E
-    from vlmctl.runtime.trtllm_decoder import TrtllmDecoder
-
+def _standin_engine_dir(tiny_llava_engine, tmp_path):
+    """The tiny engine with its build-llm replaced by a TensorRT-LLM layout for the recorded stand-in."""
     eng = tmp_path / "engine"
     shutil.copytree(tiny_llava_engine, eng, symlinks=True)
     cfg = json.loads((eng / "build-llm" / "config.json").read_text())
@@ -604,6 +600,16 @@ def test_engine_loads_vision_before_the_executor(tiny_llava_engine, envs, tmp_pa
         return {}
 
     run_stage(eng, "build-llm", {}, {}, write)
+    return eng
+
+
+def test_engine_loads_vision_before_the_executor(tiny_llava_engine, envs, tmp_path, monkeypatch):
+    """TensorRT-LLM sizes its KV cache from the memory free when the executor starts: the vision
+    model must be loaded by then. Also a whole chat through the worker and the stand-in."""
+    from vlmctl.runtime import engine as E
+    from vlmctl.runtime.trtllm_decoder import TrtllmDecoder
+
+    eng = _standin_engine_dir(tiny_llava_engine, tmp_path)
     order = []
     real_vision, real_load = E.Engine._load_vision, TrtllmDecoder.load
     monkeypatch.setattr(E.Engine, "_load_vision",
@@ -619,6 +625,42 @@ def test_engine_loads_vision_before_the_executor(tiny_llava_engine, envs, tmp_pa
         msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
         done = engine.chat(msgs, [make_image(0)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         assert done.completion_tokens == 4 and done.finish_reason == "length"
+    finally:
+        engine.decoder.close()
+
+
+def test_server_refuses_what_the_trtllm_decoder_cannot_apply(tiny_llava_engine, envs, tmp_path, monkeypatch):
+    """TensorRT-LLM samples inside its executor: the extras vlmctl applies to logits are 400s naming
+    their field; n > 1 (several requests) works; the built image cap stays."""
+    import httpx
+
+    from test_serve import start_uvicorn
+    from vlmctl.errors import LimitError
+    from vlmctl.runtime.engine import Engine
+    from vlmctl.serve import ServerConfig, create_app
+
+    eng = _standin_engine_dir(tiny_llava_engine, tmp_path)
+    monkeypatch.setenv(PY_ENV, str(envs["trt"]))
+    with pytest.raises(LimitError, match="TensorRT-LLM"):
+        Engine(eng, device="cpu", max_images_per_request=2)
+    engine = Engine(eng, device="cpu")
+    try:
+        url, stop = start_uvicorn(create_app(engine, ServerConfig(stats_interval_s=0)))
+        try:
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+            for extra, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+                                 ({"response_format": {"type": "json_schema", "json_schema": {
+                                     "name": "x", "schema": {"type": "object"}}}}, "response_format"),
+                                 ({"presence_penalty": 0.5}, "presence_penalty"), ({"min_p": 0.1}, "min_p"),
+                                 ({"repetition_penalty": 1.1}, "repetition_penalty"),
+                                 ({"logit_bias": {"5": 1}}, "logit_bias")):
+                r = httpx.post(url + "/v1/chat/completions", json={**chat, **extra}, timeout=60)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+                assert "TensorRT-LLM" in r.json()["error"]["message"]
+            r = httpx.post(url + "/v1/chat/completions", json={**chat, "n": 2, "temperature": 0}, timeout=60)
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        finally:
+            stop()
     finally:
         engine.decoder.close()
 

@@ -248,3 +248,64 @@ def test_models_lists_the_video_families(capsys):
 def test_serve_refuses_bad_video_options(tiny_llava_engine, capsys):
     code, _, err = cli("serve", tiny_llava_engine, "--max-video-frames", "0", capsys=capsys, expect=None)
     assert code == 2 and "--max-video-frames" in err
+
+
+def test_interactive_chat_sends_the_video_with_the_first_message_and_keeps_it(qwen_engine, tmp_path):
+    """`vlmctl chat ENGINE --video V` without --prompt: the REPL (vlmctl/repl.py) puts the video in its
+    first user message, and the later turns keep that message and its video in the history."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from vlmctl.media.video import load_video
+    from vlmctl.repl import run, user_message
+    from vlmctl.runtime.engine import Engine
+    from vlmctl.runtime.sampling import SamplingParams
+
+    path = make_video(tmp_path / "v.mp4", frames_of(3, 8))
+    eng = Engine(qwen_engine, device="cpu")
+    calls, real = [], eng.encode
+
+    def encode(messages, images, videos=None, tools=None):  # records, then runs the real encoder
+        calls.append((messages, list(images), list(videos or [])))
+        return real(messages, images, videos=videos, tools=tools)
+
+    eng.encode = encode
+    lines = iter(["what happens?", "and then?", "/exit"])
+    notes = io.StringIO()
+    console = Console(file=notes, width=300, color_system=None)
+    run(eng, SamplingParams(max_tokens=3, temperature=0), videos=[load_video(path)], console=console,
+        out=Console(file=io.StringIO(), color_system=None), read=lambda prompt: next(lines))
+    counts = [int(n) for n in re.findall(r"\[(\d+) prompt tokens", notes.getvalue())]
+    assert len(calls) == 2 and len(counts) == 2, notes.getvalue()
+    first = real([user_message("what happens?", 0, 1)], [], videos=[load_video(path)])
+    assert counts[0] == len(first.token_ids) and first.video_placeholder_id >= 0
+    msgs, images, videos = calls[1]
+    assert images == [] and len(videos) == 1 and videos[0] is calls[0][2][0]
+    assert msgs[0] == user_message("what happens?", 0, 1) and msgs[-1] == user_message("and then?", 0, 0)
+    assert counts[1] > counts[0]
+
+
+def test_n_samples_of_a_video_prompt_share_it(qwen_engine, tmp_path):
+    """n > 1 with a video: the siblings wait for the first one's prefill and reuse its prompt table, so
+    greedy choices equal the n=1 answer, and the video's rows are counted once in prompt_tokens."""
+    from test_serve import start_uvicorn
+
+    from vlmctl.serve import ServerConfig, load_app
+
+    data = make_video(tmp_path / "v.mp4", frames_of(8, 8)).read_bytes()
+    u = "data:video/mp4;base64," + base64.b64encode(data).decode()
+    msgs = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": u}},
+                                         {"type": "text", "text": "hi"}]}]
+    url, stop = start_uvicorn(load_app(qwen_engine, ServerConfig(stats_interval_s=0)))
+    try:
+        post = lambda **kw: httpx.post(url + "/v1/chat/completions", timeout=120,  # noqa: E731
+                                       json={"messages": msgs, "max_tokens": 8, "temperature": 0, **kw})
+        one, three = post(), post(n=3)
+    finally:
+        stop()
+    assert one.status_code == 200 and three.status_code == 200, (one.text, three.text)
+    want = one.json()["choices"][0]["message"]["content"]
+    assert [c["message"]["content"] for c in three.json()["choices"]] == [want] * 3
+    assert three.json()["usage"]["prompt_tokens"] == one.json()["usage"]["prompt_tokens"] > 64

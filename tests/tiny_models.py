@@ -197,8 +197,40 @@ QWEN2_VL_CHAT_TEMPLATE = (
 )
 
 
-def make_qwen_tokenizer(vocab_size: int = 240):
-    """Byte-level BPE like Qwen2's: no BOS, <|endoftext|> pads, <|im_end|> ends a turn."""
+# A Qwen2.5-VL-like template that renders tools the Hermes way (written for these tests). transformers
+# renders with trim_blocks, which eats a newline right after a {% tag %}: those are written {{ '\n' }}.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content[0].text if messages[0].content is not string "
+    "else messages[0].content }}{% else %}You are a helpful assistant.{% endif %}{{ '\n\n' }}# Tools\n\n"
+    "Functions you can call are listed in <tools></tools>:\n<tools>"
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n' }}</tools>\n\n"
+    "To call one, write its name and arguments as a JSON object inside <tool_call></tool_call>:\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0].role != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' %}{% if not tools %}<|im_start|>system\n"
+    "{{ message.content[0].text if message.content is not string else message.content }}<|im_end|>\n{% endif %}"
+    "{% elif message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ message.role }}\n"
+    "{% if message.content is string %}{{ message.content }}{% else %}"
+    "{% for part in message.content %}{% if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}{% endif %}"
+    "{% for call in message.tool_calls or [] %}{% if not loop.first or message.content %}{{ '\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_qwen_tokenizer(vocab_size: int = 240, tool_tokens: bool = False):
+    """Byte-level BPE like Qwen2's: no BOS, <|endoftext|> pads, <|im_end|> ends a turn. `tool_tokens`:
+    <tool_call> and </tool_call> as added (not special) tokens, as in Qwen2.5's vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -211,22 +243,27 @@ def make_qwen_tokenizer(vocab_size: int = 240):
     tok.train_from_iterator(corpus * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS[1:]})
+    if tool_tokens:
+        fast.add_tokens(["<tool_call>", "</tool_call>"])
     return fast
 
 
 def make_qwen2_vl(out: Path, *, version: str = "2", seed: int = 0, num_kv_heads: int = 2, text_layers: int = 2,
                   hidden: int = 64, vision_depth: int = 3, patch_size: int = 4, min_pixels: int = 256,
                   max_pixels: int = 4096, window_size: int = 16, fullatt_block_indexes=(1,), tie: bool = False,
-                  mrope_section=(2, 3, 3), init_range: float = 0.2, vision_init: float = 0.1) -> Path:
+                  mrope_section=(2, 3, 3), init_range: float = 0.2, vision_init: float = 0.1,
+                  chat_template: str = QWEN2_VL_CHAT_TEMPLATE, tool_tokens: bool = False) -> Path:
     """A tiny random Qwen2-VL (version "2") or Qwen2.5-VL (version "2.5") checkpoint in the hub's layout
-    (legacy tensor names `visual.*` / `model.layers.*`, preprocessor_config.json with min/max pixels)."""
+    (legacy tensor names `visual.*` / `model.layers.*`, preprocessor_config.json with min/max pixels).
+    `chat_template` (default Qwen2-VL's own) and `tool_tokens` (make_qwen_tokenizer) let a test build a
+    checkpoint whose template renders tools the Hermes way (TOOLS_TEMPLATE)."""
     import json
 
     import torch
     from transformers import GenerationConfig
 
     out = Path(out)
-    tok = make_qwen_tokenizer()
+    tok = make_qwen_tokenizer(tool_tokens=tool_tokens)
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     text = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=text_layers,
                 num_attention_heads=4, num_key_value_heads=num_kv_heads, vocab_size=len(tok),
@@ -276,7 +313,7 @@ def make_qwen2_vl(out: Path, *, version: str = "2", seed: int = 0, num_kv_heads:
             renamed[k] = v
         save_file(renamed, str(f), metadata={"format": "pt"})
     tok.save_pretrained(out)
-    (out / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
+    (out / "chat_template.jinja").write_text(chat_template)
     (out / "preprocessor_config.json").write_text(json.dumps({
         "min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": patch_size, "temporal_patch_size": 2,
         "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import typer
 
-from .common import console
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -23,7 +22,10 @@ def serve_command(
     max_input_len: int = typer.Option(None, "--max-input-len", min=1, help="Lower the prompt-length limit (tokens)"),
     max_output_len: int = typer.Option(None, "--max-output-len", min=1, help="Lower the max_tokens limit"),
     max_images: int = typer.Option(None, "--max-images-per-request", min=0,
-                                   help="Lower the images-per-request limit"),
+                                   help="Images one request may carry (default: the engine's built limit). With the "
+                                        "torch decoder it may go above the built limit, up to max_input_len (the "
+                                        "prompt table is per request; prompts stay within max_input_len); the "
+                                        "TensorRT-LLM decoder and a TensorRT vision engine keep the built limit"),
     max_stop_sequences: int = typer.Option(4, "--max-stop-sequences", min=0,
                                            help="Most `stop` strings one request may give (OpenAI's limit is 4)"),
     max_image_side: int = typer.Option(None, "--max-image-side", min=1,
@@ -70,7 +72,14 @@ def serve_command(
     vision_batch_size: int = typer.Option(32, "--vision-batch-size", min=1, help="Images per vision call"),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps as CUDA "
                                      "graphs"),
-    log_level: str = typer.Option("info", "--log-level", help=f"uvicorn log level ({', '.join(LOG_LEVELS)})"),
+    log_level: str = typer.Option("info", "--log-level", help=f"Log level of the server ({', '.join(LOG_LEVELS)}); "
+                                  "info shows one access line per request and the periodic stats line"),
+    log_format: str = typer.Option("text", "--log-format", help="text, or json: one JSON object per line (time, "
+                                   "level, logger, message and the record's fields) for log shippers"),
+    log_requests_text: bool = typer.Option(False, "--log-requests-text", help="Put prompt and output texts in the "
+                                           "access log (off by default: they may be private)"),
+    stats_interval: float = typer.Option(10.0, "--stats-interval", min=0.0, help="Seconds between stats lines "
+                                         "(throughput, queue, KV cache, cache hit rates) while busy; 0: none"),
 ):
     from ..errors import OptionError
     from ..host import configure_threads, resolve_device
@@ -83,6 +92,8 @@ def serve_command(
         keys = [os.environ["VLMCTL_API_KEY"].strip()]
     if log_level.lower() not in LOG_LEVELS:
         raise OptionError(f"--log-level {log_level!r}: expected one of {', '.join(LOG_LEVELS)}")
+    if log_format not in ("text", "json"):
+        raise OptionError(f"--log-format {log_format!r}: expected text or json")
     local = None
     if allowed_local_media_path is not None:
         local = allowed_local_media_path.resolve()
@@ -96,12 +107,17 @@ def serve_command(
     device = resolve_device(device)
     configure_threads(threads)
 
+    from ..serve.logs import configure_logging
+
+    configure_logging(log_level, log_format)  # before the engine loads: its warnings go the same way
+
     from ..media.video import VideoLimits
     from ..runtime.engine import EngineOptions
     from ..runtime.image_limits import ImageLimits
     from ..serve import MediaPolicy, ServerConfig, load_app, run_server
 
     config = ServerConfig(model_name=model_name, api_keys=keys, max_body_bytes=max_body_bytes,
+                          log_requests_text=log_requests_text, stats_interval_s=stats_interval,
                           media=MediaPolicy(allowed_domains=domains, allowed_local_path=local,
                                             timeout_s=media_timeout, max_bytes=max_media_bytes,
                                             max_video_bytes=max_video_bytes,
@@ -119,9 +135,13 @@ def serve_command(
                                                                     max_frames=max_video_frames))
     app = load_app(engine_dir, config, options)
     eng = app.state.engine
-    console.print(f"[bold]vlmctl serve[/bold] {app.state.model_name} on http://{host}:{port}/v1 "
-                  f"({eng.device}; max batch {eng.limits.max_batch_size}; "
-                  f"{f'KV cache {eng.limits.kv_cache_tokens} tokens; ' if eng.limits.kv_cache_tokens else ''}"
-                  f"vision {eng.vision.backend}; "
-                  f"{'API key required' if keys else 'no API key'})")
-    run_server(app, host, port, shutdown_timeout_s=shutdown_timeout, log_level=log_level.lower())
+    import logging
+
+    # a log line, not console output: with --log-format json every line on stderr is one JSON object
+    logging.getLogger("vlmctl.serve").info(
+        "vlmctl serve %s on http://%s:%d/v1 (%s; max batch %d; %svision %s; %s)", app.state.model_name, host, port,
+        eng.device, eng.limits.max_batch_size,
+        f"KV cache {eng.limits.kv_cache_tokens} tokens; " if eng.limits.kv_cache_tokens else "", eng.vision.backend,
+        "API key required" if keys else "no API key")
+    run_server(app, host, port, shutdown_timeout_s=shutdown_timeout, log_level=log_level.lower(),
+               log_format=log_format)

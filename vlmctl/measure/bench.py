@@ -65,6 +65,9 @@ class Sample:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
+    # a server stream: when it finished (finish_reason or [DONE]). A stream may carry no text at all
+    # (tokens that decode to "", e.g. special tokens) and still be a completed request.
+    end: float | None = None
 
 
 # ---- synthetic requests ----------------------------------------------------------------------
@@ -102,10 +105,12 @@ def _stats(values: list[float]) -> dict:
 
 
 def summarize(samples: list[Sample], duration: float) -> dict:
-    ok = [s for s in samples if s.error is None and s.token_times]
-    ttft = [s.token_times[0] - s.start for s in ok]
-    e2e = [s.token_times[-1] - s.start for s in ok]
-    tpot = [(s.token_times[-1] - s.token_times[0]) / (s.output_tokens - 1) for s in ok if s.output_tokens > 1]
+    ok = [s for s in samples if s.error is None and (s.token_times or s.end is not None)]
+    # without text, the first sign of output is the end of the stream
+    ttft = [(s.token_times[0] if s.token_times else s.end) - s.start for s in ok]
+    e2e = [(s.end if s.end is not None else s.token_times[-1]) - s.start for s in ok]
+    tpot = [(s.token_times[-1] - s.token_times[0]) / (s.output_tokens - 1) for s in ok
+            if s.output_tokens > 1 and len(s.token_times) > 1]
     itl = [b - a for s in ok for a, b in zip(s.token_times, s.token_times[1:])]
     out_tokens = sum(s.output_tokens for s in ok)
     errors = [s.error for s in samples if s.error is not None]
@@ -231,6 +236,7 @@ async def _bench_url(url: str, cfg: BenchConfig, model: str | None, api_key: str
                             continue
                         data = line[6:]
                         if data == "[DONE]":
+                            s.end = s.end or time.perf_counter()
                             break
                         obj = json.loads(data)
                         if "error" in obj:
@@ -242,8 +248,12 @@ async def _bench_url(url: str, cfg: BenchConfig, model: str | None, api_key: str
                         for ch in obj.get("choices") or []:
                             if (ch.get("delta") or {}).get("content"):
                                 s.token_times.append(time.perf_counter())
+                            if ch.get("finish_reason"):
+                                s.end = time.perf_counter()
             except httpx.HTTPError as e:
                 s.error = f"{type(e).__name__}: {e}"
+            if s.error is None and s.end is None:
+                s.error = "the stream ended without a finish_reason or [DONE]"
             if s.error is None and not s.output_tokens:
                 s.output_tokens = len(s.token_times)  # server without include_usage
             return s

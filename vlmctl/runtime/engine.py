@@ -1,8 +1,8 @@
 """The engine: loads an engine directory and runs requests with continuous batching.
 
 Public surface (what `chat`, `serve` and `bench` use): `Engine(engine_dir, EngineOptions)`,
-`encode` / `encode_text`, `submit`, `abort`, `step`, `generate`, `chat`, and read-only `limits`,
-`stats()`, `tokenizer`, `eos_ids`, `model_name`, `device`.
+`encode` / `encode_text`, `compile_grammar`, `tool_format`, `submit`, `abort`, `step`, `generate`,
+`chat`, and read-only `limits`, `stats()`, `tokenizer`, `eos_ids`, `model_name`, `device`.
 
 With the embedded torch decoder, one `step()` asks the scheduler which requests compute how many
 tokens under the step's token budget (decode tokens of running requests, then prompt chunks of
@@ -12,6 +12,12 @@ turns tokens into text events. On CUDA the decode rows replay a captured graph w
 run eagerly. When build-llm made a TensorRT-LLM engine, TensorRT-LLM batches and samples itself:
 a step then hands newly admitted prompts to it and turns what it streams back into the same
 events. Tokenization, vision, stop rules and detokenization (`stopping.TextStream`) stay here for both.
+
+Sampling extras cost only the requests that use them: the rows of requests with penalties or a
+logit_bias go through a `LogitsProcessor`, the rows of structured-output requests get their
+grammar's token mask (a `GrammarMatcher` per request, advanced by each sampled token, which allows
+EOS only once the document is complete), rows with min_p are filtered after those; log-probabilities
+are the model's own, from before any of it. A batch where nobody uses them samples as before.
 
 One request must never hurt another: every per-request phase of a step (image encoding, sampling,
 detokenization, handing a prompt to TensorRT-LLM) runs inside its own error boundary, so a failure
@@ -104,9 +110,28 @@ def _lower(name: str, value: int | None, built: int) -> int:
     if value < least:
         raise OptionError(f"--{name.replace('_', '-')} {value}: must be at least {least}")
     if value > built:
-        # one rule for every decoder backend: limits only go down from what the engine was built for
+        # limits only go down from what the engine was built for (max_images_per_request: _max_images)
         raise LimitError(f"--{name.replace('_', '-')} {value} is above the engine's built limit {built} (limits only "
                          f"go down at run time; rebuild with --set limits.{name}=N for more)")
+    return value
+
+
+def _max_images(value: int | None, built: int, backend: str, vision_backend: str, max_input_len: int) -> int:
+    """Images per request at run time. The torch decoder takes each request's prompt table as it
+    comes, so more images than the build's are fine up to max_input_len (an image is at least one
+    prompt row; every prompt is still held to max_input_len). The TensorRT-LLM decoder sized its
+    prompt table at build time, and a TensorRT vision engine its input profile: both keep the
+    built cap."""
+    if value is None or value <= built or backend != "torch" or vision_backend == "tensorrt":
+        if value is not None and value > built:
+            what = ("the TensorRT-LLM decoder's prompt table" if backend != "torch"
+                    else "the TensorRT vision engine's profile")
+            raise LimitError(f"--max-images-per-request {value} is above the engine's built limit {built}, which "
+                             f"{what} was built for (rebuild with --set limits.max_images_per_request=N)")
+        return _lower("max_images_per_request", value, built)
+    if value > max_input_len:
+        raise LimitError(f"--max-images-per-request {value} is above max_input_len {max_input_len} (every image takes "
+                         "at least one prompt row)")
     return value
 
 
@@ -159,9 +184,13 @@ class Engine:
         max_seq = built["max_input_len"] + built["max_output_len"]
         lim = dict(max_batch_size=_lower("max_batch_size", opts.max_batch_size, built["max_batch_size"]),
                    max_input_len=_lower("max_input_len", opts.max_input_len, built["max_input_len"]),
-                   max_output_len=_lower("max_output_len", opts.max_output_len, built["max_output_len"]),
-                   max_images_per_request=_lower("max_images_per_request", opts.max_images_per_request,
-                                                 built["max_images_per_request"]))
+                   max_output_len=_lower("max_output_len", opts.max_output_len, built["max_output_len"]))
+        self.limits = None  # set below, once the vision runner is known
+        self._grammar_compiler = None
+        self._grammar_lock = threading.Lock()
+        self._tool_format: tuple | None = None
+        self.logits_proc = None  # runtime/logits_processing.LogitsProcessor, made at the first request using it
+        self._mask_buffer = None
 
         self._lock = threading.Lock()
         self._aborts: set[str] = set()
@@ -170,11 +199,14 @@ class Engine:
         self.max_running_seen = 0
         self.steps = 0
         self.tokens_generated = 0
+        self.prompt_tokens_computed = 0  # prompt tokens prefilled (prefix-cache hits not counted)
 
         if backend == "trtllm":
             from .trtllm_decoder import TrtllmDecoder
 
             self.vision = self._load_vision(vision_runner, opts)
+            lim["max_images_per_request"] = _max_images(opts.max_images_per_request, built["max_images_per_request"],
+                                                        backend, self.vision.backend, lim["max_input_len"])
             self.decoder = TrtllmDecoder.load(ed.build_llm, max_batch=lim["max_batch_size"])
             self.vocab_size = self.decoder.vocab_size
             self.limits = EngineLimits(**lim, max_seq_len=self.decoder.max_seq, max_num_batched_tokens=0,
@@ -192,6 +224,8 @@ class Engine:
         self.decoder.use_graphs = self.decoder.use_graphs and opts.cuda_graphs
         self.vocab_size = self.decoder.vocab_size
         self.vision = self._load_vision(vision_runner, opts)
+        lim["max_images_per_request"] = _max_images(opts.max_images_per_request, built["max_images_per_request"],
+                                                    backend, self.vision.backend, lim["max_input_len"])
         budget = opts.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
         budget = max(budget, lim["max_batch_size"])
         # a decoder whose image rows see each other computes an image in one chunk, which may pass the
@@ -246,15 +280,18 @@ class Engine:
         return int(blocks) + 1
 
     # ---- requests --------------------------------------------------------------------------
-    def encode(self, messages: list[dict], images: list, videos: list | None = None) -> EncodedPrompt:
-        """`videos`: media.video.Video objects, in the order of the messages' video parts."""
+    def encode(self, messages: list[dict], images: list, videos: list | None = None,
+               tools: list[dict] | None = None) -> EncodedPrompt:
+        """`videos`: media.video.Video objects, in the order of the messages' video parts.
+        `tools`: OpenAI function tools (models/tool_calls.normalize_tools) for the chat template
+        to show; only for an engine whose `tool_format()` is not None."""
         max_images = self.limits.max_images_per_request
         if len(images) > max_images:
             raise LimitError(f"{len(images)} images in one request; this engine accepts at most {max_images}")
         for i, img in enumerate(images):  # before preprocessing: its cost follows the image's shape
             self.image_limits.check(img.size, f"image {i + 1}" if len(images) > 1 else "image")
         if not videos:
-            return self.processor.encode(messages, images)
+            return self.processor.encode(messages, images, tools=tools or None)
         if not self.family.video:
             raise InputError(f"the {self.family.name} family takes no video input")
         if self.backend != "torch":  # TensorRT-LLM's prompt table was sized for images
@@ -266,7 +303,51 @@ class Engine:
                              f"{lim.max_videos_per_request}")
         for v in videos:  # the header's limits, before anything is decoded
             v.check(lim)
-        return self.processor.encode(messages, images, videos=videos, video_limits=lim)
+        return self.processor.encode(messages, images, tools=tools or None, videos=videos, video_limits=lim)
+
+    def tool_format(self) -> str | None:
+        """The tool-call format of this engine's chat template (models/tool_calls.py), or None when
+        the template does not show `tools` to the model (then tools cannot be served)."""
+        if self._tool_format is None:
+            from ..models.tool_calls import detect_format, template_renders_tools
+
+            tpl = getattr(self.processor, "chat_template", None)
+            fmt = detect_format(tpl) if isinstance(tpl, str) else None
+            if fmt is not None and not template_renders_tools(self.tokenizer, tpl):
+                fmt = None
+            self._tool_format = (fmt,)
+        return self._tool_format[0]
+
+    @property
+    def grammar_compiler(self):
+        """The structured-output compiler for this engine's tokenizer (made at first use: setting up
+        the tokenizer takes a few hundred milliseconds). Thread-safe."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                from .grammar import GrammarCompiler
+
+                stops = sorted(self.eos_ids) or None
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab_size=self.vocab_size,
+                                                         stop_token_ids=stops)
+            return self._grammar_compiler
+
+    def compile_grammar(self, spec) -> None:
+        """Compile (and cache) a GrammarSpec now: InputError for a schema that cannot be used. The
+        server calls this off the event loop before it queues a request; `submit` then only copies
+        the compiled matcher."""
+        self._check_extras_backend(grammar=True)
+        self.grammar_compiler.compile(spec)
+
+    def _check_extras_backend(self, params: SamplingParams | None = None, grammar: bool = False) -> None:
+        if self.scheduler is not None:
+            return
+        # TensorRT-LLM samples inside its executor: vlmctl cannot mask or adjust its logits
+        names = (["response_format"] if grammar or (params is not None and params.grammar is not None) else []) + \
+            (params.extras if params is not None else [])
+        if names:
+            raise InputError(f"{names[0]} is not available with the TensorRT-LLM decoder backend (it samples inside "
+                             "its executor, where vlmctl cannot adjust or mask the logits); rebuild with "
+                             "decoder.backend: torch", param=names[0])
 
     def encode_text(self, text: str) -> EncodedPrompt:
         if not text:  # a BOS alone is not a prompt either (and without one there is nothing to prefill)
@@ -294,15 +375,25 @@ class Engine:
             raise LimitError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) does not fit in this "
                              f"engine's whole KV cache ({lim.kv_cache_tokens} tokens)")
 
-    def submit(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None) -> Request:
+    def submit(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None,
+               leader: Request | None = None) -> Request:
+        """Queue a request. `leader`: an earlier request with the same prompt (n > 1 samples); this
+        one is admitted once the leader's prompt is in the prefix cache (runtime/scheduler.py)."""
         params.validate()
         if params.top_k >= self.vocab_size:
             params.top_k = 0  # a top-k of the whole vocabulary (or more) keeps every token: no filter
         self.check_limits(prompt, params)
+        self._check_extras_backend(params)
+        bad = [t for t in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InputError(f"logit_bias: token id {bad[0]} is outside this model's vocabulary "
+                             f"(0..{self.vocab_size - 1})", param="logit_bias")
         if self.scheduler is None:
             self.decoder.check_params(params)
+        matcher = self.grammar_compiler.matcher(params.grammar) if params.grammar is not None else None
         req = Request(id=request_id or f"req-{next(self._ids)}", prompt=prompt, params=params,
-                      generator=None if self.scheduler is None else make_generator(params.seed, self.device))
+                      generator=None if self.scheduler is None else make_generator(params.seed, self.device),
+                      grammar=matcher, leader=leader if self.scheduler is not None else None)
         if self.scheduler is not None:
             self._prepare(req)
         with self._lock:
@@ -350,7 +441,8 @@ class Engine:
     def stats(self) -> dict:
         """Counters and gauges for /metrics and logs."""
         out = {"running": self.num_running, "waiting": self.num_waiting, "max_running_seen": self.max_running_seen,
-               "steps": self.steps, "vision_backend": self.vision.backend,
+               "steps": self.steps, "vision_backend": self.vision.backend, "tokens_generated": self.tokens_generated,
+               "prompt_tokens_computed": self.prompt_tokens_computed,
                "feature_cache_hits": self.vision.cache.hits, "feature_cache_misses": self.vision.cache.misses}
         if self.scheduler is not None:
             out.update(kv_blocks_total=self.pool.capacity, kv_blocks_used=self.pool.num_used(),
@@ -373,12 +465,15 @@ class Engine:
                 req = self._requests.pop(rid, None)
                 if req is not None and req.status != FINISHED:
                     req.finished, req.finish_reason = True, "abort"
+                    self._release_extras(req)
                     self.scheduler.finish(req)
             scheduled, _ = self.scheduler.schedule()
         self.max_running_seen = max(self.max_running_seen, len(self.scheduler.running))
         if not scheduled:
             return events
         self.steps += 1
+        self.prompt_tokens_computed += sum(max(0, min(s.start + s.n, s.request.prompt_len) - s.start)
+                                           for s in scheduled)
         scheduled = self._prepare_images(scheduled, events)
         if not scheduled:
             return events
@@ -395,6 +490,11 @@ class Engine:
         for req, picked in zip(reqs, self._sample_guarded(logits, reqs)):
             if isinstance(picked, Exception):
                 events.append(self._fail(req, "sampling", picked))
+                continue
+            if req.grammar is not None and not req.grammar.accept(picked[0]):
+                # cannot happen for a token drawn under the mask; if it does, the output is not the document
+                events.append(self._fail(req, "structured output", EngineError(
+                    f"the grammar refused sampled token {picked[0]}; the output would not match the requested format")))
                 continue
             try:
                 events.append(self._append_token(req, *picked, now))
@@ -417,9 +517,14 @@ class Engine:
                     out.append(e)
             return out
 
-    @staticmethod
-    def _picked(logits: torch.Tensor, reqs: list[Request]) -> list[tuple]:
-        toks, chosen, top = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+    def _picked(self, logits: torch.Tensor, reqs: list[Request]) -> list[tuple]:
+        params = [r.params for r in reqs]
+        adjusted, raw = logits, None
+        if any(r.params.extras or r.grammar is not None for r in reqs):
+            # adjusted on a copy: `logits` stay the model's, for log-probabilities and for a row-by-row retry
+            adjusted = self._apply_extras(logits.clone(), reqs)
+            raw = logits if any(p.logprobs is not None for p in params) else None
+        toks, chosen, top = sample(adjusted, params, [r.generator for r in reqs], logprob_logits=raw)
         out = []
         for i, (req, tok) in enumerate(zip(reqs, toks.tolist())):
             lp = float(chosen[i]) if chosen is not None else None
@@ -428,7 +533,45 @@ class Engine:
                 k = req.params.logprobs
                 tl = list(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist()))
             out.append((tok, lp, tl))
+        if self.logits_proc is not None and any(r.extras_registered for r in reqs):
+            self.logits_proc.update([r.id if r.extras_registered else None for r in reqs], toks)
         return out
+
+    def _apply_extras(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Penalties and logit_bias, then the grammar masks, then min_p, each on the rows that use it.
+        The mask comes before min_p, so min_p measures against the best token the grammar allows."""
+        from .logits_processing import LogitsProcessor, apply_min_p
+
+        counted = [r for r in reqs if r.params.logits_params().uses_counts]
+        if counted:
+            if self.logits_proc is None:
+                self.logits_proc = LogitsProcessor(self.vocab_size, logits.device)
+            for r in counted:
+                if not r.extras_registered:  # registered on the engine thread, at the request's first sample
+                    self.logits_proc.add(r.id, r.params.logits_params(), r.prompt.token_ids)
+                    r.extras_registered = True
+            logits = self.logits_proc.apply(logits, [r.id if r.extras_registered else None for r in reqs])
+        logits = self._apply_grammar(logits, reqs)
+        if any(r.params.min_p > 0 for r in reqs):
+            from .sampling import GREEDY_BELOW
+
+            apply_min_p(logits, [r.params.min_p for r in reqs],
+                        [r.params.temperature if r.params.temperature >= GREEDY_BELOW else 0.0 for r in reqs])
+        return logits
+
+    def _apply_grammar(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        if not any(r.grammar is not None for r in reqs):
+            return logits
+        from .grammar import MaskBuffer, apply_masks
+
+        if self._mask_buffer is None:
+            self._mask_buffer = MaskBuffer(self.grammar_compiler.vocab_size)
+        return apply_masks(logits, [r.grammar for r in reqs], self._mask_buffer)
+
+    def _release_extras(self, req: Request) -> None:
+        if req.extras_registered and self.logits_proc is not None:
+            self.logits_proc.remove(req.id)
+            req.extras_registered = False
 
     def _prepare_images(self, scheduled: list[Scheduled], events: list[StepEvent]) -> list[Scheduled]:
         """Encode the images whose rows the scheduled chunks compute; a request whose image fails to
@@ -439,20 +582,20 @@ class Engine:
             for item, (first, rows) in zip(req.prompt.images, req.image_spans):
                 if first < s.start + s.n and first + rows > s.start and item.features is None:
                     need.setdefault(req.id, (req, []))[1].append(item)
-        if not need:
-            return scheduled
-        try:
-            self.vision.encode([it for _, items in need.values() for it in items])
-        except Exception as e:  # one batch failed: retry per request, so only the faulty one fails
-            log.warning("vision batch failed (%s); retrying request by request", e)
-            for rid, (req, items) in need.items():
-                try:
-                    self.vision.encode(items)
-                except Exception as e2:
-                    events.append(self._fail(req, "image encoding", e2))
-        for rid, (req, _) in need.items():
-            if req.status == RUNNING:
-                req.table = None  # rebuilt below with the new features
+        if need:
+            try:
+                self.vision.encode([it for _, items in need.values() for it in items])
+            except Exception as e:  # one batch failed: retry per request, so only the faulty one fails
+                log.warning("vision batch failed (%s); retrying request by request", e)
+                for rid, (req, items) in need.items():
+                    try:
+                        self.vision.encode(items)
+                    except Exception as e2:
+                        events.append(self._fail(req, "image encoding", e2))
+            for rid, (req, _) in need.items():
+                if req.status == RUNNING:
+                    req.table = None  # rebuilt below with the new features
+        # (a request can find its images encoded already: n > 1 siblings share their leader's prompt)
         out = []
         for s in scheduled:
             req = s.request
@@ -480,6 +623,7 @@ class Engine:
         with self._lock:
             self._requests.pop(req.id, None)
             if self.scheduler is not None:
+                self._release_extras(req)
                 self.scheduler.finish(req)
             else:
                 self._release_streaming(req)
@@ -547,6 +691,7 @@ class Engine:
                     raise EngineError("this model needs multi-dimensional rotary positions, which the TensorRT-LLM "
                                       "decoder does not take; rebuild with decoder.backend: torch")
                 self.decoder.submit(req.id, prompt, req.params)
+                self.prompt_tokens_computed += req.prompt_len
                 submitted = True
             except Exception as e:
                 events.append(self._fail(req, "submission to TensorRT-LLM", e))
@@ -613,6 +758,7 @@ class Engine:
             with self._lock:
                 if self.scheduler is not None:
                     self._requests.pop(req.id, None)
+                    self._release_extras(req)
                     self.scheduler.finish(req)
                 else:
                     self._release_streaming(req)
@@ -635,7 +781,7 @@ class Engine:
 
     def chat(self, messages: list[dict], images: list, params: SamplingParams, on_event=None,
              videos: list | None = None) -> Completion:
-        return self.generate([self.encode(messages, images, videos)], params, on_event)[0]
+        return self.generate([self.encode(messages, images, videos=videos)], params, on_event)[0]
 
 
 def load_image(path: str | Path):

@@ -115,6 +115,31 @@ class GrammarSpec:
         return cls(JSON_SCHEMA, text)
 
 
+def schema_file_spec(path) -> GrammarSpec:
+    """The GrammarSpec of a JSON file holding a JSON schema, or OpenAI's json_schema object
+    ({"name", "schema", "strict"}: its strict flag is used). InputError for anything else."""
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise InputError(f"{path}: cannot read the JSON schema ({e.strerror or e})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not a JSON file ({e})") from None
+    if isinstance(data, dict) and "schema" in data and "name" in data:
+        strict = data.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InputError(f"{path}: strict must be true or false")
+        data, strict = data["schema"], bool(strict)
+    else:
+        strict = False
+    try:
+        return GrammarSpec.json_schema(data, strict=strict)
+    except InputError as e:
+        raise InputError(f"{path}: {e.message}") from None
+
+
 def _engine():
     try:
         import llguidance

@@ -63,6 +63,12 @@ class Request:
     num_committed: int = 0  # leading blocks recorded in the prefix cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     preemptions: int = 0
+    # n > 1: a sibling is admitted once its leader's prompt is computed, so the prompt's full
+    # blocks come from the prefix cache instead of being prefilled once per sample
+    leader: "Request | None" = None
+    # ---- sampling extras (the engine thread's)
+    grammar: "object | None" = None  # runtime/grammar.GrammarMatcher of a structured-output request
+    extras_registered: bool = False  # held by the engine's LogitsProcessor (penalties, logit_bias)
     # ---- output
     output_ids: list[int] = field(default_factory=list)
     text: str = ""

@@ -1,5 +1,9 @@
 """Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, per-request seeds).
 
+`SamplingParams` also carries a request's logits extras (penalties, logit_bias, min_p: applied by
+runtime/logits_processing.py) and its structured-output grammar (a runtime/grammar.GrammarSpec);
+the engine applies those to the rows that use them before `sample` draws.
+
 Every value the schema lets through must sample, because one request's parameters share a step
 with other requests: temperatures below `GREEDY_BELOW` act as greedy (dividing logits by 1e-39
 overflows float32), a top-k at or above the vocabulary size means no filter (and is clamped before it
@@ -12,8 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .grammar import GrammarSpec
+    from .logits_processing import LogitsParams
 
 from ..errors import InputError
 
@@ -33,6 +42,36 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the top k
+    # logits extras (runtime/logits_processing.py; the defaults switch them off)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    grammar: "GrammarSpec | None" = None  # structured output: the output must match it
+
+    def logits_params(self) -> "LogitsParams":
+        from .logits_processing import LogitsParams
+
+        return LogitsParams(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                            repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+                            logit_bias=dict(self.logit_bias))
+
+    @property
+    def extras(self) -> list[str]:
+        """The names of the extras this request uses (beyond temperature / top-k / top-p)."""
+        out = [n for n, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                                ("min_p", 0.0)) if getattr(self, n) != off]
+        if self.logit_bias:
+            out.append("logit_bias")
+        return out
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        """A copy with `changes` (n > 1 samples: the same parameters, each its own seed)."""
+        import dataclasses
+
+        return dataclasses.replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+                                   logit_bias=dict(self.logit_bias), **changes)
 
     def validate(self) -> "SamplingParams":
         if self.max_tokens < 1:
@@ -50,6 +89,17 @@ class SamplingParams:
             raise InputError("stop_token_ids must be non-negative integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InputError(f"top_logprobs must be between 0 and 20 (got {self.logprobs})")
+        self.logits_params().validate()
+        for tid, bias in self.logit_bias.items():
+            if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+                raise InputError(f"logit_bias: {tid!r} is not a token id", param="logit_bias")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise InputError(f"logit_bias: the bias of token {tid} must be a number between -100 and 100 "
+                                 f"(got {bias!r})", param="logit_bias")
+        if self.grammar is not None and self.ignore_eos:
+            # a document ends with EOS; past it the grammar allows nothing
+            raise InputError("ignore_eos cannot be combined with structured output (response_format or a forced "
+                             "tool call): the grammar ends the output with EOS", param="ignore_eos")
         return self
 
 
@@ -61,11 +111,14 @@ def make_generator(seed: int | None, device) -> torch.Generator | None:
     return g
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]):
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           logprob_logits: torch.Tensor | None = None):
     """logits [b, V] (float32) -> (token ids [b], chosen logprobs [b] or None, top logprobs or None).
 
     Filtering is vectorized over the batch; only the draw itself is per row (each request may
-    carry its own seeded generator)."""
+    carry its own seeded generator). Log-probabilities are those of `logprob_logits` when given
+    (the engine passes the model's logits from before penalties, bias, grammar mask and min_p),
+    else of `logits`; never of the temperature-scaled or filtered distribution."""
     b, V = logits.shape
     device = logits.device
     logits = logits.float().nan_to_num(nan=float("-inf"))  # a NaN logit is an impossible token, not a crash
@@ -101,7 +154,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     want = [p.logprobs for p in params]
     if all(w is None for w in want):
         return tokens, None, None
-    logp = logits.log_softmax(-1)
+    src = logits if logprob_logits is None else logprob_logits.float().nan_to_num(nan=float("-inf"))
+    logp = src.log_softmax(-1)
     chosen = logp.gather(1, tokens[:, None])[:, 0]
     k = max((w or 0) for w in want)
     top = logp.topk(k, -1) if k > 0 else None

@@ -16,6 +16,11 @@ takes the rest of it whole even beyond the step's budget (by less than one image
 always advances. A chunk may start inside an image when the prefix cache holds its first rows:
 those were computed with the whole image in view.
 
+Parallel samples of one prompt (n > 1) are one leader and its siblings: a sibling is not admitted
+while its leader is still prefilling, so once admitted it finds the prompt's full blocks in the
+prefix cache and computes only the last, partial block (and the leader's image features are in the
+feature cache). Without prefix caching, or for a prompt shorter than a block, siblings do not wait.
+
 It decides only; the engine runs the chunks and then calls `advance`.
 """
 
@@ -130,6 +135,16 @@ class Scheduler:
         if req.preemptions == 0:
             req.num_cached_tokens = req.num_computed
 
+    def _waits_for_leader(self, req: Request) -> bool:
+        lead = req.leader
+        if lead is None:
+            return False
+        if (self.pool.enable_prefix_caching and lead.status == RUNNING and lead.num_computed < lead.prompt_len
+                and (req.num_tokens - 1) // self.block_size > 0):
+            return True
+        req.leader = None  # decided once: after a preemption nobody waits (the leader may be queued behind)
+        return False
+
     def schedule(self) -> tuple[list[Scheduled], list[Request]]:
         budget = self.max_num_batched_tokens
         out: list[Scheduled] = []
@@ -153,6 +168,8 @@ class Scheduler:
             return out, preempted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if self._waits_for_leader(req):
+                break  # first come, first served: the queue behind it waits the leader's last prefill step
             self._prefix_hit(req)
             n = self._chunk_len(req, budget)
             if not self._grow(req, req.num_computed + n):

@@ -98,6 +98,13 @@ def sampling_config_kwargs(params) -> dict:
 
 
 def check_params(params) -> None:
+    # TensorRT-LLM samples inside its executor: what vlmctl applies to the logits cannot reach it
+    names = (["response_format"] if getattr(params, "grammar", None) is not None else []) + \
+        list(getattr(params, "extras", []))
+    if names:
+        raise InputError(f"{names[0]} is not available with the TensorRT-LLM decoder backend (it samples inside its "
+                         "executor, where vlmctl cannot adjust or mask the logits); rebuild with decoder.backend: "
+                         "torch", param=names[0])
     if params.logprobs:
         raise InputError("top_logprobs is not available with the TensorRT-LLM decoder backend (its executor "
                          "returns the chosen token's logprob only); use logprobs without top_logprobs")

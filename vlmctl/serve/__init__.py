@@ -1,9 +1,12 @@
 """OpenAI-compatible HTTP serving of an engine directory (FastAPI + uvicorn).
 
-app.py builds the application, schema.py holds the request/response models, media.py loads
-images under the server's media policy, async_engine.py runs the engine's steps in a background
-thread for the event loop, metrics.py exposes Prometheus metrics. Nothing here is imported by
-`vlmctl --help`.
+app.py wires the application together; endpoints.py holds the two completion endpoints, which
+use openai_fields.py (every OpenAI request field and vlmctl's decision), openai_request.py (body ->
+engine work), render.py (events -> OpenAI objects) and streaming.py (whole or SSE); schema.py holds
+the request/response models, errors.py the OpenAI-shaped errors, middleware.py the API-key guard
+and the access log, logs.py the log format and the periodic stats line, media.py the image
+loading under the server's media policy, async_engine.py the engine's step thread, metrics.py the
+Prometheus metrics. Nothing here is imported by `vlmctl --help`.
 """
 
 from .app import ServerConfig, create_app, load_app
@@ -13,16 +16,21 @@ __all__ = ["MediaPolicy", "ServerConfig", "create_app", "load_app", "run_server"
 
 
 def run_server(app, host: str = "127.0.0.1", port: int = 23333, *, shutdown_timeout_s: float = 30.0,
-               log_level: str = "info", sockets=None) -> None:
+               log_level: str = "info", log_format: str = "text", sockets=None) -> None:
     """Run `app` with uvicorn until SIGINT/SIGTERM. On SIGTERM uvicorn stops accepting connections,
     lets open requests finish for up to `shutdown_timeout_s` seconds (then cancels them, which aborts
-    them in the engine), runs the app's shutdown, and this function returns normally."""
+    them in the engine), runs the app's shutdown, and this function returns normally. vlmctl's and
+    uvicorn's logs go to stderr in `log_format` (logs.py); uvicorn's own access log is replaced by
+    vlmctl's (one line per request with its tokens and timings)."""
     import signal
     import threading
 
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
+    from .logs import configure_logging
+
+    configure_logging(log_level, log_format)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, log_config=None,
                             timeout_graceful_shutdown=shutdown_timeout_s, lifespan="on")
     server = uvicorn.Server(config)
     previous = {}

@@ -128,26 +128,40 @@ class AsyncEngine:
         self._queues.clear()
 
     # ---- API ---------------------------------------------------------------------------------
-    async def encode(self, fn, *args):
-        """Run prompt encoding (`engine.encode`, `engine.encode_text`) on the encode worker."""
-        return await asyncio.get_running_loop().run_in_executor(self._encode_pool, fn, *args)
+    async def encode(self, fn, *args, **kwargs):
+        """Run prompt encoding (`engine.encode`, `engine.encode_text`, `engine.compile_grammar`) on the
+        encode worker, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._encode_pool, lambda: fn(*args, **kwargs))
 
     def submit(self, prompt, params, request_id: str | None = None) -> "RequestStream":
         """Queue a request; raises LimitError/InputError at once (before any response is sent)."""
+        return self.submit_group([(prompt, params)], [request_id or uuid.uuid4().hex])
+
+    def submit_group(self, jobs: list, request_ids: list[str]) -> "RequestStream":
+        """Queue several requests (the choices of one HTTP request: n samples, several prompts) that
+        share one stream. Jobs with the same prompt object after the first are its siblings (the
+        scheduler admits them once the first one's prompt is in the prefix cache). All or nothing:
+        when one is refused, those already queued are aborted and the error is raised."""
         if not self.alive:
             raise EngineUnavailable("the engine is not running (shutting down)")
-        rid = request_id or uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = q
+        reqs, leaders = [], {}
         try:
-            req = self.engine.submit(prompt, params, rid)
+            for (prompt, params), rid in zip(jobs, request_ids):
+                self._queues[rid] = q
+                req = self.engine.submit(prompt, params, rid, leader=leaders.get(id(prompt)))
+                leaders.setdefault(id(prompt), req)
+                reqs.append(req)
         except BaseException:
-            self._queues.pop(rid, None)
+            for rid in request_ids:
+                if self._queues.pop(rid, None) is not None:
+                    self.engine.abort(rid)
+            self._wake.set()
             raise
         if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(req.prompt_len)
+            self.metrics.prompt_tokens.inc(sum({id(r.prompt): r.prompt_len for r in reqs}.values()))
         self._wake.set()
-        return RequestStream(self, req, q)
+        return RequestStream(self, reqs, q)
 
     def abort(self, request_id: str) -> None:
         if self._queues.pop(request_id, None) is not None:
@@ -158,12 +172,20 @@ class AsyncEngine:
 
 
 class RequestStream:
-    """Async iterator over one request's StepEvents. Always close it (`async with`): a stream
-    closed before its final event aborts the request in the engine."""
+    """Async iterator over the StepEvents of one or more requests (the choices of one HTTP request).
+    Always close it (`async with`): a stream closed before every request's final event aborts the
+    unfinished ones in the engine."""
 
-    def __init__(self, owner: AsyncEngine, request, queue: asyncio.Queue):
-        self.owner, self.request, self.queue = owner, request, queue
+    def __init__(self, owner: AsyncEngine, requests, queue: asyncio.Queue):
+        self.owner, self.queue = owner, queue
+        self.requests = list(requests)
+        self._open = {r.id for r in self.requests}
         self.finished = False
+
+    @property
+    def request(self):
+        """The first request (the only one of a single-choice stream)."""
+        return self.requests[0]
 
     @property
     def id(self) -> str:
@@ -178,7 +200,9 @@ class RequestStream:
     def close(self) -> None:
         if not self.finished:
             self.finished = True
-            self.owner.abort(self.request.id)
+            for rid in list(self._open):
+                self.owner.abort(rid)
+            self._open.clear()
 
     def __aiter__(self) -> AsyncIterator:
         return self._iter()
@@ -190,7 +214,8 @@ class RequestStream:
 
     async def batches(self):
         """Yield lists of the events that are ready: one event when the consumer keeps up, several
-        when it fell behind the engine (so a slow client costs fewer, larger stream chunks)."""
+        when it fell behind the engine (so a slow client costs fewer, larger stream chunks). Ends
+        after every request's final event; a failed request raises its error."""
         while not self.finished:
             items = [await self.queue.get()]
             while not self.queue.empty():
@@ -201,9 +226,14 @@ class RequestStream:
                     self.finished = True
                     if batch:
                         yield batch
+                    for rid in list(self._open):  # the other choices of a failed request are aborted
+                        self.owner.abort(rid)
+                    self._open.clear()
                     raise item.exc
                 batch.append(item)
                 if item.finished:
-                    self.finished = True
-                    break
+                    self._open.discard(item.request.id)
+                    if not self._open:
+                        self.finished = True
+                        break
             yield batch

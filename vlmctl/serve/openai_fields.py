@@ -9,7 +9,7 @@ silently ignored.
 
 Paths: `a.b` an object's key, `a[]` the items of an array, `a<type=x>` (or `<role=x>`) the variant
 of a union that has that `type` (`role`) value. A null value counts as not sent. Actions:
-  implemented   vlmctl honours it (some are wired in phase 2 of issue 14; the note says)
+  implemented   vlmctl honours it
   no_effect     accepted, and it cannot change the output here (a hint, an id, OpenAI billing);
                 its contents are not checked
   default_only  accepted only with one of `allowed` (its value that changes nothing), else 400
@@ -82,11 +82,12 @@ _SAMPLING = {
     "logit_bias": _impl("token id -> bias in -100..100, ids checked against the vocabulary "
                         "(runtime/logits_processing.py)"),
     "max_tokens": _impl("output tokens; defaults to what fits the engine"),
-    "n": _impl("n > 1: parallel samples of one prompt, each its own seed (phase 2 of issue 14)"),
+    "n": _impl("1..128 parallel samples of one prompt; choice i samples with seed + i; they share the prompt's "
+               "KV through the prefix cache"),
     "seed": _impl("per-request generator: the same seed gives the same output for the same batch"),
     "stop": _impl("up to the engine's limit of stop strings; the stop string is not returned"),
     "stream": _impl("server-sent events, ending with data: [DONE]"),
-    "stream_options": _impl(),
+    "stream_options": _impl("only with stream: true (400 otherwise, as OpenAI)"),
     "stream_options.include_usage": _impl("a last chunk with usage and no choices"),
     "stream_options.include_obfuscation": _no_effect("OpenAI pads chunks against length side channels; vlmctl "
                                                      "sends no padding, the content is the same"),
@@ -116,7 +117,7 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     f"{_M}<role=user>": _impl("a user message"),
     f"{_M}<role=user>.role": _impl(),
     f"{_M}<role=user>.name": _impl("passed to the chat template with the message (most templates do not show it)"),
-    f"{_M}<role=user>.content": _impl("a string, or text and image parts"),
+    f"{_M}<role=user>.content": _impl("a string, or text, image and video parts"),
     **_text_part(f"{_M}<role=user>.content[]"),
     f"{_M}<role=user>.content[]<type=image_url>": _impl("an image: data: URL, or http(s)/file when the server's "
                                                         "media policy allows; its placeholder goes where it is"),
@@ -126,6 +127,13 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     f"{_M}<role=user>.content[]<type=image_url>.image_url.detail": _no_effect(
         "a fidelity hint: images are processed at the resolution the engine was built for"),
     f"{_M}<role=user>.content[]<type=image_url>.prompt_cache_breakpoint": _CACHE_HINT,
+    # vLLM's extension: video parts (video families only; the handler refuses them for others)
+    f"{_M}<role=user>.content[]<type=video_url>": _impl("a video: data: URL, or http(s)/file when the server's "
+                                                        "media policy allows (media/video.py samples its frames)",
+                                                        extension=True),
+    f"{_M}<role=user>.content[]<type=video_url>.type": _impl(extension=True),
+    f"{_M}<role=user>.content[]<type=video_url>.video_url": _impl(extension=True),
+    f"{_M}<role=user>.content[]<type=video_url>.video_url.url": _impl(extension=True),
     f"{_M}<role=user>.content[]<type=input_audio>": _refused("vlmctl serves vision-language models: no audio input"),
     f"{_M}<role=user>.content[]<type=file>": _refused("file inputs (PDFs) are not supported; send images"),
     # assistant (earlier turns)
@@ -215,12 +223,16 @@ CHAT_FIELDS: dict[str, FieldRule] = {
 
 # ---- (legacy) completions --------------------------------------------------------------------------
 COMPLETION_FIELDS: dict[str, FieldRule] = {
-    "prompt": _impl("a string; a list of strings gives one choice each (phase 2); token-id prompts are a 400"),
+    "prompt": _impl("a string; a list of strings gives n choices each, in order; token-id prompts are a 400"),
     **_SAMPLING,
     "logprobs": _impl("0..5 alternatives per token"),
     "echo": _only((False,), "echoing the prompt (with its logprobs) is not supported"),
     "suffix": _only(("",), "insertion needs a fill-in-the-middle model"),
-    "best_of": _only((1,), "best_of > 1 is not supported; use n"),
+    "best_of": _impl("best_of samples per prompt (seed + i), the n with the highest mean token log-probability "
+                     "returned; not with stream"),
+    # vLLM's extension: structured output for completions too
+    **{k: FieldRule(r.action, r.note, r.allowed, extension=True) for k, r in CHAT_FIELDS.items()
+       if k.startswith("response_format")},
     **_EXTENSIONS,
 }
 

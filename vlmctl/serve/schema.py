@@ -1,9 +1,11 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic).
 
-Requests follow OpenAI's chat-completions and completions schemas; unknown fields are ignored
-(as OpenAI and vLLM do) so clients that send newer options keep working. A few vLLM-style
-extensions are accepted: `top_k`, `ignore_eos`, `stop_token_ids`. Responses are built as these
-models and serialized with `model_dump_json`.
+Requests follow OpenAI's chat-completions and completions schemas. These models check types and
+ranges only: which fields exist and which vlmctl serves is decided first, on the raw body, by
+openai_fields.py (an unknown or unsupported field is a 400 naming it), so the models ignore extra
+keys. vLLM-style extensions: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`stop_token_ids`, `video_url` content parts. Responses are built as these models and serialized
+with `model_dump_json`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import uuid
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+# OpenAI's own limit of choices per request
+MAX_N = 128
 
 
 class _Req(BaseModel):
@@ -59,13 +65,61 @@ class VideoURLPart(_Req):  # vLLM's extension of OpenAI's content parts
     video_url: VideoURL
 
 
-ContentPart = Annotated[Union[TextPart, ImageURLPart, VideoURLPart], Field(discriminator="type")]
+class RefusalPart(_Req):
+    type: Literal["refusal"]
+    refusal: Text
+
+
+ContentPart = Annotated[Union[TextPart, ImageURLPart, VideoURLPart, RefusalPart], Field(discriminator="type")]
+
+
+class FunctionCall(_Req):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Req):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Req):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: Text | None = None  # tool
+    refusal: Text | None = None  # assistant
+
+    def to_engine(self) -> dict:
+        """The message as models/chat.py renders it (the OpenAI shape; images as {"type": "image"},
+        videos as {"type": "video"})."""
+        out: dict = {"role": "system" if self.role == "developer" else self.role}
+        if self.content is None and self.tool_calls:
+            out["content"] = None  # calls only: templates check for content before writing the calls
+        elif self.content is None or isinstance(self.content, str):
+            out["content"] = self.content or ""
+        else:
+            out["content"] = [{"type": "image"} if isinstance(p, ImageURLPart)
+                              else {"type": "video"} if isinstance(p, VideoURLPart) else p.model_dump()
+                              for p in self.content]
+        for key in ("name", "tool_call_id", "refusal"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = [tc.model_dump() for tc in self.tool_calls]
+        return out
+
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImageURLPart)]
+
+    def video_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [p.video_url.url for p in self.content if isinstance(p, VideoURLPart)]
 
 
 class StreamOptions(_Req):
@@ -82,19 +136,16 @@ class SamplingFields(_Req):
     top_k: int | None = Field(None, ge=0)  # extension
     seed: int | None = None
     stop: Text | list[Text] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: int | None = Field(None, ge=1, le=MAX_N)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    # Accepted only so that they can be refused with a clear message (not silently ignored).
+    repetition_penalty: float | None = None  # extension
+    min_p: float | None = None  # extension
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    best_of: int | None = None
-    ignore_eos: bool = False  # extension (benchmarks)
+    ignore_eos: bool | None = False  # extension (benchmarks)
     stop_token_ids: list[int] | None = None  # extension
-    user: Text | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -106,15 +157,22 @@ class SamplingFields(_Req):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Text | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text]
+    # token-id prompts are typed here so that they get their own clear 400, not a type error
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
+    echo: bool | None = False
     suffix: Text | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    response_format: dict[str, Any] | None = None  # extension (vLLM's): structured output here too
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -149,9 +207,21 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -173,6 +243,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # as models/tool_calls.ToolCallStreamParser makes them
 
 
 class ChatChunkChoice(BaseModel):
@@ -221,6 +292,14 @@ class ModelCard(BaseModel):
     owned_by: str = "vlmctl"
     root: str | None = None
     max_model_len: int | None = None
+
+
+class VersionInfo(BaseModel):
+    version: str
+    model: str
+    decoder_backend: str
+    vision_backend: str
+    openai_fields_checked_against: str  # the openai package release the request tables follow
 
 
 class ModelList(BaseModel):
