@@ -26,10 +26,15 @@ class ImageItem:
     """One preprocessed image, ready for the vision runner."""
 
     inputs: dict[str, np.ndarray]  # ONNX feed for this image (batch axis of size 1 or #crops)
-    num_tokens: int  # feature rows it becomes in the prompt
+    num_tokens: int  # feature rows it becomes in the prompt (0 where cross-attention layers read it)
     meta: dict[str, Any] = field(default_factory=dict)  # what postprocess_features needs
     content_hash: str = ""
-    features: np.ndarray | None = None  # filled by the engine: [num_tokens, hidden]
+    features: np.ndarray | None = None  # filled by the engine: [feature rows, hidden]
+    cross_rows: int = 0  # feature rows of an image read by cross-attention layers (not in the prompt)
+
+    @property
+    def feature_rows(self) -> int:
+        return self.cross_rows or self.num_tokens
 
 
 @dataclass(frozen=True)
@@ -49,17 +54,37 @@ class TritonStock:
 
 
 @dataclass
+class CrossAttention:
+    """How a prompt's tokens see its images when the decoder reads them in cross-attention layers
+    instead of prompt rows (transformers' `cross_attention_mask`, per token).
+
+    Image k's features have `image_rows[k]` rows; a token that sees it sees the first
+    `visible_rows[k]` (its real tiles; the rest pad it to the tower's tile count). Token t sees
+    images `token_images[t, 0]` up to (not including) `token_images[t, 1]`; an empty range before the
+    first image (transformers lets such a token attend to every row of every image, padding
+    included, and zeroes its cross-attention MLP output). Generated tokens see what the last prompt
+    token sees."""
+
+    image_rows: list[int]
+    visible_rows: list[int]
+    token_images: np.ndarray  # int64 [prompt tokens, 2]
+
+
+@dataclass
 class EncodedPrompt:
     """A tokenized prompt whose image placeholders are already expanded.
 
     `token_ids` holds ordinary ids plus, for image k, `images[k].num_tokens` copies of
-    `image_placeholder_id`; the runtime swaps them for fake ids >= vocab_size in order.
+    `image_placeholder_id`; the runtime swaps them for fake ids >= vocab_size in order. A family whose
+    decoder reads images in cross-attention layers puts no rows in the prompt and says in `cross`
+    which images each token sees.
     """
 
     token_ids: list[int]
     images: list[ImageItem]
     image_placeholder_id: int
     text: str = ""
+    cross: CrossAttention | None = None
 
 
 class VLMFamily:
@@ -74,6 +99,9 @@ class VLMFamily:
     # How the decoder attends among an image's rows during prefill: "causal" (like text), or
     # "bidirectional" (the rows of one image see each other; the decoder spec carries it to the runtime).
     image_attention: ClassVar[str] = "causal"
+    # How image features reach the decoder: "prompt_table" (rows of the prompt, the prompt-embedding
+    # table contract) or "cross_attention" (read by the decoder's cross-attention layers).
+    image_input: ClassVar[str] = "prompt_table"
 
     # ---- detection -------------------------------------------------------------------------
     @classmethod

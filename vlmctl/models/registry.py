@@ -20,6 +20,7 @@ FAMILIES: dict[str, str] = {
     "idefics3": "vlmctl.models.idefics3:Idefics3Family",
     "smolvlm": "vlmctl.models.idefics3:SmolVLMFamily",
     "gemma3": "vlmctl.models.gemma3:Gemma3Family",
+    "mllama": "vlmctl.models.mllama:MllamaFamily",
 }
 
 

@@ -186,8 +186,8 @@ class VisionEncoder:
             if not isinstance(feats, torch.Tensor):
                 feats = torch.from_numpy(np.ascontiguousarray(feats))
             feats = feats.reshape(-1, feats.shape[-1]).to(self.device, self.dtype)
-            if feats.shape[0] != it.num_tokens:
+            if feats.shape[0] != it.feature_rows:
                 raise EngineError(f"vision produced {feats.shape[0]} rows for an image expected to give "
-                                  f"{it.num_tokens}")
+                                  f"{it.feature_rows}")
             it.features = feats
             self.cache.put(it.content_hash, feats)
