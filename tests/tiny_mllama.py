@@ -79,7 +79,7 @@ def make_llama3_tokenizer(vocab_size: int = 200):
 
 def make_mllama(out: Path, *, seed: int = 0, image_size: int = 16, patch_size: int = 4, vision_layers: int = 3,
                 global_layers: int = 2, text_layers: int = 5, cross_layers=(1, 3), hidden: int = 64,
-                num_kv_heads: int = 2, init_range: float = 0.25, vision_init: float = 0.2,
+                num_kv_heads: int = 2, init_range: float = 0.4, vision_init: float = 0.2,
                 gate: float = 1.0) -> Path:
     """A tiny MllamaForConditionalGeneration. Tiles are `image_size` px (the hub: 560), each
     (image_size / patch_size)^2 + 1 rows; images split into at most 4 tiles. `gate`: scale of the

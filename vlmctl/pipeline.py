@@ -74,11 +74,20 @@ def resolve_decoder_backend(recipe: Recipe, family=None) -> str:
     """torch or trtllm. `auto` takes TensorRT-LLM when its interpreter has 1.2.x and the recipe is
     one it builds (float16/bfloat16); a recipe asking for tensor/pipeline parallelism must get it.
     A family whose image rows attend to each other (`image_attention` "bidirectional") gets the torch
-    decoder: TensorRT-LLM's prompt-table engines attend causally, which would change the answers."""
+    decoder: TensorRT-LLM's prompt-table engines attend causally, which would change the answers.
+    So does a family whose decoder reads images in cross-attention layers: vlmctl builds only
+    prompt-table engines (docs/tensorrt-llm.md says what TensorRT-LLM 1.2 itself offers there)."""
     from .backends.trtllm import trtllm_available
 
     want = recipe.decoder.backend
     parallel = recipe.decoder.tp_size * recipe.decoder.pp_size > 1
+    if family is not None and family.image_input == "cross_attention":
+        if want == "trtllm" or parallel:
+            raise StageError(f"decoder.backend trtllm: vlmctl builds TensorRT-LLM prompt-table engines, but "
+                             f"{family.name} reads its images in cross-attention layers (TensorRT-LLM's own "
+                             "encoder-feature path is not built by vlmctl; docs/tensorrt-llm.md); use "
+                             "decoder.backend: torch (one GPU)")
+        return "torch"
     if family is not None and family.image_attention != "causal":
         if want == "trtllm" or parallel:
             raise StageError(f"decoder.backend trtllm: TensorRT-LLM's prompt-table engine attends causally among "
@@ -155,7 +164,8 @@ def _spec_quantize(recipe: Recipe, workdir: Path, progress: Progress | None, dry
     q = recipe.quantization
     if q.method == "none":
         return StageResult("quantize", False, 0.0, workdir / "quantize", skipped="quantization.method is none")
-    if recipe.decoder.backend == "auto" and resolve_decoder_backend(recipe) == "trtllm":
+    family = _family(workdir) if read_manifest(workdir / "convert") is not None else None
+    if recipe.decoder.backend == "auto" and resolve_decoder_backend(recipe, family) == "trtllm":
         from .recipe import check_trtllm_group_size
 
         try:  # `auto` chose TensorRT-LLM on this machine: its group-size rule holds before quantizing too
@@ -169,6 +179,8 @@ def _spec_quantize(recipe: Recipe, workdir: Path, progress: Progress | None, dry
     if calib_hash is not None:
         inputs["calibration"] = calib_hash
     settings = q.model_dump(mode="json")
+    if settings["cross_attention"] == "float":  # the default: engines built before the key keep their cache key
+        del settings["cross_attention"]
     return StageSpec("quantize", workdir, settings, inputs,
                      lambda out: quantize_workspace(workdir / "convert", out, q, Path(recipe.base_dir), progress))
 

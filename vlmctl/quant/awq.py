@@ -200,9 +200,22 @@ def clip_thresholds(w, x, group_size: int, n_grid: int = CLIP_GRID, max_shrink: 
 
 
 # ---- one decoder layer --------------------------------------------------------------------------
+class PerSample:
+    """A layer keyword argument with one entry per calibration sample (axis 0), e.g. the image states a
+    cross-attention layer reads: each forward over samples [lo, hi) gets rows [lo, hi) of it."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
 def _call_kwargs(module, kwargs: dict) -> dict:
     params = inspect.signature(module.forward).parameters
     return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _rows(kw: dict, lo: int, hi: int) -> dict:
+    """`kw` for samples [lo, hi): PerSample values sliced, the rest as they are."""
+    return {k: (v.tensor[lo:hi] if isinstance(v, PerSample) else v) for k, v in kw.items()}
 
 
 def _first(out):
@@ -270,10 +283,10 @@ class LayerQuantizer:
     """Runs AWQ on one decoder layer module (float32), in place, and returns its packed linears."""
 
     def __init__(self, family, group_size: int, duo_scaling: bool, layer_kwargs: dict, chunk: int,
-                 delta_dtype=None):
+                 delta_dtype=None, groups=None):
         self.family = family
         self.delta_dtype = delta_dtype
-        self.groups = family.awq_groups
+        self.groups = family.awq_groups if groups is None else groups  # a layer kind's (DecoderFamily.groups_for)
         self.group_size = group_size
         self.duo = duo_scaling
         self.kwargs = layer_kwargs
@@ -317,7 +330,7 @@ class LayerQuantizer:
             for lo, hi in self._chunks(x):
                 state["lo"] = lo
                 by_ptr.clear()
-                out[lo:hi] = _first(layer(x[lo:hi], **kw))
+                out[lo:hi] = _first(layer(x[lo:hi], **_rows(kw, lo, hi)))
         finally:
             for h in hooks:
                 h.remove()
@@ -370,7 +383,7 @@ class LayerQuantizer:
                     for m, w in zip(lins, weights):
                         m.weight.data = pseudo_quantize(w * s, self.group_size) / s
                     for i, (lo, hi) in enumerate(self._chunks(x)):
-                        losses[k] += _sq_err(_first(block(x[lo:hi], **kw)), ref[i])
+                        losses[k] += _sq_err(_first(block(x[lo:hi], **_rows(kw, lo, hi))), ref[i])
             finally:
                 for m, w in zip(lins, weights):
                     m.weight.data = w
@@ -394,10 +407,11 @@ class LayerQuantizer:
                     deltas[id(m)] = d
                 for lo, hi in self._chunks(x):
                     xc = x[lo:hi]
+                    kwc = _rows(kw, lo, hi)
                     cache = {}
                     for m in all_lins:
                         m.forward = _recording_forward(m, cache)
-                    ref = _first(block(xc, **kw))
+                    ref = _first(block(xc, **kwc))
                     cast = {}
                     for m in all_lins:
                         inp = cache[id(m)][0]
@@ -413,7 +427,7 @@ class LayerQuantizer:
                             else:
                                 wf = w_fast[id(m)]
                                 m.forward = _delta_forward(ref_in, ref_out, None, None, lambda wf=wf: wf, fast)
-                        losses[k] += _sq_err(_first(block(xc, **kw)), ref)
+                        losses[k] += _sq_err(_first(block(xc, **kwc)), ref)
                     del cache, cast
         finally:
             for m in all_lins:
@@ -424,7 +438,7 @@ class LayerQuantizer:
         return [(i, min(x.shape[0], i + self.chunk)) for i in range(0, x.shape[0], self.chunk)]
 
     def _block_reference(self, block, x, kw):
-        return [_first(block(x[lo:hi], **kw)) for lo, hi in self._chunks(x)]
+        return [_first(block(x[lo:hi], **_rows(kw, lo, hi))) for lo, hi in self._chunks(x)]
 
     @staticmethod
     def apply_scale(layer, group, scale, norm_offset: float = 0.0):
@@ -456,6 +470,8 @@ class LayerQuantizer:
         out, inputs = self.forward_record(layer, x)
         chosen = []
         for g in self.groups:
+            if not g.scaled:  # nothing in the layer feeds these linears (image states): no scale to fold
+                continue
             if g.requires_equal_shapes:
                 prev = layer.get_submodule(g.prev_op)
                 if tuple(prev.weight.shape) != tuple(layer.get_submodule(g.linears[0]).weight.shape):
@@ -564,11 +580,11 @@ def valid_group_sizes(in_features: list[int]) -> list[int]:
     return [d for d in range(8, g + 1, 8) if g % d == 0]
 
 
-def check_group_size(layer, family, group_size: int, layer_name: str) -> None:
+def check_group_size(layer, family, group_size: int, layer_name: str, groups=None) -> None:
     import torch
 
     ins = {}
-    for g in family.awq_groups:
+    for g in family.awq_groups if groups is None else groups:
         for n in g.linears:
             m = layer.get_submodule(n)
             if not isinstance(m, torch.nn.Linear):
@@ -621,12 +637,18 @@ def _load_tokenizer(src_dir: Path):
 
 def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | None = None,
                        progress: Progress | None = None, *, device: str | None = None, calib_ids=None,
-                       calib_embeds=None) -> dict:
+                       calib_embeds=None, calib_cross: dict | None = None) -> dict:
     """AWQ-quantize the plain HF causal LM in `src_dir` into an AutoAWQ GEMM checkpoint in `out_dir`.
 
     `settings` is a `QuantizationSettings`; `calib_ids` (LongTensor [n, T]) overrides its calibration
     data, and `calib_embeds` (float [n, T, hidden], e.g. with image features) replaces the embedding
     lookup altogether. Returns a summary (timings, peak memory, sizes) for the manifest.
+
+    Decoders with cross-attention layers: `calib_cross` (from `vlm_calibration.cross_attention_calibration`)
+    holds what those layers read per sample - the image states and transformers' masks; without it the
+    calibration is text, which those layers never see (transformers skips them), so they pass it on
+    unchanged and must stay float (`settings.cross_attention`). Float cross-attention layers are
+    copied as they are and listed in `modules_to_not_convert`.
     """
     import torch
 
@@ -649,12 +671,23 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
     family = decoder_family(config_dict.get("model_type", ""))
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     group_size = settings.group_size
+    spec = decoder_spec(config_dict)
+    kinds = [spec.layer_types[i] if spec.layer_types else "full" for i in range(spec.num_layers)]
+    cross_mode = getattr(settings, "cross_attention", "float")
+    quantize_cross = cross_mode == "quantize"
+    if spec.cross_layers and quantize_cross and calib_cross is None:
+        raise InputError("quantization.cross_attention quantize needs image-text calibration data (a .jsonl whose "
+                         "records name images): only image states reach the cross-attention layers; or keep them "
+                         "float (quantization.cross_attention: float)")
 
     hf_config, skeleton, embed_name = _skeleton(src_dir, family)
     layers = skeleton.get_submodule(family.layer_prefix)
     n_layers = len(layers)
     parent = skeleton.get_submodule(family.layer_prefix.rsplit(".", 1)[0]) if "." in family.layer_prefix else skeleton
-    check_group_size(layers[0], family, group_size, f"{family.layer_prefix}.0")  # before any real work
+    for kind in dict.fromkeys(kinds):  # one layer of each kind that gets quantized, before any real work
+        i = kinds.index(kind)
+        if kind != "cross_attention" or quantize_cross:
+            check_group_size(layers[i], family, group_size, f"{family.layer_prefix}.{i}", family.groups_for(kind))
 
     tokens = calib_ids
     cal = settings.calibration
@@ -683,7 +716,6 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
         rotary = type(parent.rotary_emb)(config=hf_config).to(dev)
         pos = torch.arange(seq_len, device=dev)[None]
         per_layer = calibration_layer_kwargs(family, hf_config, rotary, x, pos)
-    layer_kwargs = per_layer[0]
     width = max(hf_config.hidden_size, getattr(hf_config, "intermediate_size", 0) or 0)
     # Samples per forward: on a CPU, intermediates of ~16 MiB stay on the allocator's heap (larger
     # ones are mmapped and page-faulted afresh on every use, which made the search ~30% slower); a
@@ -698,7 +730,12 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
         if not name.startswith(layer_prefix):
             writer.add(name, tensors.get(name))
     delta_dtype = fast_delta_dtype(dev)
-    quantizer = LayerQuantizer(family, group_size, settings.duo_scaling, layer_kwargs, chunk, delta_dtype)
+    cross_kw = {}
+    if calib_cross is not None:
+        cross_kw = {k: PerSample(calib_cross[v].to(dev, torch.float32)) for k, v in
+                    (("cross_attention_states", "states"), ("cross_attention_mask", "mask"),
+                     ("full_text_row_masked_out_mask", "rowmask"))}
+    float_modules: list[str] = []
     task = progress.task(f"awq: quantizing {n_layers} decoder layers", total=n_layers)
     n_linears = 0
     with torch.inference_mode():
@@ -706,13 +743,30 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
             prefix = f"{layer_prefix}{i}."
             names = [n for n in tensors.names() if n.startswith(prefix)]
             src = {n[len(prefix):]: tensors.get(n) for n in names}
+            cross = kinds[i] == "cross_attention"
+            groups = family.groups_for(kinds[i])
+            if cross and not quantize_cross:
+                for n in names:  # kept float, byte for byte
+                    writer.add(n, tensors.get(n))
+                # module names as transformers 5 (a suffix) and vLLM (a substring) both match them
+                float_modules += [f"layers.{i}.{lin}" for g in groups for lin in g.linears
+                                  if f"layers.{i}.{lin}" not in float_modules]
+                if calib_cross is not None:  # the next layer's input: this layer's float output
+                    x = _float_forward(layers[i], src, dev, x, {**per_layer[i], **cross_kw}, chunk, src_dir, i)
+                layers[i] = torch.nn.Identity()
+                tensors.release()
+                task.advance()
+                continue  # without image states transformers skips it: x passes unchanged
             layer = layers[i]
             try:
                 layer.load_state_dict({k: v.to(dev, torch.float32) for k, v in src.items()}, strict=True, assign=True)
             except RuntimeError as e:
                 raise CheckpointError(f"{src_dir}: layer {i} tensors do not match the config "
                                       f"({str(e).splitlines()[0][:200]})") from None
-            quantizer.kwargs = per_layer[i]  # rotary table and window of this layer's type
+            quantizer = LayerQuantizer(family, group_size, settings.duo_scaling, per_layer[i], chunk, delta_dtype,
+                                       groups)
+            if cross:
+                quantizer.kwargs = {**per_layer[i], **cross_kw}  # the image states and masks, per sample
             x, packed = quantizer.quantize(layer, x)
             state = layer.state_dict()
             for k, v in state.items():
@@ -734,18 +788,39 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
     writer.close()
 
     cfg_out = dict(config_dict)
-    cfg_out["quantization_config"] = awq_config(group_size)
+    cfg_out["quantization_config"] = awq_config(group_size, float_modules or None)
     (out_dir / "config.json").write_text(json.dumps(cfg_out, indent=2))
     copy_side_files(src_dir, out_dir)
+    summary = {}
+    if spec.cross_layers:
+        summary["cross_attention"] = {"layers": list(spec.cross_layers), "mode": cross_mode,
+                                      "calibrated_with_images": calib_cross is not None}
     return {
         "backend": "vlmctl-awq", "backend_version": _version(),
         "method": "awq", "impl": "vlmctl", "bits": BITS, "group_size": group_size, "zero_point": True,
-        "duo_scaling": settings.duo_scaling, "layers": n_layers, "quantized_linears": n_linears,
+        "duo_scaling": settings.duo_scaling, "layers": n_layers, "quantized_linears": n_linears, **summary,
         "calibration": {"data": cal.data if calib_ids is None else "(given tokens)", "samples": int(n_samples),
                         "seq_len": int(seq_len), "image_text": calib_embeds is not None},
         "device": str(dev), "search_delta_dtype": str(delta_dtype).replace("torch.", "") if delta_dtype else "float32",
         "wall_s": round(time.perf_counter() - t0, 2), "peak_rss_mib": round(peak_rss_mib(), 1),
     }
+
+
+def _float_forward(layer, src: dict, dev, x, kwargs: dict, chunk: int, src_dir: Path, i: int):
+    """The float output of a decoder layer kept unquantized (its input for the next layer)."""
+    import torch
+
+    try:
+        layer.load_state_dict({k: v.to(dev, torch.float32) for k, v in src.items()}, strict=True, assign=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{src_dir}: layer {i} tensors do not match the config "
+                              f"({str(e).splitlines()[0][:200]})") from None
+    kw = _call_kwargs(layer, kwargs)
+    out = torch.empty_like(x)
+    for lo in range(0, x.shape[0], chunk):
+        hi = min(x.shape[0], lo + chunk)
+        out[lo:hi] = _first(layer(x[lo:hi], **_rows(kw, lo, hi)))
+    return out
 
 
 def awq_config(group_size: int, modules_to_not_convert: list[str] | None = None) -> dict:
@@ -799,7 +874,9 @@ def write_vlm_checkpoint(workspace: Path, quantized_llm: Path, out_dir: Path, pr
     writer.close()
     task.done()
     cfg = json.loads((workspace / "vision" / "config.json").read_text())
-    cfg["quantization_config"] = awq_config(int(quant["group_size"]), list(family.vision_module_names()))
+    # the vision modules, and any decoder linears the quantized decoder kept float
+    cfg["quantization_config"] = awq_config(int(quant["group_size"]), list(family.vision_module_names())
+                                            + list(quant.get("modules_to_not_convert") or []))
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     proc = workspace / "processor"
     if proc.is_dir():
@@ -813,7 +890,7 @@ def quantize_workspace(workspace: Path, out_dir: Path, settings, base_dir: Path 
     workspace, out_dir = Path(workspace), Path(out_dir)
     if not (workspace / "llm" / "config.json").exists():
         raise CheckpointError(f"{workspace}: not a conversion workspace (no llm/config.json)")
-    from .vlm_calibration import image_text_embeddings, read_image_text_records
+    from .vlm_calibration import cross_attention_calibration, image_text_embeddings, read_image_text_records
 
     cal = settings.calibration
     records = read_image_text_records(cal.data, base_dir)
@@ -824,13 +901,20 @@ def quantize_workspace(workspace: Path, out_dir: Path, settings, base_dir: Path 
 
         summary = quantize_with_autoawq(workspace / "llm", out_dir / "llm", settings, base_dir, progress)
     else:
-        embeds = None
+        embeds = cross = None
         if records is not None:
             if not (workspace / "vision").is_dir():
                 raise InputError(f"{cal.data}: image-text calibration needs a VLM workspace (vision/ is missing)")
-            embeds = image_text_embeddings(workspace, records, cal.samples, cal.seq_len, progress=progress)
+            from ..models.registry import get_family
+
+            family = get_family(json.loads((workspace / "family.json").read_text())["family"])
+            if family.image_input == "cross_attention":
+                embeds, cross = cross_attention_calibration(workspace, records, cal.samples, cal.seq_len,
+                                                            progress=progress)
+            else:
+                embeds = image_text_embeddings(workspace, records, cal.samples, cal.seq_len, progress=progress)
         summary = quantize_causal_lm(workspace / "llm", out_dir / "llm", settings, base_dir, progress,
-                                     calib_embeds=embeds)
+                                     calib_embeds=embeds, calib_cross=cross)
     if (workspace / "vision").is_dir() and (workspace / "family.json").exists():
         summary["vlm"] = write_vlm_checkpoint(workspace, out_dir / "llm", out_dir / "vlm", progress)
     return summary

@@ -10,6 +10,11 @@ image are plain tokenized text. The embedded sequences are concatenated and cut 
 
 Positions inside a block are 1-D (0..seq_len-1) for every family, including those with
 multi-dimensional rotary positions: this is calibration statistics, not inference.
+
+Families whose decoder reads images in cross-attention layers (Llama 3.2 Vision) have no image rows
+to splice in: `cross_attention_calibration` makes one sample per image record instead - its token
+embeddings, its image states and transformers' cross-attention masks - so the cross-attention
+layers see what they see at inference.
 """
 
 from __future__ import annotations
@@ -118,6 +123,99 @@ def image_text_embeddings(workspace: Path, records: list[dict], samples: int, se
     if n == 0:
         raise InputError(f"image-text calibration gave {total} positions; need at least one block of {seq_len}")
     return torch.cat(pieces)[: n * seq_len].view(n, seq_len, -1)
+
+
+def _load_images(rec: dict) -> list:
+    from PIL import Image
+
+    images = []
+    for p in rec["images"]:
+        try:
+            images.append(Image.open(p).convert("RGB"))
+        except OSError as e:
+            raise InputError(f"calibration record at line {rec['line']}: cannot read image {p} ({e})") from None
+    return images
+
+
+def cross_attention_calibration(workspace: Path, records: list[dict], samples: int, seq_len: int,
+                                seed: int = DEFAULT_SEED, progress: Progress | None = None):
+    """(token embeddings [n, seq_len, hidden], {"states": [n, R, hidden], "mask": [n, 1, seq_len, R],
+    "rowmask": [n, 1, seq_len, 1]}) for a decoder with cross-attention layers, float32.
+
+    One sample per record with images: its user turn (images, then text) rendered by the family's
+    template, cut at `seq_len` or continued with the other records' text (tokens that see the
+    record's images, as generated tokens would). `states` are the images' vision outputs (R: the most
+    rows of any sample; a sample's extra rows are masked for every token), `mask` is transformers'
+    additive cross-attention mask (a token sees its images' real tiles; a token before the first
+    image sees every row of its own images) and `rowmask` 0 where a token sees no image yet."""
+    import numpy as np
+    import torch
+
+    from ..models.registry import get_family
+    from ..runtime.vision import TorchVisionRunner, VisionEncoder
+    from .awq import embedding_weight
+
+    progress = ensure(progress)
+    workspace = Path(workspace)
+    family = get_family(json.loads((workspace / "family.json").read_text())["family"])
+    processor = family.load_processor(workspace / "processor")
+    tokenizer = processor.tokenizer
+    cpu = torch.device("cpu")
+    vision = VisionEncoder(TorchVisionRunner(family, workspace / "vision", device=cpu, dtype=torch.float32),
+                           processor, cpu, torch.float32, cache_size=0)
+    embed = embedding_weight(workspace / "llm").to(torch.float32)
+
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    with_images = [records[i] for i in order if records[i]["images"]][:samples]
+    filler = [t for i in order for t in tokenizer(records[i]["text"], add_special_tokens=False)["input_ids"]]
+    embeds, states, masks, rowmasks = [], [], [], []
+    at = 0  # where the filler stream continues
+    task = progress.task("awq: embedding image-text calibration records", total=len(with_images))
+    with torch.inference_mode():
+        for rec in with_images:
+            content = [{"type": "image"} for _ in rec["images"]] + [{"type": "text", "text": rec["text"]}]
+            prompt = processor.encode([{"role": "user", "content": content}], _load_images(rec))
+            ids = list(prompt.token_ids)[:seq_len]
+            seen = np.asarray(prompt.cross.token_images)[:seq_len]
+            while len(ids) < seq_len and filler:
+                take = filler[at:at + seq_len - len(ids)]
+                if not take:  # the stream ran out: from its start again
+                    at = 0
+                    continue
+                ids += take
+                at += len(take)
+            if len(ids) < seq_len:
+                raise InputError(f"calibration record at line {rec['line']}: {len(ids)} tokens and no text to fill "
+                                 f"a block of {seq_len}")
+            seen = np.concatenate([seen, np.repeat(seen[-1:], seq_len - len(seen), 0)])
+            vision.encode(prompt.images)
+            feats = torch.cat([it.features.float() for it in prompt.images])
+            first = np.concatenate([[0], np.cumsum(prompt.cross.image_rows)])
+            mask = torch.zeros(seq_len, feats.shape[0], dtype=torch.bool)
+            for t, (f, e) in enumerate(seen):
+                if f < e:
+                    for k in range(f, e):
+                        mask[t, first[k]:first[k] + prompt.cross.visible_rows[k]] = True
+                else:
+                    mask[t] = True  # no image in view yet: every row (transformers' full-row rule)
+            embeds.append(embed[torch.tensor(ids)])
+            states.append(feats)
+            masks.append(mask)
+            rowmasks.append(torch.from_numpy(seen[:, 0] < seen[:, 1]))
+            task.advance()
+    task.done()
+    if not embeds:
+        raise InputError("image-text calibration has no record with an image")
+    R = max(s.shape[0] for s in states)
+    n = len(embeds)
+    out_states = torch.zeros(n, R, embed.shape[1])
+    out_mask = torch.full((n, 1, seq_len, R), torch.finfo(torch.float32).min)
+    for j, (st, m) in enumerate(zip(states, masks)):
+        out_states[j, :st.shape[0]] = st
+        out_mask[j, 0, :, :st.shape[0]].masked_fill_(m, 0.0)
+    rowmask = torch.stack(rowmasks).to(torch.float32)[:, None, :, None]
+    return torch.stack(embeds), {"states": out_states, "mask": out_mask, "rowmask": rowmask}
 
 
 def calibration_files(spec: str | None, base_dir: Path | None = None) -> list[Path]:
