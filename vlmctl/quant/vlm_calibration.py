@@ -140,7 +140,7 @@ def _load_images(rec: dict) -> list:
 def cross_attention_calibration(workspace: Path, records: list[dict], samples: int, seq_len: int,
                                 seed: int = DEFAULT_SEED, progress: Progress | None = None):
     """(token embeddings [n, seq_len, hidden], {"states": [n, R, hidden], "mask": [n, 1, seq_len, R],
-    "rowmask": [n, 1, seq_len, 1]}) for a decoder with cross-attention layers, float32.
+    "rowmask": [n, 1, seq_len, 1], "ids": [n, seq_len]}) for a decoder with cross-attention layers, float32.
 
     One sample per record with images: its user turn (images, then text) rendered by the family's
     template, cut at `seq_len` or continued with the other records' text (tokens that see the
@@ -169,7 +169,7 @@ def cross_attention_calibration(workspace: Path, records: list[dict], samples: i
     random.Random(seed).shuffle(order)
     with_images = [records[i] for i in order if records[i]["images"]][:samples]
     filler = [t for i in order for t in tokenizer(records[i]["text"], add_special_tokens=False)["input_ids"]]
-    embeds, states, masks, rowmasks = [], [], [], []
+    embeds, states, masks, rowmasks, all_ids = [], [], [], [], []
     at = 0  # where the filler stream continues
     task = progress.task("awq: embedding image-text calibration records", total=len(with_images))
     with torch.inference_mode():
@@ -200,6 +200,7 @@ def cross_attention_calibration(workspace: Path, records: list[dict], samples: i
                 else:
                     mask[t] = True  # no image in view yet: every row (transformers' full-row rule)
             embeds.append(embed[torch.tensor(ids)])
+            all_ids.append(torch.tensor(ids))
             states.append(feats)
             masks.append(mask)
             rowmasks.append(torch.from_numpy(seen[:, 0] < seen[:, 1]))
@@ -215,7 +216,8 @@ def cross_attention_calibration(workspace: Path, records: list[dict], samples: i
         out_states[j, :st.shape[0]] = st
         out_mask[j, 0, :, :st.shape[0]].masked_fill_(m, 0.0)
     rowmask = torch.stack(rowmasks).to(torch.float32)[:, None, :, None]
-    return torch.stack(embeds), {"states": out_states, "mask": out_mask, "rowmask": rowmask}
+    return torch.stack(embeds), {"states": out_states, "mask": out_mask, "rowmask": rowmask,
+                                 "ids": torch.stack(all_ids)}
 
 
 def calibration_files(spec: str | None, base_dir: Path | None = None) -> list[Path]:

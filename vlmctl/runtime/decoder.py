@@ -678,10 +678,20 @@ class TorchDecoder:
         B = self.bucket(b)
         entry = self._graphs.get((B, with_cross)) or self._capture(B, with_cross)
         graph, st, out = entry
+        self._fill_graph_inputs(st, ids, positions, slots, block_tables, context_lens, cross_tables, cross_lens)
+        st["dev"].copy_(st["host"], non_blocking=True)
+        graph.replay()
+        return out[:b]
+
+    @staticmethod
+    def _fill_graph_inputs(st: dict, ids, positions, slots, block_tables, context_lens, cross_tables=None,
+                           cross_lens=None) -> None:
+        """Write a step's inputs into a captured bucket's host buffer (one pinned buffer, one copy):
+        ids | positions | slots | lens | block tables [| image rows | cross block tables]. Padding rows
+        read and write block 0, which the pools never hand out, and see no image."""
+        B, maxb, maxcb = st["B"], st["maxb"], st["maxcb"]
+        b = len(ids)
         host = st["host"]
-        maxb, maxcb = st["maxb"], st["maxcb"]
-        # one pinned host buffer, one copy: ids | positions | slots | lens | block tables [| image rows |
-        # cross block tables] (padding rows read and write block 0, which the pools never hand out)
         host.zero_()
         h = host.numpy()
         h[0:b] = ids
@@ -693,15 +703,14 @@ class TorchDecoder:
         tabs = h[o:o + B * maxb].reshape(B, maxb)
         for i, t in enumerate(block_tables):
             tabs[i, :len(t)] = t
-        if with_cross:
+        if st["with_cross"]:
             o += B * maxb
             h[o:o + b] = cross_lens
             xtabs = h[o + B:o + B + B * maxcb].reshape(B, maxcb)
             for i, t in enumerate(cross_tables):
+                if len(t) > maxcb:
+                    raise EngineError(f"{len(t)} cross-attention blocks exceed the captured {maxcb}")
                 xtabs[i, :len(t)] = t
-        st["dev"].copy_(host, non_blocking=True)
-        graph.replay()
-        return out[:b]
 
     def _splits(self, batch: int) -> int:
         """Context splits of the decode attention for a batch (the same rule eager and captured)."""
@@ -735,7 +744,8 @@ class TorchDecoder:
                 shapes.setdefault(tuple(lin.packed["q4weight"].shape), lin.packed)
             warmup(list(shapes.values()), packed[0].group_size, self._bucket_sizes, self.dtype, self.device)
         if self.use_graphs:
-            variants = (False, True) if self.n_cross_layers and self.xk_cache is not None else (False,)
+            # the variant with cross-attention layers only where requests can have images
+            variants = (False, True) if self.xk_cache is not None and self.max_cross_rows > 0 else (False,)
             for B in reversed(self._bucket_sizes):  # largest first: later captures reuse its memory pool
                 for with_cross in variants:
                     self._capture(B, with_cross)
@@ -747,15 +757,16 @@ class TorchDecoder:
             out += [layer.cross.q, layer.cross.kv, layer.cross.o]
         return [lin for lin in out if lin is not None]
 
-    def _capture(self, B: int, with_cross: bool = False):
+    def _graph_inputs(self, B: int, with_cross: bool):
+        """(state, body) of a decode bucket: the host/device input buffers and the step that reads them."""
         dev = self.device
         maxb = -(-self.max_seq // self.block_size)
         maxcb = -(-self.max_cross_rows // self.block_size) if with_cross else 0
         # int32 throughout: embedding, rotary, cache slots and block tables all take it
         n_cross = (B + B * maxcb) if with_cross else 0
-        host = torch.zeros(4 * B + B * maxb + n_cross, dtype=torch.int32, pin_memory=True)
+        host = torch.zeros(4 * B + B * maxb + n_cross, dtype=torch.int32, pin_memory=dev.type == "cuda")
         d = torch.zeros_like(host, device=dev)
-        st = {"host": host, "dev": d, "maxb": maxb, "maxcb": maxcb}
+        st = {"host": host, "dev": d, "B": B, "maxb": maxb, "maxcb": maxcb, "with_cross": with_cross}
         splits = self._splits(B)
         ws = self._workspace(B, splits)
         cross = None
@@ -769,6 +780,11 @@ class TorchDecoder:
                                      d[3 * B:4 * B], splits, ws, cross)
 
         d[3 * B:4 * B].fill_(1)
+        return st, body
+
+    def _capture(self, B: int, with_cross: bool = False):
+        dev = self.device
+        st, body = self._graph_inputs(B, with_cross)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):

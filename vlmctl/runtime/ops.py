@@ -100,7 +100,7 @@ def rope_and_cache_reference(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cac
         k = rot[:, n_q:]
         v = qkv[:, (n_q + n_kv) * head_dim:].view(T, n_kv, head_dim)
         keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
+        slots = slot_mapping[keep].long()  # a captured step's buffers are int32
         k_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, k[keep])
         v_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, v[keep])
 
