@@ -218,7 +218,6 @@ def bench_attention(bw: float, batches=(1, 8, 64), contexts=(640, 2048), heads: 
                          "triton_fused_us": t_fused * 1e3, "torch_gather_sdpa_us": t_ref * 1e3})
             print(f"attention b={b:<3} ctx={ctx:<5} splits={s:<3} bound {bound * 1e3:7.1f} us  triton {t_tri * 1e3:7.1f}"
                   f"  triton+rope+append {t_fused * 1e3:7.1f}  torch gather+sdpa {t_ref * 1e3:8.1f}", flush=True)
-            del kc, vc
     return rows
 
 
