@@ -466,7 +466,8 @@ def test_decode_body_with_and_without_cross_rows(model):
     bs = dec.block_size
     bt_a = list(range(1, 1 + -(-(len(ids_a) + 4) // bs)))
     bt_b = list(range(bt_a[-1] + 1, bt_a[-1] + 1 + -(-(len(ids_b) + 4) // bs)))
-    dec.forward([Chunk(ids_a, np.arange(len(ids_a)), 0, bt_a, None, True, CrossRows(xblocks, *p.rows_for(0, len(ids_a)))),
+    rows_a = CrossRows(xblocks, *p.rows_for(0, len(ids_a)))
+    dec.forward([Chunk(ids_a, np.arange(len(ids_a)), 0, bt_a, None, True, rows_a),
                  Chunk(ids_b, np.arange(len(ids_b)), 0, bt_b)])
     toks = np.array([17, 23], dtype=np.int64)
     pos = np.array([len(ids_a), len(ids_b)], dtype=np.int64)
@@ -603,8 +604,10 @@ def test_awq_keeps_cross_attention_layers_float_by_default(tmp_path, capsys):
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     names = [n for n, _ in hf.named_modules()]
-    assert not should_convert_module("model.language_model.layers.1.cross_attn.q_proj", vlm_cfg["modules_to_not_convert"])
-    assert should_convert_module("model.language_model.layers.0.self_attn.q_proj", vlm_cfg["modules_to_not_convert"])
+    skip = vlm_cfg["modules_to_not_convert"]
+    assert not should_convert_module("model.language_model.layers.1.cross_attn.q_proj", skip)
+    assert not should_convert_module("model.language_model.layers.3.mlp.down_proj", skip)
+    assert should_convert_module("model.language_model.layers.0.self_attn.q_proj", skip)
     assert "model.language_model.layers.1.cross_attn.q_proj" in names
 
 
@@ -672,7 +675,8 @@ def test_awq_calibration_pass_reproduces_the_models_forward(model, tmp_path):
     enc = hf_inputs(proc, [user(None, rec["text"])], [img])
     tokens = enc["input_ids"][0]
     assert len(tokens) < T and torch.equal(x[j], inner.embed_tokens.weight[ids])
-    cam = torch.cat([enc["cross_attention_mask"], enc["cross_attention_mask"][:, -1:].expand(1, T - len(tokens), -1, -1)], 1)
+    cam = enc["cross_attention_mask"]  # generated tokens' rows repeat the last one
+    cam = torch.cat([cam, cam[:, -1:].expand(1, T - len(tokens), -1, -1)], 1)
     with torch.no_grad():
         ref = hf(input_ids=ids[None], pixel_values=enc["pixel_values"], aspect_ratio_ids=enc["aspect_ratio_ids"],
                  aspect_ratio_mask=enc["aspect_ratio_mask"], cross_attention_mask=cam,
@@ -683,7 +687,8 @@ def test_awq_calibration_pass_reproduces_the_models_forward(model, tmp_path):
     assert torch.allclose(h, ref[0], atol=1e-6)
     with torch.no_grad():
         for i, layer in enumerate(inner.layers):
-            kw = dict(kwargs[i], cross_attention_states=cross["states"][j:j + 1], cross_attention_mask=cross["mask"][j:j + 1],
+            kw = dict(kwargs[i], cross_attention_states=cross["states"][j:j + 1],
+                      cross_attention_mask=cross["mask"][j:j + 1],
                       full_text_row_masked_out_mask=cross["rowmask"][j:j + 1])
             h = layer(h, **kw)
             h = h[0] if isinstance(h, tuple) else h
@@ -730,14 +735,17 @@ def test_hub_shaped_config():
     names = expected_tensors(fam, cfg)
     assert names["model.language_model.embed_tokens.weight"][0] == (128264, 4096)
     assert names["lm_head.weight"][0] == (128256, 4096)
-    hub = {"language_model.model.layers.3.cross_attn.k_norm.weight": "model.language_model.layers.3.cross_attn.k_norm.weight",
+    hub = {"language_model.model.layers.3.cross_attn.k_norm.weight":
+           "model.language_model.layers.3.cross_attn.k_norm.weight",
            "language_model.lm_head.weight": "lm_head.weight",
-           "vision_model.global_transformer.layers.0.gate_attn": "model.vision_model.global_transformer.layers.0.gate_attn",
+           "vision_model.global_transformer.layers.0.gate_attn":
+           "model.vision_model.global_transformer.layers.0.gate_attn",
            "multi_modal_projector.weight": "model.multi_modal_projector.weight"}
     for old, new in hub.items():
         assert fam.canonical_key(old) == new and new in names
         part, inner = fam.split_key(new)
-        assert fam.join_key(part, inner) == new and part == (DECODER if "language" in old or "lm_head" in old else VISION)
+        assert fam.join_key(part, inner) == new
+        assert part == (DECODER if "language" in old or "lm_head" in old else VISION)
 
 
 def test_trtllm_refused_and_auto_picks_torch():

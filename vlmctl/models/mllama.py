@@ -205,7 +205,7 @@ class MllamaFamily(VLMFamily):
         tiles, size, ch = int(vc.max_num_tiles), int(vc.image_size), int(vc.num_channels)
         most = max(1, int(limits["max_batch_size"]) * max(int(limits["max_images_per_request"]), 1))
         opt = min(most, 4)
-        return {"pixel_values": [(tiles, ch, size, size), (opt * tiles, ch, size, size), (most * tiles, ch, size, size)],
+        return {"pixel_values": [(k * tiles, ch, size, size) for k in (1, opt, most)],
                 "aspect_ratio_ids": [(1,), (opt,), (most,)],
                 "aspect_ratio_mask": [(1, tiles), (opt, tiles), (most, tiles)]}
 

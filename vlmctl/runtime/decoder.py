@@ -625,6 +625,7 @@ class TorchDecoder:
         """`cross`: (cross block tables [B, maxcb], image rows per row [B] (0: none), splits, workspace) when
         some row sees image states; rows with 0 compute the cross layers over the zero block 0 and have
         both outputs multiplied by 0, which leaves them exactly as if the layers were skipped."""
+
         def attend(li, qkv):
             layer = self.layers[li]
             ci = layer.cache_index

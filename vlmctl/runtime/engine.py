@@ -378,7 +378,8 @@ class Engine:
                        kv_blocks_free=self.pool.num_free(), prefix_cache_queried_tokens=self.pool.queried_tokens,
                        prefix_cache_hit_tokens=self.pool.hit_tokens, preemptions=self.scheduler.preemptions)
             if self.cross_pool is not None:
-                out.update(cross_kv_blocks_total=self.cross_pool.capacity, cross_kv_blocks_used=self.cross_pool.num_used())
+                out.update(cross_kv_blocks_total=self.cross_pool.capacity,
+                           cross_kv_blocks_used=self.cross_pool.num_used())
         return out
 
     @property
