@@ -245,6 +245,28 @@ def test_decoder_spec_carries_cross_attention_layers(model):
     assert dec.cross_kv_bytes_per_row() == 2 * 2 * spec.kv_size * 4
 
 
+def test_text_model_alone_matches_mllama_for_causal_lm(model):
+    """The decoder checkpoint convert wrote, run without images (`eval ppl`'s path): logits equal
+    transformers' MllamaForCausalLM, which skips its cross-attention layers too; `<|image|>` (an
+    embedding row past the LM head) is looked up, not clamped."""
+    from transformers import MllamaForCausalLM
+
+    from vlmctl.runtime.decoder import TorchDecoder
+
+    _, engine, hf, _ = model
+    llm = engine / "convert" / "llm"
+    ref_model = MllamaForCausalLM.from_pretrained(llm, dtype=torch.float32).eval()
+    dec = TorchDecoder.from_hf_dir(llm)
+    V = hf.config.text_config.vocab_size
+    ids = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(3))
+    ids[0, 5] = hf.config.image_token_index
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+        clamped = ref_model(torch.where(ids >= V, V - 1, ids)).logits
+    assert torch.allclose(dec.logits(ids), ref, atol=1e-5)
+    assert (clamped - ref)[0, 5:].abs().max() > 1e-3
+
+
 def _prompt_state(eng, messages, images):
     """A prompt's ids, its cross plan and its cross blocks with the K/V written (as admission does)."""
     from vlmctl.runtime.cross_kv import plan
