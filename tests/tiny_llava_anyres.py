@@ -26,11 +26,12 @@ MISTRAL_CHAT_TEMPLATE = (
     "{% endfor %}"
 )
 
-# ChatML, as the llava-onevision-qwen2 checkpoints render it.
+# ChatML, as the llava-onevision-qwen2 checkpoints render it: a message's images, then its videos, then its text.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
     "{% for c in message['content'] %}{% if c['type'] == 'image' %}{{ '<image>\n' }}{% endif %}{% endfor %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'video' %}{{ '<video>\n' }}{% endif %}{% endfor %}"
     "{% for c in message['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}"
     "{{ '<|im_end|>\n' }}"
     "{% endfor %}"

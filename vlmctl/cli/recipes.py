@@ -21,12 +21,13 @@ def recipes_command(json_: bool = JsonOption):
 def models_command(json_: bool = JsonOption):
     from ..models.registry import all_families
 
-    rows = [{"family": name, "architectures": list(cls.architectures), "multi_image": cls.multi_image}
-            for name, cls in all_families().items()]
+    rows = [{"family": name, "architectures": list(cls.architectures), "multi_image": cls.multi_image,
+             "video": cls.video} for name, cls in all_families().items()]
     if json_:
         print_json(rows)
         return
-    t = Table("family", "architectures", "multi-image")
+    t = Table("family", "architectures", "multi-image", "video")
     for r in rows:
-        t.add_row(r["family"], ", ".join(r["architectures"]), "yes" if r["multi_image"] else "no")
+        t.add_row(r["family"], ", ".join(r["architectures"]), "yes" if r["multi_image"] else "no",
+                  "yes" if r["video"] else "no")
     out.print(t)

@@ -45,6 +45,11 @@ def serve_command(
     max_media_bytes: int = typer.Option(20 * 1024 * 1024, "--max-media-bytes", help="Byte cap of one image"),
     max_body_bytes: int = typer.Option(32 * 1024 * 1024, "--max-body-bytes", help="Byte cap of a request body "
                                        "(413 beyond)"),
+    max_videos: int = typer.Option(None, "--max-videos-per-request", min=0, help="Videos one request may carry "
+                                   "(default 1; video families only)"),
+    max_video_frames: int = typer.Option(None, "--max-video-frames", min=1, help="Frames sampled from one video, "
+                                         "at most (default 64; the model's fps rule is capped to it)"),
+    max_video_bytes: int = typer.Option(64 * 1024 * 1024, "--max-video-bytes", min=1, help="Byte cap of one video"),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", min=0.0, help="On SIGTERM, seconds open "
                                            "requests may take to finish"),
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
@@ -91,6 +96,7 @@ def serve_command(
     device = resolve_device(device)
     configure_threads(threads)
 
+    from ..media.video import VideoLimits
     from ..runtime.engine import EngineOptions
     from ..runtime.image_limits import ImageLimits
     from ..serve import MediaPolicy, ServerConfig, load_app, run_server
@@ -98,6 +104,7 @@ def serve_command(
     config = ServerConfig(model_name=model_name, api_keys=keys, max_body_bytes=max_body_bytes,
                           media=MediaPolicy(allowed_domains=domains, allowed_local_path=local,
                                             timeout_s=media_timeout, max_bytes=max_media_bytes,
+                                            max_video_bytes=max_video_bytes,
                                             allow_private_addresses=allow_private_media_addresses))
     options = EngineOptions(device=device, max_batch_size=max_batch_size, max_input_len=max_input_len,
                             max_output_len=max_output_len, max_images_per_request=max_images,
@@ -107,7 +114,9 @@ def serve_command(
                             vision_batch_size=vision_batch_size, cuda_graphs=cuda_graphs,
                             feature_cache_size=feature_cache_size, max_stop_sequences=max_stop_sequences,
                             image_limits=ImageLimits.with_overrides(max_side=max_image_side,
-                                                                    max_aspect_ratio=max_image_aspect_ratio))
+                                                                    max_aspect_ratio=max_image_aspect_ratio),
+                            video_limits=VideoLimits.with_overrides(max_videos_per_request=max_videos,
+                                                                    max_frames=max_video_frames))
     app = load_app(engine_dir, config, options)
     eng = app.state.engine
     console.print(f"[bold]vlmctl serve[/bold] {app.state.model_name} on http://{host}:{port}/v1 "

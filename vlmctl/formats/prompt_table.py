@@ -4,7 +4,8 @@ prompt tuning, which the embedded decoder follows too).
 A prompt's image placeholders are expanded (by the family) to one placeholder id per feature row;
 here each becomes a fake id `vocab_size + k`, k counting the rows of all the request's images in
 order, and row k of the request's table holds that feature row. Ids below `vocab_size` are
-ordinary tokens.
+ordinary tokens. A prompt with videos has a second placeholder id (the family's video token); its
+rows are numbered in the same count, in prompt order.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def fake_ids(token_ids, placeholder_id: int, vocab_size: int, rows: int) -> np.ndarray:
-    """int64 ids with the `rows` placeholder positions numbered vocab_size + 0, 1, ..."""
+def fake_ids(token_ids, placeholder_id, vocab_size: int, rows: int) -> np.ndarray:
+    """int64 ids with the `rows` placeholder positions (`placeholder_id`: one id or several)
+    numbered vocab_size + 0, 1, ..."""
     ids = np.asarray(token_ids, dtype=np.int64).copy()
-    mask = ids == placeholder_id
+    mask = np.isin(ids, np.asarray(placeholder_id, dtype=np.int64).reshape(-1))
     n = int(mask.sum())
     if n != rows:
         from ..errors import EngineError

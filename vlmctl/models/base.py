@@ -23,7 +23,8 @@ DECODER = "decoder"
 
 @dataclass
 class ImageItem:
-    """One preprocessed image, ready for the vision runner."""
+    """One preprocessed image (or video), ready for the vision runner. A video whose vision work is
+    split (see `FamilyProcessor.vision_parts`) keeps its parts in `meta["parts"]`."""
 
     inputs: dict[str, np.ndarray]  # ONNX feed for this image (batch axis of size 1 or #crops)
     num_tokens: int  # feature rows it becomes in the prompt (0 where cross-attention layers read it)
@@ -74,17 +75,24 @@ class CrossAttention:
 class EncodedPrompt:
     """A tokenized prompt whose image placeholders are already expanded.
 
-    `token_ids` holds ordinary ids plus, for image k, `images[k].num_tokens` copies of
-    `image_placeholder_id`; the runtime swaps them for fake ids >= vocab_size in order. A family whose
-    decoder reads images in cross-attention layers puts no rows in the prompt and says in `cross`
-    which images each token sees.
+    `token_ids` holds ordinary ids plus, for item k, `images[k].num_tokens` copies of its placeholder
+    id (`image_placeholder_id`, or `video_placeholder_id` for a video); the runtime swaps them for
+    fake ids >= vocab_size in order. `images` lists the prompt's images and videos in prompt order.
+    A family whose decoder reads images in cross-attention layers puts no rows in the prompt and says
+    in `cross` which images each token sees.
     """
 
     token_ids: list[int]
     images: list[ImageItem]
     image_placeholder_id: int
     text: str = ""
+    video_placeholder_id: int = -1
     cross: CrossAttention | None = None
+
+    @property
+    def placeholder_ids(self) -> tuple[int, ...]:
+        """Every id whose positions are feature rows (images, and videos where the family has them)."""
+        return tuple(i for i in (self.image_placeholder_id, self.video_placeholder_id) if i >= 0)
 
 
 class VLMFamily:
@@ -94,6 +102,8 @@ class VLMFamily:
     architectures: ClassVar[tuple[str, ...]]
     # Supported features, shown in `vlmctl models` and the README table.
     multi_image: ClassVar[bool] = True
+    # Takes videos (`encode(..., videos=[media.video.Video])`); families without it refuse them.
+    video: ClassVar[bool] = False
     # Served by tensorrtllm_backend 1.2's stock multimodal Python models (export-triton), or None.
     triton_stock: ClassVar[TritonStock | None] = None
     # How the decoder attends among an image's rows during prefill: "causal" (like text), or
@@ -224,8 +234,16 @@ class FamilyProcessor:
     """Built from an engine's processor/ directory: turns chat messages and images into an EncodedPrompt."""
 
     def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None) -> EncodedPrompt:
-        """`tools`: OpenAI function tools (models/tool_calls.normalize_tools) for the template to show."""
+        """`tools`: OpenAI function tools (models/tool_calls.normalize_tools) for the template to show.
+        Families with `video = True` also take `videos` (media.video.Video, in prompt order of the
+        `{"type": "video"}` parts) and `video_limits` (media.video.VideoLimits)."""
         raise NotImplementedError
+
+    def vision_parts(self, item: ImageItem) -> list[ImageItem] | None:
+        """Items the vision runner encodes in place of `item`, whose rows, concatenated in order, are
+        the item's rows (a video split into chunks of frames, so one vision call stays the size of an
+        image's); None: the item is encoded whole."""
+        return item.meta.get("parts")
 
     def batch_key(self, item: ImageItem) -> tuple:
         """Images with equal keys can share one vision call (default: equal input shapes)."""
@@ -258,6 +276,22 @@ def expand_placeholders(ids: list[int], placeholder_id: int, items: list[ImageIt
         else:
             expanded.append(t)
     return expanded
+
+
+def expand_media(ids: list[int], groups: dict[int, list[ImageItem]]) -> tuple[list[int], list[ImageItem]]:
+    """Each occurrence of a placeholder id in `groups` becomes its next item's `num_tokens` copies;
+    returns the expanded ids and the items in prompt order (images and videos interleaved)."""
+    expanded: list[int] = []
+    ordered: list[ImageItem] = []
+    nxt = {pid: iter(items) for pid, items in groups.items()}
+    for t in ids:
+        if t in nxt:
+            item = next(nxt[t])
+            ordered.append(item)
+            expanded.extend([t] * item.num_tokens)
+        else:
+            expanded.append(t)
+    return expanded, ordered
 
 
 def read_json(path: Path) -> dict:

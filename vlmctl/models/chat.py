@@ -27,7 +27,7 @@ def load_chat_template(processor_dir: Path, tokenizer) -> str:
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
-    """OpenAI-style or HF-style messages -> HF structured content ({"type": "text"|"image"}).
+    """OpenAI-style or HF-style messages -> HF structured content ({"type": "text"|"image"|"video"}).
 
     Tool use: an assistant message's OpenAI `tool_calls` become HF's ({"type": "function",
     "function": {"name", "arguments": <object>}}, arguments parsed from their JSON text), and a
@@ -60,6 +60,8 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                     parts.append({"type": "text", "text": p.get("refusal", "")})
                 elif kind in ("image", "image_url"):
                     parts.append({"type": "image"})
+                elif kind in ("video", "video_url"):
+                    parts.append({"type": "video"})
                 else:
                     raise InputError(f"unsupported content part type {kind!r}")
         if role == "assistant" and m.get("refusal"):

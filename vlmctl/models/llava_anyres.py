@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import CheckpointError, InputError, UnsupportedModelError
-from .base import VISION, EncodedPrompt, FamilyProcessor, ImageItem, expand_placeholders, read_json
+from .base import VISION, EncodedPrompt, FamilyProcessor, ImageItem, expand_media, expand_placeholders, read_json
 from .chat import load_chat_template, render_chat
 from .llava import LlavaFamily, LlavaVisionWrapper, image_hash
 
@@ -304,7 +304,8 @@ class AnyresProcessorAdapter(FamilyProcessor):
         return None
 
     # ---- encode ----------------------------------------------------------------------------
-    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None) -> EncodedPrompt:
+    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None, videos=(),
+               video_limits=None) -> EncodedPrompt:
         text = render_chat(self.tokenizer, self.chat_template, messages, tools)
         n_placeholders = text.count(self.image_token)
         if n_placeholders != len(images):
@@ -312,8 +313,18 @@ class AnyresProcessorAdapter(FamilyProcessor):
                              "were given")
         ids = self.tokenizer(text)["input_ids"]
         items = self.image_items([img.convert("RGB") for img in images], [image_hash(img) for img in images])
-        expanded = expand_placeholders(ids, self.image_token_id, items)
-        return EncodedPrompt(token_ids=expanded, images=items, image_placeholder_id=self.image_token_id, text=text)
+        if not videos:
+            expanded = expand_placeholders(ids, self.image_token_id, items)
+            return EncodedPrompt(token_ids=expanded, images=items, image_placeholder_id=self.image_token_id,
+                                 text=text)
+        video_token_id, video_items = self.video_items(text, list(videos), video_limits)
+        expanded, ordered = expand_media(ids, {self.image_token_id: items, video_token_id: video_items})
+        return EncodedPrompt(token_ids=expanded, images=ordered, image_placeholder_id=self.image_token_id, text=text,
+                             video_placeholder_id=video_token_id)
+
+    def video_items(self, text: str, videos: list, limits) -> tuple[int, list[ImageItem]]:
+        """(video placeholder id, one item per video) for families that take videos."""
+        raise InputError(f"the {self.family.name} family takes no video input")
 
     def anyres_item(self, image, content_hash: str) -> ImageItem:
         """Base crop + grid crops of one image, as the image processor makes them."""

@@ -21,26 +21,48 @@ The language model is a Qwen2 decoder whose rotary positions are 3-D; `llm/` hol
 `Qwen2ForCausalLM` checkpoint that keeps `mrope_section` in `rope_parameters` (with equal 1-D
 positions, as for text, M-RoPE is ordinary RoPE).
 
-Not supported: video inputs (`<|video_pad|>`), decoders with sliding-window attention.
+Videos (`<|video_pad|>`) go through the same graph: frames sampled by the video processor's rule
+(`qwen_frame_indices`: `fps` frames a second within min/max frames, rounded down to whole temporal
+patches), resized together to one `smart_resize` size, and patchified with two consecutive frames per
+temporal patch, so a video is a grid (t, h, w) whose frames attend only within themselves. Its vision
+work is split into chunks of temporal patches (`vision_parts`), each no larger than the largest
+image, since the graph's dense masks cost the square of a call's patches. Its M-RoPE positions put
+temporal patch k at time k (Qwen2-VL) or at int(k * tokens_per_second * second_per_grid_t)
+(Qwen2.5-VL, second_per_grid_t = temporal_patch_size / the sampled frame rate); text after an image
+or a video continues at its start plus its larger merged side, as transformers 5 computes it (4.x
+continued after the largest position, which differs where a video's time runs past its side).
+
+Not supported: decoders with sliding-window attention.
 """
 
 from __future__ import annotations
 
 import hashlib
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError, InputError, UnsupportedModelError
-from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, VLMFamily, expand_placeholders, read_json
+from ..errors import CheckpointError, InputError, LimitError, UnsupportedModelError
+from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, VLMFamily, expand_media, read_json
 from .chat import load_chat_template, render_chat
+from .video import FrameTransform, video_processor_config
 
 IMAGE_TOKEN = "<|image_pad|>"
+VIDEO_TOKEN = "<|video_pad|>"
 # transformers' image-processor defaults, used when a checkpoint's preprocessor_config.json omits them.
 DEFAULT_MIN_PIXELS = 56 * 56
 DEFAULT_MAX_PIXELS = 28 * 28 * 1280
+# Qwen2VLVideoProcessor's class defaults, for what a checkpoint's files leave out.
+VIDEO_DEFAULT_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
+VIDEO_DEFAULT_MIN_FRAMES = 4
+VIDEO_DEFAULT_MAX_FRAMES = 768
+VIDEO_DEFAULT_MAX_TOKENS = 128000
+# transformers leaves the sampling rate unset (every frame given is used); vlmctl samples at the rate
+# Qwen's own qwen-vl-utils uses, unless the checkpoint's video processor names `fps` or `num_frames`.
+DEFAULT_VIDEO_FPS = 2.0
 
 
 def image_hash(image) -> str:
@@ -113,19 +135,23 @@ def window_index(grid_thw, merge: int, window_size: int, patch_size: int) -> tup
     return np.concatenate(order).astype(np.int64), np.concatenate(lengths).astype(np.int64)
 
 
-def mrope_positions(token_ids: list[int], image_token_id: int, grids: list, merge: int) -> np.ndarray:
-    """[3, T] M-RoPE positions of an expanded prompt: `get_rope_index` for images.
+def mrope_positions(token_ids: list[int], placeholder_ids, grids: list, merge: int,
+                    time_intervals: list | None = None) -> np.ndarray:
+    """[3, T] M-RoPE positions of an expanded prompt: `get_rope_index` for images and videos.
 
-    Text advances all three components by one per token; an image's tokens get (t, row, column)
-    offsets from the position where it starts, and the text after it continues at that start plus
-    the image's larger merged side.
+    Text advances all three components by one per token; an image's or video's tokens get (t, row,
+    column) offsets from the position where it starts, and the text after it continues at that start
+    plus its larger merged side. `placeholder_ids`: the id (or ids) of the rows; `grids`: each item's
+    (t, h, w) in prompt order; `time_intervals`: per item, None for temporal offsets 0, 1, ... or the
+    float32 step of Qwen2.5-VL's videos (offsets truncated after the multiplication, as transformers does).
     """
     T = len(token_ids)
     pos = np.zeros((3, T), np.int64)
     ids = np.asarray(token_ids)
+    rows = np.isin(ids, np.asarray(placeholder_ids, dtype=np.int64).reshape(-1))
     i, cur, k = 0, 0, 0
     while i < T:
-        if ids[i] != image_token_id:
+        if not rows[i]:
             pos[:, i] = cur
             cur += 1
             i += 1
@@ -133,12 +159,98 @@ def mrope_positions(token_ids: list[int], image_token_id: int, grids: list, merg
         t, h, w = (int(x) for x in grids[k])
         lh, lw = h // merge, w // merge
         n = t * lh * lw
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(lh), np.arange(lw), indexing="ij")
+        step = time_intervals[k] if time_intervals is not None else None
+        tpos = np.arange(t) if step is None else (np.arange(t, dtype=np.float32) * np.float32(step)).astype(np.int64)
+        tt, hh, ww = np.meshgrid(tpos, np.arange(lh), np.arange(lw), indexing="ij")
         pos[:, i:i + n] = np.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)]) + cur
         cur += max(lh, lw)
         i += n
         k += 1
     return pos
+
+
+# ---- videos: transformers' Qwen2VLVideoProcessor, without torchvision ------------------------------
+@dataclass(frozen=True)
+class QwenVideoSettings:
+    min_pixels: int
+    max_pixels: int
+    min_frames: int
+    max_frames: int
+    fps: float | None
+    num_frames: int | None
+    cap_pixels_per_frame: bool
+    max_video_tokens: int
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "QwenVideoSettings":
+        """The settings Qwen2VLVideoProcessor(**cfg) ends up with (min/max_pixels override `size`)."""
+        size = dict(cfg.get("size") or VIDEO_DEFAULT_SIZE)
+        if cfg.get("min_pixels") is not None:
+            size["shortest_edge"] = cfg["min_pixels"]
+        if cfg.get("max_pixels") is not None:
+            size["longest_edge"] = cfg["max_pixels"]
+        if not size.get("shortest_edge") or not size.get("longest_edge"):
+            raise CheckpointError(f"the video processor's size {size} needs shortest_edge and longest_edge")
+        fps, num_frames = cfg.get("fps"), cfg.get("num_frames")
+        if fps is not None and num_frames is not None:
+            raise CheckpointError("the video processor sets both fps and num_frames (they are mutually exclusive)")
+        return cls(min_pixels=int(size["shortest_edge"]), max_pixels=int(size["longest_edge"]),
+                   min_frames=int(cfg.get("min_frames") or VIDEO_DEFAULT_MIN_FRAMES),
+                   max_frames=int(cfg.get("max_frames") or VIDEO_DEFAULT_MAX_FRAMES),
+                   fps=float(fps) if fps is not None else (None if num_frames is not None else DEFAULT_VIDEO_FPS),
+                   num_frames=int(num_frames) if num_frames is not None else None,
+                   cap_pixels_per_frame=bool(cfg.get("cap_pixels_per_frame") or False),
+                   max_video_tokens=int(cfg.get("max_video_tokens") or VIDEO_DEFAULT_MAX_TOKENS))
+
+
+def qwen_frame_indices(total: int, video_fps: float | None, s: QwenVideoSettings, temporal: int,
+                       frame_cap: int, what: str = "video") -> np.ndarray:
+    """Frame numbers to sample: `Qwen2VLVideoProcessor.sample_frames`, with the frames capped by the
+    engine's `frame_cap`. Where transformers would fail (fewer frames than one temporal patch, or
+    `num_frames` beyond the video) the video's frames are taken as they are, up to the cap."""
+    import math
+
+    import torch
+
+    cap = min(frame_cap, total)
+    if s.num_frames is not None:
+        n = round(s.num_frames / temporal) * temporal
+        if n > cap:
+            n = cap // temporal * temporal
+    else:
+        if not video_fps:
+            raise InputError(f"{what}: the container gives no frame rate, which sampling at {s.fps:g} frames a "
+                             "second needs")
+        max_frames = math.floor(min(s.max_frames, cap) / temporal) * temporal
+        n = total / video_fps * s.fps
+        n = min(max(n, s.min_frames), max_frames, total)
+        n = math.floor(n / temporal) * temporal
+    if n <= 0:
+        return np.arange(cap, dtype=np.int64)
+    idx = torch.arange(0, total, total / n).int().numpy().astype(np.int64)  # float steps, truncated
+    return idx[:frame_cap]
+
+
+def qwen_video_size(height: int, width: int, frames: int, s: QwenVideoSettings, factor: int,
+                    temporal: int) -> tuple[int, int]:
+    """(height, width) every frame is resized to (the video processor's `resize`)."""
+    max_pixels = s.max_pixels
+    if s.cap_pixels_per_frame:  # an even share of a whole-video pixel budget, as qwen-vl-utils bounds it
+        total_pixels = int(s.max_video_tokens * factor * factor * 0.9)
+        max_pixels = max(min(max_pixels, total_pixels * temporal // frames), int(s.min_pixels * 1.05))
+    return smart_resize(height, width, factor, s.min_pixels, max_pixels)
+
+
+def qwen_video_patches(pixels: np.ndarray, temporal: int, patch: int, merge: int) -> tuple[np.ndarray, tuple]:
+    """[n, C, H, W] normalized frames -> ([t*h*w, C*temporal*patch*patch] rows, (t, h, w)): the video
+    processor's `patchify` (the last frame repeated to fill the last temporal patch)."""
+    n, c, H, W = pixels.shape
+    if n % temporal:
+        pixels = np.concatenate([pixels, np.repeat(pixels[-1:], temporal - n % temporal, 0)], 0)
+    t, gh, gw = pixels.shape[0] // temporal, H // patch, W // patch
+    x = pixels.reshape(t, temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (t, h-blocks, w-blocks, merge rows, merge cols, C, T, p, p)
+    return np.ascontiguousarray(x.reshape(t * gh * gw, c * temporal * patch * patch), dtype=np.float32), (t, gh, gw)
 
 
 # ---- the vision graph ----------------------------------------------------------------------------
@@ -215,7 +327,9 @@ class Qwen2VLFamily(VLMFamily):
     name = "qwen2_vl"
     architectures = ("Qwen2VLForConditionalGeneration",)
     multi_image = True
+    video = True
     windowed = False  # Qwen2.5-VL's window attention
+    timed_video = False  # Qwen2.5-VL: video temporal positions in seconds (tokens_per_second)
 
     def hf_config(self, config_dict: dict):
         from transformers import Qwen2VLConfig
@@ -352,14 +466,26 @@ class Qwen2VLFamily(VLMFamily):
         feats = out.pooler_output if hasattr(out, "pooler_output") else out
         return torch.cat(list(feats), 0) if isinstance(feats, (list, tuple)) else feats
 
+    def hf_video_features(self, model, inputs: dict[str, Any]):
+        """transformers' own video features for `pixel_values_videos` + `video_grid_thw`."""
+        import torch
+
+        out = model.model.get_video_features(pixel_values_videos=inputs["pixel_values_videos"],
+                                             video_grid_thw=inputs["video_grid_thw"])
+        feats = out.pooler_output if hasattr(out, "pooler_output") else out
+        return torch.cat(list(feats), 0) if isinstance(feats, (list, tuple)) else feats
+
     def vision_profile(self, config_dict: dict, processor_dir: Path, limits: dict) -> dict:
         """TensorRT bounds of the patch axis: one vision call holds the images of one request
-        (see `batch_key`), each at most max_pixels."""
+        (see `batch_key`), each at most max_pixels, or a part of a video (at most one image's patches,
+        or one temporal patch of frames at the video processor's max_pixels)."""
         g = self.vision_geometry(config_dict)
         _, max_pixels = processor_pixels(processor_dir)
         unit = g["merge"] ** 2
         per_image = max(unit, max_pixels // g["patch_size"] ** 2 // unit * unit)
         hi = per_image * max(1, limits.get("max_images_per_request", 1))
+        video_pixels = QwenVideoSettings.from_config(video_processor_config(processor_dir)).max_pixels
+        hi = max(hi, video_pixels // g["patch_size"] ** 2 // unit * unit)
         opt = max(unit, per_image // 4 // unit * unit)
         dim = g["in_channels"] * g["temporal_patch_size"] * g["patch_size"] ** 2
         trailing = {"pixel_values": (dim,), "vision_pos_ids": (2,), "attention_segments": (), "window_segments": ()}
@@ -402,6 +528,7 @@ class Qwen2_5_VLFamily(Qwen2VLFamily):
     name = "qwen2_5_vl"
     architectures = ("Qwen2_5_VLForConditionalGeneration",)
     windowed = True
+    timed_video = True
 
     def hf_config(self, config_dict: dict):
         from transformers import Qwen2_5_VLConfig
@@ -470,6 +597,20 @@ class QwenProcessorAdapter(FamilyProcessor):
         get = size.get if isinstance(size, dict) else (lambda k, d=None: getattr(size, k, None) or d)
         self.min_pixels = int(get("shortest_edge", None) or DEFAULT_MIN_PIXELS)
         self.max_pixels = int(get("longest_edge", None) or DEFAULT_MAX_PIXELS)
+        # Videos: the video processor's settings (its own file, else the image processor's), the video token.
+        vcfg = video_processor_config(processor_dir)
+        for key, geo in (("patch_size", "patch_size"), ("merge_size", "merge"),
+                         ("temporal_patch_size", "temporal_patch_size")):
+            if key in vcfg and int(vcfg[key]) != self.geometry[geo]:
+                raise CheckpointError(f"{processor_dir}: the video processor's {key} {vcfg[key]} disagrees with "
+                                      f"config.json ({self.geometry[geo]})")
+        self.video_settings = QwenVideoSettings.from_config(vcfg)
+        self.frames = FrameTransform(vcfg)
+        self.video_token_id = int(config.get("video_token_id", -1))
+        if self.video_token_id >= 0 and self.tokenizer.convert_ids_to_tokens(self.video_token_id) != VIDEO_TOKEN:
+            self.video_token_id = -1  # a checkpoint without the video token takes no videos
+        tps = getattr(family.hf_config(config).vision_config, "tokens_per_second", None) if family.timed_video else None
+        self.tokens_per_second = tps
 
     def num_image_tokens(self, width: int, height: int) -> int:
         """Tokens an image of this size becomes (dynamic resolution within min/max pixels)."""
@@ -477,12 +618,19 @@ class QwenProcessorAdapter(FamilyProcessor):
         h, w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
         return (h // self.geometry["patch_size"]) * (w // self.geometry["patch_size"]) // self.geometry["merge"] ** 2
 
-    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None) -> EncodedPrompt:
+    def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None, videos=(),
+               video_limits=None) -> EncodedPrompt:
         text = render_chat(self.tokenizer, self.chat_template, messages, tools)
         n_placeholders = text.count(IMAGE_TOKEN)
         if n_placeholders != len(images):
             raise InputError(f"the prompt has {n_placeholders} image placeholder(s) but {len(images)} image(s) "
                              "were given")
+        videos = list(videos or [])
+        n_video = text.count(VIDEO_TOKEN)
+        if n_video != len(videos):
+            raise InputError(f"the prompt has {n_video} video placeholder(s) but {len(videos)} video(s) were given")
+        if videos and self.video_token_id < 0:
+            raise InputError(f"this {self.family.name} checkpoint has no {VIDEO_TOKEN} token, so it takes no videos")
         m = self.geometry["merge"]
         request = uuid.uuid4().hex  # images of one request share a vision call (see batch_key)
         items = []
@@ -496,9 +644,70 @@ class QwenProcessorAdapter(FamilyProcessor):
                 order, _ = window_index([grid], m, self.geometry["window_size"], self.geometry["patch_size"])
                 meta["restore"] = np.argsort(order)
             items.append(ImageItem(inputs=inputs, num_tokens=n, meta=meta, content_hash=image_hash(img)))
+        video_items = []
+        if videos:
+            from ..media.video import VideoLimits
+
+            limits = video_limits or VideoLimits()
+            budget = limits.max_pixels
+            for k, video in enumerate(videos):
+                item, used = self.video_item(video, limits, budget, f"{request}:video{k}")
+                video_items.append(item)
+                budget -= used
         ids = self.tokenizer(text)["input_ids"]
-        expanded = expand_placeholders(ids, self.image_token_id, items)
-        return EncodedPrompt(token_ids=expanded, images=items, image_placeholder_id=self.image_token_id, text=text)
+        groups = {self.image_token_id: items}
+        if videos:
+            groups[self.video_token_id] = video_items
+        expanded, ordered = expand_media(ids, groups)
+        return EncodedPrompt(token_ids=expanded, images=ordered, image_placeholder_id=self.image_token_id, text=text,
+                             video_placeholder_id=self.video_token_id if videos else -1)
+
+    def video_item(self, video, limits, pixel_budget: int, key: str) -> tuple[ImageItem, int]:
+        """One video (media.video.Video) -> its prompt item, with its vision work split into parts of
+        whole temporal patches; returns the item and the pixels its sampled frames take."""
+        g, s = self.geometry, self.video_settings
+        T, p, m = g["temporal_patch_size"], g["patch_size"], g["merge"]
+        info = video.info
+        chosen: dict[str, Any] = {}
+
+        def choose(total: int, fps):
+            return qwen_frame_indices(total, fps, s, T, limits.max_frames, video.what)
+
+        def transform(n: int):
+            size = qwen_video_size(info.height, info.width, n, s, p * m, T)
+            if n * size[0] * size[1] > pixel_budget:
+                raise LimitError(f"{video.what}: {n} frames of {size[1]}x{size[0]} pixels after resizing; a request's "
+                                 f"videos may take at most {limits.max_pixels} pixels")
+            chosen["size"] = size
+            return lambda frame: self.frames.resize(frame, size)
+
+        sampled = video.sample(choose, limits, transform)
+        patches, grid = qwen_video_patches(self.frames.normalize(sampled.frames), T, p, m)
+        t, gh, gw = grid
+        meta: dict[str, Any] = {"grid_thw": grid, "video": True, "frames": sampled.indices.tolist()}
+        if self.family.timed_video and self.tokens_per_second is not None:
+            # transformers: second_per_grid_ts = temporal_patch_size / sampled fps, a float32 tensor
+            # (VideoMetadata.sampled_fps; 24 where the container gives no rate, as transformers assumes)
+            sampled_fps = len(sampled.indices) / sampled.total_frames * sampled.fps if sampled.fps else 24.0
+            meta["second_per_grid_t"] = T / sampled_fps
+            meta["time_interval"] = float(np.float32(self.tokens_per_second) * np.float32(meta["second_per_grid_t"]))
+        # Parts: whole temporal patches, each call at most the largest image's patches (or one patch).
+        per_t = gh * gw
+        step = max(1, (self.max_pixels // p ** 2) // per_t)
+        parts = []
+        for k0 in range(0, t, step):
+            tc = min(step, t - k0)
+            sub = (tc, gh, gw)
+            part_meta: dict[str, Any] = {"grid_thw": sub, "request": f"{key}:{k0}"}
+            if self.family.windowed:
+                order, _ = window_index([sub], m, g["window_size"], p)
+                part_meta["restore"] = np.argsort(order)
+            parts.append(ImageItem(inputs=self.family._vision_inputs(patches[k0 * per_t:(k0 + tc) * per_t], sub, g),
+                                   num_tokens=tc * per_t // m ** 2, meta=part_meta))
+        meta["parts"] = parts
+        h = hashlib.sha256(f"{video.content_hash}:{meta['frames']}:{chosen['size']}".encode()).hexdigest()
+        n_pixels = len(sampled.indices) * chosen["size"][0] * chosen["size"][1]
+        return ImageItem(inputs={}, num_tokens=t * per_t // m ** 2, meta=meta, content_hash=f"video:{h}"), n_pixels
 
     def batch_key(self, item: ImageItem) -> tuple:
         # The masks are dense [patches, patches]: a joint call costs the square of the total, so only the
@@ -516,5 +725,5 @@ class QwenProcessorAdapter(FamilyProcessor):
     def position_ids(self, token_ids: list[int], prompt: EncodedPrompt):
         if not prompt.images:
             return None
-        return mrope_positions(token_ids, prompt.image_placeholder_id, [it.meta["grid_thw"] for it in prompt.images],
-                               self.geometry["merge"])
+        return mrope_positions(token_ids, prompt.placeholder_ids, [it.meta["grid_thw"] for it in prompt.images],
+                               self.geometry["merge"], [it.meta.get("time_interval") for it in prompt.images])

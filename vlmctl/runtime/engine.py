@@ -46,6 +46,7 @@ from ..models.base import EncodedPrompt
 from ..models.registry import get_family
 from .kv_cache import BlockPool, image_row_tokens
 from .request import FINISHED, RUNNING, Completion, Request, StepEvent
+from ..media.video import VideoLimits
 from .image_limits import ImageLimits
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Scheduled, Scheduler
@@ -78,6 +79,7 @@ class EngineOptions:
     feature_cache_size: int = 256  # images whose features are kept
     max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES
     image_limits: ImageLimits | None = None  # width, height and aspect-ratio caps before preprocessing
+    video_limits: VideoLimits | None = None  # videos per request, frames, pixels, decode bounds
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,7 @@ class Engine:
             raise LimitError(f"max_stop_sequences must be >= 0 (got {opts.max_stop_sequences})")
         self.max_stop_sequences = opts.max_stop_sequences
         self.image_limits = (opts.image_limits or ImageLimits()).validate()
+        self.video_limits = (opts.video_limits or VideoLimits()).validate()
         try:
             self._load(engine_dir, opts)
         except (EngineError, InputError, BackendUnavailableError, OptionError):
@@ -267,13 +270,27 @@ class Engine:
         return int(blocks) + 1
 
     # ---- requests --------------------------------------------------------------------------
-    def encode(self, messages: list[dict], images: list) -> EncodedPrompt:
+    def encode(self, messages: list[dict], images: list, videos: list | None = None) -> EncodedPrompt:
+        """`videos`: media.video.Video objects, in the order of the messages' video parts."""
         max_images = self.limits.max_images_per_request
         if len(images) > max_images:
             raise LimitError(f"{len(images)} images in one request; this engine accepts at most {max_images}")
         for i, img in enumerate(images):  # before preprocessing: its cost follows the image's shape
             self.image_limits.check(img.size, f"image {i + 1}" if len(images) > 1 else "image")
-        return self.processor.encode(messages, images)
+        if not videos:
+            return self.processor.encode(messages, images)
+        if not self.family.video:
+            raise InputError(f"the {self.family.name} family takes no video input")
+        if self.backend != "torch":  # TensorRT-LLM's prompt table was sized for images
+            raise InputError("video input runs on the embedded decoder only (this engine was built with "
+                             f"decoder.backend: {self.backend})")
+        lim = self.video_limits
+        if len(videos) > lim.max_videos_per_request:
+            raise LimitError(f"{len(videos)} videos in one request; this engine accepts at most "
+                             f"{lim.max_videos_per_request}")
+        for v in videos:  # the header's limits, before anything is decoded
+            v.check(lim)
+        return self.processor.encode(messages, images, videos=videos, video_limits=lim)
 
     def encode_text(self, text: str) -> EncodedPrompt:
         if not text:  # a BOS alone is not a prompt either (and without one there is nothing to prefill)
@@ -338,7 +355,7 @@ class Engine:
             return
         rows = [int(it.num_tokens) for it in prompt.images]
         base = self.decoder.table_base
-        ids = fake_ids(prompt.token_ids, prompt.image_placeholder_id, base, sum(rows)) if rows \
+        ids = fake_ids(prompt.token_ids, prompt.placeholder_ids, base, sum(rows)) if rows \
             else np.asarray(prompt.token_ids, dtype=np.int64)
         req.all_ids = ids.tolist()
         keys = ids.copy()
@@ -690,8 +707,9 @@ class Engine:
             raise RequestError(failed[0].error)
         return [r.completion() for r in reqs]
 
-    def chat(self, messages: list[dict], images: list, params: SamplingParams, on_event=None) -> Completion:
-        return self.generate([self.encode(messages, images)], params, on_event)[0]
+    def chat(self, messages: list[dict], images: list, params: SamplingParams, on_event=None,
+             videos: list | None = None) -> Completion:
+        return self.generate([self.encode(messages, images, videos)], params, on_event)[0]
 
 
 def load_image(path: str | Path):

@@ -1,5 +1,7 @@
 """The vision encoder: runs the vision tower + projector for the images the scheduler is about to
-prefill, batched across requests, with features cached by image content hash.
+prefill, batched across requests, with features cached by image content hash. A video is one item
+whose work the family may split into parts (`FamilyProcessor.vision_parts`: chunks of frames, each
+call the size of an image's); its rows are the parts' rows in order, cached under the video's hash.
 
 Backends, chosen automatically and overridable (`--vision-backend`):
 - `tensorrt`: the engine build-vision made, when one was built and TensorRT imports;
@@ -167,11 +169,25 @@ class VisionEncoder:
                 if key:
                     first[key] = item
         groups: dict[tuple, list] = {}
+        split: list[tuple] = []  # (item, its parts): a video's frames encoded in image-sized calls
         for item in todo:
-            groups.setdefault(self.processor.batch_key(item), []).append(item)
+            parts = self.processor.vision_parts(item)
+            if parts:
+                split.append((item, parts))
+            for unit in parts or [item]:
+                groups.setdefault(self.processor.batch_key(unit), []).append(unit)
         for group in groups.values():
             for i in range(0, len(group), self.max_batch):
                 self._run(group[i:i + self.max_batch])
+        for item, parts in split:
+            feats = torch.cat([p.features for p in parts])
+            if feats.shape[0] != item.num_tokens:
+                raise EngineError(f"vision produced {feats.shape[0]} rows for a video expected to give "
+                                  f"{item.num_tokens}")
+            item.features = feats
+            self.cache.put(item.content_hash, feats)
+            for part in parts:  # a video's pixels and per-chunk rows are large; the item's rows are what stays
+                part.inputs, part.features = {}, None
         for item in dupes:
             item.features = first[item.content_hash].features
             self.cache.hits += 1

@@ -26,7 +26,7 @@ from ..errors import InputError, LimitError, OptionError, VlmctlError
 from ..runtime.sampling import SamplingParams
 from . import schema as S
 from .async_engine import AsyncEngine, EngineUnavailable, RequestStream, token_appended
-from .media import MediaPolicy, load_image_url
+from .media import MediaPolicy, load_image_url, load_video_url
 from .metrics import ServerMetrics
 
 log = logging.getLogger("vlmctl.serve")
@@ -296,7 +296,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         check_common(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        messages, urls = [], []
+        messages, urls, video_urls = [], [], []
         for m in body.messages:
             role = "system" if m.role == "developer" else m.role
             if m.content is None or isinstance(m.content, str):
@@ -307,6 +307,9 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                 if isinstance(p, S.ImageURLPart):
                     urls.append(p.image_url.url)
                     parts.append({"type": "image"})
+                elif isinstance(p, S.VideoURLPart):
+                    video_urls.append(p.video_url.url)
+                    parts.append({"type": "video"})
                 else:
                     parts.append({"type": "text", "text": p.text})
             messages.append({"role": role, "content": parts})
@@ -314,9 +317,18 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         if len(urls) > limit:
             raise APIError(400, f"{len(urls)} images in one request; this engine accepts at most {limit}",
                            param="messages", code="limit_exceeded")
+        if video_urls:  # refused before anything is fetched
+            if not engine.family.video:
+                raise APIError(400, f"this model ({engine.family.name}) takes no video input", param="messages")
+            vlimit = engine.video_limits.max_videos_per_request
+            if len(video_urls) > vlimit:
+                raise APIError(400, f"{len(video_urls)} videos in one request; this engine accepts at most {vlimit}",
+                               param="messages", code="limit_exceeded")
         images = await asyncio.gather(*(load_image_url(u, config.media, f"image {i + 1}")
                                         for i, u in enumerate(urls)))
-        prompt = await aeng.encode(engine.encode, messages, list(images))
+        videos = await asyncio.gather(*(load_video_url(u, config.media, f"video {i + 1}")
+                                        for i, u in enumerate(video_urls)))
+        prompt = await aeng.encode(engine.encode, messages, list(images), list(videos))
         lp = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling(body, len(prompt.token_ids), body.max_completion_tokens or body.max_tokens, lp)
         rid = S.new_id("chatcmpl")

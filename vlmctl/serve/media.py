@@ -1,4 +1,5 @@
-"""Loading the images of `image_url` content parts: data: URLs, http(s) URLs, local files.
+"""Loading the images of `image_url` and the videos of `video_url` content parts: data: URLs, http(s)
+URLs, local files.
 
 Policy, not convenience: remote fetches go only to hosts named in `allowed_domains` (none by
 default), within one deadline for the whole fetch (every redirect hop, every body byte), under a byte
@@ -7,8 +8,8 @@ resolve to public addresses only (no loopback, link-local, private or reserved r
 `allow_private_addresses`), and the connection goes to the address that was checked, so a DNS
 answer that changes between check and connect cannot redirect it. `file://` URLs are read only
 when they resolve (symlinks followed) inside `allowed_local_path`. Every failure is an
-`InputError` (HTTP 400) whose message says which image and why. This module is not a general
-media loader: no video, no audio.
+`InputError` (HTTP 400) whose message says which image and why. Videos follow the same policy
+with their own byte cap (`max_video_bytes`); decoding them is media/video.py's. No audio.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class MediaPolicy:
     allowed_local_path: Path | None = None
     timeout_s: float = 10.0  # the whole fetch, redirects and body included
     max_bytes: int = 20 * 1024 * 1024
+    max_video_bytes: int = 64 * 1024 * 1024  # a video's file (videos are larger than images)
     allow_private_addresses: bool = False  # let allowed hosts resolve to loopback/private/link-local addresses
 
     def host_allowed(self, host: str | None) -> bool:
@@ -55,15 +57,15 @@ def decode_image(data: bytes, what: str):
         raise InputError(f"{what}: the data is not a decodable image ({type(e).__name__})") from None
 
 
-def parse_data_url(url: str, what: str) -> bytes:
-    """`data:[<mime>][;base64],<payload>` -> the payload bytes."""
+def parse_data_url(url: str, what: str, kind: str = "image") -> bytes:
+    """`data:[<mime>][;base64],<payload>` -> the payload bytes (`kind`: the media type a mime must name)."""
     head, sep, payload = url[5:].partition(",")
     if not sep:
         raise InputError(f"{what}: malformed data URL (no ',' before the payload)")
     params = head.split(";")
     mime = params[0].strip().lower()
-    if mime and not mime.startswith("image/"):
-        raise InputError(f"{what}: data URL media type {mime!r} is not an image")
+    if mime and not mime.startswith(f"{kind}/"):
+        raise InputError(f"{what}: data URL media type {mime!r} is not {'an' if kind == 'image' else 'a'} {kind}")
     if "base64" not in [p.strip().lower() for p in params[1:]]:
         return unquote(payload).encode("latin-1", errors="replace")
     try:
@@ -72,7 +74,7 @@ def parse_data_url(url: str, what: str) -> bytes:
         raise InputError(f"{what}: invalid base64 in data URL ({e})") from None
 
 
-def read_local(url: str, policy: MediaPolicy, what: str) -> bytes:
+def read_local(url: str, policy: MediaPolicy, what: str, max_bytes: int | None = None) -> bytes:
     if policy.allowed_local_path is None:
         raise InputError(f"{what}: local files are refused (the server was started without "
                          f"--allowed-local-media-path)")
@@ -91,9 +93,9 @@ def read_local(url: str, policy: MediaPolicy, what: str) -> bytes:
         raise InputError(f"{what}: {path} is outside the allowed local media path {root}")
     if not path.is_file():
         raise InputError(f"{what}: {path}: no such file")
-    size = path.stat().st_size
-    if size > policy.max_bytes:
-        raise InputError(f"{what}: {path} is {size} bytes, over the {policy.max_bytes}-byte media cap")
+    size, cap = path.stat().st_size, max_bytes or policy.max_bytes
+    if size > cap:
+        raise InputError(f"{what}: {path} is {size} bytes, over the {cap}-byte media cap")
     return path.read_bytes()
 
 
@@ -120,7 +122,8 @@ async def _checked_addresses(host: str, port: int, policy: MediaPolicy, what: st
     return sorted(addrs, key=lambda a: ":" in a)
 
 
-async def _get(client, url: str, addr: str, policy: MediaPolicy, what: str) -> tuple[str | None, bytes]:
+async def _get(client, url: str, addr: str, policy: MediaPolicy, what: str,
+               max_bytes: int | None = None) -> tuple[str | None, bytes]:
     """One GET of `url` connected to `addr`: (redirect location, b"") or (None, body)."""
     import httpx
 
@@ -134,18 +137,19 @@ async def _get(client, url: str, addr: str, policy: MediaPolicy, what: str) -> t
             return urljoin(url, resp.headers["location"]), b""
         if resp.status_code != 200:
             raise InputError(f"{what}: fetching {url} returned HTTP {resp.status_code}")
+        cap = max_bytes or policy.max_bytes
         declared = resp.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > policy.max_bytes:
-            raise InputError(f"{what}: {url} is {declared} bytes, over the {policy.max_bytes}-byte media cap")
+        if declared and declared.isdigit() and int(declared) > cap:
+            raise InputError(f"{what}: {url} is {declared} bytes, over the {cap}-byte media cap")
         buf = bytearray()
         async for chunk in resp.aiter_bytes():
             buf += chunk
-            if len(buf) > policy.max_bytes:
-                raise InputError(f"{what}: {url} is over the {policy.max_bytes}-byte media cap")
+            if len(buf) > cap:
+                raise InputError(f"{what}: {url} is over the {cap}-byte media cap")
         return None, bytes(buf)
 
 
-async def _fetch(url: str, policy: MediaPolicy, what: str, client) -> bytes:
+async def _fetch(url: str, policy: MediaPolicy, what: str, client, max_bytes: int | None = None) -> bytes:
     import httpx
 
     for _ in range(MAX_REDIRECTS + 1):
@@ -154,7 +158,7 @@ async def _fetch(url: str, policy: MediaPolicy, what: str, client) -> bytes:
             raise InputError(f"{what}: redirected to a {parts.scheme!r} URL")
         if not policy.host_allowed(parts.hostname):
             allowed = ", ".join(policy.allowed_domains) or "none (use --allowed-media-domains)"
-            raise InputError(f"{what}: fetching images from {parts.hostname!r} is not allowed "
+            raise InputError(f"{what}: fetching media from {parts.hostname!r} is not allowed "
                              f"(allowed hosts: {allowed})")
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -164,7 +168,7 @@ async def _fetch(url: str, policy: MediaPolicy, what: str, client) -> bytes:
         try:
             for i, addr in enumerate(addrs):
                 try:
-                    location, body = await _get(client, url, addr, policy, what)
+                    location, body = await _get(client, url, addr, policy, what, max_bytes)
                     break
                 except httpx.ConnectError:
                     if i == len(addrs) - 1:  # every address of the host refused
@@ -179,15 +183,16 @@ async def _fetch(url: str, policy: MediaPolicy, what: str, client) -> bytes:
     raise InputError(f"{what}: too many redirects")
 
 
-async def fetch_remote(url: str, policy: MediaPolicy, what: str, client=None) -> bytes:
-    """The body of an http(s) image URL under `policy`; `timeout_s` bounds the whole fetch, not each read."""
+async def fetch_remote(url: str, policy: MediaPolicy, what: str, client=None, max_bytes: int | None = None) -> bytes:
+    """The body of an http(s) media URL under `policy` (`max_bytes`: a cap other than the image cap);
+    `timeout_s` bounds the whole fetch, not each read."""
     import httpx
 
     own = client is None
     if own:
         client = httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=False, trust_env=False)
     try:
-        return await asyncio.wait_for(_fetch(url, policy, what, client), policy.timeout_s)
+        return await asyncio.wait_for(_fetch(url, policy, what, client, max_bytes), policy.timeout_s)
     except asyncio.TimeoutError:
         raise InputError(f"{what}: fetching {url} took longer than {policy.timeout_s:g}s") from None
     finally:
@@ -209,3 +214,23 @@ async def load_image_url(url: str, policy: MediaPolicy, what: str = "image", cli
     if len(data) > policy.max_bytes:
         raise InputError(f"{what}: {len(data)} bytes, over the {policy.max_bytes}-byte media cap")
     return await asyncio.to_thread(decode_image, data, what)
+
+
+async def load_video_url(url: str, policy: MediaPolicy, what: str = "video", client=None):
+    """A video_url (data:, http(s):, file:) -> a probed media.video.Video, under the same policy as
+    images with the video byte cap. Probing runs off the event loop; frames are decoded at encode."""
+    from ..media.video import Video
+
+    cap = policy.max_video_bytes
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        data = parse_data_url(url, what, kind="video")
+    elif scheme in ("http", "https"):
+        data = await fetch_remote(url, policy, what, client, max_bytes=cap)
+    elif scheme == "file":
+        data = read_local(url, policy, what, max_bytes=cap)
+    else:
+        raise InputError(f"{what}: unsupported video URL (use a data:, http(s): or file: URL)")
+    if len(data) > cap:
+        raise InputError(f"{what}: {len(data)} bytes, over the {cap}-byte video cap")
+    return await asyncio.to_thread(Video, data, what)

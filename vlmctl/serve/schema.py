@@ -50,7 +50,16 @@ class ImageURLPart(_Req):
     image_url: ImageURL
 
 
-ContentPart = Annotated[Union[TextPart, ImageURLPart], Field(discriminator="type")]
+class VideoURL(_Req):
+    url: Text
+
+
+class VideoURLPart(_Req):  # vLLM's extension of OpenAI's content parts
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[Union[TextPart, ImageURLPart, VideoURLPart], Field(discriminator="type")]
 
 
 class ChatMessage(_Req):
