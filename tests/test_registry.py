@@ -82,10 +82,11 @@ def test_families_fulfil_the_abstract_contract():
     import vlmctl.models.qwen2_vl as q
 
     import vlmctl.models.llava_onevision as lo
+    import vlmctl.models.mllama as ml
 
     for cls in (ll.LlavaProcessorAdapter, la.AnyresProcessorAdapter, q.QwenProcessorAdapter,
                 iv.InternVLProcessorAdapter, i.Idefics3ProcessorAdapter, g.Gemma3ProcessorAdapter,
-                lo.OnevisionProcessorAdapter):
+                lo.OnevisionProcessorAdapter, ml.MllamaProcessorAdapter):
         assert issubclass(cls, FamilyProcessor) and not cls.__abstractmethods__, cls
     # The families that take videos supply the video hooks (the base's only raise).
     video_processors = {"qwen2_vl": q.QwenProcessorAdapter, "qwen2_5_vl": q.QwenProcessorAdapter,

@@ -13,7 +13,8 @@ import pytest
 from conftest import write_recipe
 from tiny_models import make_image
 
-FAMILIES = ["llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "internvl", "idefics3", "gemma3"]
+FAMILIES = ["llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "internvl", "idefics3", "gemma3",
+            "mllama"]
 
 
 def _make(family: str, out):
@@ -41,6 +42,10 @@ def _make(family: str, out):
         from tiny_idefics3 import make_idefics3
 
         return make_idefics3(out)
+    if family == "mllama":
+        from tiny_mllama import make_mllama
+
+        return make_mllama(out)
     from tiny_gemma3 import make_gemma3
 
     return make_gemma3(out)

@@ -374,6 +374,7 @@ def test_expand_prompt_matches_the_torch_decoder_contract():
     V, H = 20, 4
     dec = TorchDecoder.__new__(TorchDecoder)  # only the embedding lookup is exercised
     dec.vocab_size, dec.embed, dec.embed_scale = V, torch.randn(V, H), None
+    dec.table_base = V  # fake ids start at the vocabulary's end (no extra embedding rows here)
     a, b = _image(3, H, 2, "c"), _image(2, H, 3, "d")
     ids, table = D.expand_prompt([1, 5, 5, 5, 3, 5, 5], 5, [a.features, b.features], V)
     assert ids == fake_ids([1, 5, 5, 5, 3, 5, 5], 5, V, 5).tolist()

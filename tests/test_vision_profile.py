@@ -33,6 +33,23 @@ def test_profile_of_an_axis_of_one_request():
     assert vision_profile(small, 1, 1) == {"x": ((2, 1), (2, 1), (2, 1))}
 
 
+def test_profile_of_tiles_beside_per_image_inputs():
+    """A tile axis (every image max_rows tiles) beside inputs with one row per image (Llama 3.2 Vision's
+    aspect-ratio ids and masks): the same range, counted in images."""
+    from vlmctl.errors import StageError
+
+    axis = VisionAxis(max_rows=4, opt_rows=16, min_rows=4, per_image=("ratio_ids", "ratio_mask"),
+                      trailing={"pixel_values": (3, 16, 16), "ratio_ids": (), "ratio_mask": (4,)})
+    assert vision_profile(axis, max_batch_size=4, max_images_per_request=2) == {
+        "pixel_values": ((4, 3, 16, 16), (16, 3, 16, 16), (32, 3, 16, 16)),
+        "ratio_ids": ((1,), (4,), (8,)), "ratio_mask": ((1, 4), (4, 4), (8, 4))}
+    # fewer images than the tuning point: opt is every image there is
+    assert vision_profile(axis, 1, 2)["ratio_ids"] == ((1,), (2,), (2,))
+    bad = VisionAxis(max_rows=4, opt_rows=6, min_rows=4, per_image=("ratio_ids",), trailing={"ratio_ids": ()})
+    with pytest.raises(StageError, match="whole images"):
+        vision_profile(bad, 4, 2)
+
+
 def test_default_profile_is_a_batch_of_images():
     assert profile_shapes({"pixel_values": (-1, 3, 336, 336)}, 7) == {
         "pixel_values": ((1, 3, 336, 336), (4, 3, 336, 336), (7, 3, 336, 336))}

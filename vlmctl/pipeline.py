@@ -76,7 +76,8 @@ def resolve_decoder_backend(recipe: Recipe, family=None) -> str:
     """torch or trtllm. `auto` takes TensorRT-LLM when its interpreter has 1.2.x and the recipe is
     one it builds (float16/bfloat16); a recipe asking for tensor/pipeline parallelism must get it.
     A family TensorRT-LLM's prompt-table engine does not compute correctly (`supports_trtllm` false:
-    bidirectional image attention, multimodal rotary positions) gets the torch decoder."""
+    bidirectional image attention, multimodal rotary positions, images read in cross-attention
+    layers) gets the torch decoder."""
     from .backends.trtllm import trtllm_available
 
     want = recipe.decoder.backend
@@ -157,7 +158,9 @@ def _spec_quantize(recipe: Recipe, workdir: Path, progress: Progress | None, dry
     if q.method == "none":
         return StageResult("quantize", False, 0.0, WorkDir(workdir).quantize.root,
                            skipped="quantization.method is none")
-    if recipe.decoder.backend == "auto" and resolve_decoder_backend(recipe) == "trtllm":
+    # `auto` picks per family (a family TensorRT-LLM does not serve gets torch) once convert has run
+    family = _family(workdir) if read_manifest(WorkDir(workdir).convert.root) is not None else None
+    if recipe.decoder.backend == "auto" and resolve_decoder_backend(recipe, family) == "trtllm":
         from .recipe import check_trtllm_group_size
 
         try:  # `auto` chose TensorRT-LLM on this machine: its group-size rule holds before quantizing too
@@ -173,6 +176,8 @@ def _spec_quantize(recipe: Recipe, workdir: Path, progress: Progress | None, dry
     if calib_hash is not None:
         inputs["calibration"] = calib_hash
     settings = q.model_dump(mode="json")
+    if settings["cross_attention"] == "float":  # the default: engines built before the key keep their cache key
+        del settings["cross_attention"]
     return StageSpec("quantize", workdir, settings, inputs,
                      lambda out: quantize_workspace(wd.convert, out, q, Path(recipe.base_dir), progress))
 

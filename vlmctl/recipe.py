@@ -48,6 +48,9 @@ class QuantizationSettings(_Strict):
     zero_point: bool = True
     duo_scaling: bool = True  # AutoAWQ's default: scale formula with a weight term
     impl: Literal["vlmctl", "autoawq"] = "vlmctl"
+    # Decoders with cross-attention layers (Llama 3.2 Vision): keep them float, or quantize them too,
+    # which needs image-text calibration (only image states reach them)
+    cross_attention: Literal["float", "quantize"] = "float"
     calibration: CalibrationSettings = CalibrationSettings()
 
 

@@ -36,7 +36,8 @@ def vision_profile(axis, max_batch_size: int, max_images_per_request: int) -> di
     """min/opt/max shapes per input of a vision graph whose axis 0 counts crops, tiles or patches, from
     the family's per-image `VisionAxis` (models/base.py): one vision call holds at most every image the
     engine admits at once (or, when calls do not batch across requests, one request's images), each at
-    its most rows, or one part of a video (`axis.part_rows`), whichever is larger."""
+    its most rows, or one part of a video (`axis.part_rows`), whichever is larger. Inputs whose axis 0
+    counts images (`axis.per_image`) get the same range in images."""
     if axis.across_requests:
         images = max(1, max_batch_size * max(max_images_per_request, 1))
     else:
@@ -44,7 +45,16 @@ def vision_profile(axis, max_batch_size: int, max_images_per_request: int) -> di
     hi = max(images * axis.max_rows, axis.part_rows)
     opt = min(axis.opt_rows, hi)
     lo = min(axis.min_rows, opt)
-    return {name: ((lo, *rest), (opt, *rest), (hi, *rest)) for name, rest in axis.trailing.items()}
+    out = {}
+    for name, rest in axis.trailing.items():
+        if name in axis.per_image:
+            if any(n % axis.max_rows for n in (lo, opt, hi)):
+                raise StageError(f"vision input {name!r} counts images, but the profile's rows ({lo}, {opt}, {hi}) "
+                                 f"are not whole images of {axis.max_rows} rows")
+            out[name] = tuple((n // axis.max_rows, *rest) for n in (lo, opt, hi))
+        else:
+            out[name] = ((lo, *rest), (opt, *rest), (hi, *rest))
+    return out
 
 
 def build_trt_engine(onnx_path: Path, engine_path: Path, *, max_batch: int, workspace_gib: float,

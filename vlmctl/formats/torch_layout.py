@@ -4,16 +4,26 @@ This is an on-disk contract between `build-llm` (vlmctl.export.torch_decoder wri
 runtime (vlmctl.runtime.decoder reads it). `config.json` holds a typed `DecoderSpec`: the
 decoder's shape and variants (activation, norm, rotary incl. M-RoPE sections, embedding scale,
 q/k norms, sandwich norms, sliding-window layers with their own rotary, logit softcapping, image
-attention) and, per runtime tensor, the Hugging Face tensors it is made of. Runtime tensor names
-(i = layer index):
+attention, gated cross-attention layers) and, per runtime tensor, the Hugging Face tensors it is
+made of. Runtime tensor names (i = layer index):
 
   embed, norm, lm_head (absent when tied)
   layers.i.input_norm, layers.i.post_norm               the norms before attention and before the MLP
+  layers.i.{gate_up,down}.weight                       the MLP; gate|up fused
+  self-attention layers ("full", "sliding"):
   layers.i.attn_out_norm, layers.i.mlp_out_norm         sandwich norms of the attention / MLP outputs
   layers.i.q_norm, layers.i.k_norm                      per-head q/k norms [head_dim] (qk_norm)
-  layers.i.{qkv,o,gate_up,down}.weight                 float linears [out, in]; q|k|v and gate|up fused
+  layers.i.{qkv,o}.weight                              float linears [out, in]; q|k|v fused
   layers.i.qkv.bias                                     when the decoder has q/k/v biases
-  layers.i.{qkv,o,gate_up,down}.{qweight,scales,zeros}  4-bit AWQ linears in the W4A16 kernel's layout
+  cross-attention layers ("cross_attention"):
+  layers.i.cross_q.weight, layers.i.cross_o.weight      the query (reads the hidden states) and output
+  layers.i.cross_kv.weight                             k|v fused: they read the image states, not the text
+  layers.i.cross_q_norm, layers.i.cross_k_norm          per-head q/k norms [head_dim]
+  layers.i.cross_attn_gate, layers.i.cross_mlp_gate     [1]: the attention / MLP outputs times tanh(gate)
+  any linear as {name}.{q4weight,q4scales,q4zeros}      4-bit AWQ in the W4A16 kernel's layout
+
+A template "layers.{i}.NAME" stands for the layers that have NAME: every layer, or the layers of
+one kind for the kind-specific names above (`DecoderSpec.layers_with`).
 
 Weights come from one of two places (`weights.kind`):
 - "hf": a float decoder is read from the Hugging Face checkpoint `convert` wrote (`weights.dir`,
@@ -49,7 +59,15 @@ def torch_dtype(name: str):
 
 NORMS = ("rms", "rms_one_plus")
 ACTIVATIONS = ("silu", "gelu_tanh")
-LAYER_TYPES = ("full", "sliding")
+# "cross_attention": a gated cross-attention block (Flamingo / Llama 3.2 Vision): no self-attention and
+# no self-attention KV; its queries attend to the request's image states, whose keys and values are
+# computed once per request (`vlmctl.runtime.cross_kv`). Tokens that see no image yet attend to every
+# image row and have their MLP output zeroed; a request without images skips these layers.
+LAYER_TYPES = ("full", "sliding", "cross_attention")
+CROSS = "cross_attention"
+# Runtime tensors only layers of one kind have (first name component); the others: every layer.
+SELF_ONLY = ("qkv", "o", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
+CROSS_ONLY = ("cross_q", "cross_kv", "cross_o", "cross_q_norm", "cross_k_norm", "cross_attn_gate", "cross_mlp_gate")
 IMAGE_ATTENTION = ("causal", "bidirectional")
 
 
@@ -82,13 +100,16 @@ class DecoderSpec:
     qk_norm: bool = False  # per-head norm (of kind `norm`) of q and k before rotary
     sandwich_norms: bool = False  # attention and MLP outputs are normed before their residual add
     attention_scale: float | None = None  # softmax scale of q.k; None: head_dim ** -0.5
-    layer_types: tuple[str, ...] = ()  # per layer "full" | "sliding"; empty: every layer full
+    layer_types: tuple[str, ...] = ()  # per layer "full" | "sliding" | "cross_attention"; empty: every layer full
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
     rope_local_inv_freq: tuple[float, ...] = ()  # rotary of the sliding layers; empty: the global one
     rope_local_attention_scaling: float = 1.0
     # "bidirectional": during prefill the rows of one image (a run of prompt-table rows) see each other
     image_attention: str = "causal"
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    # rows of the token embedding when it has more than the LM head's vocab_size (Llama 3.2 Vision: + 8,
+    # `<|image|>` among them); ids below it are tokens, prompt-table fake ids start at it
+    embed_rows: int | None = None
     quantization: dict | None = None  # {"method": "awq", "bits": 4, "group_size": g}
     # runtime tensor name ("{i}" = layer) -> the HF tensors concatenated (along the output axis) into it
     tensor_sources: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -125,6 +146,10 @@ class DecoderSpec:
                                   f"{', '.join(LAYER_TYPES)}")
             if "sliding" in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
                 raise EngineError("decoder spec: sliding layers need a positive sliding_window")
+            if self.layer_types.count(CROSS) == self.num_layers:
+                raise EngineError("decoder spec: a decoder of cross-attention layers only has no self-attention")
+        if self.embed_rows is not None and self.embed_rows < self.vocab_size:
+            raise EngineError(f"decoder spec: embed_rows {self.embed_rows} is below vocab_size {self.vocab_size}")
         if self.rope_local_inv_freq and len(self.rope_local_inv_freq) != len(self.rope_inv_freq):
             raise EngineError("decoder spec: rope_local_inv_freq and rope_inv_freq differ in size")
         if self.mrope_section is not None and self.rope_local_inv_freq:
@@ -132,6 +157,32 @@ class DecoderSpec:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"
+
+    def is_cross(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == CROSS
+
+    @property
+    def cross_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_cross(i))
+
+    @property
+    def self_layers(self) -> tuple[int, ...]:
+        """Layers with self-attention (and so with a slice of the paged KV cache), in order."""
+        return tuple(i for i in range(self.num_layers) if not self.is_cross(i))
+
+    @property
+    def table_base(self) -> int:
+        """The first prompt-table fake id: ids below it are looked up in the token embedding."""
+        return self.embed_rows or self.vocab_size
+
+    def layers_with(self, template: str) -> list[int]:
+        """The layers a "layers.{i}.NAME" tensor template applies to (see the module docstring)."""
+        head = template.split(".")[2]
+        if head in CROSS_ONLY:
+            return list(self.cross_layers)
+        if head in SELF_ONLY:
+            return list(self.self_layers)
+        return list(range(self.num_layers))
 
     @property
     def q_size(self) -> int:
@@ -146,7 +197,7 @@ class DecoderSpec:
         out = []
         for name in self.tensor_sources:
             if "{i}" in name:
-                out.extend(name.format(i=i) for i in range(self.num_layers))
+                out.extend(name.format(i=i) for i in self.layers_with(name))
             else:
                 out.append(name)
         return out
@@ -156,10 +207,13 @@ class DecoderSpec:
         H, I, V = self.hidden_size, self.intermediate_size, self.vocab_size
         qkv = self.q_size + 2 * self.kv_size
         tail = name.split(".", 2)[-1] if name.startswith("layers.") else name
-        return {"embed": (V, H), "lm_head": (V, H), "norm": (H,), "input_norm": (H,), "post_norm": (H,),
-                "attn_out_norm": (H,), "mlp_out_norm": (H,), "q_norm": (self.head_dim,),
-                "k_norm": (self.head_dim,), "qkv.weight": (qkv, H), "qkv.bias": (qkv,), "o.weight": (H, self.q_size),
-                "gate_up.weight": (2 * I, H), "down.weight": (H, I)}.get(tail)
+        d = self.head_dim
+        return {"embed": (self.embed_rows or V, H), "lm_head": (V, H), "norm": (H,), "input_norm": (H,),
+                "post_norm": (H,), "attn_out_norm": (H,), "mlp_out_norm": (H,), "q_norm": (d,), "k_norm": (d,),
+                "qkv.weight": (qkv, H), "qkv.bias": (qkv,), "o.weight": (H, self.q_size),
+                "gate_up.weight": (2 * I, H), "down.weight": (H, I), "cross_q.weight": (self.q_size, H),
+                "cross_kv.weight": (2 * self.kv_size, H), "cross_o.weight": (H, self.q_size), "cross_q_norm": (d,),
+                "cross_k_norm": (d,), "cross_attn_gate": (1,), "cross_mlp_gate": (1,)}.get(tail)
 
 
 @dataclass(frozen=True)
@@ -219,7 +273,7 @@ def check_hf_sources(reader: TensorReader, spec: DecoderSpec, where: Path) -> No
     """Every runtime tensor's sources exist with the right shapes, and nothing is left over."""
     used: set[str] = set()
     for name, sources in spec.tensor_sources.items():
-        layers = range(spec.num_layers) if "{i}" in name else [None]
+        layers = spec.layers_with(name) if "{i}" in name else [None]
         for i in layers:
             rt = name.format(i=i) if i is not None else name
             parts = [s.format(i=i) if i is not None else s for s in sources]
@@ -307,7 +361,7 @@ def awq_tensors(reader: TensorReader, spec: DecoderSpec, where: Path, dtype, pro
     task = progress.task("build-llm: packing AWQ decoder layers", total=spec.num_layers)
     for i in [None] + list(range(spec.num_layers)):
         for template, sources in spec.tensor_sources.items():
-            if ("{i}" in template) != (i is not None):
+            if ("{i}" in template) != (i is not None) or (i is not None and i not in spec.layers_with(template)):
                 continue
             rt = template.format(i=i)
             parts = [s.format(i=i) for s in sources]

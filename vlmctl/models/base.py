@@ -35,10 +35,15 @@ class ImageItem:
     split (see `FamilyProcessor.vision_parts`) keeps its parts in `meta["parts"]`."""
 
     inputs: dict[str, np.ndarray]  # ONNX feed for this image (batch axis of size 1 or #crops)
-    num_tokens: int  # feature rows it becomes in the prompt
+    num_tokens: int  # feature rows it becomes in the prompt (0 where cross-attention layers read it)
     meta: dict[str, Any] = field(default_factory=dict)  # what postprocess_features needs
     content_hash: str = ""
-    features: np.ndarray | None = None  # filled by the engine: [num_tokens, hidden]
+    features: np.ndarray | None = None  # filled by the engine: [feature rows, hidden]
+    cross_rows: int = 0  # feature rows of an image read by cross-attention layers (not in the prompt)
+
+    @property
+    def feature_rows(self) -> int:
+        return self.cross_rows or self.num_tokens
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,9 @@ class VisionAxis:
     input's shape after axis 0; `across_requests`: whether one vision call batches the images of
     several requests (the processor's `batch_key`), or only those of one request; `part_rows`: the
     most rows of a vision call that holds one part of a video alone (`FamilyProcessor.vision_parts`),
-    where that can exceed what the images of one call take (0: no such call)."""
+    where that can exceed what the images of one call take (0: no such call); `per_image`: inputs
+    whose axis 0 counts images instead (a family whose every image is `max_rows` rows, e.g. tiles
+    beside per-image aspect ratios: their range is the rows' divided by `max_rows`)."""
 
     max_rows: int
     opt_rows: int
@@ -76,6 +83,24 @@ class VisionAxis:
     min_rows: int = 1
     across_requests: bool = True
     part_rows: int = 0
+    per_image: tuple[str, ...] = ()
+
+
+@dataclass
+class CrossAttention:
+    """How a prompt's tokens see its images when the decoder reads them in cross-attention layers
+    instead of prompt rows (transformers' `cross_attention_mask`, per token).
+
+    Image k's features have `image_rows[k]` rows; a token that sees it sees the first
+    `visible_rows[k]` (its real tiles; the rest pad it to the tower's tile count). Token t sees
+    images `token_images[t, 0]` up to (not including) `token_images[t, 1]`; an empty range before the
+    first image (transformers lets such a token attend to every row of every image, padding
+    included, and zeroes its cross-attention MLP output). Generated tokens see what the last prompt
+    token sees."""
+
+    image_rows: list[int]
+    visible_rows: list[int]
+    token_images: np.ndarray  # int64 [prompt tokens, 2]
 
 
 @dataclass
@@ -85,6 +110,8 @@ class EncodedPrompt:
     `token_ids` holds ordinary ids plus, for item k, `images[k].num_tokens` copies of its placeholder
     id (`image_placeholder_id`, or `video_placeholder_id` for a video); the runtime swaps them for
     fake ids >= vocab_size in order. `images` lists the prompt's images and videos in prompt order.
+    A family whose decoder reads images in cross-attention layers puts no rows in the prompt and says
+    in `cross` which images each token sees.
     """
 
     token_ids: list[int]
@@ -92,6 +119,7 @@ class EncodedPrompt:
     image_placeholder_id: int
     text: str = ""
     video_placeholder_id: int = -1
+    cross: CrossAttention | None = None
 
     @property
     def placeholder_ids(self) -> tuple[int, ...]:
@@ -125,6 +153,9 @@ class VLMFamily(abc.ABC):
     # decoder as the reference does; when not, `trtllm_refusal` says why and the decoder runs on torch.
     supports_trtllm: ClassVar[bool] = True
     trtllm_refusal: ClassVar[str] = ""
+    # How image features reach the decoder: "prompt_table" (rows of the prompt, the prompt-embedding
+    # table contract) or "cross_attention" (read by the decoder's cross-attention layers).
+    image_input: ClassVar[str] = "prompt_table"
 
     # ---- conversion ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -244,10 +275,12 @@ class FamilyProcessor(abc.ABC):
     `encode` is the same for every family: render the chat template, find the image placeholders
     (`placeholder`, the text the template writes per image), make each image's ImageItem
     (`image_items`), replace each placeholder by the text its rows become (`image_text`), tokenize
-    (`tokenize`), and check that the tokenizer kept one `image_token_id` per feature row. This is
-    how the HF processors expand placeholders (in the text, before tokenizing). Families with
-    `video = True` do the same for videos, in prompt order with the images: `video_placeholder`,
-    `video_items`, `video_text`, one `video_token_id` per row."""
+    (`tokenize`), and check that the tokenizer kept one `image_token_id` per feature row
+    (`make_prompt`). This is how the HF processors expand placeholders (in the text, before
+    tokenizing). Families with `video = True` do the same for videos, in prompt order with the
+    images: `video_placeholder`, `video_items`, `video_text`, one `video_token_id` per row. A family
+    whose decoder reads images in cross-attention layers puts no rows in the prompt: its
+    `make_prompt` says which images each token sees instead."""
 
     placeholder: str  # what the chat template writes per image
     image_token_id: int  # the id of each image row's position in the expanded prompt
@@ -301,7 +334,7 @@ class FamilyProcessor(abc.ABC):
         parts, with `video_limits` (media.video.VideoLimits; its defaults when None); only families
         with `video = True` take them. Images and videos are expanded in prompt order, and
         `EncodedPrompt.images` lists their items in that order."""
-        from ..errors import CheckpointError, InputError
+        from ..errors import InputError
         from .chat import render_chat
 
         videos = list(videos or [])
@@ -332,12 +365,20 @@ class FamilyProcessor(abc.ABC):
             ordered.append(item)
             expanded.append(text_of[kind](item) + rest)
         ids = [int(t) for t in self.tokenize("".join(expanded))]
-        for kind, token_id, items in (("image", self.image_token_id, image_items),
-                                      ("video", self.video_token_id, video_items)):
-            if sum(1 for t in ids if t == token_id) != sum(it.num_tokens for it in items):
+        return self.make_prompt(ids, text, ordered, image_items, video_items)
+
+    def make_prompt(self, ids: list[int], text: str, items: list[ImageItem], image_items: list[ImageItem],
+                    video_items: list[ImageItem]) -> EncodedPrompt:
+        """The EncodedPrompt of the expanded, tokenized prompt `ids` (`items`: its images and videos in
+        prompt order), once the tokenizer is seen to have kept one image (video) token per feature row."""
+        from ..errors import CheckpointError
+
+        for kind, token_id, its in (("image", self.image_token_id, image_items),
+                                    ("video", self.video_token_id, video_items)):
+            if sum(1 for t in ids if t == token_id) != sum(it.num_tokens for it in its):
                 raise CheckpointError(f"the tokenizer does not keep the {kind} token (id {token_id}) as one token per "
                                       "feature row")
-        return EncodedPrompt(token_ids=ids, images=ordered, image_placeholder_id=self.image_token_id, text=text,
+        return EncodedPrompt(token_ids=ids, images=items, image_placeholder_id=self.image_token_id, text=text,
                              video_placeholder_id=self.video_token_id if video_items else -1)
 
     def image_items(self, images: list, hashes: list[str]) -> list[ImageItem]:
@@ -399,11 +440,12 @@ class FamilyProcessor(abc.ABC):
         return feed, [it.inputs[names[0]].shape[0] for it in items]
 
     def postprocess_features(self, features: np.ndarray, item: ImageItem) -> np.ndarray:
-        """Vision runner output for one image -> [num_tokens, hidden] rows for the prompt table."""
+        """Vision runner output for one image -> its [feature_rows, hidden] rows (for the prompt table,
+        or the cross-attention layers)."""
         return features.reshape(-1, features.shape[-1])
 
     def run_vision(self, items: list[ImageItem], runner) -> list:
-        """The feature rows ([num_tokens, hidden] torch tensors) of images that share a `batch_key`,
+        """The feature rows ([feature_rows, hidden] torch tensors) of images that share a `batch_key`,
         from one call of `runner(feed) -> tensor` (a vision backend running the exported graph or
         the family's module): collate, run, split per image, postprocess. The runtime's vision
         encoder and AWQ's image-text calibration both go through here."""
@@ -419,9 +461,9 @@ class FamilyProcessor(abc.ABC):
             if not isinstance(feats, torch.Tensor):
                 feats = torch.from_numpy(np.ascontiguousarray(feats))
             feats = feats.reshape(-1, feats.shape[-1])
-            if feats.shape[0] != it.num_tokens:
+            if feats.shape[0] != it.feature_rows:
                 raise EngineError(f"vision produced {feats.shape[0]} rows for an image expected to give "
-                                  f"{it.num_tokens}")
+                                  f"{it.feature_rows}")
             rows.append(feats)
         return rows
 

@@ -1,10 +1,12 @@
-"""Decoder (language-model) families: the causal LMs that the VLMs wrap (Llama, Mistral, Qwen2, Gemma 3).
+"""Decoder (language-model) families: the causal LMs that the VLMs wrap (Llama, Mistral, Qwen2, Gemma 3,
+Llama 3.2 Vision's text model with its cross-attention layers).
 
 What this module knows per decoder family: how a Hugging Face config maps to the embedded
 runtime's `DecoderSpec` (shape and every variant: norm kind, activation, embedding scale, q/k and
-sandwich norms, sliding-window layers and their rotary, softcapping), the tensor names of one layer
-(fused into the runtime layout at build time), the AWQ layer groups (which linears share an input,
-which op absorbs the inverse scale) and what the AWQ calibration pass feeds each layer.
+sandwich norms, sliding-window layers and their rotary, softcapping, cross-attention layers), the
+tensor names of one layer (fused into the runtime layout at build time), the AWQ layer groups
+(which linears share an input, which op absorbs the inverse scale; per layer kind) and what the
+AWQ calibration pass feeds each layer.
 """
 
 from __future__ import annotations
@@ -28,12 +30,19 @@ class AwqGroup:
     # o_proj after v_proj only works when their shapes agree (not under grouped-query attention).
     requires_equal_shapes: bool = False
 
+    @property
+    def scaled(self) -> bool:
+        """False for linears no op of the layer feeds (a cross-attention layer's k/v read the image
+        states): nothing can absorb 1/s, so they are quantized (clipped) without a scale search."""
+        return bool(self.prev_op)
+
 
 # HF activation names -> the runtime's. GELU's tanh approximation is torch's own (not "gelu_new", which
 # transformers computes with its own formula and rounds differently).
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # HF layer types -> the runtime's
 HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+CROSS_ATTENTION = "cross_attention"  # the DecoderSpec's layer type of a gated cross-attention layer
 
 
 @dataclass(frozen=True)
@@ -69,10 +78,29 @@ class DecoderFamily:
     attention_scalar_key: str | None = None  # config key s: softmax scale s ** -0.5 instead of head_dim ** -0.5
     layer_types: bool = False  # per-layer full / sliding attention (config layer_types), rotary per layer type
     final_softcap_key: str | None = None  # config key of the final logit softcap
+    rotary_class: str | None = None  # transformers' rotary class when not named after decoder_layer_class
+    extra_embed_rows: int = 0  # token-embedding rows beyond vocab_size (ids the LM head never produces)
+
+    # Gated cross-attention layers (layer type "cross_attention"): the config key listing them, and the
+    # HF names of one such layer's tensors. Their MLP and norms use the names above.
+    cross_layers_key: str | None = None
+    cross_q: str = "cross_attn.q_proj"
+    cross_k: str = "cross_attn.k_proj"
+    cross_v: str = "cross_attn.v_proj"
+    cross_o: str = "cross_attn.o_proj"
+    cross_q_norm: str = "cross_attn.q_norm"
+    cross_k_norm: str = "cross_attn.k_norm"
+    cross_attn_gate: str = "cross_attn_attn_gate"
+    cross_mlp_gate: str = "cross_attn_mlp_gate"
+    cross_awq_groups: tuple[AwqGroup, ...] = field(default_factory=tuple)
 
     def clip_skip(self) -> tuple[str, ...]:
         """Linears AWQ's clip search leaves alone (q/k: their outputs meet in a softmax)."""
-        return (self.q, self.k)
+        return (self.q, self.k, self.cross_q, self.cross_k)
+
+    def groups_for(self, layer_type: str) -> tuple[AwqGroup, ...]:
+        """AWQ groups of a layer of this spec layer type."""
+        return self.cross_awq_groups if layer_type == CROSS_ATTENTION else self.awq_groups
 
     @property
     def norm_gain_offset(self) -> float:
@@ -96,6 +124,17 @@ _GEMMA3_GROUPS = (
     AwqGroup("mlp.up_proj", ("mlp.down_proj",), None),
 )
 
+# A gated cross-attention layer (Llama 3.2 Vision): q reads the normed hidden states; k and v read the
+# image states, which no op of the decoder feeds, so they get no scale (clipped and quantized as they
+# are); o after v as in self-attention; the MLP as Llama's.
+_MLLAMA_CROSS_GROUPS = (
+    AwqGroup("input_layernorm", ("cross_attn.q_proj",), None),
+    AwqGroup("", ("cross_attn.k_proj", "cross_attn.v_proj"), None),
+    AwqGroup("cross_attn.v_proj", ("cross_attn.o_proj",), None, requires_equal_shapes=True),
+    AwqGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    AwqGroup("mlp.up_proj", ("mlp.down_proj",), None),
+)
+
 DECODER_FAMILIES: dict[str, DecoderFamily] = {
     "llama": DecoderFamily(("llama",), awq_groups=_LLAMA_GROUPS),
     "mistral": DecoderFamily(("mistral",), awq_groups=_LLAMA_GROUPS, causal_lm_class="MistralForCausalLM",
@@ -111,6 +150,15 @@ DECODER_FAMILIES: dict[str, DecoderFamily] = {
                                  k_norm="self_attn.k_norm", norm="rms_one_plus", activation_key="hidden_activation",
                                  embed_scale_sqrt_hidden=True, attention_scalar_key="query_pre_attn_scalar",
                                  layer_types=True, final_softcap_key="final_logit_softcapping"),
+    # Llama 3.2 Vision's text model (transformers' MllamaForCausalLM): Llama self-attention layers with
+    # gated cross-attention layers at config.cross_attention_layers; 8 token-embedding rows beyond the
+    # vocabulary (`<|image|>` is the first).
+    "mllama_text_model": DecoderFamily(("mllama_text_model",), awq_groups=_LLAMA_GROUPS,
+                                       causal_lm_class="MllamaForCausalLM",
+                                       decoder_layer_class="MllamaSelfAttentionDecoderLayer", hf_module="mllama",
+                                       rotary_class="MllamaRotaryEmbedding", extra_embed_rows=8,
+                                       cross_layers_key="cross_attention_layers",
+                                       cross_awq_groups=_MLLAMA_CROSS_GROUPS),
 }
 
 
@@ -163,6 +211,14 @@ def decoder_spec(text_cfg: dict, awq=None):
                             rope_local_attention_scaling=local_scaling)
     else:
         inv_freq, scaling = rotary_tables(text_cfg)
+    cross = sorted(set(text_cfg.get(fam.cross_layers_key) or [])) if fam.cross_layers_key else []
+    if cross:
+        n_layers = text_cfg["num_hidden_layers"]
+        if cross[0] < 0 or cross[-1] >= n_layers:
+            raise UnsupportedModelError(f"decoder {fam.cross_layers_key} {cross} name layers outside 0..{n_layers - 1}")
+        variants["layer_types"] = tuple(CROSS_ATTENTION if i in cross else "full" for i in range(n_layers))
+    if fam.extra_embed_rows:
+        variants["embed_rows"] = text_cfg["vocab_size"] + fam.extra_embed_rows
     if fam.embed_scale_sqrt_hidden:
         variants["embed_scale"] = hidden ** 0.5  # transformers' own expression (a Python float)
     if fam.attention_scalar_key:
@@ -189,6 +245,16 @@ def decoder_spec(text_cfg: dict, awq=None):
         sources["layers.{i}.k_norm"] = (f"{lp}.{fam.k_norm}.weight",)
     if qkv_bias:
         sources["layers.{i}.qkv.bias"] = tuple(f"{lp}.{n}.bias" for n in (fam.q, fam.k, fam.v))
+    if cross:
+        sources.update({
+            "layers.{i}.cross_q.weight": (f"{lp}.{fam.cross_q}.weight",),
+            "layers.{i}.cross_kv.weight": (f"{lp}.{fam.cross_k}.weight", f"{lp}.{fam.cross_v}.weight"),
+            "layers.{i}.cross_o.weight": (f"{lp}.{fam.cross_o}.weight",),
+            "layers.{i}.cross_q_norm": (f"{lp}.{fam.cross_q_norm}.weight",),
+            "layers.{i}.cross_k_norm": (f"{lp}.{fam.cross_k_norm}.weight",),
+            "layers.{i}.cross_attn_gate": (f"{lp}.{fam.cross_attn_gate}",),
+            "layers.{i}.cross_mlp_gate": (f"{lp}.{fam.cross_mlp_gate}",),
+        })
     spec = DecoderSpec(
         model_type=text_cfg["model_type"], hidden_size=hidden, intermediate_size=text_cfg["intermediate_size"],
         num_layers=text_cfg["num_hidden_layers"], num_heads=heads,
@@ -233,7 +299,7 @@ def rotary_tables(text_cfg: dict, layer_type: str | None = None):
     cfg = hf_text_config(text_cfg)
     name = fam.hf_module or text_cfg["model_type"]
     mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    rotary_cls = getattr(mod, fam.decoder_layer_class.replace("DecoderLayer", "RotaryEmbedding"))
+    rotary_cls = getattr(mod, fam.rotary_class or fam.decoder_layer_class.replace("DecoderLayer", "RotaryEmbedding"))
     rot = rotary_cls(config=cfg)
     prefix = f"{layer_type}_" if layer_type else ""
     inv_freq = getattr(rot, f"{prefix}inv_freq").detach().to(torch.float32).clone()

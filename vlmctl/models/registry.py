@@ -25,6 +25,7 @@ FAMILIES: dict[str, str] = {
     "idefics3": "vlmctl.models.idefics3:Idefics3Family",
     "smolvlm": "vlmctl.models.idefics3:SmolVLMFamily",
     "gemma3": "vlmctl.models.gemma3:Gemma3Family",
+    "mllama": "vlmctl.models.mllama:MllamaFamily",
 }
 
 # HF architecture (config.json's `architectures`) -> family name.
@@ -38,6 +39,7 @@ ARCHITECTURES: dict[str, str] = {
     "Idefics3ForConditionalGeneration": "idefics3",
     "SmolVLMForConditionalGeneration": "smolvlm",
     "Gemma3ForConditionalGeneration": "gemma3",
+    "MllamaForConditionalGeneration": "mllama",
 }
 
 

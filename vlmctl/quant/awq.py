@@ -42,7 +42,7 @@ from ..errors import CheckpointError, InputError
 from ..formats.awq_gemm import AwqGemmConfig, quantization_method
 from ..host import peak_rss_mib
 from ..progress import Progress, ensure
-from .awq_layer import LayerQuantizer, check_group_size, fast_delta_dtype
+from .awq_layer import LayerQuantizer, PerSample, check_group_size, fast_delta_dtype, float_output
 from .awq_math import BITS
 
 SHARD_BYTES = 1 << 30
@@ -104,12 +104,18 @@ def _load_tokenizer(src_dir: Path):
 
 def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | None = None,
                        progress: Progress | None = None, *, device: str | None = None, calib_ids=None,
-                       calib_embeds=None) -> dict:
+                       calib_embeds=None, calib_cross: dict | None = None) -> dict:
     """AWQ-quantize the plain HF causal LM in `src_dir` into an AutoAWQ GEMM checkpoint in `out_dir`.
 
     `settings` is a `QuantizationSettings`; `calib_ids` (LongTensor [n, T]) overrides its calibration
     data, and `calib_embeds` (float [n, T, hidden], e.g. with image features) replaces the embedding
     lookup altogether. Returns a summary (timings, peak memory, sizes) for the manifest.
+
+    Decoders with cross-attention layers: `calib_cross` (from `vlm_calibration.cross_attention_calibration`)
+    holds what those layers read per sample - the image states and transformers' masks; without it the
+    calibration is text, which those layers never see (transformers skips them), so they pass it on
+    unchanged and must stay float (`settings.cross_attention`). Float cross-attention layers are
+    copied as they are and listed in `modules_to_not_convert`.
     """
     import torch
 
@@ -132,12 +138,23 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
     family = decoder_family(config_dict.get("model_type", ""))
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     group_size = settings.group_size
+    spec = decoder_spec(config_dict)
+    kinds = [spec.layer_types[i] if spec.layer_types else "full" for i in range(spec.num_layers)]
+    cross_mode = getattr(settings, "cross_attention", "float")
+    quantize_cross = cross_mode == "quantize"
+    if spec.cross_layers and quantize_cross and calib_cross is None:
+        raise InputError("quantization.cross_attention quantize needs image-text calibration data (a .jsonl whose "
+                         "records name images): only image states reach the cross-attention layers; or keep them "
+                         "float (quantization.cross_attention: float)")
 
     hf_config, skeleton, embed_name = _skeleton(src_dir, family)
     layers = skeleton.get_submodule(family.layer_prefix)
     n_layers = len(layers)
     parent = skeleton.get_submodule(family.layer_prefix.rsplit(".", 1)[0]) if "." in family.layer_prefix else skeleton
-    check_group_size(layers[0], family, group_size, f"{family.layer_prefix}.0")  # before any real work
+    for kind in dict.fromkeys(kinds):  # one layer of each kind that gets quantized, before any real work
+        i = kinds.index(kind)
+        if kind != "cross_attention" or quantize_cross:
+            check_group_size(layers[i], family, group_size, f"{family.layer_prefix}.{i}", family.groups_for(kind))
 
     tokens = calib_ids
     cal = settings.calibration
@@ -159,13 +176,12 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
             x = calib_embeds.to(dev, torch.float32)
         else:
             x = torch.nn.functional.embedding(tokens, tensors.get(embed_name).to(torch.float32)).to(dev)
-            scale = decoder_spec(config_dict).embed_scale
+            scale = spec.embed_scale
             if scale is not None:  # e.g. Gemma's sqrt(hidden)
                 x = x * scale
         rotary = type(parent.rotary_emb)(config=hf_config).to(dev)
         pos = torch.arange(seq_len, device=dev)[None]
         per_layer = calibration_layer_kwargs(family, hf_config, rotary, x, pos)
-    layer_kwargs = per_layer[0]
     width = max(hf_config.hidden_size, getattr(hf_config, "intermediate_size", 0) or 0)
     # Samples per forward: on a CPU, intermediates of ~16 MiB stay on the allocator's heap (larger
     # ones are mmapped and page-faulted afresh on every use, which made the search ~30% slower); a
@@ -180,7 +196,12 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
         if not name.startswith(layer_prefix):
             writer.add(name, tensors.get(name))
     delta_dtype = fast_delta_dtype(dev)
-    quantizer = LayerQuantizer(family, group_size, settings.duo_scaling, layer_kwargs, chunk, delta_dtype)
+    cross_kw = {}
+    if calib_cross is not None:
+        cross_kw = {k: PerSample(calib_cross[v].to(dev, torch.float32)) for k, v in
+                    (("cross_attention_states", "states"), ("cross_attention_mask", "mask"),
+                     ("full_text_row_masked_out_mask", "rowmask"))}
+    float_modules: list[str] = []
     task = progress.task(f"awq: quantizing {n_layers} decoder layers", total=n_layers)
     n_linears = 0
     with torch.inference_mode():
@@ -188,13 +209,31 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
             prefix = f"{layer_prefix}{i}."
             names = [n for n in tensors.names() if n.startswith(prefix)]
             src = {n[len(prefix):]: tensors.get(n) for n in names}
+            cross = kinds[i] == "cross_attention"
+            groups = family.groups_for(kinds[i])
+            if cross and not quantize_cross:
+                for n in names:  # kept float, byte for byte
+                    writer.add(n, tensors.get(n))
+                # module names as transformers 5 (a suffix) and vLLM (a substring) both match them
+                float_modules += [f"layers.{i}.{lin}" for g in groups for lin in g.linears
+                                  if f"layers.{i}.{lin}" not in float_modules]
+                if calib_cross is not None:  # the next layer's input: this layer's float output
+                    x = _float_forward(layers[i], src, dev, x, {**per_layer[i], **cross_kw}, chunk, src_dir, i)
+                layers[i] = torch.nn.Identity()
+                tensors.release()
+                task.advance()
+                continue  # without image states transformers skips it: x passes unchanged
             layer = layers[i]
             try:
                 layer.load_state_dict({k: v.to(dev, torch.float32) for k, v in src.items()}, strict=True, assign=True)
             except RuntimeError as e:
                 raise CheckpointError(f"{src_dir}: layer {i} tensors do not match the config "
                                       f"({str(e).splitlines()[0][:200]})") from None
-            quantizer.kwargs = per_layer[i]  # rotary table and window of this layer's type
+            # rotary table and window of this layer's type; a cross-attention layer's image states and
+            # masks, per sample
+            quantizer = LayerQuantizer(family, group_size, settings.duo_scaling,
+                                       {**per_layer[i], **cross_kw} if cross else per_layer[i], chunk, delta_dtype,
+                                       groups)
             x, packed = quantizer.quantize(layer, x)
             state = layer.state_dict()
             for k, v in state.items():
@@ -215,15 +254,31 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
     task.done()
     writer.close()
 
-    cfg_out = AwqGemmConfig(BITS, group_size).apply_to(config_dict)
+    cfg_out = AwqGemmConfig(BITS, group_size, modules_to_not_convert=tuple(float_modules)).apply_to(config_dict)
     (out_dir / "config.json").write_text(json.dumps(cfg_out, indent=2))
     copy_side_files(src_dir, out_dir)
+    summary = {}
+    if spec.cross_layers:
+        summary["cross_attention"] = {"layers": list(spec.cross_layers), "mode": cross_mode,
+                                      "calibrated_with_images": calib_cross is not None}
     return {
         "backend": "vlmctl-awq", "backend_version": __version__,
         "method": "awq", "impl": "vlmctl", "bits": BITS, "group_size": group_size, "zero_point": True,
-        "duo_scaling": settings.duo_scaling, "layers": n_layers, "quantized_linears": n_linears,
+        "duo_scaling": settings.duo_scaling, "layers": n_layers, "quantized_linears": n_linears, **summary,
         "calibration": {"data": cal.data if calib_ids is None else "(given tokens)", "samples": int(n_samples),
                         "seq_len": int(seq_len), "image_text": calib_embeds is not None},
         "device": str(dev), "search_delta_dtype": str(delta_dtype).replace("torch.", "") if delta_dtype else "float32",
         "wall_s": round(time.perf_counter() - t0, 2), "peak_rss_mib": round(peak_rss_mib(), 1),
     }
+
+
+def _float_forward(layer, src: dict, dev, x, kwargs: dict, chunk: int, src_dir: Path, i: int):
+    """The float output of a decoder layer kept unquantized (its input for the next layer)."""
+    import torch
+
+    try:
+        layer.load_state_dict({k: v.to(dev, torch.float32) for k, v in src.items()}, strict=True, assign=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{src_dir}: layer {i} tensors do not match the config "
+                              f"({str(e).splitlines()[0][:200]})") from None
+    return float_output(layer, x, kwargs, chunk)

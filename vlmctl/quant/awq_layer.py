@@ -18,9 +18,22 @@ from .awq_math import (_grid_chunk, clip_thresholds, grid_scales, gram, linear_g
                        quantize_weight, valid_group_sizes, weight_mean)
 
 
+class PerSample:
+    """A layer keyword argument with one entry per calibration sample (axis 0), e.g. the image states a
+    cross-attention layer reads: each forward over samples [lo, hi) gets rows [lo, hi) of it."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
 def _call_kwargs(module, kwargs: dict) -> dict:
     params = inspect.signature(module.forward).parameters
     return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _rows(kw: dict, lo: int, hi: int) -> dict:
+    """`kw` for samples [lo, hi): PerSample values sliced, the rest as they are."""
+    return {k: (v.tensor[lo:hi] if isinstance(v, PerSample) else v) for k, v in kw.items()}
 
 
 def _first(out):
@@ -88,10 +101,10 @@ class LayerQuantizer:
     """Runs AWQ on one decoder layer module (float32), in place, and returns its packed linears."""
 
     def __init__(self, family, group_size: int, duo_scaling: bool, layer_kwargs: dict, chunk: int,
-                 delta_dtype=None):
+                 delta_dtype=None, groups=None):
         self.family = family
         self.delta_dtype = delta_dtype
-        self.groups = family.awq_groups
+        self.groups = family.awq_groups if groups is None else groups  # a layer kind's (DecoderFamily.groups_for)
         self.group_size = group_size
         self.duo = duo_scaling
         self.kwargs = layer_kwargs
@@ -135,7 +148,7 @@ class LayerQuantizer:
             for lo, hi in self._chunks(x):
                 state["lo"] = lo
                 by_ptr.clear()
-                out[lo:hi] = _first(layer(x[lo:hi], **kw))
+                out[lo:hi] = _first(layer(x[lo:hi], **_rows(kw, lo, hi)))
         finally:
             for h in hooks:
                 h.remove()
@@ -187,7 +200,7 @@ class LayerQuantizer:
                     for m, w in zip(lins, weights):
                         m.weight.data = pseudo_quantize(w * s, self.group_size) / s
                     for i, (lo, hi) in enumerate(self._chunks(x)):
-                        losses[k] += _sq_err(_first(block(x[lo:hi], **kw)), ref[i])
+                        losses[k] += _sq_err(_first(block(x[lo:hi], **_rows(kw, lo, hi))), ref[i])
             finally:
                 for m, w in zip(lins, weights):
                     m.weight.data = w
@@ -211,10 +224,11 @@ class LayerQuantizer:
                     deltas[id(m)] = d
                 for lo, hi in self._chunks(x):
                     xc = x[lo:hi]
+                    kwc = _rows(kw, lo, hi)
                     cache = {}
                     for m in all_lins:
                         m.forward = _recording_forward(m, cache)
-                    ref = _first(block(xc, **kw))
+                    ref = _first(block(xc, **kwc))
                     cast = {}
                     for m in all_lins:
                         inp = cache[id(m)][0]
@@ -230,7 +244,7 @@ class LayerQuantizer:
                             else:
                                 wf = w_fast[id(m)]
                                 m.forward = _delta_forward(ref_in, ref_out, None, None, lambda wf=wf: wf, fast)
-                        losses[k] += _sq_err(_first(block(xc, **kw)), ref)
+                        losses[k] += _sq_err(_first(block(xc, **kwc)), ref)
                     del cache, cast
         finally:
             for m in all_lins:
@@ -241,7 +255,7 @@ class LayerQuantizer:
         return [(i, min(x.shape[0], i + self.chunk)) for i in range(0, x.shape[0], self.chunk)]
 
     def _block_reference(self, block, x, kw):
-        return [_first(block(x[lo:hi], **kw)) for lo, hi in self._chunks(x)]
+        return [_first(block(x[lo:hi], **_rows(kw, lo, hi))) for lo, hi in self._chunks(x)]
 
     @staticmethod
     def apply_scale(layer, group, scale, norm_offset: float = 0.0):
@@ -273,6 +287,8 @@ class LayerQuantizer:
         out, inputs = self.forward_record(layer, x)
         chosen = []
         for g in self.groups:
+            if not g.scaled:  # nothing in the layer feeds these linears (image states): no scale to fold
+                continue
             if g.requires_equal_shapes:
                 prev = layer.get_submodule(g.prev_op)
                 if tuple(prev.weight.shape) != tuple(layer.get_submodule(g.linears[0]).weight.shape):
@@ -302,11 +318,24 @@ class LayerQuantizer:
         return out, packed
 
 
-def check_group_size(layer, family, group_size: int, layer_name: str) -> None:
+def float_output(layer, x, kwargs: dict, chunk: int):
+    """The float output of `layer` for x [n, T, H], `chunk` samples per forward (a layer kept float:
+    the next layer's input)."""
+    import torch
+
+    kw = _call_kwargs(layer, kwargs)
+    out = torch.empty_like(x)
+    for lo in range(0, x.shape[0], chunk):
+        hi = min(x.shape[0], lo + chunk)
+        out[lo:hi] = _first(layer(x[lo:hi], **_rows(kw, lo, hi)))
+    return out
+
+
+def check_group_size(layer, family, group_size: int, layer_name: str, groups=None) -> None:
     import torch
 
     ins = {}
-    for g in family.awq_groups:
+    for g in family.awq_groups if groups is None else groups:
         for n in g.linears:
             m = layer.get_submodule(n)
             if not isinstance(m, torch.nn.Linear):

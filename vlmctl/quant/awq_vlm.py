@@ -3,7 +3,8 @@ the vision part float, and `quantize_path`, which takes a work directory, a work
 
 The decoder itself is quantized by awq.py (vlmctl's AWQ) or autoawq_impl.py (`--impl autoawq`),
 calibrated on text or, with image-text records, on embeddings that include the image rows
-(vlm_calibration.py). Publishing the output atomically is the caller's (pipeline.py).
+(vlm_calibration.py; for a decoder that reads images in cross-attention layers, the image states
+and masks those layers read). Publishing the output atomically is the caller's (pipeline.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def write_vlm_checkpoint(workspace: Workspace, quantized_llm: Path, out_dir: Pat
 
     Vision tensors are copied byte for byte from the workspace's vision/; decoder tensors come from
     `quantized_llm` (GEMM format). Names are the VLM's (the family's `join_key`), and
-    `quantization_config.modules_to_not_convert` lists the family's vision modules.
+    `quantization_config.modules_to_not_convert` lists the family's vision modules, and any decoder
+    linears the quantized decoder kept float (cross-attention layers).
     """
     from ..checkpoint import read_config_json
     from ..models.base import DECODER, VISION
@@ -48,7 +50,8 @@ def write_vlm_checkpoint(workspace: Workspace, quantized_llm: Path, out_dir: Pat
             task.advance()
     writer.close()
     task.done()
-    vision_float = AwqGemmConfig(awq.bits, awq.group_size, modules_to_not_convert=tuple(family.vision_module_names()))
+    keep_float = tuple(family.vision_module_names()) + awq.modules_to_not_convert
+    vision_float = AwqGemmConfig(awq.bits, awq.group_size, modules_to_not_convert=keep_float)
     cfg = vision_float.apply_to(workspace.read_vision_config())
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     if workspace.processor.is_dir():
@@ -63,7 +66,7 @@ def quantize_workspace(workspace: Workspace, out_dir: Path, settings, base_dir: 
     out = QuantizeOutput(Path(out_dir))
     if not (workspace.llm / "config.json").exists():
         raise CheckpointError(f"{workspace.root}: not a conversion workspace (no llm/config.json)")
-    from .vlm_calibration import image_text_embeddings, read_image_text_records
+    from .vlm_calibration import cross_attention_calibration, image_text_embeddings, read_image_text_records
 
     cal = settings.calibration
     records = read_image_text_records(cal.data, base_dir)
@@ -74,12 +77,19 @@ def quantize_workspace(workspace: Workspace, out_dir: Path, settings, base_dir: 
 
         summary = quantize_with_autoawq(workspace.llm, out.llm, settings, base_dir, progress)
     else:
-        embeds = None
+        embeds = cross = None
         if records is not None:
             if not workspace.vision.is_dir():
                 raise InputError(f"{cal.data}: image-text calibration needs a VLM workspace (vision/ is missing)")
-            embeds = image_text_embeddings(workspace, records, cal.samples, cal.seq_len, progress=progress)
-        summary = quantize_causal_lm(workspace.llm, out.llm, settings, base_dir, progress, calib_embeds=embeds)
+            from ..models.registry import get_family
+
+            if get_family(workspace.family_name()).image_input == "cross_attention":
+                embeds, cross = cross_attention_calibration(workspace, records, cal.samples, cal.seq_len,
+                                                            progress=progress)
+            else:
+                embeds = image_text_embeddings(workspace, records, cal.samples, cal.seq_len, progress=progress)
+        summary = quantize_causal_lm(workspace.llm, out.llm, settings, base_dir, progress, calib_embeds=embeds,
+                                     calib_cross=cross)
     if workspace.has_vision():
         summary["vlm"] = write_vlm_checkpoint(workspace, out.llm, out.vlm, progress)
     return summary

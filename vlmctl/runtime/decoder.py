@@ -12,8 +12,19 @@ on the CPU the same code runs the torch references. What the decoder is (shape, 
 names) comes from its `DecoderSpec`; this module knows no model by name. Variants it runs: the norm
 kind, the MLP activation, an embedding scale, q/k norms before rotary, sandwich norms around
 attention and MLP, the softmax scale, sliding-window layers with their own rotary table (the window
-holds in prefill and decode), rows of one image attending to each other during prefill, and a
-final logit softcap.
+holds in prefill and decode), rows of one image attending to each other during prefill, a final
+logit softcap, and gated cross-attention layers.
+
+Cross-attention layers (Llama 3.2 Vision) read a request's image states instead of prompt rows.
+Their keys and values are computed once per request (`write_cross_kv`, at admission) into a second
+paged pool, `[cross layers, blocks, block_size, kv heads, head dim]`, through the request's own
+cross block table; they have no self-attention and no slice of the self-attention pool. A chunk
+that sees images carries `CrossRows`: per row, the range of the request's image rows it attends
+(`vlmctl.runtime.cross_kv` orders them so that it is one range) and whether its MLP output counts.
+Rows of requests without images skip these layers, as transformers skips them for text-only
+prompts: the eager forward computes them for the rows that see images only; a captured decode step
+computes them for every row and multiplies the others' outputs by 0 (exact). A decode batch without
+any image request replays a graph captured without them.
 """
 
 from __future__ import annotations
@@ -81,8 +92,8 @@ def awq_linear(tensors: dict, prefix: str, spec: DecoderSpec, dtype, device, bia
 class Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Linear
-    o: Linear
+    qkv: Linear | None  # None in a cross-attention layer
+    o: Linear | None
     gate_up: Linear
     down: Linear
     q_norm: torch.Tensor | None = None
@@ -91,6 +102,34 @@ class Layer:
     mlp_out_norm: torch.Tensor | None = None
     window: int | None = None  # sliding-window layer: keys at most this many positions back, itself included
     cos_sin: torch.Tensor | None = None  # its rotary table (float32 [P, d])
+    cache_index: int | None = None  # its slice of the self-attention KV pool (None: a cross-attention layer)
+    cross: "CrossLayer | None" = None
+
+
+@dataclass
+class CrossLayer:
+    """The cross-attention parts of a gated cross-attention layer (its norms and MLP are the Layer's)."""
+
+    q: Linear
+    kv: Linear  # k|v, applied to image states at admission
+    o: Linear
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    attn_gate: torch.Tensor  # tanh(gate) in the model dtype, [1]
+    mlp_gate: torch.Tensor
+    cache_index: int  # its slice of the cross-attention KV pool
+
+
+@dataclass
+class CrossRows:
+    """How the rows of one chunk see their request's image states (see `vlmctl.runtime.cross_kv`):
+    row r attends image rows [lo[r], hi[r]) of the request's cross KV (`block_table` into the cross
+    pool); `mlp[r]` False: the row sees no image yet, its cross-attention MLP output is zeroed."""
+
+    block_table: list[int]
+    lo: np.ndarray
+    hi: np.ndarray
+    mlp: np.ndarray
 
 
 @dataclass
@@ -106,6 +145,7 @@ class Chunk:
     block_table: list[int]
     table: torch.Tensor | None = None  # the sequence's prompt-embedding rows (fake ids index it)
     want_logits: bool = True
+    cross: CrossRows | None = None  # for a sequence with image states in cross-attention layers
 
     @property
     def n(self) -> int:
@@ -133,18 +173,31 @@ def image_blocks(ids: np.ndarray, vocab_size: int) -> np.ndarray | None:
     return np.where(img, np.cumsum(starts) - 1, -1)
 
 
+class _CrossBatch:
+    """One forward's rows that see image states: `rows` (None: every row), `mlp_mask` [t, 1] (0: the
+    row's MLP output is zeroed), `row_scale` [t, 1] or None (0: the row's attention output is
+    discarded too), `attend(cross layer index, q [t, Hq, d]) -> [t, Hq, d]`."""
+
+    rows: torch.Tensor | None = None
+    mlp_mask: torch.Tensor
+    row_scale: torch.Tensor | None = None
+    attend = None
+
+
 class TorchDecoder:
     def __init__(self, spec: DecoderSpec, tensors: dict, *, dtype: torch.dtype, device="cpu", max_seq: int = 2048):
         self.spec = spec
         self.dtype = dtype
         self.device = torch.device(device)
         self.vocab_size = spec.vocab_size
+        self.table_base = spec.table_base  # ids from here on index the prompt-embedding table
         self.n_layers, self.n_heads, self.n_kv, self.head_dim = (spec.num_layers, spec.num_heads,
                                                                  spec.num_kv_heads, spec.head_dim)
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
         self.eps = spec.rms_norm_eps
         spec.validate()
         self.scale = spec.attention_scale if spec.attention_scale is not None else spec.head_dim ** -0.5
+        self.cross_scale = spec.head_dim ** -0.5
         self.one_plus = spec.norm == "rms_one_plus"
         self.activation = spec.activation
         self.bidirectional_images = spec.image_attention == "bidirectional"
@@ -156,8 +209,7 @@ class TorchDecoder:
         self.embed_scale = (None if spec.embed_scale is None else
                             torch.tensor(spec.embed_scale, dtype=torch.float32).to(self.embed.dtype).to(self.device))
         self.norm = t.pop("norm")
-        self.lm_head = self.embed if spec.tie_word_embeddings else t.pop("lm_head")
-        quantized = spec.quantization is not None
+        self.lm_head = self.embed[:spec.vocab_size] if spec.tie_word_embeddings else t.pop("lm_head")
         self.inv_freq = torch.tensor(spec.rope_inv_freq, dtype=torch.float32, device=self.device)
         self.mrope_section = spec.mrope_section
         # cos|sin for every 1-D position a sequence can reach (M-RoPE prompt rows are computed per step)
@@ -170,19 +222,31 @@ class TorchDecoder:
             self.cos_sin_local = cos_sin_table(local, spec.rope_local_attention_scaling,
                                                torch.arange(n_pos, device=self.device))
         self.layers = []
+        n_self = n_cross = 0
         for i in range(spec.num_layers):
             p = f"layers.{i}"
 
             def lin(name, bias=None):
-                if quantized:
+                # AWQ engines may keep some layers float (e.g. cross-attention layers by recipe)
+                if f"{p}.{name}.q4weight" in t:
                     return awq_linear(t, f"{p}.{name}", spec, dtype, self.device, bias)
                 return Linear(t.pop(f"{p}.{name}.weight"), bias)
 
+            mlp = (lin("gate_up"), lin("down"))
+            if spec.is_cross(i):
+                gates = [torch.tanh(t.pop(f"{p}.cross_{g}_gate")) for g in ("attn", "mlp")]
+                cross = CrossLayer(lin("cross_q"), lin("cross_kv"), lin("cross_o"), t.pop(f"{p}.cross_q_norm"),
+                                   t.pop(f"{p}.cross_k_norm"), *gates, cache_index=n_cross)
+                n_cross += 1
+                self.layers.append(Layer(t.pop(f"{p}.input_norm"), t.pop(f"{p}.post_norm"), None, None, *mlp,
+                                         cross=cross))
+                continue
             bias = t.pop(f"{p}.qkv.bias", None)
             sliding = spec.is_sliding(i)
-            layer = Layer(t.pop(f"{p}.input_norm"), t.pop(f"{p}.post_norm"), lin("qkv", bias), lin("o"),
-                          lin("gate_up"), lin("down"), window=spec.sliding_window if sliding else None,
-                          cos_sin=self.cos_sin_local if sliding else self.cos_sin)
+            layer = Layer(t.pop(f"{p}.input_norm"), t.pop(f"{p}.post_norm"), lin("qkv", bias), lin("o"), *mlp,
+                          window=spec.sliding_window if sliding else None,
+                          cos_sin=self.cos_sin_local if sliding else self.cos_sin, cache_index=n_self)
+            n_self += 1
             if spec.qk_norm:
                 layer.q_norm, layer.k_norm = t.pop(f"{p}.q_norm"), t.pop(f"{p}.k_norm")
             if spec.sandwich_norms:
@@ -190,11 +254,14 @@ class TorchDecoder:
             self.layers.append(layer)
         if t:
             raise EngineError(f"decoder weights hold tensors the runtime does not use: {sorted(t)[:3]}")
+        self.n_self_layers, self.n_cross_layers = n_self, n_cross
         self.inter = spec.intermediate_size
         self.k_cache = self.v_cache = None
+        self.xk_cache = self.xv_cache = None  # the cross-attention pool
         self.block_size = 0
+        self.max_cross_rows = 0  # most image rows one sequence's cross KV holds
         self.use_graphs = (self.device.type == "cuda" and os.environ.get("VLMCTL_CUDA_GRAPHS", "1") != "0")
-        self._graphs: dict[int, tuple] = {}
+        self._graphs: dict[tuple[int, bool], tuple] = {}
         self._graph_pool = None
         self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if self.device.type == "cuda" else 1)
@@ -253,23 +320,63 @@ class TorchDecoder:
             tensors = {k: v.to(device) for k, v in tensors.items()}
         return cls(spec, tensors, dtype=dt, device=device, max_seq=max_seq)
 
-    # ---- KV cache ---------------------------------------------------------------------------
+    # ---- KV cache ----------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.n_layers * self.kv_size * torch.tensor([], dtype=self.dtype).element_size()
+        """Bytes of self-attention KV per token (cross-attention layers hold none)."""
+        return 2 * self.n_self_layers * self.kv_size * torch.tensor([], dtype=self.dtype).element_size()
+
+    def cross_kv_bytes_per_row(self) -> int:
+        """Bytes of cross-attention KV per image row (0 without cross-attention layers)."""
+        return 2 * self.n_cross_layers * self.kv_size * torch.tensor([], dtype=self.dtype).element_size()
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
-        """The block pool: K and V of every layer, [layers, blocks, block_size, kv heads, head dim]."""
-        shape = (self.n_layers, num_blocks, block_size, self.n_kv, self.head_dim)
+        """The block pool: K and V of every self-attention layer, [layers, blocks, block_size, kv heads, head dim]."""
+        shape = (self.n_self_layers, num_blocks, block_size, self.n_kv, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._graphs.clear()
 
+    def allocate_cross_cache(self, num_blocks: int, max_rows: int) -> None:
+        """The cross-attention pool (same block size as the self-attention pool, allocated first):
+        K and V of every cross-attention layer; `max_rows`: the most image rows one sequence holds."""
+        if not self.block_size:
+            raise EngineError("allocate the self-attention KV cache before the cross-attention one")
+        shape = (self.n_cross_layers, num_blocks, self.block_size, self.n_kv, self.head_dim)
+        self.xk_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)  # block 0 stays zeros
+        self.xv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.max_cross_rows = max_rows
+        self._graphs.clear()
+
+    @torch.inference_mode()
+    def write_cross_kv(self, states: torch.Tensor, block_table: list[int]) -> None:
+        """K (k_norm'ed) and V of every cross-attention layer for one sequence's image states [R, hidden],
+        written to its cross blocks; computed once, read by every later step of the sequence."""
+        if self.xk_cache is None:
+            raise EngineError("the cross-attention KV cache is not allocated")
+        R = states.shape[0]
+        bs = self.block_size
+        if len(block_table) * bs < R:
+            raise EngineError(f"{R} image rows do not fit {len(block_table)} cross blocks of {bs}")
+        idx = torch.arange(R, device=self.device)
+        slots = torch.tensor(block_table, dtype=torch.long, device=self.device)[idx // bs] * bs + idx % bs
+        x = states.to(self.device, self.dtype)
+        for layer in self.layers:
+            c = layer.cross
+            if c is None:
+                continue
+            kv = c.kv(x)
+            k = self._norm(kv[:, :self.kv_size].reshape(R * self.n_kv, self.head_dim), c.k_norm)
+            v = kv[:, self.kv_size:].reshape(R, self.n_kv, self.head_dim)
+            self.xk_cache[c.cache_index].view(-1, self.n_kv, self.head_dim).index_copy_(
+                0, slots, k.view(R, self.n_kv, self.head_dim))
+            self.xv_cache[c.cache_index].view(-1, self.n_kv, self.head_dim).index_copy_(0, slots, v)
+
     # ---- pieces ----------------------------------------------------------------------------
     def _embed(self, ids: torch.Tensor, fake_rows: torch.Tensor | None, table_rows: torch.Tensor | None,
                table: torch.Tensor | None) -> torch.Tensor:
-        x = self._embed_tokens(ids.clamp(max=self.vocab_size - 1))
+        x = self._embed_tokens(ids.clamp(max=self.table_base - 1))
         if fake_rows is not None:  # image rows are taken as they are (never scaled)
             x.index_copy_(0, fake_rows, table.index_select(0, table_rows).to(x.dtype))
         return x
@@ -281,12 +388,18 @@ class TorchDecoder:
     def _norm(self, x, weight, residual=None):
         return ops.rms_norm(x, weight, self.eps, residual, one_plus=self.one_plus)
 
-    def _layers(self, x: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layers(self, x: torch.Tensor, attend, cross=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run every layer; `attend(li, qkv) -> [T, Hq, d]` does rotary, the KV append and attention
-        (on q/k already normed where the spec has q/k norms). Returns (residual, last MLP output)."""
+        (on q/k already normed where the spec has q/k norms). `cross`: the rows that see image states in
+        cross-attention layers (`_CrossBatch`); None: no row does, and those layers are skipped.
+        Returns (residual, last MLP output)."""
         residual, h_out = x, None
         T = x.shape[0]
         for li, layer in enumerate(self.layers):
+            if layer.cross is not None:
+                if cross is not None:
+                    residual, h_out = self._cross_layer(layer, residual, h_out, cross)
+                continue
             h = self._norm(x, layer.input_norm) if h_out is None else self._norm(h_out, layer.input_norm, residual)
             qkv = layer.qkv(h)
             if layer.q_norm is not None:
@@ -300,6 +413,29 @@ class TorchDecoder:
             if layer.mlp_out_norm is not None:
                 h_out = self._norm(h_out, layer.mlp_out_norm)
         return residual, h_out
+
+    def _cross_layer(self, layer: Layer, residual: torch.Tensor, h_out: torch.Tensor | None, cross: "_CrossBatch"):
+        """A gated cross-attention layer over the rows in `cross` (the others pass through unchanged):
+        x += tanh(g_attn) * o(attention(q_norm(q(norm(x))), image K/V)); x += tanh(g_mlp) * mask * MLP(norm(x)),
+        the products in the order transformers takes them."""
+        c = layer.cross
+        h = self._norm(residual, layer.input_norm) if h_out is None else \
+            self._norm(h_out, layer.input_norm, residual)
+        rows = cross.rows
+        hs = h if rows is None else h.index_select(0, rows)
+        res = residual if rows is None else residual.index_select(0, rows)
+        t = hs.shape[0]
+        q = self._norm(c.q(hs).view(t * self.n_heads, self.head_dim), c.q_norm).view(t, self.n_heads, self.head_dim)
+        a = c.o(cross.attend(c.cache_index, q).reshape(t, self.q_size))
+        if cross.row_scale is not None:  # rows computed only to be discarded (a captured step's text rows)
+            a = a * cross.row_scale
+        h2 = self._norm(a * c.attn_gate, layer.post_norm, res)
+        m = layer.down(ops.act_mul(layer.gate_up(h2), self.activation))
+        m = (m * cross.mlp_mask) * c.mlp_gate
+        if rows is None:
+            return res, m
+        residual.index_copy_(0, rows, res)
+        return residual, torch.zeros_like(residual).index_copy_(0, rows, m)
 
     def _final(self, residual: torch.Tensor, h_out: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         if rows is not None:
@@ -344,12 +480,12 @@ class TorchDecoder:
             idx = c.start + np.arange(c.n)
             bt = np.asarray(c.block_table, np.int64)
             slots[row:row + c.n] = bt[idx // bs] * bs + idx % bs
-            fake = np.nonzero(c.ids >= self.vocab_size)[0]
+            fake = np.nonzero(c.ids >= self.table_base)[0]
             if len(fake):
                 if c.table is None:
                     raise EngineError("prompt has image tokens but no prompt-embedding table")
                 fake_rows.append(fake + row)
-                table_rows.append(c.ids[fake] - self.vocab_size + offset)
+                table_rows.append(c.ids[fake] - self.table_base + offset)
                 tables.append(c.table)
                 offset += c.table.shape[0]
             row += c.n
@@ -381,7 +517,7 @@ class TorchDecoder:
         prefill = []
         row = n_dec
         for c in cs[n_dec:]:
-            blocks = image_blocks(c.ids, self.vocab_size) if self.bidirectional_images else None
+            blocks = image_blocks(c.ids, self.table_base) if self.bidirectional_images else None
             prefill.append((slice(row, row + c.n), c.start, c.n,
                             torch.tensor(c.block_table, dtype=torch.long, device=dev) if c.start else None,
                             None if blocks is None else torch.from_numpy(blocks).to(dev)))
@@ -390,7 +526,8 @@ class TorchDecoder:
         kc_all, vc_all = self.k_cache, self.v_cache
 
         def attend(li, qkv):
-            kc, vc = kc_all[li], vc_all[li]
+            ci = self.layers[li].cache_index
+            kc, vc = kc_all[ci], vc_all[ci]
             cos_sin, window = rope_tables[li], self.layers[li].window
             out = torch.empty((T, self.n_heads, self.head_dim), dtype=qkv.dtype, device=dev)
             if n_dec:
@@ -412,7 +549,7 @@ class TorchDecoder:
             return out
 
         x = self._embed(ids_t, fr, tr, table)
-        residual, h_out = self._layers(x, attend)
+        residual, h_out = self._layers(x, attend, self._cross_batch(cs, T))
         # the last row of each chunk that wants logits, in the caller's chunk order
         ends, row = {}, 0
         for i, c in zip(order, cs):
@@ -423,38 +560,136 @@ class TorchDecoder:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=dev)
         return self._final(residual, h_out, torch.tensor(want, dtype=torch.long, device=dev))
 
+    def _cross_batch(self, cs: list[Chunk], T: int) -> "_CrossBatch | None":
+        """The rows of these chunks (in forward's order) that see image states, and how; None if none do."""
+        if not self.n_cross_layers or all(c.cross is None for c in cs):
+            return None
+        if self.xk_cache is None:
+            raise EngineError("the cross-attention KV cache is not allocated")
+        dev = self.device
+        rows, mlp, dec, pre = [], [], [], []
+        row = sub = 0
+        for c in cs:
+            x = c.cross
+            if x is not None:
+                if len(x.lo) != c.n or len(x.hi) != c.n or len(x.mlp) != c.n:
+                    raise EngineError("a chunk's cross-attention rows do not match its tokens")
+                if c.is_decode and x.lo[0] == 0:  # the paged decode kernel reads [0, hi) in place
+                    dec.append((sub, x))
+                else:
+                    bt = torch.tensor(x.block_table, dtype=torch.long, device=dev)
+                    pre.append((slice(sub, sub + c.n), bt, int(x.hi.max()), torch.from_numpy(x.lo).to(dev),
+                                torch.from_numpy(x.hi).to(dev)))
+                rows.extend(range(row, row + c.n))
+                mlp.append(x.mlp)
+                sub += c.n
+            row += c.n
+        xb = _CrossBatch()
+        xb.rows = None if len(rows) == T else torch.tensor(rows, dtype=torch.long, device=dev)
+        xb.mlp_mask = torch.from_numpy(np.concatenate(mlp).astype(np.float32)).to(dev, self.dtype)[:, None]
+        dec_bt = dec_lens = dec_idx = None
+        if dec:
+            maxb = max(len(x.block_table) for _, x in dec)
+            dec_bt = torch.tensor([x.block_table + [0] * (maxb - len(x.block_table)) for _, x in dec],
+                                  dtype=torch.int32, device=dev)
+            dec_lens = torch.tensor([int(x.hi[0]) for _, x in dec], dtype=torch.int32, device=dev)
+            dec_idx = torch.tensor([i for i, _ in dec], dtype=torch.long, device=dev)
+        splits = self._cross_splits(len(dec))
+        xk, xv, scale = self.xk_cache, self.xv_cache, self.cross_scale
+
+        def attend(ci, q):
+            out = torch.empty_like(q)
+            if dec:
+                out.index_copy_(0, dec_idx, ops.paged_decode(q.index_select(0, dec_idx), xk[ci], xv[ci], dec_bt,
+                                                             dec_lens, scale, splits))
+            for sl, bt, length, lo, hi in pre:
+                k = ops.gather_context(xk[ci], bt, length)
+                v = ops.gather_context(xv[ci], bt, length)
+                out[sl] = ops.cross_attention(q[sl], k, v, lo, hi, scale)
+            return out
+
+        xb.attend = attend
+        return xb
+
+    def _cross_splits(self, batch: int) -> int:
+        if self.device.type != "cuda" or batch == 0:
+            return 1
+        from .kernels.paged_attention import choose_splits
+
+        return choose_splits(batch, self.n_kv, max(self.max_cross_rows, 1), self._num_sms)
+
     # ---- decode rows (CUDA graphs per batch bucket) --------------------------------------------
-    def _decode_body(self, ids, positions, slots, block_tables, context_lens, splits: int, workspace):
+    def _decode_body(self, ids, positions, slots, block_tables, context_lens, splits: int, workspace,
+                     cross=None):
+        """`cross`: (cross block tables [B, maxcb], image rows per row [B] (0: none), splits, workspace) when
+        some row sees image states; rows with 0 compute the cross layers over the zero block 0 and have
+        both outputs multiplied by 0, which leaves them exactly as if the layers were skipped."""
+
         def attend(li, qkv):
             layer = self.layers[li]
-            return ops.paged_decode_rope(qkv, layer.cos_sin, positions, slots, self.k_cache[li], self.v_cache[li],
+            ci = layer.cache_index
+            return ops.paged_decode_rope(qkv, layer.cos_sin, positions, slots, self.k_cache[ci], self.v_cache[ci],
                                          block_tables, context_lens, self.scale, self.n_heads, self.n_kv,
                                          self.head_dim, num_splits=splits, workspace=workspace, window=layer.window)
 
+        xb = None
+        if cross is not None:
+            xbt, xlens, xsplits, xws = cross
+            flag = (xlens > 0).to(self.dtype)[:, None]
+            lens = xlens.clamp(min=1)  # a text row reads one row of the never-written block 0
+            xb = _CrossBatch()
+            xb.mlp_mask = xb.row_scale = flag
+
+            def cross_attend(ci, q):
+                return ops.paged_decode(q, self.xk_cache[ci], self.xv_cache[ci], xbt, lens, self.cross_scale,
+                                        xsplits, None, xws)
+
+            xb.attend = cross_attend
         x = self._embed_tokens(ids)
-        residual, h_out = self._layers(x, attend)
+        residual, h_out = self._layers(x, attend, xb)
         return self._final(residual, h_out, None)
 
     @torch.inference_mode()
     def decode(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: list[list[int]],
-               context_lens: np.ndarray) -> torch.Tensor:
+               context_lens: np.ndarray, cross_tables: list[list[int]] | None = None,
+               cross_lens: np.ndarray | None = None) -> torch.Tensor:
         """One new token for each of b sequences -> logits [b, V]. `positions` are 1-D rotary positions,
-        `slots` the cache slot of each new token, `context_lens` the tokens to attend (the new one included)."""
+        `slots` the cache slot of each new token, `context_lens` the tokens to attend (the new one included).
+        `cross_tables` / `cross_lens`: each sequence's cross block table and the image rows its token
+        attends ([0, n) of its cross KV; 0 and [] for a sequence without images)."""
         b = len(ids)
+        with_cross = bool(self.n_cross_layers and cross_lens is not None and np.any(cross_lens > 0))
         if not self.use_graphs:
             dev = self.device
             maxb = max(len(t) for t in block_tables)
             bt = torch.tensor([t + [0] * (maxb - len(t)) for t in block_tables], dtype=torch.int32, device=dev)
+            cross = None
+            if with_cross:
+                maxcb = max(1, max(len(t) for t in cross_tables))
+                xbt = torch.tensor([t + [0] * (maxcb - len(t)) for t in cross_tables], dtype=torch.int32, device=dev)
+                cross = (xbt, torch.from_numpy(np.asarray(cross_lens, dtype=np.int32)).to(dev), self._cross_splits(b),
+                         None)
             return self._decode_body(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev),
                                      torch.from_numpy(slots).to(dev), bt,
-                                     torch.from_numpy(context_lens.astype(np.int32)).to(dev), self._splits(b), None)
+                                     torch.from_numpy(context_lens.astype(np.int32)).to(dev), self._splits(b), None,
+                                     cross)
         B = self.bucket(b)
-        entry = self._graphs.get(B) or self._capture(B)
+        entry = self._graphs.get((B, with_cross)) or self._capture(B, with_cross)
         graph, st, out = entry
+        self._fill_graph_inputs(st, ids, positions, slots, block_tables, context_lens, cross_tables, cross_lens)
+        st["dev"].copy_(st["host"], non_blocking=True)
+        graph.replay()
+        return out[:b]
+
+    @staticmethod
+    def _fill_graph_inputs(st: dict, ids, positions, slots, block_tables, context_lens, cross_tables=None,
+                           cross_lens=None) -> None:
+        """Write a step's inputs into a captured bucket's host buffer (one pinned buffer, one copy):
+        ids | positions | slots | lens | block tables [| image rows | cross block tables]. Padding rows
+        read and write block 0, which the pools never hand out, and see no image."""
+        B, maxb, maxcb = st["B"], st["maxb"], st["maxcb"]
+        b = len(ids)
         host = st["host"]
-        maxb = (host.numel() - 4 * B) // B
-        # one pinned host buffer, one copy: ids | positions | slots | lens | block tables (padding rows
-        # read and write block 0, which the pool never hands out)
         host.zero_()
         h = host.numpy()
         h[0:b] = ids
@@ -462,12 +697,18 @@ class TorchDecoder:
         h[2 * B:2 * B + b] = slots
         h[3 * B:3 * B + B] = 1
         h[3 * B:3 * B + b] = context_lens
-        tabs = h[4 * B:].reshape(B, maxb)
+        o = 4 * B
+        tabs = h[o:o + B * maxb].reshape(B, maxb)
         for i, t in enumerate(block_tables):
             tabs[i, :len(t)] = t
-        st["dev"].copy_(host, non_blocking=True)
-        graph.replay()
-        return out[:b]
+        if st["with_cross"]:
+            o += B * maxb
+            h[o:o + b] = cross_lens
+            xtabs = h[o + B:o + B + B * maxcb].reshape(B, maxcb)
+            for i, t in enumerate(cross_tables):
+                if len(t) > maxcb:
+                    raise EngineError(f"{len(t)} cross-attention blocks exceed the captured {maxcb}")
+                xtabs[i, :len(t)] = t
 
     def _splits(self, batch: int) -> int:
         """Context splits of the decode attention for a batch (the same rule eager and captured)."""
@@ -488,10 +729,10 @@ class TorchDecoder:
         raise EngineError(f"decode batch {b} exceeds the captured maximum {self._bucket_sizes[-1]}")
 
     def capture_graphs(self, max_batch: int) -> None:
-        """Capture the decode step for every batch bucket up to `max_batch` (CUDA only)."""
+        """Capture the decode step for every batch bucket up to `max_batch` (CUDA only); a decoder with
+        cross-attention layers gets a second graph per bucket that runs them."""
         self._bucket_sizes = self.buckets(max_batch)
-        packed = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                  if isinstance(lin, W4A16Linear)]
+        packed = [lin for layer in self.layers for lin in self._linears(layer) if isinstance(lin, W4A16Linear)]
         if packed and self.device.type == "cuda":
             from .kernels.w4a16 import warmup
 
@@ -501,27 +742,47 @@ class TorchDecoder:
                 shapes.setdefault(tuple(lin.packed["q4weight"].shape), lin.packed)
             warmup(list(shapes.values()), packed[0].group_size, self._bucket_sizes, self.dtype, self.device)
         if self.use_graphs:
+            # the variant with cross-attention layers only where requests can have images
+            variants = (False, True) if self.xk_cache is not None and self.max_cross_rows > 0 else (False,)
             for B in reversed(self._bucket_sizes):  # largest first: later captures reuse its memory pool
-                self._capture(B)
+                for with_cross in variants:
+                    self._capture(B, with_cross)
 
-    def _capture(self, B: int):
+    @staticmethod
+    def _linears(layer: Layer):
+        out = [layer.qkv, layer.o, layer.gate_up, layer.down]
+        if layer.cross is not None:
+            out += [layer.cross.q, layer.cross.kv, layer.cross.o]
+        return [lin for lin in out if lin is not None]
+
+    def _graph_inputs(self, B: int, with_cross: bool):
+        """(state, body) of a decode bucket: the host/device input buffers and the step that reads them."""
         dev = self.device
         maxb = -(-self.max_seq // self.block_size)
+        maxcb = -(-self.max_cross_rows // self.block_size) if with_cross else 0
         # int32 throughout: embedding, rotary, cache slots and block tables all take it
-        host = torch.zeros(4 * B + B * maxb, dtype=torch.int32, pin_memory=True)
+        n_cross = (B + B * maxcb) if with_cross else 0
+        host = torch.zeros(4 * B + B * maxb + n_cross, dtype=torch.int32, pin_memory=dev.type == "cuda")
         d = torch.zeros_like(host, device=dev)
-        st = {"host": host, "dev": d}
+        st = {"host": host, "dev": d, "B": B, "maxb": maxb, "maxcb": maxcb, "with_cross": with_cross}
         splits = self._splits(B)
-        ws = None
-        if splits > 1:
-            ws = (torch.empty((B * self.n_heads * splits, self.head_dim), dtype=torch.float32, device=dev),
-                  torch.empty((B * self.n_heads * splits, 2), dtype=torch.float32, device=dev))
+        ws = self._workspace(B, splits)
+        cross = None
+        if with_cross:
+            o = 4 * B + B * maxb
+            xsplits = self._cross_splits(B)
+            cross = (d[o + B:o + B + B * maxcb].view(B, maxcb), d[o:o + B], xsplits, self._workspace(B, xsplits))
 
         def body():
-            return self._decode_body(d[0:B], d[B:2 * B], d[2 * B:3 * B], d[4 * B:].view(B, maxb), d[3 * B:4 * B],
-                                     splits, ws)
+            return self._decode_body(d[0:B], d[B:2 * B], d[2 * B:3 * B], d[4 * B:4 * B + B * maxb].view(B, maxb),
+                                     d[3 * B:4 * B], splits, ws, cross)
 
         d[3 * B:4 * B].fill_(1)
+        return st, body
+
+    def _capture(self, B: int, with_cross: bool = False):
+        dev = self.device
+        st, body = self._graph_inputs(B, with_cross)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -534,27 +795,34 @@ class TorchDecoder:
         if self._graph_pool is None:
             self._graph_pool = graph.pool()
         entry = (graph, st, out)
-        self._graphs[B] = entry
+        self._graphs[(B, with_cross)] = entry
         return entry
+
+    def _workspace(self, B: int, splits: int):
+        if splits <= 1:
+            return None
+        return (torch.empty((B * self.n_heads * splits, self.head_dim), dtype=torch.float32, device=self.device),
+                torch.empty((B * self.n_heads * splits, 2), dtype=torch.float32, device=self.device))
 
     # ---- full causal forward without the cache ---------------------------------------------------
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, T] -> [B, T, V] logits of a plain causal forward (perplexity, tests)."""
+        """[B, T] -> [B, T, V] logits of a plain causal forward (perplexity, tests). Cross-attention
+        layers are skipped, as for a prompt without images."""
         B, T = input_ids.shape
         dev = self.device
         ids = input_ids.to(dev).reshape(-1)
-        fake = (ids >= self.vocab_size).nonzero()[:, 0]
+        fake = (ids >= self.table_base).nonzero()[:, 0]
         fr = tr = None
         if fake.numel():
             if table is None:
                 raise EngineError("prompt has image tokens but no prompt-embedding table")
-            fr, tr = fake, ids[fake] - self.vocab_size
+            fr, tr = fake, ids[fake] - self.table_base
         positions = torch.arange(T, device=dev).repeat(B)
         blocks = [None] * B
         if self.bidirectional_images and fake.numel():
             ids_np = input_ids.cpu().numpy()
-            blocks = [None if (b := image_blocks(ids_np[i], self.vocab_size)) is None else torch.from_numpy(b).to(dev)
+            blocks = [None if (b := image_blocks(ids_np[i], self.table_base)) is None else torch.from_numpy(b).to(dev)
                       for i in range(B)]
 
         def attend(li, qkv):

@@ -8,7 +8,10 @@ With the embedded torch decoder, one `step()` asks the scheduler which requests 
 tokens under the step's token budget (decode tokens of running requests, then prompt chunks of
 admitted ones), encodes the images those chunks need (batched across requests, cached by content
 hash), runs the chunks through the decoder over the paged KV cache, samples on the device and
-turns tokens into text events. On CUDA the decode rows replay a captured graph while prompt chunks
+turns tokens into text events. For a decoder with cross-attention layers, a request's images are
+encoded when it is admitted and their cross-attention K/V written once into its blocks of the
+cross-attention pool (sized for every running request's images), where they stay until it ends
+or is preempted. On CUDA the decode rows replay a captured graph while prompt chunks
 run eagerly. When build-llm made a TensorRT-LLM engine, TensorRT-LLM batches and samples itself:
 a step then hands newly admitted prompts to it and turns what it streams back into the same
 events. Tokenization, vision, stop rules and detokenization (`stopping.TextStream`) stay here for both.
@@ -28,6 +31,7 @@ fails the requests of that pass.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -232,11 +236,17 @@ class Engine:
         # budget by up to one image (scheduler.py)
         whole_images = self.decoder.spec.image_attention == "bidirectional"
         overshoot = int(self.config.get("image_tokens_per_image") or 0) if whole_images else 0
-        num_blocks = self._kv_blocks(opts, lim["max_batch_size"], max_seq, budget + overshoot)
+        cross_blocks, cross_rows = self._cross_blocks(opts.block_size, lim)
+        num_blocks = self._kv_blocks(opts, lim["max_batch_size"], max_seq, budget + overshoot,
+                                     cross_blocks * opts.block_size * self.decoder.cross_kv_bytes_per_row())
         self.decoder.allocate_cache(num_blocks, opts.block_size)
         self.pool = BlockPool(num_blocks, opts.block_size, opts.enable_prefix_caching)
+        self.cross_pool = None
+        if cross_blocks:
+            self.decoder.allocate_cross_cache(cross_blocks, cross_rows)
+            self.cross_pool = BlockPool(cross_blocks, opts.block_size, enable_prefix_caching=False)
         self.scheduler = Scheduler(self.pool, max_num_seqs=lim["max_batch_size"], max_num_batched_tokens=budget,
-                                   keep_images_whole=whole_images)
+                                   keep_images_whole=whole_images, cross_pool=self.cross_pool)
         self.limits = EngineLimits(**lim, max_seq_len=max_seq, max_num_batched_tokens=budget,
                                    kv_cache_tokens=self.pool.capacity * opts.block_size, block_size=opts.block_size)
         self.decoder.capture_graphs(lim["max_batch_size"])
@@ -252,9 +262,21 @@ class Engine:
         return VisionEncoder(runner, self.processor, self.device, dtype, max_batch=opts.vision_batch_size,
                              cache_size=opts.feature_cache_size)
 
-    def _kv_blocks(self, opts: EngineOptions, max_batch: int, max_seq: int, budget: int) -> int:
+    def _cross_blocks(self, block_size: int, lim: dict) -> tuple[int, int]:
+        """(blocks, most rows per sequence) of the cross-attention pool: room for the images of every
+        running request (so admission never waits for it); (0, 0) without cross-attention layers."""
+        if not self.decoder.n_cross_layers:
+            return 0, 0
+        per_image = int(self.config.get("image_tokens_per_image") or 0)
+        rows = per_image * lim["max_images_per_request"]
+        if rows == 0:  # a text-only engine: cross-attention layers are skipped for every request
+            return 2, 0
+        return lim["max_batch_size"] * -(-rows // block_size) + 1, rows
+
+    def _kv_blocks(self, opts: EngineOptions, max_batch: int, max_seq: int, budget: int, reserved: int = 0) -> int:
         """Blocks of the KV pool: explicit tokens; on a GPU what the memory share leaves after weights,
-        vision and activations; on a CPU enough for max_batch full-length sequences."""
+        vision, activations and `reserved` bytes (the cross-attention pool); on a CPU enough for
+        max_batch full-length sequences."""
         bs = opts.block_size
         per_token = self.decoder.kv_bytes_per_token()
         if opts.kv_cache_tokens is not None:
@@ -270,7 +292,7 @@ class Engine:
         # activations of the largest step (hidden, qkv, gate|up rows) and logits, plus vision and slack
         act = budget * (4 * spec.hidden_size + 2 * spec.intermediate_size + spec.q_size + 2 * spec.kv_size) * 4
         logits = max(max_batch, 64) * spec.vocab_size * 8
-        reserve = act + logits + 2 * GiB
+        reserve = act + logits + 2 * GiB + reserved
         avail = int(total * opts.gpu_memory_utilization) - (total - free) - reserve
         blocks = avail // (bs * per_token)
         if blocks < 2:
@@ -405,14 +427,28 @@ class Engine:
         return req
 
     def _prepare(self, req: Request) -> None:
-        """Decoder-side ids (fake ids for image rows), prefix-cache keys and rotary positions."""
+        """Decoder-side ids (fake ids for image rows), prefix-cache keys and rotary positions; for images
+        read by cross-attention layers, where their rows sit in the request's cross K/V."""
         prompt = req.prompt
+        if prompt.cross is not None and prompt.images:
+            from .cross_kv import plan
+
+            if not self.decoder.n_cross_layers:
+                raise EngineError("the prompt's images go to cross-attention layers, which this decoder lacks")
+            req.all_ids = list(prompt.token_ids)
+            req.hash_tokens = list(prompt.token_ids)
+            req.cross = plan(prompt.cross)
+            # every token's K/V depends on every image (tokens before the first image attend to them all)
+            req.hash_seed = hashlib.blake2b(b"".join((it.content_hash or f"{req.id}:{k}").encode() + b"\0"
+                                                     for k, it in enumerate(prompt.images)), digest_size=16).digest()
+            return
         rows = [int(it.num_tokens) for it in prompt.images]
-        ids = fake_ids(prompt.token_ids, prompt.placeholder_ids, self.vocab_size, sum(rows)) if rows \
+        base = self.decoder.table_base
+        ids = fake_ids(prompt.token_ids, prompt.placeholder_ids, base, sum(rows)) if rows \
             else np.asarray(prompt.token_ids, dtype=np.int64)
         req.all_ids = ids.tolist()
         keys = ids.copy()
-        req.image_spans = image_spans(ids, self.vocab_size, rows) if rows else []
+        req.image_spans = image_spans(ids, base, rows) if rows else []
         for item, (start, n) in zip(prompt.images, req.image_spans):
             keys[start:start + n] = image_row_tokens(item.content_hash or f"{req.id}:{start}", n)
         req.hash_tokens = keys.tolist()
@@ -448,6 +484,9 @@ class Engine:
             out.update(kv_blocks_total=self.pool.capacity, kv_blocks_used=self.pool.num_used(),
                        kv_blocks_free=self.pool.num_free(), prefix_cache_queried_tokens=self.pool.queried_tokens,
                        prefix_cache_hit_tokens=self.pool.hit_tokens, preemptions=self.scheduler.preemptions)
+            if self.cross_pool is not None:
+                out.update(cross_kv_blocks_total=self.cross_pool.capacity,
+                           cross_kv_blocks_used=self.cross_pool.num_used())
         return out
 
     @property
@@ -565,7 +604,7 @@ class Engine:
         from .grammar import MaskBuffer, apply_masks
 
         if self._mask_buffer is None:
-            self._mask_buffer = MaskBuffer(self.grammar_compiler.vocab_size)
+            self._mask_buffer = MaskBuffer(self.grammar_compiler.mask_size)
         return apply_masks(logits, [r.grammar for r in reqs], self._mask_buffer)
 
     def _release_extras(self, req: Request) -> None:
@@ -574,11 +613,17 @@ class Engine:
             req.extras_registered = False
 
     def _prepare_images(self, scheduled: list[Scheduled], events: list[StepEvent]) -> list[Scheduled]:
-        """Encode the images whose rows the scheduled chunks compute; a request whose image fails to
+        """Encode the images whose rows the scheduled chunks compute (all of a request's images when its
+        cross-attention K/V are not written yet, and then write them); a request whose image fails to
         encode fails alone."""
         need: dict[str, tuple[Request, list]] = {}
         for s in scheduled:
             req = s.request
+            if req.cross is not None:
+                if not req.cross_ready:
+                    need.setdefault(req.id, (req, []))[1].extend(it for it in req.prompt.images
+                                                                 if it.features is None)
+                continue
             for item, (first, rows) in zip(req.prompt.images, req.image_spans):
                 if first < s.start + s.n and first + rows > s.start and item.features is None:
                     need.setdefault(req.id, (req, []))[1].append(item)
@@ -593,21 +638,41 @@ class Engine:
                     except Exception as e2:
                         events.append(self._fail(req, "image encoding", e2))
             for rid, (req, _) in need.items():
-                if req.status == RUNNING:
+                if req.status != RUNNING:
+                    continue
+                if req.cross is not None:
+                    try:
+                        self._write_cross(req)
+                    except Exception as e:
+                        events.append(self._fail(req, "cross-attention states", e))
+                else:
                     req.table = None  # rebuilt below with the new features
-        # (a request can find its images encoded already: n > 1 siblings share their leader's prompt)
+        # (a request can find its images encoded already: n > 1 siblings share their leader's prompt;
+        # a cross-attention one is in `need` all the same, to write its own cross-attention K/V)
         out = []
         for s in scheduled:
             req = s.request
             if req.status != RUNNING:
                 continue
-            if req.prompt.images and req.table is None:
+            if req.prompt.images and req.table is None and req.cross is None:
                 dim = self.decoder.spec.hidden_size
                 req.table = torch.cat([it.features if it.features is not None else
                                        torch.zeros((int(it.num_tokens), dim), dtype=self.decoder.dtype,
                                                    device=self.device) for it in req.prompt.images])
             out.append(s)
         return out
+
+    def _write_cross(self, req: Request) -> None:
+        """The request's cross-attention K/V from its image features, in its plan's row order."""
+        items = req.prompt.images
+        if any(it.features is None for it in items):
+            raise EngineError("an image of the request has no features")
+        states = torch.cat([it.features for it in items]) if len(items) > 1 else items[0].features
+        if states.shape[0] != len(req.cross.order):
+            raise EngineError(f"the images gave {states.shape[0]} rows, the prompt expects {len(req.cross.order)}")
+        order = torch.from_numpy(req.cross.order).to(states.device)
+        self.decoder.write_cross_kv(states.index_select(0, order), req.cross_blocks)
+        req.cross_ready = True
 
     def _fail(self, req: Request, phase: str, exc: BaseException) -> StepEvent:
         """Finish `req` alone with finish_reason "error"; the other requests of the step go on."""
@@ -631,30 +696,38 @@ class Engine:
 
     def _run(self, scheduled: list[Scheduled]):
         """Run the chunks; (logits [k, V], the k chunks that end their request's known tokens)."""
-        from .decoder import Chunk
+        from .decoder import Chunk, CrossRows
 
         dec = self.decoder
         bs = dec.block_size
+        base = dec.table_base
         graph_rows, chunks, chunk_sched = [], [], []
         for s in scheduled:
             req = s.request
             graphable = (dec.use_graphs and s.n == 1 and s.start > 0 and s.completes
                          and (req.prompt_positions is None or s.start >= req.prompt_len)
-                         and req.all_ids[s.start] < self.vocab_size)
+                         and req.all_ids[s.start] < self.vocab_size
+                         and (req.cross is None or (s.start >= req.prompt_len and req.cross.decode_mlp)))
             if graphable:
                 graph_rows.append(s)
             else:
                 ids = np.asarray(req.all_ids[s.start:s.start + s.n], dtype=np.int64)
+                cross = None if req.cross is None else CrossRows(req.cross_blocks, *req.cross.rows_for(s.start, s.n))
                 chunks.append(Chunk(ids, req.position_of(s.start, s.n), s.start, req.block_ids,
-                                    req.table if (ids >= self.vocab_size).any() else None, s.completes))
+                                    req.table if (ids >= base).any() else None, s.completes, cross))
                 chunk_sched.append(s)
         parts, sampled = [], []
         if graph_rows:
+            reqs = [s.request for s in graph_rows]
             ids = np.array([s.request.all_ids[s.start] for s in graph_rows], dtype=np.int64)
             pos = np.array([s.start + s.request.rope_delta for s in graph_rows], dtype=np.int64)
             slots = np.array([s.request.block_ids[s.start // bs] * bs + s.start % bs for s in graph_rows], np.int64)
             lens = np.array([s.start + 1 for s in graph_rows], dtype=np.int64)
-            parts.append(dec.decode(ids, pos, slots, [s.request.block_ids for s in graph_rows], lens))
+            xtabs = xlens = None
+            if any(r.cross is not None for r in reqs):
+                xtabs = [r.cross_blocks if r.cross is not None else [] for r in reqs]
+                xlens = np.array([r.cross.decode_hi if r.cross is not None else 0 for r in reqs], dtype=np.int64)
+            parts.append(dec.decode(ids, pos, slots, [r.block_ids for r in reqs], lens, xtabs, xlens))
             sampled.extend(graph_rows)
         if chunks:
             parts.append(dec.forward(chunks))

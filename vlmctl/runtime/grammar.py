@@ -248,8 +248,10 @@ class GrammarCompiler:
 
     `vocab_size` is the model's logits width (lm_head rows), which may exceed the tokenizer's
     size (padded vocabularies, and VLMs whose image-placeholder ids sit past the text vocabulary):
-    ids past the tokenizer are never allowed. `stop_token_ids` are the ids that end a turn (the
-    engine's EOS ids). The tokenizer's special tokens (image placeholders, <|im_start|>...) are
+    ids past the tokenizer are never allowed. It may also be below it (Llama 3.2 Vision: `<|image|>`
+    is a token past the LM head): the grammar engine still covers every tokenizer id, and the masks
+    are `mask_size` bits wide (`apply_bitmask` keeps the logits' columns). `stop_token_ids` are the
+    ids that end a turn (the engine's EOS ids). The tokenizer's special tokens (image placeholders, <|im_start|>...) are
     never allowed inside a document. Thread-safe: the server compiles in a worker thread (a
     400 for a bad schema before the request is queued) while the engine thread makes matchers.
     """
@@ -264,13 +266,15 @@ class GrammarCompiler:
                                           f"{type(tokenizer).__name__}")
         tok_size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
         self.vocab_size = int(vocab_size or tok_size)
+        # llguidance needs every tokenizer id in its vocabulary; ids past the logits are never sampled
+        self.mask_size = max(self.vocab_size, tok_size)
         stops = [int(t) for t in (stop_token_ids if stop_token_ids is not None else [tokenizer.eos_token_id])
                  if t is not None]
         if not stops:
             raise InputError("structured outputs need at least one stop token id (the tokenizer has no EOS)")
         self.stop_token_ids = tuple(dict.fromkeys(stops))
         self._llg = llg
-        self._lltok = llg.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=stops)
+        self._lltok = llg.hf.from_tokenizer(tokenizer, n_vocab=self.mask_size, eos_token=stops)
         self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -327,7 +331,7 @@ class GrammarCompiler:
         return template
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
-        return GrammarMatcher(self.compile(spec).deep_copy(), self._lltok, spec, self.vocab_size,
+        return GrammarMatcher(self.compile(spec).deep_copy(), self._lltok, spec, self.mask_size,
                               frozenset(self.stop_token_ids))
 
     @property

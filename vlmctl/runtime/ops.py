@@ -11,6 +11,8 @@ Variants of the decoder spec and where they run on CUDA:
   activation "gelu_tanh"                                      the act·mul kernel (ACT)
   sliding window in decode                                    both decode kernels (a window start)
   sliding window / bidirectional image rows in prefill        torch SDPA with an explicit mask
+  cross-attention, decode rows                                the paged decode kernel over the cross pool
+  cross-attention, prompt chunks                              torch SDPA with a per-row key-range mask
 Set `VLMCTL_KERNELS=torch` to force the references on a GPU (debugging, A/B measurements).
 """
 
@@ -98,7 +100,7 @@ def rope_and_cache_reference(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cac
         k = rot[:, n_q:]
         v = qkv[:, (n_q + n_kv) * head_dim:].view(T, n_kv, head_dim)
         keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
+        slots = slot_mapping[keep].long()  # a captured step's buffers are int32
         k_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, k[keep])
         v_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, v[keep])
 
@@ -250,4 +252,22 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     else:
         mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
+
+
+def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Cross-attention of query rows [n, Hq, d] over image K/V [L, Hkv, d]: row i attends keys
+    [lo[i], hi[i]) (no causality, no rotary). Returns [n, Hq, d]."""
+    n, Hq, _ = q.shape
+    L, Hkv = k.shape[0], k.shape[1]
+    j = torch.arange(L, device=q.device)[None]
+    mask = (j >= lo[:, None]) & (j < hi[:, None])
+    qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    gqa = Hkv != Hq
+    if gqa and q.is_cuda:  # as in prefill_attention: the fused CUDA kernels take equal head counts
+        kt = kt.repeat_interleave(Hq // Hkv, 1)
+        vt = vt.repeat_interleave(Hq // Hkv, 1)
+        gqa = False
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1)

@@ -55,6 +55,11 @@ class Request:
     rope_delta: int = 0
     image_spans: list[tuple[int, int]] = field(default_factory=list)  # (first index, rows) per image
     table: torch.Tensor | None = None  # prompt-embedding rows of its images, on the decoder's device
+    # ---- images read by cross-attention layers (runtime.cross_kv)
+    cross: "object | None" = None  # its CrossPlan
+    cross_blocks: list[int] = field(default_factory=list)  # its blocks of the cross-attention pool
+    cross_ready: bool = False  # its cross K/V are in those blocks
+    hash_seed: bytes = b""  # prefix-cache chain root: the images every token's K/V depends on
     # ---- scheduler state
     status: str = WAITING
     num_computed: int = 0  # leading tokens of all_ids whose K/V are in the cache

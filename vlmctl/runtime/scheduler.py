@@ -21,6 +21,12 @@ while its leader is still prefilling, so once admitted it finds the prompt's ful
 prefix cache and computes only the last, partial block (and the leader's image features are in the
 feature cache). Without prefix caching, or for a prompt shorter than a block, siblings do not wait.
 
+Requests whose images are read by cross-attention layers also hold blocks of a second pool, the
+cross-attention pool, from admission to the end (or to a preemption, which gives them back: the
+K/V are recomputed from the image features at the next admission). They are taken at admission,
+all at once; a request waits in the queue while they are not free. Their prefix-cache chain starts
+from the images' hash, since every token's K/V depends on every image.
+
 It decides only; the engine runs the chunks and then calls `advance`.
 """
 
@@ -49,8 +55,9 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 keep_images_whole: bool = False):
+                 keep_images_whole: bool = False, cross_pool: BlockPool | None = None):
         self.pool = pool
+        self.cross_pool = cross_pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -82,6 +89,22 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         self.pool.release(req.block_ids)
         req.block_ids = []
+        if req.cross_blocks:
+            self.cross_pool.release(req.cross_blocks)
+            req.cross_blocks = []
+        req.cross_ready = False
+
+    def _take_cross(self, req: Request) -> bool:
+        """The cross-attention blocks of a request being admitted (True when it needs none)."""
+        if req.cross is None or req.cross_blocks:
+            return True
+        if self.cross_pool is None:
+            raise RuntimeError("a request with cross-attention images but no cross-attention pool")
+        got = self.cross_pool.allocate(-(-req.cross.rows // self.block_size))
+        if got is None:
+            return False
+        req.cross_blocks = got
+        return True
 
     # ---- one step ----------------------------------------------------------------------------
     def _chunk_len(self, req: Request, budget: int) -> int:
@@ -124,7 +147,7 @@ class Scheduler:
         full = (req.num_tokens - 1) // bs
         if len(req.block_hashes) < full:
             toks = np.asarray(req.hash_tokens[:full * bs], dtype=np.int64)
-            parent = req.block_hashes[-1] if req.block_hashes else b""
+            parent = req.block_hashes[-1] if req.block_hashes else req.hash_seed
             req.block_hashes.extend(block_hashes(toks, bs, len(req.block_hashes), parent))
         hit = self.pool.lookup(req.block_hashes[:full])
         req.block_ids = hit
@@ -172,7 +195,7 @@ class Scheduler:
                 break  # first come, first served: the queue behind it waits the leader's last prefill step
             self._prefix_hit(req)
             n = self._chunk_len(req, budget)
-            if not self._grow(req, req.num_computed + n):
+            if not self._grow(req, req.num_computed + n) or not self._take_cross(req):
                 self._free(req)
                 req.num_computed = req.num_committed = 0
                 break
@@ -197,7 +220,7 @@ class Scheduler:
                 continue
             if len(req.block_hashes) < full:
                 toks = np.asarray(req.hash_tokens[:full * bs], dtype=np.int64)
-                parent = req.block_hashes[-1] if req.block_hashes else b""
+                parent = req.block_hashes[-1] if req.block_hashes else req.hash_seed
                 req.block_hashes.extend(block_hashes(toks, bs, len(req.block_hashes), parent))
             for j in range(req.num_committed, full):
                 self.pool.commit(req.block_ids[j], req.block_hashes[j])

@@ -39,6 +39,11 @@ class _EngineCollector:
                         st["kv_blocks_free"]),
                        ("kv_cache_usage_ratio", "Share of the KV cache held by requests.",
                         st["kv_blocks_used"] / max(1, st["kv_blocks_total"]))]
+        if "cross_kv_blocks_total" in st:  # a decoder with cross-attention layers (Llama 3.2 Vision)
+            gauges += [("cross_kv_cache_blocks_total", "Blocks of the cross-attention KV pool (image states).",
+                        st["cross_kv_blocks_total"]),
+                       ("cross_kv_cache_blocks_used", "Cross-attention KV blocks held by running requests.",
+                        st["cross_kv_blocks_used"])]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=list(lab))
             g.add_metric(list(lab.values()), value)
