@@ -261,7 +261,7 @@ def main(argv=None):
                     except Exception as e:
                         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                     results.append(row)
-            del prep_int4, prep_gl
+            prep_int4 = prep_gl = None  # free before the next shape
         log(f"\n{dn}: per-op median time (us) / TB/s / % of {HBM_TBPS} TB/s / rel err")
         pnames = sorted({r["path"] for r in results if r["dtype"] == dn},
                         key=lambda p_: ["vlmctl", "vlmctl-untuned", "torch-int4", "gemlite", "dequant+cublas",
@@ -381,7 +381,7 @@ def step_graphs(W, torch, shapes, g, layers, dtypes, int4_order, clock, notes):
                 log(f"step graph {dn} M={m:<3} cublas-dense {t:.3f} ms")
             except Exception as e:
                 notes.append(f"step graph cublas {dn} M={m}: {type(e).__name__}: {e}")
-        del dense
+        dense = None  # free before the next dtype
         torch.cuda.empty_cache()
         if dtype == torch.bfloat16 and int4_order and clock.left() > 20:
             preps = [{s: torch_int4_prepare(sets[i][s], g, int4_order) for s in order} for i in range(layers)]

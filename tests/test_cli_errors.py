@@ -7,9 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
-
-import pytest
 
 from conftest import cli, write_recipe
 

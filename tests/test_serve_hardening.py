@@ -10,7 +10,6 @@ import io
 import json
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest

@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from vlmctl.formats.awq_gemm import dequantize_gemm, pack_gemm, unpack_gemm
+from vlmctl.formats.awq_gemm import dequantize_gemm, pack_gemm
 from vlmctl.runtime.kernels import w4a16 as W
 
 HAS_CUDA = torch.cuda.is_available()

@@ -23,7 +23,6 @@ import os
 import queue
 import secrets
 import subprocess
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path

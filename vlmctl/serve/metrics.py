@@ -6,7 +6,7 @@ latency histograms and token counters are fed by the async engine as requests pr
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "vlmctl"

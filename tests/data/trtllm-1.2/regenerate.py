@@ -16,7 +16,6 @@ transcription error in the committed data) to act on. It has not run on vlmctl's
 from __future__ import annotations
 
 import argparse
-import enum
 import inspect
 import json
 import re
