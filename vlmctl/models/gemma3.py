@@ -187,9 +187,13 @@ def load_image_processor(processor_dir: Path):
 
 def processor_image_settings() -> dict:
     """The image settings Gemma3Processor passes over the image processor's own (pan-and-scan off)."""
-    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+    from transformers.models.gemma3 import processing_gemma3 as hf
 
-    settings = dict(Gemma3Processor.images_kwargs)
+    # a class attribute of the processor from transformers ~5.20 on; before, the defaults of its kwargs class
+    settings = getattr(hf.Gemma3Processor, "images_kwargs", None)
+    if settings is None:
+        settings = hf.Gemma3ProcessorKwargs._defaults["images_kwargs"]
+    settings = dict(settings)
     if settings.get("do_pan_and_scan"):
         raise UnsupportedModelError("this transformers' Gemma3Processor turns pan-and-scan on, which vlmctl's "
                                     "Gemma 3 prompt layout does not implement")
