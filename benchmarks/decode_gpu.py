@@ -286,8 +286,8 @@ def main():
     cfg = llama7b_config(args.layers, SMOKE if args.smoke else SHAPE)
     sd = random_hf_state(cfg, DEV)
     bw = copy_bandwidth() if DEV == "cuda" else 20e9
-    name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)"
-    print(f"device {name}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    device_name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)"
+    print(f"device {device_name}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     if args.attention and DEV == "cuda":
         rows.extend({"attention": r} for r in bench_attention(bw))
@@ -324,7 +324,7 @@ def main():
         print(f"{'transformers':<14}{b:>6}{r['ms_per_step']:>9.2f}{r['tok_s']:>9.0f}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": name, "torch": torch.__version__, "copy_bw": bw,
+            json.dump({"device": device_name, "torch": torch.__version__, "copy_bw": bw,
                        "args": vars(args), "rows": rows}, f, indent=2)
 
 

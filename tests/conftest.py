@@ -77,3 +77,12 @@ def tiny_llava_engine(tiny_llava, tmp_path_factory) -> Path:
     recipe = load_recipe(write_recipe(d / "tiny.yaml", tiny_llava, limits={"max_batch_size": 8}))
     build(recipe, d / "engine")
     return d / "engine"
+
+
+def hf_processor_image_defaults(processor_cls) -> dict:
+    """The image settings a transformers processor passes over its image processor's own: a class
+    attribute from transformers ~5.20 on, the defaults of its kwargs class before."""
+    got = getattr(processor_cls, "images_kwargs", None)
+    if got is None:
+        got = processor_cls.valid_processor_kwargs._defaults.get("images_kwargs", {})
+    return dict(got)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import cli, cli_json, write_recipe
-from parity import assert_greedy_parity, parity_test, strip_eos
+from parity import assert_equal_but_near_ties, assert_greedy_parity, parity_test, strip_eos
 from tiny_gemma3 import make_gemma3
 from tiny_models import make_image
 
@@ -652,14 +652,15 @@ def _gpu_prompts(eng, n):
             for i, t in enumerate(texts[:n])]
 
 
-def _gpu_run(path, n=4, max_tokens=24, device="cuda", **opts):
+def _gpu_run(path, n=4, max_tokens=24, device="cuda", logprobs=None, **opts):
     from vlmctl.runtime.engine import Engine
     from vlmctl.runtime.sampling import SamplingParams
 
     opts.setdefault("kv_cache_tokens", 4096)  # several engines live at once in this module
     eng = Engine(path, device=device, **opts)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return eng, [c.token_ids for c in eng.generate(_gpu_prompts(eng, n), params)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs)
+    done = eng.generate(_gpu_prompts(eng, n), params)
+    return (eng, [c.token_ids for c in done]) + ((([c.logprobs for c in done]),) if logprobs else ())
 
 
 @pytest.mark.gpu
@@ -674,14 +675,16 @@ def test_gpu_graphed_decode_equals_eager(gpu_engine):
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_chunked_prefix_and_preempted_runs_match_a_plain_run(gpu_engine):
-    _, plain = _gpu_run(gpu_engine, cuda_graphs=False)
+    """fp16: equal tokens but for near-ties (parity.assert_equal_but_near_ties says why)."""
+    _, plain, plain_lps = _gpu_run(gpu_engine, cuda_graphs=False, logprobs=2)
     _, chunked = _gpu_run(gpu_engine, cuda_graphs=False, max_num_batched_tokens=8, max_batch_size=4, block_size=4)
-    assert chunked == plain
+    assert assert_equal_but_near_ties(chunked, plain, plain_lps) <= 1
     _, again = _gpu_run(gpu_engine, cuda_graphs=False, block_size=4)
-    assert again == plain
+    assert assert_equal_but_near_ties(again, plain, plain_lps) <= 1
     small, pre = _gpu_run(gpu_engine, cuda_graphs=False, block_size=4, kv_cache_tokens=200,
                           enable_prefix_caching=False)
-    assert pre == plain and small.scheduler.preemptions > 0 and small.pool.num_used() == 0
+    assert assert_equal_but_near_ties(pre, plain, plain_lps) <= 1
+    assert small.scheduler.preemptions > 0 and small.pool.num_used() == 0
 
 
 @pytest.mark.gpu

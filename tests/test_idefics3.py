@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cli, cli_json, write_recipe
+from conftest import cli, cli_json, hf_processor_image_defaults, write_recipe
 from parity import assert_greedy_parity, parity_test, strip_eos
 from tiny_idefics3 import make_idefics3
 from tiny_models import make_image
@@ -54,7 +54,7 @@ def hf_inputs(ckpt: Path, arch: str, messages: list[dict], images: list):
     extra = {}
     if images:
         ip = SmolVLMImageProcessorPil.from_pretrained(ckpt)
-        processed = ip([images], return_tensors="pt", **SmolVLMProcessor.images_kwargs)
+        processed = ip([images], return_tensors="pt", **hf_processor_image_defaults(SmolVLMProcessor))
         parts = text.split(proc.image_token)
         assert len(parts) == len(images) + 1
         text = parts[0] + "".join(SmolVLMProcessor.replace_image_token(proc, processed, i) + rest

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cli, cli_json, write_recipe
+from conftest import cli, cli_json, hf_processor_image_defaults, write_recipe
 from parity import assert_greedy_parity, parity_test, strip_eos
 from tiny_models import make_image, make_internvl
 
@@ -39,7 +39,7 @@ def hf_inputs(ckpt: Path, messages: list[dict], images: list):
                            image_seq_length=json.loads((ckpt / "processor_config.json").read_text())["image_seq_length"])
     pixel_values = None
     if images:
-        processed = ip(images, return_tensors="pt", **InternVLProcessor.images_kwargs)
+        processed = ip(images, return_tensors="pt", **hf_processor_image_defaults(InternVLProcessor))
         parts = text.split(proc.image_token)
         assert len(parts) == len(images) + 1
         text = parts[0] + "".join(InternVLProcessor.replace_image_token(proc, processed, i) + rest
@@ -302,7 +302,7 @@ def test_tensorrt_profile_counts_tiles(tmp_path):
     ip = AutoImageProcessor.from_pretrained(ckpt)
     assert ip.max_patches == 6  # the tiny processor's setting, not GotOcr2's default 12
     sizes = [(w, h) for w in (8, 31, 32, 64, 95, 100, 190, 300) for h in (8, 20, 32, 47, 64, 96, 190, 300)]
-    most_tiles = max(int(ip.get_number_of_image_patches(h, w, dict(InternVLProcessor.images_kwargs)))
+    most_tiles = max(int(ip.get_number_of_image_patches(h, w, hf_processor_image_defaults(InternVLProcessor)))
                      for w, h in sizes)
     rows_per_tile = json.loads((ckpt / "processor_config.json").read_text())["image_seq_length"]
     fam = InternVLFamily()

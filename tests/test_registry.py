@@ -108,3 +108,19 @@ def test_detection_imports_one_family_module():
             "('vlmctl.models.base', 'vlmctl.models.registry')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert eval(out) == ["vlmctl.models.gemma3"]
+
+
+def test_equal_but_near_ties_accepts_only_a_near_tie_taken_the_other_way():
+    from parity import assert_equal_but_near_ties
+
+    plain = [[5, 6, 7], [1, 2, 3]]
+    lps = [[{"top": [(5, -0.1), (9, -3.0)]}, {"top": [(6, -0.50), (8, -0.52)]}, {"top": [(7, -0.2), (1, -2.0)]}],
+           [{"top": [(1, -0.1), (2, -3.0)]}] * 3]
+    assert assert_equal_but_near_ties(plain, plain, lps) == 0
+    assert assert_equal_but_near_ties([[5, 8, 4], [1, 2, 3]], plain, lps) == 1  # 8 was 0.02 nats behind 6
+    tie = [lps[0], [lps[1][0], {"top": [(8, -0.5), (6, -0.5)]}, lps[1][2]]]  # exact, listed either way round
+    assert assert_equal_but_near_ties([[5, 6, 7], [1, 8, 3]], [[5, 6, 7], [1, 6, 3]], tie) == 1
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        assert_equal_but_near_ties([[5, 6, 1], [1, 2, 3]], plain, lps)  # 1 was 1.8 nats behind 7
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        assert_equal_but_near_ties([[5, 9, 7], [1, 2, 3]], plain, lps)  # 9 is not the runner-up there
