@@ -178,13 +178,35 @@ class VLMFamily(abc.ABC):
                 return new + key[len(old):]
         return key
 
-    @abc.abstractmethod
+    # transformers 5's VLM layout: model.<a vision prefix>..., model.<text_prefix>... and lm_head.
+    vision_prefixes: ClassVar[tuple[str, ...]] = ()
+    text_prefix: ClassVar[str] = "language_model."
+
     def split_key(self, key: str) -> tuple[str, str]:
         """(VISION or DECODER, name inside that part) for a canonical tensor name."""
+        from ..errors import CheckpointError
 
-    @abc.abstractmethod
+        if self.vision_prefixes and key.startswith(tuple("model." + p for p in self.vision_prefixes)):
+            return VISION, key[len("model."):]
+        text = "model." + self.text_prefix
+        if key.startswith(text):
+            return DECODER, "model." + key[len(text):]
+        if key.startswith("lm_head."):
+            return DECODER, key
+        raise CheckpointError(f"tensor {key!r} belongs to no known part of this {self.architectures[0]} checkpoint")
+
     def join_key(self, part: str, name: str) -> str:
         """Inverse of `split_key`: the whole-VLM tensor name of `name` inside `part` (AWQ's VLM checkpoint)."""
+        from ..errors import CheckpointError
+
+        if part == VISION and self.vision_prefixes and name.startswith(self.vision_prefixes):
+            return "model." + name
+        if part == DECODER and name.startswith("model."):
+            return "model." + self.text_prefix + name[len("model."):]
+        if part == DECODER and name.startswith("lm_head."):
+            return name
+        raise CheckpointError(f"tensor {name!r} of the {part} part has no place in this {self.architectures[0]} "
+                              f"checkpoint")
 
     @abc.abstractmethod
     def text_config_dict(self, config_dict: dict) -> dict:

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import CheckpointError, InputError, UnsupportedModelError
 from ..formats.awq_gemm import without_quantization
-from .base import DECODER, VISION, FamilyProcessor, ImageItem, VLMFamily, read_json
+from .base import FamilyProcessor, ImageItem, VLMFamily, read_json
 
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 # The hub's (transformers 4.x) tensor names -> transformers 5's module names.
@@ -79,6 +79,7 @@ class Gemma3VisionWrapper:
 class Gemma3Family(VLMFamily):
     name = "gemma3"
     architectures = ("Gemma3ForConditionalGeneration",)
+    vision_prefixes = _VISION_PREFIXES
     multi_image = True
     image_attention = "bidirectional"
     supports_trtllm = False
@@ -110,24 +111,6 @@ class Gemma3Family(VLMFamily):
             if key.startswith(old):
                 return new + key[len(old):]
         return key
-
-    def split_key(self, key: str) -> tuple[str, str]:
-        if key.startswith(tuple("model." + p for p in _VISION_PREFIXES)):
-            return VISION, key[len("model."):]
-        if key.startswith("model.language_model."):
-            return DECODER, "model." + key[len("model.language_model."):]
-        if key.startswith("lm_head."):
-            return DECODER, key
-        raise CheckpointError(f"tensor {key!r} belongs to no known part of a Gemma 3 checkpoint")
-
-    def join_key(self, part: str, name: str) -> str:
-        if part == VISION and name.startswith(_VISION_PREFIXES):
-            return "model." + name
-        if part == DECODER and name.startswith("model."):
-            return "model.language_model." + name[len("model."):]
-        if part == DECODER and name.startswith("lm_head."):
-            return name
-        raise CheckpointError(f"tensor {name!r} of the {part} part has no place in a Gemma 3 checkpoint")
 
     def text_config_dict(self, config_dict: dict) -> dict:
         from .decoders import decoder_family

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..errors import CheckpointError, InputError, UnsupportedModelError
 from ..formats.awq_gemm import without_quantization
-from .base import DECODER, VISION, FamilyProcessor, ImageItem, VisionAxis, VLMFamily, read_json
+from .base import FamilyProcessor, ImageItem, VisionAxis, VLMFamily, read_json
 
 _VISION_PREFIXES = ("vision_model.", "connector.")
 # Idefics3Processor's default when processor_config.json has no image_seq_len.
@@ -110,6 +110,8 @@ class Idefics3VisionWrapper:
 class Idefics3Family(VLMFamily):
     name = "idefics3"
     architectures = ("Idefics3ForConditionalGeneration",)
+    vision_prefixes = _VISION_PREFIXES
+    text_prefix = "text_model."
     multi_image = True
     kind = "Idefics3"  # transformers' class-name prefix
 
@@ -135,24 +137,6 @@ class Idefics3Family(VLMFamily):
         import transformers
 
         return getattr(transformers, f"{self.kind}ForConditionalGeneration")
-
-    def split_key(self, key: str) -> tuple[str, str]:
-        if key.startswith(tuple("model." + p for p in _VISION_PREFIXES)):
-            return VISION, key[len("model."):]
-        if key.startswith("model.text_model."):
-            return DECODER, "model." + key[len("model.text_model."):]
-        if key.startswith("lm_head."):
-            return DECODER, key
-        raise CheckpointError(f"tensor {key!r} belongs to no known part of an {self.kind} checkpoint")
-
-    def join_key(self, part: str, name: str) -> str:
-        if part == VISION and name.startswith(_VISION_PREFIXES):
-            return "model." + name
-        if part == DECODER and name.startswith("model."):
-            return "model.text_model." + name[len("model."):]
-        if part == DECODER and name.startswith("lm_head."):
-            return name
-        raise CheckpointError(f"tensor {name!r} of the {part} part has no place in an {self.kind} checkpoint")
 
     def text_config_dict(self, config_dict: dict) -> dict:
         from .decoders import decoder_family

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, InputError, UnsupportedModelError
-from .base import DECODER, VISION, FamilyProcessor, ImageItem, VisionAxis, VLMFamily, read_json
+from .base import FamilyProcessor, ImageItem, VisionAxis, VLMFamily, read_json
 
 # transformers 4.x layout (before the `model.` base-model refactor) -> current names.
 _LEGACY_PREFIXES = (
@@ -114,6 +114,7 @@ class InternVLVisionWrapper:
 class InternVLFamily(VLMFamily):
     name = "internvl"
     architectures = ("InternVLForConditionalGeneration",)
+    vision_prefixes = _VISION_PREFIXES
     multi_image = True
     legacy_prefixes = _LEGACY_PREFIXES
 
@@ -149,24 +150,6 @@ class InternVLFamily(VLMFamily):
         from transformers import InternVLForConditionalGeneration
 
         return InternVLForConditionalGeneration
-
-    def split_key(self, key: str) -> tuple[str, str]:
-        if key.startswith(tuple("model." + p for p in _VISION_PREFIXES)):
-            return VISION, key[len("model."):]
-        if key.startswith("model.language_model."):
-            return DECODER, "model." + key[len("model.language_model."):]
-        if key.startswith("lm_head."):
-            return DECODER, key
-        raise CheckpointError(f"tensor {key!r} belongs to no known part of an InternVL checkpoint")
-
-    def join_key(self, part: str, name: str) -> str:
-        if part == VISION and name.startswith(_VISION_PREFIXES):
-            return "model." + name
-        if part == DECODER and name.startswith("model."):
-            return "model.language_model." + name[len("model."):]
-        if part == DECODER and name.startswith("lm_head."):
-            return name
-        raise CheckpointError(f"tensor {name!r} of the {part} part has no place in an InternVL checkpoint")
 
     def text_config_dict(self, config_dict: dict) -> dict:
         cfg = self.hf_config(config_dict)

@@ -11,8 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError
-from .base import DECODER, VISION, FamilyProcessor, ImageItem, TritonStock, VLMFamily, read_json
+from .base import FamilyProcessor, ImageItem, TritonStock, VLMFamily, read_json
 
 # Legacy (transformers 4.x, as on the hub) -> current transformers names.
 _LEGACY_PREFIXES = (
@@ -63,6 +62,7 @@ class LlavaVisionWrapper:
 class LlavaFamily(VLMFamily):
     name = "llava"
     architectures = ("LlavaForConditionalGeneration",)
+    vision_prefixes = ("vision_tower.", "multi_modal_projector.")
     multi_image = True
     legacy_prefixes = _LEGACY_PREFIXES
     # The stock preprocessing leaves LLaVA-1.5's images to the client (CLIP pixels as `image_input`)
@@ -80,24 +80,6 @@ class LlavaFamily(VLMFamily):
         from transformers import LlavaForConditionalGeneration
 
         return LlavaForConditionalGeneration
-
-    def split_key(self, key: str) -> tuple[str, str]:
-        if key.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
-            return VISION, key[len("model."):]
-        if key.startswith("model.language_model."):
-            return DECODER, "model." + key[len("model.language_model."):]
-        if key.startswith("lm_head."):
-            return DECODER, key
-        raise CheckpointError(f"tensor {key!r} belongs to no known part of a LLaVA checkpoint")
-
-    def join_key(self, part: str, name: str) -> str:
-        if part == VISION and name.startswith(("vision_tower.", "multi_modal_projector.")):
-            return "model." + name
-        if part == DECODER and name.startswith("model."):
-            return "model.language_model." + name[len("model."):]
-        if part == DECODER and name.startswith("lm_head."):
-            return name
-        raise CheckpointError(f"tensor {name!r} of the {part} part has no place in a LLaVA checkpoint")
 
     def text_config_dict(self, config_dict: dict) -> dict:
         cfg = self.hf_config(config_dict)

@@ -35,7 +35,7 @@ import numpy as np
 
 from ..errors import CheckpointError, InputError, UnsupportedModelError
 from ..formats.awq_gemm import without_quantization
-from .base import (DECODER, VISION, CrossAttention, EncodedPrompt, FamilyProcessor, ImageItem, VisionAxis, VLMFamily,
+from .base import (CrossAttention, EncodedPrompt, FamilyProcessor, ImageItem, VisionAxis, VLMFamily,
                    read_json)
 
 _VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")
@@ -89,6 +89,7 @@ class MllamaVisionWrapper:
 class MllamaFamily(VLMFamily):
     name = "mllama"
     architectures = ("MllamaForConditionalGeneration",)
+    vision_prefixes = _VISION_PREFIXES
     multi_image = True
     image_input = "cross_attention"
     supports_trtllm = False
@@ -115,24 +116,6 @@ class MllamaFamily(VLMFamily):
         from transformers import MllamaForConditionalGeneration
 
         return MllamaForConditionalGeneration
-
-    def split_key(self, key: str) -> tuple[str, str]:
-        if key.startswith(tuple("model." + p for p in _VISION_PREFIXES)):
-            return VISION, key[len("model."):]
-        if key.startswith("model.language_model."):
-            return DECODER, "model." + key[len("model.language_model."):]
-        if key.startswith("lm_head."):
-            return DECODER, key
-        raise CheckpointError(f"tensor {key!r} belongs to no known part of a Llama 3.2 Vision checkpoint")
-
-    def join_key(self, part: str, name: str) -> str:
-        if part == VISION and name.startswith(_VISION_PREFIXES):
-            return "model." + name
-        if part == DECODER and name.startswith("model."):
-            return "model.language_model." + name[len("model."):]
-        if part == DECODER and name.startswith("lm_head."):
-            return name
-        raise CheckpointError(f"tensor {name!r} of the {part} part has no place in a Llama 3.2 Vision checkpoint")
 
     def ties_lm_head(self, config_dict: dict) -> bool:
         # MllamaForConditionalGeneration declares no tied weights: its LM head (vocab_size rows) never

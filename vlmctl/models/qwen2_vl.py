@@ -47,7 +47,7 @@ import numpy as np
 
 from ..errors import CheckpointError, InputError, LimitError, UnsupportedModelError
 from ..formats.awq_gemm import without_quantization
-from .base import DECODER, VISION, EncodedPrompt, FamilyProcessor, ImageItem, VisionAxis, VLMFamily, read_json
+from .base import EncodedPrompt, FamilyProcessor, ImageItem, VisionAxis, VLMFamily, read_json
 from .video import FrameTransform, video_processor_config
 
 IMAGE_TOKEN = "<|image_pad|>"
@@ -319,6 +319,7 @@ class QwenVisionWrapper:
 class Qwen2VLFamily(VLMFamily):
     name = "qwen2_vl"
     architectures = ("Qwen2VLForConditionalGeneration",)
+    vision_prefixes = ("visual.",)
     multi_image = True
     video = True
     windowed = False  # Qwen2.5-VL's window attention
@@ -344,25 +345,6 @@ class Qwen2VLFamily(VLMFamily):
         if key.startswith("model.") and not key.startswith(("model.visual.", "model.language_model.")):
             return "model.language_model." + key[len("model."):]
         return key
-
-    def split_key(self, key: str) -> tuple[str, str]:
-        if key.startswith("model.visual."):
-            return VISION, key[len("model."):]
-        if key.startswith("model.language_model."):
-            return DECODER, "model." + key[len("model.language_model."):]
-        if key.startswith("lm_head."):
-            return DECODER, key
-        raise CheckpointError(f"tensor {key!r} belongs to no known part of a {self.architectures[0]} checkpoint")
-
-    def join_key(self, part: str, name: str) -> str:
-        if part == VISION and name.startswith("visual."):
-            return "model." + name
-        if part == DECODER and name.startswith("model."):
-            return "model.language_model." + name[len("model."):]
-        if part == DECODER and name.startswith("lm_head."):
-            return name
-        raise CheckpointError(f"tensor {name!r} of the {part} part has no place in a "
-                              f"{self.architectures[0]} checkpoint")
 
     def text_config_dict(self, config_dict: dict) -> dict:
         """The decoder as a plain Qwen2 causal LM; `rope_parameters.mrope_section` stays for the runtime."""
