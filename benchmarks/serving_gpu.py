@@ -273,6 +273,34 @@ def hf_peer(ckpt: Path, cfg_kwargs: dict, batch: int, out_tokens: int) -> dict:
     return {"ttft_ms": 1000 * ttft, "batch": batch, "output_tok_s": batch * out_tokens / wall, "wall_s": wall}
 
 
+def profile_bench(eng, cfg) -> dict:
+    """The bench again with other requests (other seeds: the same ones would come from the prefix
+    cache), plain and then under cProfile; prints the engine thread's costliest calls."""
+    import cProfile
+    import dataclasses
+    import io
+    import pstats
+
+    from vlmctl.measure.bench import bench_engine
+
+    out = {}
+    r = bench_engine(eng, dataclasses.replace(cfg, run=cfg.run + 100))
+    out["again_tok_s"] = r["output_throughput"]
+    log(f"bench again: {r['output_throughput']:.0f} output tok/s, {r['steps']} steps in {r['duration_s']:.2f} s")
+    steps0 = eng.steps
+    pr = cProfile.Profile()
+    pr.enable()
+    r = bench_engine(eng, dataclasses.replace(cfg, run=cfg.run + 200))
+    pr.disable()
+    out["profiled_tok_s"] = r["output_throughput"]
+    log(f"bench under cProfile: {r['output_throughput']:.0f} output tok/s, {eng.steps - steps0} engine steps")
+    for key in ("tottime", "cumtime"):
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(40)
+        log("\n".join(line[:160] for line in buf.getvalue().splitlines()[-48:]))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, default=Path("/var/tmp/vlmctl-bench"))
@@ -280,6 +308,9 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--skip", nargs="*", default=[], help="parts to skip: ttft bench burst running hf awq")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the bench, run it twice more with other requests: plain (does the first run of a "
+                         "process pay one-off costs?) and under cProfile (where the engine thread's time goes)")
     ap.add_argument("--out")
     args = ap.parse_args()
     shape = SMOKE if args.smoke else SEVEN_B
@@ -311,6 +342,8 @@ def main():
         log(f"bench -n {n} -c 64: {r['output_throughput']:.0f} output tok/s, TTFT p50 {r['ttft_ms']['median']:.0f} ms "
             f"p99 {r['ttft_ms']['p99']:.0f} ms, TPOT p50 {r['tpot_ms']['median']:.1f} p99 {r['tpot_ms']['p99']:.1f} ms, "
             f"prompt {r['mean_prompt_tokens']} tokens, failed {r['failed']}")
+    if args.profile:
+        res["bench_repeats"] = profile_bench(eng, BenchConfig(num_requests=n, concurrency=64, run=1, **req))
     if "burst" not in args.skip:
         r = bench_engine(eng, BenchConfig(num_requests=64, concurrency=64, run=2, **req))
         res["burst_64"] = r
