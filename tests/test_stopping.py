@@ -62,6 +62,27 @@ def test_incremental_text_equals_the_full_decode(tokenizer):
             assert text == streamed == tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def test_fast_decoder_is_transformers_decode(tokenizer):
+    """The direct path through the Rust tokenizer (taken for these tokenizers) decodes as
+    transformers' `decode` does, special tokens kept or skipped; a tokenizer that cleans up
+    spaces keeps transformers' own decode."""
+    import copy
+
+    from vlmctl.runtime.stopping import fast_decoder
+
+    rng = random.Random(1)
+    dec = fast_decoder(tokenizer)
+    assert dec.__code__ is not fast_decoder(None).__code__  # the direct path, not the fallback
+    for n in (1, 3, 40):
+        for _ in range(10):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(n)]
+            for skip in (True, False):
+                assert dec(ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+    cleaning = copy.deepcopy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    assert fast_decoder(cleaning).__code__ is fast_decoder(None).__code__
+
+
 def test_stop_strings_cut_the_text_where_the_full_decode_has_them(tokenizer):
     rng = random.Random(1)
     vocab = len(tokenizer)

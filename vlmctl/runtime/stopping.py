@@ -22,6 +22,26 @@ from __future__ import annotations
 REPLACEMENT = "\ufffd"
 
 
+def fast_decoder(tokenizer):
+    """`decode(ids, skip_special_tokens)` straight through the Rust `tokenizers` object where that is
+    what transformers' `decode` ends in (a TokenizersBackend that overrides neither `decode` nor
+    `_decode` and does no clean-up of spaces), else transformers' own. Per token the engine decodes
+    twice; transformers' wrapper costs ~9x the Rust decode itself (its argument normalisation walks
+    the ids in Python), measured on an H200 host under cProfile at batch 64."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        TokenizersBackend = None
+    cls = type(tokenizer)
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+            and cls._decode is TokenizersBackend._decode and cls.decode is PreTrainedTokenizerBase.decode
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", False)):
+        backend = tokenizer.backend_tokenizer
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+
+
 class _StopAutomaton:
     """Aho-Corasick matcher of several stop strings over a character stream."""
 
@@ -75,7 +95,7 @@ class TextStream:
     """One request's generated text. `append` per token; `flush` once when the request ends otherwise."""
 
     def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = (), skip_special_tokens: bool = True):
-        self._tok = tokenizer
+        self._decode_ids = fast_decoder(tokenizer)
         self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0  # first token of the decode window (context for the next piece)
@@ -88,7 +108,7 @@ class TextStream:
 
     # ---- detokenization ----------------------------------------------------------------------
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
+        return self._decode_ids(ids, self._skip) if ids else ""
 
     def _next_piece(self, final: bool) -> str:
         """Text of the tokens not yet read, decoded with the previous piece as context."""
