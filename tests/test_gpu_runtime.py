@@ -78,3 +78,61 @@ def test_gpu_fp16_follows_the_cpu_reference(fp16_engine):
     same = sum(a == b for g, r in zip(gpu, ref) for a, b in zip(g, r))
     assert same >= 0.9 * sum(len(r) for r in ref), (gpu, ref)
     assert all(g[:4] == r[:4] for g, r in zip(gpu, ref))
+
+
+def test_graphed_vision_equals_eager(fp16_engine):
+    """The torch vision runner's CUDA graphs (batch padded to its bucket) give the eager module's rows."""
+    import numpy as np
+
+    from vlmctl.runtime.engine import Engine
+
+    eng = Engine(fp16_engine, device="cuda", kv_cache_tokens=1024)
+    runner = eng.vision.runner
+    assert runner.backend == "torch" and runner.graphs_enabled
+    proc = eng.processor
+
+    def items(n, offset):
+        return [eng.encode([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}],
+                           [make_image(offset + i)]).images[0] for i in range(n)]
+
+    def eager(its, pad_to=None):
+        runner.graphs_enabled = False
+        try:
+            if pad_to is None:
+                return proc.run_vision(its, runner)
+            feed, _ = proc.collate(its)
+            feed = {k: np.concatenate([v, np.zeros((pad_to - len(its),) + v.shape[1:], v.dtype)]) for k, v in feed.items()}
+            return list(runner(feed)[:len(its)])
+        finally:
+            runner.graphs_enabled = True
+
+    for n, offset in ((1, 0), (3, 10), (3, 20), (8, 30)):
+        its = items(n, offset)
+        before = runner.graph_replays
+        graphed = proc.run_vision(its, runner)
+        assert runner.graph_replays == before + 1
+        bucket = 1 << (n - 1).bit_length()
+        # the same kernels as an eager call on the padded batch: equal bit for bit
+        for g, e in zip(graphed, eager(its, bucket)):
+            assert torch.equal(g, e.reshape(g.shape))
+        # and within fp16 rounding of an unpadded eager call (cuBLAS may pick other kernels)
+        for g, e in zip(graphed, eager(its)):
+            torch.testing.assert_close(g.float(), e.float(), rtol=2e-2, atol=2e-2)
+    # more images than the largest graph bucket run eagerly
+    before = runner.graph_replays
+    proc.run_vision(items(runner.MAX_GRAPH_BATCH + 1, 40), runner)
+    assert runner.graph_replays == before
+
+
+def test_images_encoded_ahead_on_the_gpu(fp16_engine):
+    """vision_overlap (the default with a GPU): the vision worker's stream encodes waiting requests'
+    images; the tokens follow a run without it (fp16: the worker may batch the images differently,
+    which may move a feature by one rounding step, so most rather than all tokens must agree)."""
+    eng_a, ahead = run(fp16_engine, max_batch_size=2)
+    eng_s, sync = run(fp16_engine, max_batch_size=2, vision_overlap=False)
+    assert eng_a.stats()["vision_overlap"] and not eng_s.stats()["vision_overlap"]
+    assert all(r is not None for r in ahead)
+    same = sum(a == b for x, y in zip(ahead, sync) for a, b in zip(x, y))
+    assert same >= 0.9 * sum(len(y) for y in sync), (ahead, sync)
+    assert all(x[:4] == y[:4] for x, y in zip(ahead, sync))
+    assert eng_a.pool.num_used() == 0

@@ -62,6 +62,21 @@ def test_batched_prefill_and_decode_match_transformers(tiny_llava_engine, refere
     assert eng.max_running_seen == 3
 
 
+def test_images_encoded_ahead_on_the_vision_worker_give_the_same_tokens(tiny_llava_engine, reference):
+    """vision_overlap: waiting requests' images are encoded on a worker thread while the running ones
+    decode (one sequence at a time here, so the later requests wait and are encoded ahead)."""
+    eng = engine(tiny_llava_engine, max_batch_size=1, block_size=4, vision_overlap=True)
+    prompts = [eng.encode(user(t), [make_image(s)]) for t, s in reference]
+    reqs = [eng.submit(p, params()) for p in prompts]
+    while eng.has_work():
+        eng.step()
+    assert [r.completion().token_ids for r in reqs] == list(reference.values())
+    assert all(r.vision_job is not None and r.vision_job.ready and r.vision_job.error is None for r in reqs)
+    assert eng.vision.images_encoded == 3
+    eng.vision._worker is None or eng.vision._worker.join(5)
+    assert eng.vision._worker is None  # the worker exits once its queue is empty
+
+
 def test_prefix_cache_hits_give_the_same_tokens(tiny_llava_engine, reference):
     """The same image and prompt again (and a longer prompt sharing the image prefix) reuse blocks."""
     eng = engine(tiny_llava_engine, max_batch_size=2, block_size=4)
@@ -94,8 +109,9 @@ def test_preempted_requests_resume_exactly(tiny_llava_engine, reference):
     assert eng.pool.num_used() == 0
 
 
-def test_pool_is_fully_free_after_aborts_and_failures(tiny_llava_engine):
-    eng = engine(tiny_llava_engine, max_batch_size=4, block_size=4)
+@pytest.mark.parametrize("vision_overlap", [False, True])
+def test_pool_is_fully_free_after_aborts_and_failures(tiny_llava_engine, vision_overlap):
+    eng = engine(tiny_llava_engine, max_batch_size=4, block_size=4, vision_overlap=vision_overlap)
     reqs = [eng.submit(eng.encode(user("hello"), [make_image(i)]), params(20)) for i in range(6)]
     for _ in range(3):
         eng.step()

@@ -70,7 +70,7 @@ def chat_command(
         engine.compile_grammar(grammar)  # a schema the grammar engine refuses fails now, not at the first answer
     if not json_:
         kv = f", KV cache {engine.limits.kv_cache_tokens} tokens" if engine.limits.kv_cache_tokens else ""
-        console.print(f"[dim]{engine.model_name}: {engine.device}, vision {engine.vision.backend}{kv}[/dim]")
+        console.print(f"[dim]{engine.model_name}: {engine.device}, vision {engine.vision_summary}{kv}[/dim]")
     if prompt is not None:
         messages = ([{"role": "system", "content": system}] if system else []) + \
             [user_message(prompt, len(images), len(videos))]

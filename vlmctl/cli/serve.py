@@ -70,8 +70,11 @@ def serve_command(
     vision_backend: str = typer.Option("auto", "--vision-backend", help="auto, tensorrt, onnxruntime-gpu, "
                                        "onnxruntime or torch"),
     vision_batch_size: int = typer.Option(32, "--vision-batch-size", min=1, help="Images per vision call"),
-    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps as CUDA "
-                                     "graphs"),
+    vision_overlap: bool | None = typer.Option(None, "--vision-overlap/--no-vision-overlap",
+                                               help="Encode waiting requests' images on a worker thread while "
+                                               "steps run (default: on with a GPU)", show_default=False),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps (and the vision "
+                                     "calls of families that allow it) as CUDA graphs"),
     log_level: str = typer.Option("info", "--log-level", help=f"Log level of the server ({', '.join(LOG_LEVELS)}); "
                                   "info shows one access line per request and the periodic stats line"),
     log_format: str = typer.Option("text", "--log-format", help="text, or json: one JSON object per line (time, "
@@ -127,7 +130,7 @@ def serve_command(
                             max_num_batched_tokens=max_num_batched_tokens,
                             gpu_memory_utilization=gpu_memory_utilization, kv_cache_tokens=kv_cache_tokens,
                             enable_prefix_caching=prefix_caching, vision_backend=vision_backend,
-                            vision_batch_size=vision_batch_size, cuda_graphs=cuda_graphs,
+                            vision_batch_size=vision_batch_size, vision_overlap=vision_overlap, cuda_graphs=cuda_graphs,
                             feature_cache_size=feature_cache_size, max_stop_sequences=max_stop_sequences,
                             image_limits=ImageLimits.with_overrides(max_side=max_image_side,
                                                                     max_aspect_ratio=max_image_aspect_ratio),
@@ -141,7 +144,7 @@ def serve_command(
     logging.getLogger("vlmctl.serve").info(
         "vlmctl serve %s on http://%s:%d/v1 (%s; max batch %d; %svision %s; %s)", app.state.model_name, host, port,
         eng.device, eng.limits.max_batch_size,
-        f"KV cache {eng.limits.kv_cache_tokens} tokens; " if eng.limits.kv_cache_tokens else "", eng.vision.backend,
+        f"KV cache {eng.limits.kv_cache_tokens} tokens; " if eng.limits.kv_cache_tokens else "", eng.vision_summary,
         "API key required" if keys else "no API key")
     run_server(app, host, port, shutdown_timeout_s=shutdown_timeout, log_level=log_level.lower(),
                log_format=log_format)

@@ -156,6 +156,11 @@ class VLMFamily(abc.ABC):
     # How image features reach the decoder: "prompt_table" (rows of the prompt, the prompt-embedding
     # table contract) or "cross_attention" (read by the decoder's cross-attention layers).
     image_input: ClassVar[str] = "prompt_table"
+    # Whether the runtime may replay the torch vision module as a CUDA graph per batch bucket: its
+    # forward has static shapes for a given input shape, no host synchronization, uses the default
+    # `collate` (images batched along axis 0) and computes each image independently of the others
+    # in its batch (so padding a batch with zero images leaves the real rows' features unchanged).
+    graph_vision: ClassVar[bool] = False
 
     # ---- conversion ------------------------------------------------------------------------
     @abc.abstractmethod

@@ -70,6 +70,7 @@ class LlavaFamily(VLMFamily):
     # it splits the text at `<image>` markers instead. Its encoder model runs tower + projector, as
     # vlmctl's graph does (the hidden state of vision_feature_layer without the CLS row).
     triton_stock = TritonStock("llava", client_pixels=True)
+    graph_vision = True  # CLIP/SigLIP tower + projector on fixed-size images
 
     def hf_config(self, config_dict: dict):
         from transformers import LlavaConfig

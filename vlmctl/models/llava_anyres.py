@@ -148,6 +148,7 @@ class AnyresLlavaFamily(LlavaFamily):
     multi_image = True
     # tensorrtllm_backend's stock models know no LLaVA-NeXT (its preprocessing refuses the model type).
     triton_stock = None
+    graph_vision = False  # a variable number of crops per image; not measured under CUDA graphs
 
     def hf_config(self, config_dict: dict):
         import transformers

@@ -790,7 +790,8 @@ class TorchDecoder:
                 body()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        # thread-local: the vision worker's CUDA calls on its own stream do not invalidate this capture
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             out = body()
         if self._graph_pool is None:
             self._graph_pool = graph.pool()

@@ -35,6 +35,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -83,6 +84,9 @@ class EngineOptions:
     cuda_graphs: bool = True
     vision_backend: str = "auto"
     vision_batch_size: int = 32  # images per vision call
+    # encode waiting requests' images on a worker thread while steps run (None: on CUDA hosts only;
+    # on a CPU the vision runtime and the decoder would share the same cores)
+    vision_overlap: bool | None = None
     feature_cache_size: int = 256  # images whose features are kept
     max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES
     image_limits: ImageLimits | None = None  # width, height and aspect-ratio caps before preprocessing
@@ -140,6 +144,8 @@ def _max_images(value: int | None, built: int, backend: str, vision_backend: str
 
 
 class Engine:
+    _vision_ahead = 0  # images the vision worker may encode ahead of admission (0: no worker)
+
     def __init__(self, engine_dir: Path, options: EngineOptions | None = None, **overrides):
         opts = options or EngineOptions()
         for k, v in overrides.items():
@@ -245,8 +251,11 @@ class Engine:
         if cross_blocks:
             self.decoder.allocate_cross_cache(cross_blocks, cross_rows)
             self.cross_pool = BlockPool(cross_blocks, opts.block_size, enable_prefix_caching=False)
+        overlap = opts.vision_overlap if opts.vision_overlap is not None else self.device.type == "cuda"
+        self._vision_ahead = 2 * self.vision.max_batch if overlap else 0  # images encoded ahead of admission
         self.scheduler = Scheduler(self.pool, max_num_seqs=lim["max_batch_size"], max_num_batched_tokens=budget,
-                                   keep_images_whole=whole_images, cross_pool=self.cross_pool)
+                                   keep_images_whole=whole_images, cross_pool=self.cross_pool,
+                                   ready=_images_ready if overlap else None)
         self.limits = EngineLimits(**lim, max_seq_len=max_seq, max_num_batched_tokens=budget,
                                    kv_cache_tokens=self.pool.capacity * opts.block_size, block_size=opts.block_size)
         self.decoder.capture_graphs(lim["max_batch_size"])
@@ -257,8 +266,9 @@ class Engine:
         from .vision import VisionEncoder, choose_vision_runner
 
         dtype = torch_dtype(self.config.get("dtype", "float16"))
+        graphs = opts.cuda_graphs and os.environ.get("VLMCTL_CUDA_GRAPHS", "1") != "0"
         runner = choose_vision_runner(self.engine_dir, self.family, built_runner, dtype, self.device,
-                                      opts.vision_backend)
+                                      opts.vision_backend, graphs=graphs)
         return VisionEncoder(runner, self.processor, self.device, dtype, max_batch=opts.vision_batch_size,
                              cache_size=opts.feature_cache_size)
 
@@ -479,7 +489,9 @@ class Engine:
         out = {"running": self.num_running, "waiting": self.num_waiting, "max_running_seen": self.max_running_seen,
                "steps": self.steps, "vision_backend": self.vision.backend, "tokens_generated": self.tokens_generated,
                "prompt_tokens_computed": self.prompt_tokens_computed,
-               "feature_cache_hits": self.vision.cache.hits, "feature_cache_misses": self.vision.cache.misses}
+               "feature_cache_hits": self.vision.cache.hits, "feature_cache_misses": self.vision.cache.misses,
+               "vision_overlap": bool(self._vision_ahead),
+               "vision_graph_replays": getattr(self.vision.runner, "graph_replays", 0)}
         if self.scheduler is not None:
             out.update(kv_blocks_total=self.pool.capacity, kv_blocks_used=self.pool.num_used(),
                        kv_blocks_free=self.pool.num_free(), prefix_cache_queried_tokens=self.pool.queried_tokens,
@@ -492,6 +504,16 @@ class Engine:
     @property
     def feature_cache(self):
         return self.vision.cache
+
+    @property
+    def vision_summary(self) -> str:
+        """The vision backend and how it runs, for start-up lines: e.g. "torch, CUDA graphs, encoded ahead"."""
+        parts = [self.vision.backend]
+        if getattr(self.vision.runner, "graphs_enabled", False):
+            parts.append("CUDA graphs")
+        if self._vision_ahead:
+            parts.append("encoded ahead")
+        return ", ".join(parts)
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
@@ -506,9 +528,14 @@ class Engine:
                     req.finished, req.finish_reason = True, "abort"
                     self._release_extras(req)
                     self.scheduler.finish(req)
+            if self._vision_ahead:
+                self._encode_ahead()
             scheduled, _ = self.scheduler.schedule()
         self.max_running_seen = max(self.max_running_seen, len(self.scheduler.running))
         if not scheduled:
+            head = self.scheduler.waiting[0] if self.scheduler.waiting else None
+            if head is not None and head.vision_job is not None:
+                head.vision_job.done.wait(0.05)  # nothing to run until its images are encoded: do not spin
             return events
         self.steps += 1
         self.prompt_tokens_computed += sum(max(0, min(s.start + s.n, s.request.prompt_len) - s.start)
@@ -612,6 +639,20 @@ class Engine:
             self.logits_proc.remove(req.id)
             req.extras_registered = False
 
+    def _encode_ahead(self) -> None:
+        """Queue the images of the requests at the head of the waiting queue for the vision worker, up to
+        `_vision_ahead` images encoded (or being encoded) but not yet admitted."""
+        ahead = 0
+        for req in self.scheduler.waiting:
+            if ahead >= self._vision_ahead:
+                break
+            items = req.prompt.images
+            if not items or all(it.features is not None for it in items):
+                continue
+            if req.vision_job is None:
+                req.vision_job = self.vision.prefetch(items)
+            ahead += len(items)
+
     def _prepare_images(self, scheduled: list[Scheduled], events: list[StepEvent]) -> list[Scheduled]:
         """Encode the images whose rows the scheduled chunks compute (all of a request's images when its
         cross-attention K/V are not written yet, and then write them); a request whose image fails to
@@ -655,6 +696,11 @@ class Engine:
             if req.status != RUNNING:
                 continue
             if req.prompt.images and req.table is None and req.cross is None:
+                if self._vision_ahead and self.device.type == "cuda":
+                    # made on the vision worker's stream, read on this one
+                    for it in req.prompt.images:
+                        if it.features is not None and it.features.is_cuda:
+                            it.features.record_stream(torch.cuda.current_stream(self.device))
                 dim = self.decoder.spec.hidden_size
                 req.table = torch.cat([it.features if it.features is not None else
                                        torch.zeros((int(it.num_tokens), dim), dtype=self.decoder.dtype,
@@ -855,6 +901,13 @@ class Engine:
     def chat(self, messages: list[dict], images: list, params: SamplingParams, on_event=None,
              videos: list | None = None) -> Completion:
         return self.generate([self.encode(messages, images, videos=videos)], params, on_event)[0]
+
+
+def _images_ready(req: Request) -> bool:
+    """The scheduler's admission check: a request whose images are queued for the vision worker waits
+    until they are encoded (a failed job lets it in: its image is encoded again in the step and fails
+    that request alone)."""
+    return req.vision_job is None or req.vision_job.ready
 
 
 def load_image(path: str | Path):

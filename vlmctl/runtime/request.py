@@ -55,6 +55,7 @@ class Request:
     rope_delta: int = 0
     image_spans: list[tuple[int, int]] = field(default_factory=list)  # (first index, rows) per image
     table: torch.Tensor | None = None  # prompt-embedding rows of its images, on the decoder's device
+    vision_job: "object | None" = None  # its images' runtime.vision.VisionJob, when encoded ahead of admission
     # ---- images read by cross-attention layers (runtime.cross_kv)
     cross: "object | None" = None  # its CrossPlan
     cross_blocks: list[int] = field(default_factory=list)  # its blocks of the cross-attention pool

@@ -12,11 +12,17 @@ Backends, chosen automatically and overridable (`--vision-backend`):
 - `onnxruntime`: the ONNX file on ONNX Runtime's CPU provider (the default on a CPU host).
 Features come back as torch tensors on the decoder's device in its dtype, ready for the
 prompt-embedding table; with the torch backend they never leave the GPU.
+
+`prefetch` encodes ahead of time on a worker thread (and, on CUDA, its own stream), so the images
+of waiting requests are encoded while the engine thread runs decode steps; the scheduler admits a
+request once its job is done. The worker lives only while jobs are queued.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -47,20 +53,85 @@ class OrtVisionRunner:
 
 
 class TorchVisionRunner:
-    backend = "torch"
+    """The family's vision module in torch. On CUDA, for families whose module is graph-safe
+    (`VLMFamily.graph_vision`), a call of up to `MAX_GRAPH_BATCH` images replays a CUDA graph
+    captured for its batch bucket (the batch padded to a power of two): the eager module launches
+    hundreds of small kernels, so one image costs about as much host time as a batch of them."""
 
-    def __init__(self, family, vision_dir: Path, device="cpu", dtype=torch.float32):
+    backend = "torch"
+    MAX_GRAPH_BATCH = 8  # larger batches are GPU-bound eagerly; their graphs would pin more memory
+
+    def __init__(self, family, vision_dir: Path, device="cpu", dtype=torch.float32, graphs: bool = False):
         self.device = torch.device(device)
         if self.device.type == "cpu" and dtype != torch.float32:
             dtype = torch.float32  # half-precision conv/attention kernels are slow or missing on the CPU
         self.dtype = dtype
         self.module = family.build_vision_module(vision_dir, torch.float32).to(self.device, dtype).eval()
+        self.graphs_enabled = bool(graphs and self.device.type == "cuda" and family.graph_vision)
+        self._graphs: dict[tuple, tuple] = {}  # (bucket, input shapes) -> (graph, static inputs, static output)
+        self._pool = None
+        self.graph_replays = 0
+        if self.graphs_enabled:
+            # capture every bucket now for the images the processor makes (the tower's configured size),
+            # so no request pays for a capture; other input shapes are captured when they first come
+            import json
+
+            with open(Path(vision_dir) / "config.json") as f:
+                example = family.example_vision_inputs(json.load(f), 1, dtype)
+            try:
+                self.capture_buckets([v.to(self.device) for v in example.values()])
+            except Exception as e:  # a module that cannot be captured still runs, eagerly
+                log.warning("vision: CUDA graph capture failed (%s: %s); running the tower eagerly",
+                            type(e).__name__, e)
+                self.graphs_enabled = False
+                self._graphs.clear()
 
     @torch.inference_mode()
     def __call__(self, feed: dict[str, np.ndarray]) -> torch.Tensor:
         args = [torch.from_numpy(v).to(self.device, self.dtype if v.dtype.kind == "f" else None, non_blocking=True)
                 for v in feed.values()]
-        return self.module(*args)
+        b = args[0].shape[0] if args and args[0].dim() else 0
+        if not self.graphs_enabled or not 0 < b <= self.MAX_GRAPH_BATCH or any(a.shape[0] != b for a in args):
+            return self.module(*args)
+        bucket = 1 << (b - 1).bit_length()
+        key = (bucket,) + tuple((tuple(a.shape[1:]), a.dtype) for a in args)
+        entry = self._graphs.get(key) or self._capture(key, args, bucket)
+        graph, static_in, static_out = entry
+        for s, a in zip(static_in, args):
+            s[:b].copy_(a)
+        graph.replay()
+        self.graph_replays += 1
+        # the static output is overwritten by the next replay: hand out a copy of the real rows
+        return static_out[:b].clone()
+
+    @torch.inference_mode()
+    def capture_buckets(self, args: list[torch.Tensor]) -> None:
+        """Capture the graph of every batch bucket for inputs shaped like `args` (largest first: the
+        smaller ones reuse its memory pool)."""
+        b = self.MAX_GRAPH_BATCH
+        while b >= 1:
+            key = (b,) + tuple((tuple(a.shape[1:]), a.dtype) for a in args)
+            if key not in self._graphs:
+                self._capture(key, args, b)
+            b //= 2
+
+    def _capture(self, key: tuple, args: list[torch.Tensor], bucket: int) -> tuple:
+        static_in = [torch.zeros((bucket,) + tuple(a.shape[1:]), dtype=a.dtype, device=self.device) for a in args]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up outside the graph: lazy inits, cuBLAS/cuDNN workspaces
+            for _ in range(2):
+                self.module(*static_in)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread-local: another thread's CUDA calls (the engine's) do not invalidate this capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            static_out = self.module(*static_in)
+        if self._pool is None:
+            self._pool = graph.pool()
+        self._graphs[key] = entry = (graph, static_in, static_out)
+        log.debug("vision: captured a CUDA graph for batch bucket %d", bucket)
+        return entry
 
 
 class TrtVisionRunner:
@@ -85,8 +156,9 @@ def ort_gpu_providers() -> list[str]:
 
 
 def choose_vision_runner(engine_dir: Path, family, built_backend: str, dtype, device: torch.device,
-                         want: str = "auto"):
-    """The vision runner for this host (see the module docstring for the order)."""
+                         want: str = "auto", graphs: bool = True):
+    """The vision runner for this host (see the module docstring for the order). `graphs`: let the
+    torch runner replay CUDA graphs (where the family allows it)."""
     engine = WorkDir(engine_dir)
     if want not in BACKENDS:
         raise InputError(f"unknown vision backend {want!r} (choose from {', '.join(BACKENDS)})")
@@ -106,7 +178,7 @@ def choose_vision_runner(engine_dir: Path, family, built_backend: str, dtype, de
                                           "execution provider here (pip install onnxruntime-gpu)")
         return OrtVisionRunner(onnx, providers + ["CPUExecutionProvider"])
     if want == "torch" or (want == "auto" and cuda):
-        return TorchVisionRunner(family, engine.convert.vision, device=device, dtype=dtype)
+        return TorchVisionRunner(family, engine.convert.vision, device=device, dtype=dtype, graphs=graphs)
     return OrtVisionRunner(onnx)
 
 
@@ -136,6 +208,22 @@ class FeatureCache:
             self.data.popitem(last=False)
 
 
+class VisionJob:
+    """Images queued for the worker; `done` is set once their features are computed (on CUDA, the
+    worker's stream has finished them) or `error` says why not."""
+
+    __slots__ = ("items", "done", "error")
+
+    def __init__(self, items: list):
+        self.items = items
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.done.is_set()
+
+
 class VisionEncoder:
     """Encodes ImageItems (from `family.load_processor(...).encode`) into feature rows."""
 
@@ -147,13 +235,62 @@ class VisionEncoder:
         self.cache = FeatureCache(cache_size)
         self.images_encoded = 0
         self.calls = 0
+        self._lock = threading.RLock()  # one encode at a time: the worker's and the engine thread's
+        self._queue: list[VisionJob] = []
+        self._queue_lock = threading.Lock()
+        self._worker: threading.Thread | None = None
+        self._stream = None  # the worker's CUDA stream, made on first use
 
     @property
     def backend(self) -> str:
         return self.runner.backend
 
+    # ---- ahead of time, on a worker thread -------------------------------------------------
+    def prefetch(self, items: list) -> VisionJob:
+        """Queue `items` for encoding on the worker thread; returns their job."""
+        job = VisionJob([it for it in items if it.features is None])
+        if not job.items:
+            job.done.set()
+            return job
+        with self._queue_lock:
+            self._queue.append(job)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._drain, name="vlmctl-vision", daemon=True)
+                self._worker.start()
+        return job
+
+    def _drain(self) -> None:
+        """Encode queued jobs (all that are queued, batched together) until the queue is empty, then exit."""
+        if self.device.type == "cuda" and self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        while True:
+            with self._queue_lock:
+                if not self._queue:
+                    self._worker = None
+                    return
+                jobs, self._queue = self._queue, []
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                try:
+                    self.encode([it for job in jobs for it in job.items])
+                except Exception as e:  # one batch failed: retry job by job, so only the faulty one fails
+                    log.warning("vision batch failed (%s); retrying request by request", e)
+                    for job in jobs:
+                        try:
+                            self.encode(job.items)
+                        except Exception as e2:
+                            job.error = e2
+                if self._stream is not None:
+                    self._stream.synchronize()  # the features are complete before anyone reads them
+            for job in jobs:
+                job.done.set()
+
+    # ---- now, on the calling thread --------------------------------------------------------
     def encode(self, items: list) -> None:
         """Fill `item.features` ([rows, hidden] on the device) for every item that lacks them."""
+        with self._lock:
+            self._encode(items)
+
+    def _encode(self, items: list) -> None:
         todo, dupes, first = [], [], {}
         for item in items:
             if item.features is not None:
