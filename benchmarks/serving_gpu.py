@@ -148,6 +148,51 @@ def sync():
         torch.cuda.synchronize()
 
 
+class StepLog:
+    """Wraps `eng.step` while active: each step's wall time, prefill tokens and decode rows, plus the
+    CUDA caching allocator's counters, to say where a slow bench run's extra time goes."""
+
+    def __init__(self, eng):
+        self.eng, self.rows, self._orig = eng, [], None
+
+    def __enter__(self):
+        eng, orig = self.eng, self.eng.step
+        self._orig = orig
+        self._mem0 = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+
+        def timed():
+            sched = eng.scheduler
+            before = {id(r): r.num_computed for r in sched.running} if sched is not None else {}
+            t = time.perf_counter()
+            out = orig()
+            dt = time.perf_counter() - t
+            if sched is not None:
+                prefill = sum(r.num_computed - before.get(id(r), 0) for r in sched.running
+                              if r.num_computed <= r.prompt_len)
+                self.rows.append((dt, prefill, len(sched.running)))
+            return out
+
+        eng.step = timed
+        return self
+
+    def __exit__(self, *exc):
+        self.eng.step = self._orig
+
+    def summary(self) -> dict:
+        if not self.rows:
+            return {}
+        dts = np.array([r[0] for r in self.rows])
+        med = float(np.median(dts))
+        slow = [r for r in self.rows if r[0] > 3 * med]
+        mem = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+        delta = {k: mem.get(k, 0) - self._mem0.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc",
+                                                                     "num_device_free", "num_ooms")}
+        top = sorted(self.rows, reverse=True)[:8]
+        return {"steps": len(self.rows), "total_s": float(dts.sum()), "median_ms": 1000 * med,
+                "slow_steps": len(slow), "slow_total_s": float(sum(r[0] for r in slow)),
+                "top_ms_prefill_running": [(round(1000 * a, 1), b, c) for a, b, c in top], "allocator": delta}
+
+
 def load_engine(path: Path, **opts):
     from vlmctl.runtime.engine import Engine
 
@@ -284,9 +329,12 @@ def profile_bench(eng, cfg) -> dict:
     from vlmctl.measure.bench import bench_engine
 
     out = {}
-    r = bench_engine(eng, dataclasses.replace(cfg, run=cfg.run + 100))
+    with StepLog(eng) as steps:
+        r = bench_engine(eng, dataclasses.replace(cfg, run=cfg.run + 100))
     out["again_tok_s"] = r["output_throughput"]
+    out["again_steps"] = steps.summary()
     log(f"bench again: {r['output_throughput']:.0f} output tok/s, {r['steps']} steps in {r['duration_s']:.2f} s")
+    log("bench again steps:", json.dumps(out["again_steps"]))
     steps0 = eng.steps
     pr = cProfile.Profile()
     pr.enable()
@@ -311,6 +359,8 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="after the bench, run it twice more with other requests: plain (does the first run of a "
                          "process pay one-off costs?) and under cProfile (where the engine thread's time goes)")
+    ap.add_argument("--vision-overlap", action="store_true",
+                    help="load the fp16 engine with vision_overlap (images of waiting requests encoded ahead)")
     ap.add_argument("--out")
     args = ap.parse_args()
     shape = SMOKE if args.smoke else SEVEN_B
@@ -325,8 +375,8 @@ def main():
     size = (shape["image"], shape["image"])
     req = dict(image_size=size, prompt_len=9, output_len=128, warmup=2)
     n = 16 if args.smoke else args.num_requests
-    eng, load_s, _ = load_engine(engine_dir)
-    res["engine"] = {"load_s": load_s, "weights_gib": weight_gib(eng), "vision_backend": eng.vision.backend,
+    eng, load_s, _ = load_engine(engine_dir, vision_overlap=args.vision_overlap)
+    res["engine"] = {"load_s": load_s, "weights_gib": weight_gib(eng), "vision": eng.vision_summary,
                      "limits": eng.limits.to_json()}
     if dev == "cuda":
         res["engine"]["gpu_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
@@ -337,8 +387,11 @@ def main():
         res["ttft_single"] = ttft_single(eng, {"image_size": size, "prompt_len": 9})
         log("ttft single:", json.dumps(res["ttft_single"]))
     if "bench" not in args.skip:
-        r = bench_engine(eng, BenchConfig(num_requests=n, concurrency=64, run=1, **req))
+        with StepLog(eng) as steps:
+            r = bench_engine(eng, BenchConfig(num_requests=n, concurrency=64, run=1, **req))
         res["bench_n256_c64"] = r
+        res["bench_steps"] = steps.summary()
+        log("bench steps:", json.dumps(res["bench_steps"]))
         log(f"bench -n {n} -c 64: {r['output_throughput']:.0f} output tok/s, TTFT p50 {r['ttft_ms']['median']:.0f} ms "
             f"p99 {r['ttft_ms']['p99']:.0f} ms, TPOT p50 {r['tpot_ms']['median']:.1f} p99 {r['tpot_ms']['p99']:.1f} ms, "
             f"prompt {r['mean_prompt_tokens']} tokens, failed {r['failed']}")

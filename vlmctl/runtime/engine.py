@@ -84,9 +84,9 @@ class EngineOptions:
     cuda_graphs: bool = True
     vision_backend: str = "auto"
     vision_batch_size: int = 32  # images per vision call
-    # encode waiting requests' images on a worker thread while steps run (None: on CUDA hosts only;
-    # on a CPU the vision runtime and the decoder would share the same cores)
-    vision_overlap: bool | None = None
+    # encode waiting requests' images on a worker thread while steps run. Off by default: on an H200
+    # with LLaVA-1.5-7B shapes it lowered throughput once the tower ran as CUDA graphs (docs/benchmarks.md)
+    vision_overlap: bool = False
     feature_cache_size: int = 256  # images whose features are kept
     max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES
     image_limits: ImageLimits | None = None  # width, height and aspect-ratio caps before preprocessing
@@ -251,11 +251,10 @@ class Engine:
         if cross_blocks:
             self.decoder.allocate_cross_cache(cross_blocks, cross_rows)
             self.cross_pool = BlockPool(cross_blocks, opts.block_size, enable_prefix_caching=False)
-        overlap = opts.vision_overlap if opts.vision_overlap is not None else self.device.type == "cuda"
+        overlap = bool(opts.vision_overlap)
         self._vision_ahead = 2 * self.vision.max_batch if overlap else 0  # images encoded ahead of admission
         self.scheduler = Scheduler(self.pool, max_num_seqs=lim["max_batch_size"], max_num_batched_tokens=budget,
-                                   keep_images_whole=whole_images, cross_pool=self.cross_pool,
-                                   ready=_images_ready if overlap else None)
+                                   keep_images_whole=whole_images, cross_pool=self.cross_pool)
         self.limits = EngineLimits(**lim, max_seq_len=max_seq, max_num_batched_tokens=budget,
                                    kv_cache_tokens=self.pool.capacity * opts.block_size, block_size=opts.block_size)
         self.decoder.capture_graphs(lim["max_batch_size"])
@@ -528,14 +527,11 @@ class Engine:
                     req.finished, req.finish_reason = True, "abort"
                     self._release_extras(req)
                     self.scheduler.finish(req)
-            if self._vision_ahead:
-                self._encode_ahead()
             scheduled, _ = self.scheduler.schedule()
+            if self._vision_ahead:
+                self._encode_ahead()  # for the requests this step leaves waiting
         self.max_running_seen = max(self.max_running_seen, len(self.scheduler.running))
         if not scheduled:
-            head = self.scheduler.waiting[0] if self.scheduler.waiting else None
-            if head is not None and head.vision_job is not None:
-                head.vision_job.done.wait(0.05)  # nothing to run until its images are encoded: do not spin
             return events
         self.steps += 1
         self.prompt_tokens_computed += sum(max(0, min(s.start + s.n, s.request.prompt_len) - s.start)
@@ -640,8 +636,9 @@ class Engine:
             req.extras_registered = False
 
     def _encode_ahead(self) -> None:
-        """Queue the images of the requests at the head of the waiting queue for the vision worker, up to
-        `_vision_ahead` images encoded (or being encoded) but not yet admitted."""
+        """Queue the images of the requests at the head of the waiting queue (those the scheduler could not
+        admit yet) for the vision worker, up to `_vision_ahead` images encoded or being encoded but not
+        yet admitted: while they wait, the worker encodes them alongside the steps."""
         ahead = 0
         for req in self.scheduler.waiting:
             if ahead >= self._vision_ahead:
@@ -660,6 +657,11 @@ class Engine:
         need: dict[str, tuple[Request, list]] = {}
         for s in scheduled:
             req = s.request
+            if req.vision_job is not None and not req.vision_job.ready:
+                # admitted while the worker still encodes its images (they were queued while it waited):
+                # they are on their way, so wait for them rather than encode them twice; a failed job
+                # leaves them without features, and they are encoded (and fail) again below, alone
+                req.vision_job.done.wait()
             if req.cross is not None:
                 if not req.cross_ready:
                     need.setdefault(req.id, (req, []))[1].extend(it for it in req.prompt.images
@@ -901,13 +903,6 @@ class Engine:
     def chat(self, messages: list[dict], images: list, params: SamplingParams, on_event=None,
              videos: list | None = None) -> Completion:
         return self.generate([self.encode(messages, images, videos=videos)], params, on_event)[0]
-
-
-def _images_ready(req: Request) -> bool:
-    """The scheduler's admission check: a request whose images are queued for the vision worker waits
-    until they are encoded (a failed job lets it in: its image is encoded again in the step and fails
-    that request alone)."""
-    return req.vision_job is None or req.vision_job.ready
 
 
 def load_image(path: str | Path):

@@ -27,17 +27,12 @@ K/V are recomputed from the image features at the next admission). They are take
 all at once; a request waits in the queue while they are not free. Their prefix-cache chain starts
 from the images' hash, since every token's K/V depends on every image.
 
-A request whose images are still being encoded ahead of admission (`ready` says no) waits at the
-head of the queue: the requests behind it wait too (first come, first served), and the running
-ones keep decoding meanwhile.
-
 It decides only; the engine runs the chunks and then calls `advance`.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,10 +55,8 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 keep_images_whole: bool = False, cross_pool: BlockPool | None = None,
-                 ready: Callable[[Request], bool] | None = None):
+                 keep_images_whole: bool = False, cross_pool: BlockPool | None = None):
         self.pool = pool
-        self.ready = ready  # may a waiting request be admitted now (its images encoded)? None: always
         self.cross_pool = cross_pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
@@ -200,8 +193,6 @@ class Scheduler:
             req = self.waiting[0]
             if self._waits_for_leader(req):
                 break  # first come, first served: the queue behind it waits the leader's last prefill step
-            if self.ready is not None and not self.ready(req):
-                break
             self._prefix_hit(req)
             n = self._chunk_len(req, budget)
             if not self._grow(req, req.num_computed + n) or not self._take_cross(req):
