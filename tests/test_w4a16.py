@@ -498,3 +498,84 @@ def test_gpu_h2_7b_shapes_and_graph(name):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def _run_ptx(asm: str, operands: list[int]) -> float:
+    """A tiny interpreter for the instructions `_h2_run_asm` emits (numpy fp16 arithmetic, one rounding
+    per instruction; fma rounds once from float64, exact for fp16 operands at these magnitudes)."""
+    import re
+
+    import numpy as np
+
+    regs = {f"${i + 1}": np.uint32(v & 0xFFFFFFFF) for i, v in enumerate(operands)}
+
+    def val(tok):
+        return regs[tok] if tok in regs else np.uint32(int(tok, 0))
+
+    def h2(v):
+        return np.array([v & 0xFFFF, v >> 16], dtype=np.uint16).view(np.float16)
+
+    def pack(f):
+        u = np.asarray(f, dtype=np.float16).view(np.uint16).astype(np.uint32)
+        return np.uint32(u[0] | (u[1] << 16))
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if op == "mov.b32":  # mov.b32 {l, h}, a
+            lo_hi, src = re.match(r"\{(\w+), (\w+)\}, (\w+)", rest).groups()[:2], rest.rsplit(", ", 1)[1]
+            v = val(src)
+            regs[lo_hi[0]], regs[lo_hi[1]] = np.uint16(v & 0xFFFF), np.uint16(v >> 16)
+            continue
+        args = [a.strip() for a in rest.split(",")]
+        d, src = args[0], args[1:]
+        if op == "lop3.b32":
+            a, b, c = (val(s) for s in src[:3])
+            assert int(src[3], 0) == 0xEA
+            regs[d] = (a & b) | c
+        elif op == "shr.u32":
+            regs[d] = val(src[0]) >> np.uint32(int(src[1]))
+        elif op == "sub.rn.f16x2":
+            regs[d] = pack(h2(val(src[0])) - h2(val(src[1])))
+        elif op == "mul.rn.f16x2":
+            regs[d] = pack(h2(val(src[0])) * h2(val(src[1])))
+        elif op == "fma.rn.f16x2":
+            f = h2(val(src[0])).astype(np.float64) * h2(val(src[1])) + h2(val(src[2]))
+            regs[d] = pack(f)
+        elif op == "cvt.f32.f16":
+            regs[d] = np.array([regs[src[0]]], dtype=np.uint16).view(np.float16).astype(np.float32)[0]
+        elif op == "add.f32":
+            regs[d] = np.float32(regs[src[0]]) + np.float32(regs[src[1]])
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+    return float(regs["$0"])
+
+
+@pytest.mark.parametrize("nw", [1, 2])
+def test_h2_inline_ptx_program_computes_the_run(nw):
+    """The PTX the GPU runs (which the CPU cannot), interpreted here: for random words, zero points,
+    scales and activations it must give sum_k x[k] * w[k] over the run's 8 * nw weights, w as
+    `dequantize` rounds it to fp16, within fp16 accumulation error."""
+    pytest.importorskip("triton")
+    from vlmctl.runtime.kernels._w4a16_triton import _h2_run_asm
+
+    gen = torch.Generator().manual_seed(nw)
+    asm = _h2_run_asm(nw)
+    for trial in range(20):
+        codes = torch.randint(0, 16, (1, 8 * nw), generator=gen)
+        z = int(torch.randint(0, 16, (1,), generator=gen))
+        s = (torch.rand(1, generator=gen) * 0.05 + 1e-3).half()
+        x = (torch.randn(8 * nw, generator=gen) * (100 if trial % 5 == 0 else 1)).half()
+        p = W.pack(codes, torch.tensor([[z]]), s.view(1, 1), 8 * nw)
+        words = [int(v) for v in p["q4weight"][0]]
+        xi = x.view(torch.int16).to(torch.int32) & 0xFFFF
+        pairs = [int(xi[2 * i] | (xi[2 * i + 1] << 16)) for i in range(4 * nw)]  # word i, t -> index 4i + t
+        zf2 = (0x6400 | z) * 0x10001
+        s2 = (int(s.view(torch.int16)) & 0xFFFF) * 0x10001
+        got = _run_ptx(asm, words + pairs + [zf2, s2])
+        w = W.dequantize(p, 8 * nw, torch.float16).double()[0]
+        ref = float((x.double() * w).sum())
+        scale = float((x.double() * w).abs().sum())
+        assert abs(got - ref) <= 8 * 2.0 ** -11 * scale + 1e-12, (trial, got, ref)
