@@ -182,10 +182,11 @@ def launch(x2, weight, config: Config, bias=None, *, silu: bool = False, out=Non
 
 
 def usable(x2, weight) -> bool:
-    """Whether `gemv` runs the kernel for these tensors (CUDA, fp16/bf16, at most MAX_M rows)."""
+    """Whether `gemv` runs the kernel for these tensors (CUDA, or any device in Triton's interpreter
+    for tests; fp16/bf16; at most MAX_M rows)."""
     import torch
 
-    return (x2.device.type == "cuda" and x2.dim() == 2 and 0 < x2.shape[0] <= MAX_M
+    return ((x2.device.type == "cuda" or _interpreting()) and x2.dim() == 2 and 0 < x2.shape[0] <= MAX_M
             and x2.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x2.dtype
             and x2.stride(-1) == 1 and weight.stride(-1) == 1)
 
