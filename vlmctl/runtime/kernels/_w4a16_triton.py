@@ -366,7 +366,8 @@ def _gemv_h2_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_pt
             w_ptrs += BK // 8
             acc = _gemv_h2_block(acc, words, s, z, tl.load(x_row + k0 // XS + k_off), MAGIC16, BN, NGB, WPG, RUNW, ASM)
     offs_m = pid_m + tl.arange(0, 1)
-    _finish(tl.sum(tl.reshape(acc, (BN, NGB * (WPG // RUNW))), axis=1)[:, None], offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+    out = tl.sum(tl.reshape(acc, (BN, NGB * (WPG // RUNW))), axis=1)  # across the lanes, once
+    _finish(out[:, None], offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
             pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS)
 
 
