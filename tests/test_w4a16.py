@@ -380,3 +380,202 @@ def test_gpu_graph_survives_later_larger_calls():
         torch.cuda.synchronize()
         for m in xs:
             assert torch.equal(outs[m], eager[m]), f"graph at M={m} broken after a call at M={m_big}"
+
+
+# ------------------------------------------------------------------------------------------ half2 GEMV
+# The half2 GEMV ("gemv_h2", fp16 only) rounds each dequantized weight to fp16 (as the reference
+# does), each product x * w to fp16, and each partial sum of a run (8 or 16 products) to fp16 before
+# the fp32 accumulation; then the output to fp16. Each of those roundings is at most 2**-11 relative,
+# the run's sum holds at most 15 of them, and they do not all line up: the bound tested, on the
+# norm-wise error against a float64 product with the fp16-rounded dequantized weights, is
+# 2**-9 (~2e-3, four units of fp16 roundoff). The interpreter runs the Triton-op form (tree sums); the
+# inline-PTX form (chained sums) runs on a GPU (the gpu-marked tests below).
+H2_TOL = 2.0 ** -9
+
+H2_CONFIGS = [
+    W.Config("gemv_h2", 16, 64, 1, 1, 4, 1, 2),  # block inside a group, no prefetch
+    W.Config("gemv_h2", 32, 256, 1, 2, 2, 2, 2),  # block spanning groups, split-K, prefetch
+    W.Config("gemv_h2", 8, 128, 1, 3, 1, 2, 1),  # runs of one word, uneven split-K
+    W.Config("gemv_h2", 16, 64, 1, 5, 1, 2, 2),  # an empty last split slice (8 blocks, 5 slices)
+]
+
+
+def _check_f64(y, x, packed, g, bias, tol):
+    w = W.dequantize(packed, g, torch.float16).double()  # the fp16 weights, computed without the kernels
+    ref = x.double() @ w.T
+    if bias is not None:
+        ref = ref + bias.double()
+    err = float((y.double() - ref).norm() / ref.norm())
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    assert err <= tol, f"relative error {err:.2e} > {tol:.2e}"
+    return err
+
+
+@pytest.mark.parametrize("cfg", H2_CONFIGS, ids=W.describe)
+def test_h2_gemv_configs_and_split_k(kern, cfg):
+    g, n, k = 64, 40, 512  # N = 40: the last row tile is partial for every block_n here but 8
+    p = _case(n, k, g, seed=17, device=kern)
+    gen = torch.Generator().manual_seed(4)
+    for m in (1, 3):
+        x = torch.randn(m, k, generator=gen).half().to(kern)
+        bias = torch.randn(n, generator=gen).half().to(kern) if m > 1 else None
+        y = W.launch(x, p, g, cfg, bias=bias)
+        _check_f64(y, x, p, g, bias, H2_TOL)
+        assert torch.equal(W.launch(x, p, g, cfg, bias=bias), y), "split-K must be deterministic"
+    assert int(W._WS[str(x.device)]["cnt"].abs().sum()) == 0, "split-K tile counters must be reset"
+
+
+def test_h2_gemv_large_activations_do_not_overflow(kern):
+    """Activations in the thousands (LLaMA-style outliers): the products are of scaled weights, so the
+    fp16 runs stay finite."""
+    g, n, k = 128, 16, 256
+    p = _case(n, k, g, seed=19, device=kern)
+    x = torch.randn(1, k).half()
+    x[0, :16] = 3000.0
+    x = x.to(kern)
+    y = W.launch(x, p, g, W.Config("gemv_h2", 16, 128, 1, 1, 1, 1, 2))
+    assert torch.isfinite(y).all()
+    _check_f64(y, x, p, g, None, H2_TOL)
+
+
+def test_h2_selection_is_off_by_default(monkeypatch):
+    monkeypatch.delenv("VLMCTL_GEMV", raising=False)
+    assert W.select_config(1, 4096, 4096, 128, torch.float16).kernel != "gemv_h2"
+    monkeypatch.setenv("VLMCTL_GEMV", "triton")
+    c = W.select_config(1, 4096, 11008, 128, torch.float16)
+    assert c.kernel == "gemv_h2" and c.valid_for(4096, 11008, 128)
+    assert W.select_config(1, 4096, 4096, 128, torch.bfloat16).kernel != "gemv_h2"  # fp16 only
+    assert W.select_config(16, 4096, 4096, 128, torch.float16).kernel != "gemv_h2"  # batch 1 only
+    with pytest.raises(ValueError, match="fp16"):
+        W.launch(torch.zeros(1, 256, dtype=torch.bfloat16), _case(8, 256, 128, 0, "cpu"), 128,
+                 W.Config("gemv_h2", 8, 128, 1, 1, 1, 1, 2))
+
+
+def test_h2_configs_and_table_round_trip(tmp_path):
+    assert not W.Config("gemv_h2", 16, 64, 1, 1, 1, 1, 3).valid_for(16, 256, 64)  # run_words 1 or 2
+    assert not W.Config("gemv_h2", 16, 8, 1, 1, 1, 1, 2).valid_for(16, 256, 64)  # one word per group block
+    for name, (n, k) in LLAVA_7B.items():
+        cands = W.h2_candidate_configs(1, n, k, 128)
+        assert cands and all(c.kernel == "gemv_h2" and c.valid_for(n, k, 128) for c in cands), name
+    saved = dict(W._TUNED), dict(W._TUNED_H2)
+    try:
+        W._TUNED.clear()
+        W._TUNED_H2.clear()
+        c = W.Config("gemv_h2", 32, 256, 1, 4, 2, 2, 2)
+        W.set_config(1, 4096, 4096, 128, torch.float16, c)
+        W.set_config(1, 4096, 4096, 128, torch.float16, W.Config("gemv", 128, 64, 1, 8, 1, 2))
+        W.save_tuned(tmp_path / "t.json")
+        W._TUNED.clear()
+        W._TUNED_H2.clear()
+        assert W.load_tuned(tmp_path / "t.json") == 2
+        assert list(W._TUNED_H2.values()) == [c] and list(W._TUNED.values())[0].kernel == "gemv"
+    finally:
+        W._TUNED.clear()
+        W._TUNED_H2.clear()
+        W._TUNED.update(saved[0])
+        W._TUNED_H2.update(saved[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("name", list(LLAVA_7B))
+def test_gpu_h2_7b_shapes_and_graph(name):
+    """The inline-PTX half2 GEMV at LLaVA-1.5-7B shapes: every candidate within the bound, and the
+    heuristic's launch replayed from a CUDA graph equals the eager result."""
+    n, k = LLAVA_7B[name]
+    g = 128
+    p = _case(n, k, g, seed=n + 1, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, k, generator=gen, device="cuda").half()
+    bias = torch.randn(n, generator=gen, device="cuda").half()
+    for cfg in W.h2_candidate_configs(1, n, k, g):
+        _check_f64(W.launch(x, p, g, cfg, bias=bias), x, p, g, bias, H2_TOL)
+    cfg = W.heuristic_h2_config(1, n, k, g)
+    eager = W.launch(x, p, g, cfg, bias=bias)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = W.launch(x, p, g, cfg, bias=bias)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def _run_ptx(asm: str, operands: list[int]) -> float:
+    """A tiny interpreter for the instructions `_h2_run_asm` emits (numpy fp16 arithmetic, one rounding
+    per instruction; fma rounds once from float64, exact for fp16 operands at these magnitudes)."""
+    import re
+
+    import numpy as np
+
+    regs = {f"${i + 1}": np.uint32(v & 0xFFFFFFFF) for i, v in enumerate(operands)}
+
+    def val(tok):
+        return regs[tok] if tok in regs else np.uint32(int(tok, 0))
+
+    def h2(v):
+        return np.array([v & 0xFFFF, v >> 16], dtype=np.uint16).view(np.float16)
+
+    def pack(f):
+        u = np.asarray(f, dtype=np.float16).view(np.uint16).astype(np.uint32)
+        return np.uint32(u[0] | (u[1] << 16))
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if op == "mov.b32":  # mov.b32 {l, h}, a
+            lo_hi, src = re.match(r"\{(\w+), (\w+)\}, (\w+)", rest).groups()[:2], rest.rsplit(", ", 1)[1]
+            v = val(src)
+            regs[lo_hi[0]], regs[lo_hi[1]] = np.uint16(v & 0xFFFF), np.uint16(v >> 16)
+            continue
+        args = [a.strip() for a in rest.split(",")]
+        d, src = args[0], args[1:]
+        if op == "lop3.b32":
+            a, b, c = (val(s) for s in src[:3])
+            assert int(src[3], 0) == 0xEA
+            regs[d] = (a & b) | c
+        elif op == "shr.u32":
+            regs[d] = val(src[0]) >> np.uint32(int(src[1]))
+        elif op == "sub.rn.f16x2":
+            regs[d] = pack(h2(val(src[0])) - h2(val(src[1])))
+        elif op == "mul.rn.f16x2":
+            regs[d] = pack(h2(val(src[0])) * h2(val(src[1])))
+        elif op == "fma.rn.f16x2":
+            f = h2(val(src[0])).astype(np.float64) * h2(val(src[1])) + h2(val(src[2]))
+            regs[d] = pack(f)
+        elif op == "cvt.f32.f16":
+            regs[d] = np.array([regs[src[0]]], dtype=np.uint16).view(np.float16).astype(np.float32)[0]
+        elif op == "add.f32":
+            regs[d] = np.float32(regs[src[0]]) + np.float32(regs[src[1]])
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+    return float(regs["$0"])
+
+
+@pytest.mark.parametrize("nw", [1, 2])
+def test_h2_inline_ptx_program_computes_the_run(nw):
+    """The PTX the GPU runs (which the CPU cannot), interpreted here: for random words, zero points,
+    scales and activations it must give sum_k x[k] * w[k] over the run's 8 * nw weights, w as
+    `dequantize` rounds it to fp16, within fp16 accumulation error."""
+    pytest.importorskip("triton")
+    from vlmctl.runtime.kernels._w4a16_triton import _h2_run_asm
+
+    gen = torch.Generator().manual_seed(nw)
+    asm = _h2_run_asm(nw)
+    for trial in range(20):
+        codes = torch.randint(0, 16, (1, 8 * nw), generator=gen)
+        z = int(torch.randint(0, 16, (1,), generator=gen))
+        s = (torch.rand(1, generator=gen) * 0.05 + 1e-3).half()
+        x = (torch.randn(8 * nw, generator=gen) * (100 if trial % 5 == 0 else 1)).half()
+        p = W.pack(codes, torch.tensor([[z]]), s.view(1, 1), 8 * nw)
+        words = [int(v) for v in p["q4weight"][0]]
+        xi = x.view(torch.int16).to(torch.int32) & 0xFFFF
+        pairs = [int(xi[2 * i] | (xi[2 * i + 1] << 16)) for i in range(4 * nw)]  # word i, t -> index 4i + t
+        zf2 = (0x6400 | z) * 0x10001
+        s2 = (int(s.view(torch.int16)) & 0xFFFF) * 0x10001
+        got = _run_ptx(asm, words + pairs + [zf2, s2])
+        w = W.dequantize(p, 8 * nw, torch.float16).double()[0]
+        ref = float((x.double() * w).sum())
+        scale = float((x.double() * w).abs().sum())
+        assert abs(got - ref) <= 8 * 2.0 ** -11 * scale + 1e-12, (trial, got, ref)

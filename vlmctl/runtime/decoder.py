@@ -43,14 +43,30 @@ from . import ops
 
 
 class Linear:
-    """A float linear [out, in] (+ bias)."""
+    """A float linear [out, in] (+ bias). gemv: run one-row calls through the Triton GEMV
+    (`kernels.gemv`; the decoder sets it on CUDA with VLMCTL_GEMV=triton)."""
+
+    gemv = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
         self.out_features = weight.shape[0]
 
     def __call__(self, x):
+        if self.gemv and x.dim() == 2 and x.shape[0] == 1:
+            from .kernels.gemv import gemv
+
+            return gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def silu_mul(self, gate_up):
+        """self(silu(gate) * up) from a gate_up output [T, 2I]: one-row calls with `gemv` fuse the
+        SiLU·mul into the GEMV (no separate kernel, no intermediate)."""
+        if self.gemv and gate_up.dim() == 2 and gate_up.shape[0] == 1:
+            from .kernels.gemv import gemv
+
+            return gemv(gate_up, self.weight, self.bias, silu=True)
+        return self(ops.act_mul(gate_up, "silu"))
 
     def tensors(self):
         yield self.weight
@@ -265,6 +281,16 @@ class TorchDecoder:
         self._graph_pool = None
         self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if self.device.type == "cuda" else 1)
+        # VLMCTL_GEMV=triton (off by default): batch-1 float linears run the Triton GEMV, down_proj with
+        # SiLU·mul fused; W4A16 linears pick the half2 GEMV (kernels.w4a16.select_config reads the switch)
+        from .kernels.gemv import enabled as gemv_enabled
+
+        self._gemv = self.device.type == "cuda" and gemv_enabled()
+        self._fuse_silu_down = self._gemv and self.activation == "silu"
+        for layer in self.layers if self._gemv else ():
+            for lin in self._linears(layer):
+                if isinstance(lin, Linear):
+                    lin.gemv = True
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
@@ -409,7 +435,9 @@ class TorchDecoder:
             if layer.attn_out_norm is not None:
                 a = self._norm(a, layer.attn_out_norm)
             h = self._norm(a, layer.post_norm, residual)
-            h_out = layer.down(ops.act_mul(layer.gate_up(h), self.activation))
+            gu = layer.gate_up(h)
+            h_out = (layer.down.silu_mul(gu) if self._fuse_silu_down and isinstance(layer.down, Linear)
+                     else layer.down(ops.act_mul(gu, self.activation)))
             if layer.mlp_out_norm is not None:
                 h_out = self._norm(h_out, layer.mlp_out_norm)
         return residual, h_out
@@ -741,6 +769,15 @@ class TorchDecoder:
             for lin in packed:
                 shapes.setdefault(tuple(lin.packed["q4weight"].shape), lin.packed)
             warmup(list(shapes.values()), packed[0].group_size, self._bucket_sizes, self.dtype, self.device)
+        dense = [lin for layer in self.layers for lin in self._linears(layer) if isinstance(lin, Linear) and lin.gemv]
+        if dense:
+            from .kernels import gemv
+
+            # the Triton GEMV's kernels and split-K buffers, before capture (one weight per shape)
+            shapes = {tuple(lin.weight.shape): lin.weight for lin in dense}
+            down = {tuple(lyr.down.weight.shape): lyr.down.weight for lyr in self.layers
+                    if self._fuse_silu_down and isinstance(lyr.down, Linear)}
+            gemv.warmup(list(shapes.values()), [1], self.dtype, self.device, silu_weights=list(down.values()))
         if self.use_graphs:
             # the variant with cross-attention layers only where requests can have images
             variants = (False, True) if self.xk_cache is not None and self.max_cross_rows > 0 else (False,)

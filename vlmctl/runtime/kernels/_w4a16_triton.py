@@ -1,7 +1,9 @@
 """Triton kernels behind `w4a16.py` (imported only when triton is; never import this directly).
 
-Three kernels over the packed layout that `w4a16.py` documents:
+Four kernels over the packed layout that `w4a16.py` documents:
   _gemv_kernel     reduction form, one activation row per program: y[m, n] = sum_k x[m, k] * W[n, k]
+  _gemv_h2_kernel  the same for fp16 x with half2 dequantization, fp16 products summed in short fp16
+                   runs, the runs in fp32 (fewer instructions per weight than the fp32 unpack)
   _dot_kernel      tensor cores with the weight tile as the left operand ("swap AB"): acc[n, m] = W x^T,
                    for decode batches (M padded to 16) and for prefill (a W4A16 GEMM)
   _dequant_kernel  packed -> dense [N, K] weight, for the dequantize + cuBLAS prefill path
@@ -215,6 +217,157 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
             acc = _gemv_block(acc, words, s, z, tl.load(x_row + k0 + k_off), pw, MAGIC, BN, NGB, WPG)
     offs_m = pid_m + tl.arange(0, 1)
     _finish(acc[:, None], offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+            pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS)
+
+
+def _h2_run_asm(nw: int) -> str:
+    """PTX for one run of nw packed words of one row (8 * nw consecutive k of one group): operands
+    $0 (float32 out, as int32 bits), $1..$nw the words, then 4 * nw half2 activations (word i, pair t:
+    x[8i + 2t], x[8i + 2t + 1]), then 1024 + zero and the scale, each as half2 twice. Per pair of
+    weights: one LOP3 (mask | 1024), sub.f16x2, mul.f16x2 (the weight, rounded once as
+    `dequantize(...).half()`) and fma.f16x2 into the run's half2 sum (plus a shift for t > 0); .rn
+    everywhere so that ptxas contracts nothing. The run's two halves are added in fp32."""
+    zf, sc = f"${1 + 5 * nw}", f"${2 + 5 * nw}"
+    body = ["{", ".reg .b32 q, t, a;", ".reg .b16 l, h;", ".reg .f32 f, g;"]
+    for i in range(nw):
+        w = f"${1 + i}"
+        for t in range(4):
+            src = w
+            if t:
+                body.append(f"shr.u32 t, {w}, {4 * t};")
+                src = "t"
+            x = f"${1 + nw + 4 * i + t}"
+            body += [f"lop3.b32 q, {src}, 0x000F000F, 0x64006400, 0xEA;",  # (src & mask) | magic
+                     f"sub.rn.f16x2 q, q, {zf};", f"mul.rn.f16x2 q, q, {sc};",
+                     f"mul.rn.f16x2 a, q, {x};" if i == 0 and t == 0 else f"fma.rn.f16x2 a, q, {x}, a;"]
+    body += ["mov.b32 {l, h}, a;", "cvt.f32.f16 f, l;", "cvt.f32.f16 g, h;", "add.f32 $0, f, g;", "}"]
+    return "\n".join(body)
+
+
+_H2_ASM_1 = tl.constexpr(_h2_run_asm(1))
+_H2_ASM_2 = tl.constexpr(_h2_run_asm(2))
+_H2_CONS_1 = tl.constexpr("=r" + ",r" * 7)
+_H2_CONS_2 = tl.constexpr("=r" + ",r" * 12)
+
+
+@triton.jit
+def _split4(v):
+    """[..., 2, 2] -> the four [...] tensors at (0, 0), (0, 1), (1, 0), (1, 1) (t = 0, 1, 2, 3)."""
+    a, b = tl.split(v)  # last axis: t % 2
+    a0, a1 = tl.split(a)  # then t // 2
+    b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _gemv_h2_block(acc, words, s, z, xv, magic16, BN: tl.constexpr, NGB: tl.constexpr, WPG: tl.constexpr,
+                   RUNW: tl.constexpr, ASM: tl.constexpr):
+    """acc [BN, NGB, WPG // RUNW] (float32) += this K block's runs of RUNW words (8 * RUNW weights of
+    one group): w dequantized in half2 (`_dequant_f16`'s trick, each weight rounded once as
+    `dequantize(...).half()`), x * w summed over the run in fp16, then added to its own fp32 lane; the
+    caller sums the lanes once, after the K loop.
+
+    ASM (sm_90): one inline-PTX block per run (`_h2_run_asm`); xv are the activations as int32 half2
+    pairs [NGB, WPG // RUNW, 2, 2(, RUNW)] (see `_h2_x_offsets`). Otherwise (the interpreter) the same
+    arithmetic in Triton ops on fp16 xv [NGB, WPG, 2, 2, 2]; its fp16 sums run as a tree rather than a
+    chain, so the two may differ by fp16 rounding (both within the tested bound)."""
+    WR: tl.constexpr = WPG // RUNW
+    if ASM:
+        zi = z.to(tl.int32)
+        zf2 = ((zi | 0x6400) * 0x10001)[:, :, None]  # fp16 1024 + zero in both halves (exact below 16)
+        si = s.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        s2 = (si * 0x10001)[:, :, None]
+        if RUNW == 1:
+            x0, x1, x2, x3 = _split4(tl.reshape(xv, (NGB, WR, 2, 2)))
+            r = tl.inline_asm_elementwise(_H2_ASM_1, _H2_CONS_1,
+                                          [words, x0[None], x1[None], x2[None], x3[None], zf2, s2],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            xa, xb = tl.split(xv)  # word 0 / word 1 of each run
+            a0, a1, a2, a3 = _split4(xa)
+            b0, b1, b2, b3 = _split4(xb)
+            w0, w1 = tl.split(tl.reshape(words, (BN, NGB, WR, 2)))
+            r = tl.inline_asm_elementwise(_H2_ASM_2, _H2_CONS_2,
+                                          [w0, w1, a0[None], a1[None], a2[None], a3[None],
+                                           b0[None], b1[None], b2[None], b3[None], zf2, s2],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        return acc + r.to(tl.float32, bitcast=True)
+    else:
+        w = _dequant_f16(words, s.to(tl.float16), z.to(tl.float16), magic16, False)  # [BN, NGB, WPG, 2, 2, 2]
+        prod = w * xv[None, :, :, :, :, :]
+        runs = tl.sum(tl.reshape(prod, (BN, NGB, WR, RUNW * 8)), axis=3)  # fp16
+        return acc + runs.to(tl.float32)
+
+
+@triton.jit
+def _h2_x_offsets(NGB: tl.constexpr, WPG: tl.constexpr, RUNW: tl.constexpr, ASM: tl.constexpr):
+    """Offsets of the activations `_gemv_h2_block` takes within a K block: int32 half2 pairs
+    [NGB, WPG // RUNW, 2, 2] (RUNW 1) or [NGB, WPG // RUNW, 2, 2, 2] (RUNW 2: t // 2, t % 2, word of
+    the run) with ASM, else fp16 elements [NGB, WPG, 2, 2, 2] in natural order."""
+    if ASM:
+        WR: tl.constexpr = WPG // RUNW
+        g = tl.arange(0, NGB)[:, None, None, None, None]
+        wr = tl.arange(0, WR)[None, :, None, None, None]
+        th = tl.arange(0, 2)[None, None, :, None, None]
+        tlo = tl.arange(0, 2)[None, None, None, :, None]
+        r = tl.arange(0, RUNW)[None, None, None, None, :]
+        off = g * (WPG * 4) + (wr * RUNW + r) * 4 + th * 2 + tlo
+        if RUNW == 1:
+            off = tl.reshape(off, (NGB, WR, 2, 2, 1))  # the caller drops the last axis
+    else:
+        off = _k_offsets(NGB, WPG)
+    return off
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT_K", "MAGIC", "MAGIC16"])
+def _gemv_h2_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+                    M, N, K, stride_xm, SPLIT_K, MAGIC, MAGIC16,
+                    G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGB: tl.constexpr, WPG: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr, RUNW: tl.constexpr,
+                    ASM: tl.constexpr):
+    """The GEMV for fp16 activations with half2 dequantization and short fp16 runs (see
+    `_gemv_h2_block`); otherwise as `_gemv_kernel` (one x row per program, PREFETCH, split-K)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_mask = offs_n < N
+    KW = K // 8
+    KG = K // G
+    n_iter = K // BK
+    per = tl.cdiv(n_iter, SPLIT_K)
+    it0 = pid_k * per
+    it1 = tl.minimum(it0 + per, n_iter)
+    if ASM:  # the activations as int32 half2 pairs (x_ptr is fp16 and 16-byte aligned)
+        x_row = (x_ptr + pid_m * stride_xm).to(tl.pointer_type(tl.int32))
+        XS: tl.constexpr = 2
+    else:
+        x_row = x_ptr + pid_m * stride_xm
+        XS: tl.constexpr = 1
+    k_off = _h2_x_offsets(NGB, WPG, RUNW, ASM)
+    acc = tl.zeros((BN, NGB, WPG // RUNW), dtype=tl.float32)
+    if PREFETCH:
+        first = tl.minimum(it0, n_iter - 1)
+        w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, first, KW, KG, G, BK, NGB, WPG)
+        words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, first * BK, G, EVEN_N)
+        xv = tl.load(x_row + first * (BK // XS) + k_off)
+        for it in range(it0, it1):
+            nxt = tl.minimum(it + 1, it1 - 1)
+            w_ptrs += (nxt - it) * (BK // 8)
+            words_n, s_n, z_n = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, nxt * BK, G, EVEN_N)
+            xv_n = tl.load(x_row + nxt * (BK // XS) + k_off)
+            acc = _gemv_h2_block(acc, words, s, z, xv, MAGIC16, BN, NGB, WPG, RUNW, ASM)
+            words, s, z, xv = words_n, s_n, z_n, xv_n
+    else:
+        w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, it0, KW, KG, G, BK, NGB, WPG)
+        for it in range(it0, it1):
+            k0 = it * BK
+            words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G, EVEN_N)
+            w_ptrs += BK // 8
+            acc = _gemv_h2_block(acc, words, s, z, tl.load(x_row + k0 // XS + k_off), MAGIC16, BN, NGB, WPG, RUNW, ASM)
+    offs_m = pid_m + tl.arange(0, 1)
+    out = tl.sum(tl.reshape(acc, (BN, NGB * (WPG // RUNW))), axis=1)  # across the lanes, once
+    _finish(out[:, None], offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
             pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS)
 
 

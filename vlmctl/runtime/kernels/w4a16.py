@@ -6,7 +6,8 @@ model layer and keeps no weights of its own (beyond a cache of dequantized weigh
 path). Dequantization in the kernels is exact in fp32 and rounds once to the activation dtype, so it
 equals `dequantize(...).to(dtype)`.
 
-Kernels (see `_w4a16_triton.py`): a reduction-form GEMV for batch 1, a tensor-core kernel for
+Kernels (see `_w4a16_triton.py`): a reduction-form GEMV for batch 1 (and, with `VLMCTL_GEMV=triton`,
+off by default, its half2 variant for fp16 activations: "gemv_h2"), a tensor-core kernel for
 batches up to 64 and for mid-size prefill, and dequantize-to-scratch + cuBLAS for large prefill,
 with split-K reduced in-kernel (deterministic, no memset). Which runs is `select_config(M, N, K, G,
 dtype)`: a measured table (`w4a16_tuned.json` beside this file, per GPU name, written by
@@ -39,6 +40,7 @@ _WS: dict = {}  # device -> {"ws": fp32 split-K partials, "cnt": int32 tile coun
 _RETIRED: list = []
 _DEQ_CACHE: dict = {}  # id(q4weight) -> {(dtype, device): W}, dropped when q4weight is freed
 _TUNED: dict = {}  # (device name, bucket, N, K, G, dtype name) -> Config
+_TUNED_H2: dict = {}  # the same for the half2 GEMV ("variant": "h2" in the table), used when half2_enabled()
 _TUNED_LOADED = False
 _SM_COUNT: dict = {}
 
@@ -69,10 +71,12 @@ def _reference_linear(x2, packed, group_size, bias):
 
 @dataclass(frozen=True)
 class Config:
-    """One launch choice. kernel: "gemv" (reduction form, one x row per program), "dot" (tensor cores,
-    block_m rows per program) or "dequant_mm" (dequantize to a scratch weight + cuBLAS).
-    num_stages: Triton's software pipelining for "dot"; for "gemv", 2 means the kernel loads the next
-    K block into registers while computing the current one, 1 that it does not."""
+    """One launch choice. kernel: "gemv" (reduction form, one x row per program), "gemv_h2" (the same
+    for fp16 x with half2 dequantization and fp16 runs of run_words packed words, i.e. 8 * run_words
+    products, summed in fp16 before fp32), "dot" (tensor cores, block_m rows per program) or
+    "dequant_mm" (dequantize to a scratch weight + cuBLAS).
+    num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
+    next K block into registers while computing the current one, 1 that it does not."""
 
     kernel: str
     block_n: int = 0
@@ -81,12 +85,17 @@ class Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    run_words: int = 0  # gemv_h2 only (1 or 2)
 
     def valid_for(self, n: int, k: int, group_size: int) -> bool:
         if self.kernel == "dequant_mm":
             return True
-        if self.kernel not in ("gemv", "dot") or not _pow2(self.block_n) or self.split_k < 1:
+        if self.kernel not in ("gemv", "gemv_h2", "dot") or not _pow2(self.block_n) or self.split_k < 1:
             return False
+        if self.kernel == "gemv_h2":
+            wpg = min(self.block_k, group_size) // PACK  # packed words of one row in one group of the block
+            if self.run_words not in (1, 2) or not _block_k_ok(self.block_k, k, group_size) or wpg % self.run_words:
+                return False
         if self.kernel == "dot" and not (_pow2(self.block_m) and self.block_m >= 16 and self.block_n >= 16):
             return False  # tl.dot needs every dimension >= 16
         return _block_k_ok(self.block_k, k, group_size) and (self.kernel == "gemv" or self.block_k >= 16)
@@ -169,6 +178,44 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = 132) ->
     return c if c.valid_for(n, k, group_size) else Config("dequant_mm")
 
 
+def half2_enabled() -> bool:
+    """`VLMCTL_GEMV=triton` (off by default): fp16 batch-1 linears take the half2 GEMV ("gemv_h2")."""
+    return os.environ.get("VLMCTL_GEMV", "") == "triton"
+
+
+# (block_n, block_k, num_warps, run_words): fewest SASS instructions per weight on sm_90 (compiled
+# without a GPU, main loop): 64x128/1 warp/runs of 2 words 2.96, 32x256/2 warps 3.05, 128x128/4 3.12;
+# the fp32 GEMV's best is 4.28 (128x64, 1 warp). Not yet timed.
+_H2_SHAPES = ((64, 128, 1, 2), (32, 256, 2, 2), (128, 64, 1, 2), (64, 128, 2, 2), (128, 128, 4, 2),
+              (64, 128, 1, 1))
+
+
+def heuristic_h2_config(m: int, n: int, k: int, group_size: int, sms: int = 132) -> Config | None:
+    """The untuned half2 GEMV choice for a batch of <= 4 rows (None where no block fits)."""
+    if bucket(m) > 4:
+        return None
+    for bn, bk, warps, run in _H2_SHAPES:
+        c = Config("gemv_h2", bn, bk, 1, 1, warps, 1, run)
+        if c.valid_for(n, k, group_size):
+            return Config("gemv_h2", bn, bk, 1, _split_for(-(-n // bn) * m, k // bk, sms, 8 / warps), warps, 1, run)
+    return None
+
+
+def h2_candidate_configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Config]:
+    """What a tuning sweep tries for the half2 GEMV: block shapes x register prefetch x split-K."""
+    out = []
+    for bn, bk, warps, run in _H2_SHAPES:
+        for prefetch in (1, 2):
+            c = Config("gemv_h2", bn, bk, 1, 1, warps, prefetch, run)
+            if not c.valid_for(n, k, group_size):
+                continue
+            base = _split_for(-(-n // bn) * bucket(m), k // bk, sms, 8 / warps)
+            for split in sorted({max(1, base // 2), base, min(64, base * 2)}):
+                if split <= max(1, k // bk):
+                    out.append(Config("gemv_h2", bn, bk, 1, split, warps, prefetch, run))
+    return list(dict.fromkeys(out))
+
+
 def candidate_configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Config]:
     """What a tuning sweep tries for one (M bucket, N, K, G): block shapes x split-K around the
     parallelism target (split-K is a runtime argument, so it costs timing, not compilation)."""
@@ -233,13 +280,17 @@ def load_tuned(path) -> int:
     data = json.loads(Path(path).read_text())
     for e in data.get("entries", []):
         key = (e["device"], int(e["bucket"]), int(e["n"]), int(e["k"]), int(e["group_size"]), e["dtype"])
-        _TUNED[key] = Config(**e["config"])
+        (_TUNED_H2 if e.get("variant") == "h2" else _TUNED)[key] = Config(**e["config"])
     return len(data.get("entries", []))
 
 
 def save_tuned(path) -> None:
+    """Write every pinned config; the half2 GEMV's entries carry "variant": "h2" (read only when
+    half2_enabled(), so a table holding them does not change the default)."""
     entries = [{"device": d, "bucket": b, "n": n, "k": k, "group_size": g, "dtype": t, "config": asdict(c)}
                for (d, b, n, k, g, t), c in sorted(_TUNED.items())]
+    entries += [{"device": d, "bucket": b, "n": n, "k": k, "group_size": g, "dtype": t, "variant": "h2",
+                 "config": asdict(c)} for (d, b, n, k, g, t), c in sorted(_TUNED_H2.items())]
     Path(path).write_text(json.dumps({"format": FORMAT, "entries": entries}, indent=1) + "\n")
 
 
@@ -247,11 +298,18 @@ def set_config(m: int, n: int, k: int, group_size: int, dtype, config: Config, d
     """Pin the config used for (bucket(m), N, K, G, dtype) on this device's GPU model."""
     if not config.valid_for(n, k, group_size):
         raise ValueError(f"{config} does not fit N={n} K={k} G={group_size}")
-    _TUNED[(_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))] = config
+    table = _TUNED_H2 if config.kernel == "gemv_h2" else _TUNED
+    table[(_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))] = config
 
 
 def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None) -> Config:
     _load_tuned_table()
+    if bucket(m) == 1 and half2_enabled() and _dtype_name(dtype) == "float16":
+        c = _TUNED_H2.get((_device_name(device), 1, n, k, group_size, "float16"))
+        if c is None or not c.valid_for(n, k, group_size):
+            c = heuristic_h2_config(m, n, k, group_size, _sm_count(device))
+        if c is not None:
+            return c
     c = _TUNED.get((_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype)))
     if c is not None and c.valid_for(n, k, group_size):
         return c
@@ -329,12 +387,15 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     bk = config.block_k
     ngb, wpg = (bk // group_size, group_size // PACK) if bk >= group_size else (1, bk // PACK)
     grid_n = triton_cdiv(n, config.block_n)
-    grid_m = m if config.kernel == "gemv" else triton_cdiv(m, config.block_m)
+    gemv = config.kernel in ("gemv", "gemv_h2")
+    if config.kernel == "gemv_h2" and x2.dtype != torch.float16:
+        raise ValueError(f"the half2 GEMV takes fp16 activations, not {x2.dtype}")
+    grid_m = m if gemv else triton_cdiv(m, config.block_m)
     split = max(1, min(config.split_k, k // bk))
     # sized for the whole M bucket, so that any batch size sharing this config fits what warmup allocated
     mb = max(m, bucket(m))
     ws = _buffer(x2.device, "ws", split * mb * n if split > 1 else 1, torch.float32)
-    cnt = _buffer(x2.device, "cnt", grid_n * (mb if config.kernel == "gemv" else triton_cdiv(mb, config.block_m))
+    cnt = _buffer(x2.device, "cnt", grid_n * (mb if gemv else triton_cdiv(mb, config.block_m))
                   if split > 1 else 1, torch.int32, zero=True)
     has_bias = bias is not None
     b = bias if has_bias else y  # a dummy pointer when there is no bias
@@ -348,6 +409,8 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     args = (x2, qw, s, z, b, y, ws, cnt, m, n, k, x2.stride(0), split, MAGIC, MAGIC16)
     if config.kernel == "gemv":
         kern._gemv_kernel[grid](*args, **common)
+    elif config.kernel == "gemv_h2":
+        kern._gemv_h2_kernel[grid](*args, RUNW=config.run_words, ASM=not _interpreting(), **common)
     elif config.kernel == "dot":
         kern._dot_kernel[grid](*args, BM=config.block_m, **common)
     else:
@@ -458,11 +521,13 @@ def describe(config: Config) -> str:
     if config.kernel == "dequant_mm":
         return "dequant_mm"
     bm = f" bm{config.block_m}" if config.kernel == "dot" else ""
+    run = f" r{config.run_words}" if config.kernel == "gemv_h2" else ""
     return (f"{config.kernel} bn{config.block_n} bk{config.block_k}{bm} sk{config.split_k} "
-            f"w{config.num_warps} s{config.num_stages}")
+            f"w{config.num_warps} s{config.num_stages}{run}")
 
 
 __all__ = ["FORMAT", "KEYS", "ORDER", "PACK", "PREFILL_DEQUANT_MIN_M", "Config", "bucket", "candidate_configs",
-           "check_packed", "dequantize", "dequantize_into", "describe", "heuristic_config", "launch", "load_tuned",
+           "check_packed", "dequantize", "dequantize_into", "describe", "h2_candidate_configs", "half2_enabled",
+           "heuristic_config", "heuristic_h2_config", "launch", "load_tuned",
            "pack", "repack_awq_gemm", "repack_gemm_tensors", "save_tuned", "select_config", "set_config",
            "triton_available", "tune", "unpack", "w4a16_linear", "warmup", "weight_bytes"]
