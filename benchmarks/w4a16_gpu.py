@@ -177,6 +177,7 @@ def main(argv=None):
 
     # 1. sweep -------------------------------------------------------------------------------------------
     if not args.no_sweep:
+        W._load_tuned_table()  # so that --table-out keeps the entries of the shapes and M not swept now
         t0 = time.perf_counter()
         for dtype in dtypes:
             for s, p in weights.items():

@@ -105,10 +105,13 @@ def test_reference_and_bad_inputs():
 
 
 def test_configs_and_table_round_trip(tmp_path, monkeypatch):
+    for mode in ("auto", "triton", "cublas"):
+        monkeypatch.setenv("VLMCTL_GEMV", mode)
+        assert not G.preferred(torch.zeros(4096, 4096, dtype=torch.float16))  # CPU weights: never
+    monkeypatch.setenv("VLMCTL_GEMV", "fast")
+    with pytest.raises(ValueError, match="VLMCTL_GEMV"):
+        G.preferred(torch.zeros(8, 8))
     monkeypatch.delenv("VLMCTL_GEMV", raising=False)
-    assert not G.enabled()
-    monkeypatch.setenv("VLMCTL_GEMV", "triton")
-    assert G.enabled()
     for name, (n, k) in LLAVA_7B.items():
         c = G.heuristic_config(1, n, k)
         assert c.valid() and k % c.block_k == 0, name  # the 7B shapes run without K masks

@@ -257,7 +257,9 @@ SPLIT_CONFIGS = [
     W.Config("gemv", 32, 256, 1, 2, 4, 2),  # block spanning groups, split-K
     W.Config("gemv", 8, 64, 1, 3, 2, 1),  # uneven split-K (K blocks not a multiple of 3), no prefetch
     W.Config("gemv", 16, 64, 1, 5, 1, 2),  # prefetch with an empty last split slice (8 blocks, 5 slices)
+    W.Config("gemv", 8, 64, 1, 3, 2, 2, k_major=True),  # the K slices of a row tile launched side by side
     W.Config("dot", 16, 32, 16, 5, 4, 2),  # split-K with an empty last slice
+    W.Config("dot", 16, 32, 16, 3, 4, 2, k_major=True),  # split-K, K-major grid
     W.Config("dot", 32, 256, 32, 2, 4, 2),
     W.Config("dot", 64, 128, 64, 1, 4, 3),
 ]
@@ -397,6 +399,8 @@ H2_CONFIGS = [
     W.Config("gemv_h2", 32, 256, 1, 2, 2, 2, 2),  # block spanning groups, split-K, prefetch
     W.Config("gemv_h2", 8, 128, 1, 3, 1, 2, 1),  # runs of one word, uneven split-K
     W.Config("gemv_h2", 16, 64, 1, 5, 1, 2, 2),  # an empty last split slice (8 blocks, 5 slices)
+    W.Config("gemv_h2", 16, 64, 1, 5, 1, 2, 2, k_major=True),  # the same, K-major grid
+    W.Config("gemv_h2", 8, 128, 1, 2, 1, 1, 2, k_major=True),  # K-major, no prefetch
 ]
 
 
@@ -438,9 +442,19 @@ def test_h2_gemv_large_activations_do_not_overflow(kern):
     _check_f64(y, x, p, g, None, H2_TOL)
 
 
-def test_h2_selection_is_off_by_default(monkeypatch):
+def test_h2_selection_follows_the_table_and_the_switch(monkeypatch):
+    """auto (default): the half2 GEMV where the tuned table pins it for this device (the CPU here, so
+    never); triton: its heuristic elsewhere; cublas: never."""
     monkeypatch.delenv("VLMCTL_GEMV", raising=False)
     assert W.select_config(1, 4096, 4096, 128, torch.float16).kernel != "gemv_h2"
+    h2 = next(c for c in W.h2_candidate_configs(1, 4096, 4096, 128))
+    try:
+        W._TUNED_H2[(W._device_name(None), 1, 4096, 4096, 128, "float16")] = h2
+        assert W.select_config(1, 4096, 4096, 128, torch.float16) == h2
+        monkeypatch.setenv("VLMCTL_GEMV", "cublas")
+        assert W.select_config(1, 4096, 4096, 128, torch.float16).kernel != "gemv_h2"
+    finally:
+        W._TUNED_H2.pop((W._device_name(None), 1, 4096, 4096, 128, "float16"), None)
     monkeypatch.setenv("VLMCTL_GEMV", "triton")
     c = W.select_config(1, 4096, 11008, 128, torch.float16)
     assert c.kernel == "gemv_h2" and c.valid_for(4096, 11008, 128)

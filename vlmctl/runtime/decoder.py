@@ -44,7 +44,7 @@ from . import ops
 
 class Linear:
     """A float linear [out, in] (+ bias). gemv: run one-row calls through the Triton GEMV
-    (`kernels.gemv`; the decoder sets it on CUDA with VLMCTL_GEMV=triton)."""
+    (`kernels.gemv`; the decoder sets it on CUDA where `kernels.gemv.preferred` says so)."""
 
     gemv = False
 
@@ -281,16 +281,17 @@ class TorchDecoder:
         self._graph_pool = None
         self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if self.device.type == "cuda" else 1)
-        # VLMCTL_GEMV=triton (off by default): batch-1 float linears run the Triton GEMV, down_proj with
-        # SiLU·mul fused; W4A16 linears pick the half2 GEMV (kernels.w4a16.select_config reads the switch)
-        from .kernels.gemv import enabled as gemv_enabled
+        # batch-1 float linears run the Triton GEMV where it was measured faster (kernels.gemv.preferred;
+        # VLMCTL_GEMV overrides), down_proj with the SiLU·mul fused; W4A16 linears pick their half2 GEMV
+        # the same way (kernels.w4a16.select_config)
+        self._fuse_silu_down = self.activation == "silu"
+        if self.device.type == "cuda":
+            from .kernels.gemv import preferred
 
-        self._gemv = self.device.type == "cuda" and gemv_enabled()
-        self._fuse_silu_down = self._gemv and self.activation == "silu"
-        for layer in self.layers if self._gemv else ():
-            for lin in self._linears(layer):
-                if isinstance(lin, Linear):
-                    lin.gemv = True
+            for layer in self.layers:
+                for lin in self._linears(layer):
+                    if isinstance(lin, Linear):
+                        lin.gemv = preferred(lin.weight, silu=self._fuse_silu_down and lin is layer.down)
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
@@ -776,7 +777,7 @@ class TorchDecoder:
             # the Triton GEMV's kernels and split-K buffers, before capture (one weight per shape)
             shapes = {tuple(lin.weight.shape): lin.weight for lin in dense}
             down = {tuple(lyr.down.weight.shape): lyr.down.weight for lyr in self.layers
-                    if self._fuse_silu_down and isinstance(lyr.down, Linear)}
+                    if self._fuse_silu_down and isinstance(lyr.down, Linear) and lyr.down.gemv}
             gemv.warmup(list(shapes.values()), [1], self.dtype, self.device, silu_weights=list(down.values()))
         if self.use_graphs:
             # the variant with cross-attention layers only where requests can have images

@@ -138,6 +138,17 @@ def _dequant(words, s, z, magic, magic16, dtype: tl.constexpr, ASM: tl.constexpr
 
 
 @triton.jit
+def _gemv_pids(KMAJOR: tl.constexpr):
+    """(pid_n, pid_m, pid_k, row tiles) of a GEMV or dot program. KMAJOR: the grid is (split, m, n tiles), so
+    the programs the hardware runs together are the K slices of the same rows, which then stream each
+    row's words end to end between them (long split-K over long rows otherwise has every running
+    program read a few hundred bytes from thousands of rows)."""
+    if KMAJOR:
+        return tl.program_id(2), tl.program_id(1), tl.program_id(0), tl.num_programs(2)
+    return tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0)
+
+
+@triton.jit
 def _finish(acc, offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr, tile_id, pid_k, SPLIT_K,
             HAS_BIAS: tl.constexpr):
     """acc [BN, BM] float32 -> y[m, n] (+ bias), through the split-K workspace when SPLIT_K > 1."""
@@ -177,13 +188,12 @@ def _gemv_block(acc, words, s, z, xv, pw, magic, BN: tl.constexpr, NGB: tl.const
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
                  M, N, K, stride_xm, SPLIT_K, MAGIC, MAGIC16,
                  G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGB: tl.constexpr, WPG: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr,
+                 KMAJOR: tl.constexpr = False):
     """PREFETCH: load the next K block into registers before computing this one (the loop's loads do
     not feed a tl.dot, so Triton's pipeliner leaves them alone); each warp then keeps two blocks of
     loads in flight instead of stalling on every block."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    pid_n, pid_m, pid_k, n_tiles = _gemv_pids(KMAJOR)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_mask = offs_n < N
     KW = K // 8
@@ -217,7 +227,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
             acc = _gemv_block(acc, words, s, z, tl.load(x_row + k0 + k_off), pw, MAGIC, BN, NGB, WPG)
     offs_m = pid_m + tl.arange(0, 1)
     _finish(acc[:, None], offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
-            pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS)
+            pid_m * n_tiles + pid_n, pid_k, SPLIT_K, HAS_BIAS)
 
 
 def _h2_run_asm(nw: int) -> str:
@@ -324,12 +334,10 @@ def _gemv_h2_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_pt
                     M, N, K, stride_xm, SPLIT_K, MAGIC, MAGIC16,
                     G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGB: tl.constexpr, WPG: tl.constexpr,
                     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr, RUNW: tl.constexpr,
-                    ASM: tl.constexpr):
+                    ASM: tl.constexpr, KMAJOR: tl.constexpr = False):
     """The GEMV for fp16 activations with half2 dequantization and short fp16 runs (see
     `_gemv_h2_block`); otherwise as `_gemv_kernel` (one x row per program, PREFETCH, split-K)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    pid_n, pid_m, pid_k, n_tiles = _gemv_pids(KMAJOR)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_mask = offs_n < N
     KW = K // 8
@@ -368,17 +376,16 @@ def _gemv_h2_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_pt
     offs_m = pid_m + tl.arange(0, 1)
     out = tl.sum(tl.reshape(acc, (BN, NGB * (WPG // RUNW))), axis=1)  # across the lanes, once
     _finish(out[:, None], offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
-            pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS)
+            pid_m * n_tiles + pid_n, pid_k, SPLIT_K, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K", "MAGIC", "MAGIC16"])
 def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
                 M, N, K, stride_xm, SPLIT_K, MAGIC, MAGIC16,
                 G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, NGB: tl.constexpr,
-                WPG: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
+                WPG: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr,
+                KMAJOR: tl.constexpr = False):
+    pid_n, pid_m, pid_k, n_tiles = _gemv_pids(KMAJOR)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
     n_mask = offs_n < N
@@ -401,7 +408,7 @@ def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None], mask=m_mask[None, :], other=0.0)
         acc = tl.dot(w, xt, acc)
     _finish(acc, offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
-            pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS)
+            pid_m * n_tiles + pid_n, pid_k, SPLIT_K, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["MAGIC", "MAGIC16"])

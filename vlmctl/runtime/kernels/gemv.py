@@ -2,8 +2,9 @@
 optionally with x = silu(gate) * up read straight from a gate_up output row (down_proj without the
 separate SiLU·mul kernel). Triton on CUDA (`_gemv_triton.py`), a torch reference elsewhere.
 
-Off by default: the decoder uses it only with `VLMCTL_GEMV=triton` (`enabled()`), for batch-1 float
-linears on CUDA. Split-K is reduced inside the kernel (no separate reduce kernel, deterministic), so
+The decoder uses it for batch-1 float linears on CUDA whose shape this GPU's tuned table holds
+(`preferred()`; measured faster than cuBLAS there), or for all of them with `VLMCTL_GEMV=triton`,
+or for none with `VLMCTL_GEMV=cublas` (`w4a16.gemv_mode`). Split-K is reduced inside the kernel (no separate reduce kernel, deterministic), so
 every launch is CUDA-graph capturable once `warmup()` has compiled it and sized the shared split-K
 workspace (the W4A16 kernels' buffers, `w4a16._buffer`). Which config runs is a measured table
 (`gemv_tuned.json` beside this file, written by `benchmarks/gemv_gpu.py --table-out`) or else
@@ -24,9 +25,18 @@ _TUNED: dict = {}  # (device name, N, K, dtype name, silu) -> Config
 _TUNED_LOADED = False
 
 
-def enabled() -> bool:
-    """`VLMCTL_GEMV=triton`: the decoder's batch-1 float linears (and the W4A16 half2 GEMV) are on."""
-    return os.environ.get("VLMCTL_GEMV", "") == "triton"
+def preferred(weight, *, silu: bool = False) -> bool:
+    """Whether batch-1 calls with this weight (on its device) take the GEMV: see `w4a16.gemv_mode`."""
+    from .w4a16 import gemv_mode
+
+    mode = gemv_mode()
+    if mode == "cublas" or getattr(weight.device, "type", "cpu") != "cuda":
+        return False
+    if mode == "triton":
+        return True
+    _load_table()
+    n, k = weight.shape[0], weight.shape[1]
+    return (_device_name(weight.device), n, k, _dtype_name(weight.dtype), bool(silu)) in _TUNED
 
 
 @dataclass(frozen=True)
@@ -113,12 +123,16 @@ def set_config(n: int, k: int, dtype, config: Config, *, silu: bool = False, dev
     _TUNED[(_device_name(device), n, k, _dtype_name(dtype), bool(silu))] = config
 
 
-def select_config(m: int, n: int, k: int, dtype, *, silu: bool = False, device=None) -> Config:
+def _load_table() -> None:
     global _TUNED_LOADED
     if not _TUNED_LOADED:
         _TUNED_LOADED = True
         if TUNED_TABLE.is_file():
             load_tuned(TUNED_TABLE)
+
+
+def select_config(m: int, n: int, k: int, dtype, *, silu: bool = False, device=None) -> Config:
+    _load_table()
     c = _TUNED.get((_device_name(device), n, k, _dtype_name(dtype), bool(silu)))
     if c is not None:
         return c

@@ -6,8 +6,8 @@ model layer and keeps no weights of its own (beyond a cache of dequantized weigh
 path). Dequantization in the kernels is exact in fp32 and rounds once to the activation dtype, so it
 equals `dequantize(...).to(dtype)`.
 
-Kernels (see `_w4a16_triton.py`): a reduction-form GEMV for batch 1 (and, with `VLMCTL_GEMV=triton`,
-off by default, its half2 variant for fp16 activations: "gemv_h2"), a tensor-core kernel for
+Kernels (see `_w4a16_triton.py`): a reduction-form GEMV for batch 1 (and its half2 variant for fp16
+activations, "gemv_h2", where the tuned table has it: `gemv_mode()`), a tensor-core kernel for
 batches up to 64 and for mid-size prefill, and dequantize-to-scratch + cuBLAS for large prefill,
 with split-K reduced in-kernel (deterministic, no memset). Which runs is `select_config(M, N, K, G,
 dtype)`: a measured table (`w4a16_tuned.json` beside this file, per GPU name, written by
@@ -40,7 +40,7 @@ _WS: dict = {}  # device -> {"ws": fp32 split-K partials, "cnt": int32 tile coun
 _RETIRED: list = []
 _DEQ_CACHE: dict = {}  # id(q4weight) -> {(dtype, device): W}, dropped when q4weight is freed
 _TUNED: dict = {}  # (device name, bucket, N, K, G, dtype name) -> Config
-_TUNED_H2: dict = {}  # the same for the half2 GEMV ("variant": "h2" in the table), used when half2_enabled()
+_TUNED_H2: dict = {}  # the same for the half2 GEMV ("variant": "h2" in the table), per gemv_mode()
 _TUNED_LOADED = False
 _SM_COUNT: dict = {}
 
@@ -86,6 +86,7 @@ class Config:
     num_warps: int = 4
     num_stages: int = 2
     run_words: int = 0  # gemv_h2 only (1 or 2)
+    k_major: bool = False  # GEMVs with split_k > 1: launch the K slices of a row tile side by side
 
     def valid_for(self, n: int, k: int, group_size: int) -> bool:
         if self.kernel == "dequant_mm":
@@ -178,16 +179,25 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = 132) ->
     return c if c.valid_for(n, k, group_size) else Config("dequant_mm")
 
 
-def half2_enabled() -> bool:
-    """`VLMCTL_GEMV=triton` (off by default): fp16 batch-1 linears take the half2 GEMV ("gemv_h2")."""
-    return os.environ.get("VLMCTL_GEMV", "") == "triton"
+GEMV_MODES = ("auto", "triton", "cublas")
+
+
+def gemv_mode() -> str:
+    """`VLMCTL_GEMV`, the switch of the batch-1 Triton GEMVs (the fp16 dense GEMV in `kernels.gemv` and
+    the half2 W4A16 GEMV "gemv_h2"): "auto" (default) runs them for the shapes this GPU's tuned tables
+    hold, where they were measured faster (on an H200: docs/benchmarks.md); "triton" everywhere, with
+    heuristic configs where the tables have no entry; "cublas" never (cuBLAS and the fp32-unpack GEMV)."""
+    mode = os.environ.get("VLMCTL_GEMV", "auto").strip().lower() or "auto"
+    if mode not in GEMV_MODES:
+        raise ValueError(f"VLMCTL_GEMV={mode!r}: expected one of {', '.join(GEMV_MODES)}")
+    return mode
 
 
 # (block_n, block_k, num_warps, run_words): fewest SASS instructions per weight on sm_90 (compiled
 # without a GPU, main loop): 64x128/1 warp/runs of 2 words 2.96, 32x256/2 warps 3.05, 128x128/4 3.12;
 # the fp32 GEMV's best is 4.28 (128x64, 1 warp). Not yet timed.
 _H2_SHAPES = ((64, 128, 1, 2), (32, 256, 2, 2), (128, 64, 1, 2), (64, 128, 2, 2), (128, 128, 4, 2),
-              (64, 128, 1, 1))
+              (64, 128, 1, 1), (16, 256, 1, 2), (8, 256, 1, 2), (16, 128, 1, 2))
 
 
 def heuristic_h2_config(m: int, n: int, k: int, group_size: int, sms: int = 132) -> Config | None:
@@ -210,9 +220,11 @@ def h2_candidate_configs(m: int, n: int, k: int, group_size: int, sms: int = 132
             if not c.valid_for(n, k, group_size):
                 continue
             base = _split_for(-(-n // bn) * bucket(m), k // bk, sms, 8 / warps)
-            for split in sorted({max(1, base // 2), base, min(64, base * 2)}):
+            for split in sorted({1, max(1, base // 2), base, min(64, base * 2)}):
                 if split <= max(1, k // bk):
                     out.append(Config("gemv_h2", bn, bk, 1, split, warps, prefetch, run))
+                    if split > 1:
+                        out.append(Config("gemv_h2", bn, bk, 1, split, warps, prefetch, run, k_major=True))
     return list(dict.fromkeys(out))
 
 
@@ -233,6 +245,8 @@ def candidate_configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -
         for split in sorted(splits):
             if split <= max(1, k // bk):
                 out.append(Config(kind, bn, bk, bm, split, warps, stages))
+                if split > 1 and b <= 64:
+                    out.append(Config(kind, bn, bk, bm, split, warps, stages, k_major=True))
 
     if b <= 4:
         for bn, bk, warps in _GEMV_SHAPES if b == 1 else _GEMV_SHAPES[:3]:
@@ -285,8 +299,8 @@ def load_tuned(path) -> int:
 
 
 def save_tuned(path) -> None:
-    """Write every pinned config; the half2 GEMV's entries carry "variant": "h2" (read only when
-    half2_enabled(), so a table holding them does not change the default)."""
+    """Write every pinned config; the half2 GEMV's entries carry "variant": "h2" (used at batch 1 in
+    fp16 unless VLMCTL_GEMV=cublas: `gemv_mode`)."""
     entries = [{"device": d, "bucket": b, "n": n, "k": k, "group_size": g, "dtype": t, "config": asdict(c)}
                for (d, b, n, k, g, t), c in sorted(_TUNED.items())]
     entries += [{"device": d, "bucket": b, "n": n, "k": k, "group_size": g, "dtype": t, "variant": "h2",
@@ -304,11 +318,11 @@ def set_config(m: int, n: int, k: int, group_size: int, dtype, config: Config, d
 
 def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None) -> Config:
     _load_tuned_table()
-    if bucket(m) == 1 and half2_enabled() and _dtype_name(dtype) == "float16":
+    if bucket(m) == 1 and _dtype_name(dtype) == "float16" and (mode := gemv_mode()) != "cublas":
         c = _TUNED_H2.get((_device_name(device), 1, n, k, group_size, "float16"))
-        if c is None or not c.valid_for(n, k, group_size):
+        if (c is None or not c.valid_for(n, k, group_size)) and mode == "triton":
             c = heuristic_h2_config(m, n, k, group_size, _sm_count(device))
-        if c is not None:
+        if c is not None and c.valid_for(n, k, group_size):
             return c
     c = _TUNED.get((_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype)))
     if c is not None and c.valid_for(n, k, group_size):
@@ -406,6 +420,9 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
         common.update(ASM=not _interpreting(), num_stages=config.num_stages)
     else:  # the GEMV's stages are its own register prefetch (Triton does not pipeline non-dot loads)
         common.update(PREFETCH=config.num_stages >= 2, num_stages=1)
+    if config.k_major and split > 1 and grid_n <= 65535:  # grid dimension 2 holds at most 65535
+        grid = (split, grid_m, grid_n)
+        common["KMAJOR"] = True
     args = (x2, qw, s, z, b, y, ws, cnt, m, n, k, x2.stride(0), split, MAGIC, MAGIC16)
     if config.kernel == "gemv":
         kern._gemv_kernel[grid](*args, **common)
@@ -522,12 +539,13 @@ def describe(config: Config) -> str:
         return "dequant_mm"
     bm = f" bm{config.block_m}" if config.kernel == "dot" else ""
     run = f" r{config.run_words}" if config.kernel == "gemv_h2" else ""
+    km = " kmajor" if config.k_major else ""
     return (f"{config.kernel} bn{config.block_n} bk{config.block_k}{bm} sk{config.split_k} "
-            f"w{config.num_warps} s{config.num_stages}{run}")
+            f"w{config.num_warps} s{config.num_stages}{run}{km}")
 
 
 __all__ = ["FORMAT", "KEYS", "ORDER", "PACK", "PREFILL_DEQUANT_MIN_M", "Config", "bucket", "candidate_configs",
-           "check_packed", "dequantize", "dequantize_into", "describe", "h2_candidate_configs", "half2_enabled",
+           "check_packed", "dequantize", "dequantize_into", "describe", "gemv_mode", "h2_candidate_configs",
            "heuristic_config", "heuristic_h2_config", "launch", "load_tuned",
            "pack", "repack_awq_gemm", "repack_gemm_tensors", "save_tuned", "select_config", "set_config",
            "triton_available", "tune", "unpack", "w4a16_linear", "warmup", "weight_bytes"]
