@@ -149,34 +149,55 @@ def sync():
 
 
 class StepLog:
-    """Wraps `eng.step` while active: each step's wall time, prefill tokens and decode rows, plus the
-    CUDA caching allocator's counters, to say where a slow bench run's extra time goes."""
+    """Wraps `eng.step` while active: each step's wall time, prefill tokens and running requests, the
+    time of its vision and forward phases (each synchronized, so the GPU time lands in the phase that
+    queued it; this costs a little throughput), plus the CUDA caching allocator's counters, to say
+    where a slow bench run's extra time goes."""
 
     def __init__(self, eng):
         self.eng, self.rows, self._orig = eng, [], None
 
     def __enter__(self):
-        eng, orig = self.eng, self.eng.step
-        self._orig = orig
+        eng = self.eng
+        self._orig = {name: getattr(eng, name) for name in ("step", "_prepare_images", "_run")}
         self._mem0 = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+        phase = {}
+
+        def timed_phase(name):
+            fn = self._orig[name]
+
+            def run(*a):
+                sync()  # attribute the GPU time to the phase that queued it
+                t = time.perf_counter()
+                out = fn(*a)
+                sync()
+                phase[name] = phase.get(name, 0.0) + time.perf_counter() - t
+                return out
+            return run
 
         def timed():
             sched = eng.scheduler
             before = {id(r): r.num_computed for r in sched.running} if sched is not None else {}
+            phase.clear()
             t = time.perf_counter()
-            out = orig()
+            out = self._orig["step"]()
             dt = time.perf_counter() - t
             if sched is not None:
                 prefill = sum(r.num_computed - before.get(id(r), 0) for r in sched.running
                               if r.num_computed <= r.prompt_len)
-                self.rows.append((dt, prefill, len(sched.running)))
+                self.rows.append((dt, prefill, len(sched.running), phase.get("_prepare_images", 0.0),
+                                  phase.get("_run", 0.0)))
             return out
 
         eng.step = timed
+        eng._prepare_images = timed_phase("_prepare_images")
+        eng._run = timed_phase("_run")
         return self
 
     def __exit__(self, *exc):
-        self.eng.step = self._orig
+        for name, fn in self._orig.items():
+            setattr(self.eng, name, fn)
+        self.eng = None  # the engine must be freeable once the caller drops it
 
     def summary(self) -> dict:
         if not self.rows:
@@ -190,7 +211,10 @@ class StepLog:
         top = sorted(self.rows, reverse=True)[:8]
         return {"steps": len(self.rows), "total_s": float(dts.sum()), "median_ms": 1000 * med,
                 "slow_steps": len(slow), "slow_total_s": float(sum(r[0] for r in slow)),
-                "top_ms_prefill_running": [(round(1000 * a, 1), b, c) for a, b, c in top], "allocator": delta}
+                "slow_vision_s": float(sum(r[3] for r in slow)), "slow_forward_s": float(sum(r[4] for r in slow)),
+                "top_ms_prefill_running_vision_forward": [(round(1000 * a, 1), b, c, round(1000 * v, 1),
+                                                           round(1000 * f, 1)) for a, b, c, v, f in top],
+                "allocator": delta}
 
 
 def load_engine(path: Path, **opts):
