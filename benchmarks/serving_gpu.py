@@ -383,8 +383,9 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="after the bench, run it twice more with other requests: plain (does the first run of a "
                          "process pay one-off costs?) and under cProfile (where the engine thread's time goes)")
-    ap.add_argument("--vision-overlap", action="store_true",
-                    help="load the fp16 engine with vision_overlap (images of waiting requests encoded ahead)")
+    ap.add_argument("--vision-overlap", choices=("auto", "on", "off"), default="auto",
+                    help="the fp16 engine's vision_overlap (images of waiting requests encoded ahead; auto: the "
+                         "engine's default, on with a GPU)")
     ap.add_argument("--out")
     args = ap.parse_args()
     shape = SMOKE if args.smoke else SEVEN_B
@@ -399,7 +400,8 @@ def main():
     size = (shape["image"], shape["image"])
     req = dict(image_size=size, prompt_len=9, output_len=128, warmup=2)
     n = 16 if args.smoke else args.num_requests
-    eng, load_s, _ = load_engine(engine_dir, vision_overlap=args.vision_overlap)
+    overlap = {"auto": None, "on": True, "off": False}[args.vision_overlap]
+    eng, load_s, _ = load_engine(engine_dir, vision_overlap=overlap)
     res["engine"] = {"load_s": load_s, "weights_gib": weight_gib(eng), "vision": eng.vision_summary,
                      "limits": eng.limits.to_json()}
     if dev == "cuda":

@@ -70,8 +70,9 @@ def serve_command(
     vision_backend: str = typer.Option("auto", "--vision-backend", help="auto, tensorrt, onnxruntime-gpu, "
                                        "onnxruntime or torch"),
     vision_batch_size: int = typer.Option(32, "--vision-batch-size", min=1, help="Images per vision call"),
-    vision_overlap: bool = typer.Option(False, "--vision-overlap/--no-vision-overlap",
-                                        help="Encode waiting requests' images on a worker thread while steps run"),
+    vision_overlap: bool | None = typer.Option(None, "--vision-overlap/--no-vision-overlap",
+                                               help="Encode waiting requests' images on a worker thread while "
+                                               "steps run [default: on with a GPU]", show_default=False),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps (and the vision "
                                      "calls of families that allow it) as CUDA graphs"),
     log_level: str = typer.Option("info", "--log-level", help=f"Log level of the server ({', '.join(LOG_LEVELS)}); "

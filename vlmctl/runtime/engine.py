@@ -84,9 +84,9 @@ class EngineOptions:
     cuda_graphs: bool = True
     vision_backend: str = "auto"
     vision_batch_size: int = 32  # images per vision call
-    # encode waiting requests' images on a worker thread while steps run. Off by default: on an H200
-    # with LLaVA-1.5-7B shapes it lowered throughput once the tower ran as CUDA graphs (docs/benchmarks.md)
-    vision_overlap: bool = False
+    # encode the images of requests left waiting on a worker thread while steps run (None: on CUDA
+    # hosts only; on a CPU the vision runtime and the decoder would share the same cores)
+    vision_overlap: bool | None = None
     feature_cache_size: int = 256  # images whose features are kept
     max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES
     image_limits: ImageLimits | None = None  # width, height and aspect-ratio caps before preprocessing
@@ -251,7 +251,7 @@ class Engine:
         if cross_blocks:
             self.decoder.allocate_cross_cache(cross_blocks, cross_rows)
             self.cross_pool = BlockPool(cross_blocks, opts.block_size, enable_prefix_caching=False)
-        overlap = bool(opts.vision_overlap)
+        overlap = opts.vision_overlap if opts.vision_overlap is not None else self.device.type == "cuda"
         self._vision_ahead = 2 * self.vision.max_batch if overlap else 0  # images encoded ahead of admission
         self.scheduler = Scheduler(self.pool, max_num_seqs=lim["max_batch_size"], max_num_batched_tokens=budget,
                                    keep_images_whole=whole_images, cross_pool=self.cross_pool)
