@@ -70,6 +70,7 @@ class TorchVisionRunner:
         self.graphs_enabled = bool(graphs and self.device.type == "cuda" and family.graph_vision)
         self._graphs: dict[tuple, tuple] = {}  # (bucket, input shapes) -> (graph, static inputs, static output)
         self._pool = None
+        self._last_use = None  # CUDA event after the last replay's copy-out
         self.graph_replays = 0
         if self.graphs_enabled:
             # capture every bucket now for the images the processor makes (the tower's configured size),
@@ -97,12 +98,20 @@ class TorchVisionRunner:
         key = (bucket,) + tuple((tuple(a.shape[1:]), a.dtype) for a in args)
         entry = self._graphs.get(key) or self._capture(key, args, bucket)
         graph, static_in, static_out = entry
+        stream = torch.cuda.current_stream(self.device)
+        if self._last_use is not None:
+            # the previous call may have run on another stream (the vision worker's or the engine's):
+            # its replay and copy-out must be done before this one overwrites the static buffers
+            stream.wait_event(self._last_use)
         for s, a in zip(static_in, args):
             s[:b].copy_(a)
         graph.replay()
         self.graph_replays += 1
         # the static output is overwritten by the next replay: hand out a copy of the real rows
-        return static_out[:b].clone()
+        out = static_out[:b].clone()
+        self._last_use = torch.cuda.Event()
+        self._last_use.record(stream)
+        return out
 
     @torch.inference_mode()
     def capture_buckets(self, args: list[torch.Tensor]) -> None:
