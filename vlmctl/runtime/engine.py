@@ -640,8 +640,8 @@ class Engine:
         admit yet) for the vision worker, up to `_vision_ahead` images encoded or being encoded but not
         yet admitted: while they wait, the worker encodes them alongside the steps."""
         ahead = 0
-        for req in self.scheduler.waiting:
-            if ahead >= self._vision_ahead:
+        for looked, req in enumerate(self.scheduler.waiting):
+            if ahead >= self._vision_ahead or looked >= 4 * self._vision_ahead:  # a bounded look per step
                 break
             items = req.prompt.images
             if not items or all(it.features is not None for it in items):
