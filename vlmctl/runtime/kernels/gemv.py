@@ -14,9 +14,10 @@ workspace (the W4A16 kernels' buffers, `w4a16._buffer`). Which config runs is a 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from .w4a16 import _device_name, _dtype_name, _interpreting, _pow2  # shared with the W4A16 kernels
 
 MAX_M = 4  # rows per call; the kernel runs one program per row and re-reads W for each (from L2)
 TUNED_TABLE = Path(__file__).with_name("gemv_tuned.json")
@@ -55,10 +56,6 @@ class Config:
             and self.num_warps in (1, 2, 4, 8)
 
 
-def _pow2(v: int) -> bool:
-    return v > 0 and v & (v - 1) == 0
-
-
 def _split_for(tiles: int, k_iters: int, sms: int, per_sm: float) -> int:
     """Smallest power-of-two split-K giving about per_sm * sms programs, keeping >= 2 K blocks each."""
     split = 1
@@ -92,16 +89,6 @@ def candidate_configs(m: int, n: int, k: int, sms: int = 132) -> list[Config]:
                 for prefetch in (True, False):
                     out.append(Config(bn, bk, split, warps, prefetch))
     return list(dict.fromkeys(out))
-
-
-def _device_name(device) -> str:
-    from .w4a16 import _device_name as name
-
-    return name(device)
-
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def load_tuned(path) -> int:
@@ -153,10 +140,6 @@ def reference(x2, weight, bias=None, *, silu: bool = False):
         g, u = x2.chunk(2, -1)
         x2 = F.silu(g) * u
     return F.linear(x2, weight, bias)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def launch(x2, weight, config: Config, bias=None, *, silu: bool = False, out=None):
