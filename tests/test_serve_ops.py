@@ -201,3 +201,25 @@ def test_the_built_image_cap_stays_for_tensorrt_backends():
         _max_images(2, 1, "trtllm", "onnxruntime", 1024)
     with pytest.raises(LimitError, match="TensorRT vision engine"):
         _max_images(2, 1, "torch", "tensorrt", 1024)
+
+
+def test_log_lines_follow_stderr_when_it_is_swapped(monkeypatch):
+    """The default handler writes to the stderr of the moment: swapping it (a redirect, a test harness)
+    leaves no handler writing to a closed stream, and no line is lost."""
+    import io
+
+    from vlmctl.serve.logs import configure_logging
+
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    handler = configure_logging("info", "text")
+    try:
+        logging.getLogger("vlmctl.serve").info("one")
+        first.close()
+        second = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", second)
+        logging.getLogger("vlmctl.serve").info("two")
+        assert second.getvalue().rstrip().endswith("two")
+    finally:
+        for name in ("vlmctl", "vlmctl.serve", "uvicorn", "uvicorn.error", "py.warnings", "transformers"):
+            logging.getLogger(name).removeHandler(handler)

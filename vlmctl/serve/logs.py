@@ -41,13 +41,30 @@ class JsonFormatter(logging.Formatter):
 _handler: logging.Handler | None = None
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record is emitted, not the object it was at
+    configuration time: a harness or a caller that swaps stderr (pytest's capture, a redirect) would
+    otherwise leave the handler writing to a closed stream, and the lines would be lost."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):  # StreamHandler.__init__ and setStream assign it; stderr is read at emit
+        pass
+
+
 def configure_logging(level: str = "info", fmt: str = "text", stream=None) -> logging.Handler:
     """Route vlmctl's and uvicorn's loggers to one stderr handler in `fmt`; idempotent (a second
     call replaces the first one's handler)."""
     global _handler
     if fmt not in FORMATS:
         raise ValueError(f"log format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     lvl = LEVELS[level.lower()]
     names = LOGGERS + (("uvicorn.access",) if lvl <= logging.DEBUG else ())
