@@ -189,26 +189,7 @@ def step_graphs(torch, ops, GV, W, make_weights, shapes, g, layers, log):
     x_o = torch.randn(1, shapes["o"][1], device=dev, dtype=dt)
     rows = []
 
-    def run_graph(fns):
-        for f in fns:  # compile, allocate, warm
-            f()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for f in fns:
-                f()
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(10):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        del graph
-        return sorted(times)[len(times) // 2]
+    from w4a16_gpu import graph_median_ms as run_graph
 
     def add(path, ms, nbytes):
         rows.append({"path": path, "layers": layers, "ms": ms, "tbps": nbytes / ms / 1e9})

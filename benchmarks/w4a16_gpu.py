@@ -324,6 +324,32 @@ def main(argv=None):
     return out
 
 
+def graph_median_ms(fns, replays: int = 10) -> float:
+    """Capture the calls `fns` (warmed first: compiled, allocated) as one CUDA graph; the median ms of
+    `replays` replays, timed with CUDA events."""
+    import torch
+
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
 def step_graphs(W, torch, shapes, g, layers, dtypes, int4_order, clock, notes):
     """Time one decode step's linears (layers x 4, distinct weights) as one CUDA graph per (path, M)."""
     rows = []
@@ -334,26 +360,7 @@ def step_graphs(W, torch, shapes, g, layers, dtypes, int4_order, clock, notes):
 
     def run_graph(fn_for, m, dtype):
         xs = {s: torch.randn(m, shapes[s][1], device=dev, dtype=dtype) for s in order}
-        fns = [fn_for(i, s, xs[s]) for i in range(layers) for s in order]
-        for f in fns:  # compile, allocate, and warm
-            f()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for f in fns:
-                f()
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(10):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        del graph
-        return sorted(times)[len(times) // 2]
+        return graph_median_ms([fn_for(i, s, xs[s]) for i in range(layers) for s in order])
 
     for dtype in dtypes:
         dn = W._dtype_name(dtype)
