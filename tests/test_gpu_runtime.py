@@ -136,3 +136,46 @@ def test_images_encoded_ahead_on_the_gpu(fp16_engine):
     assert same >= 0.9 * sum(len(y) for y in sync), (ahead, sync)
     assert all(x[:4] == y[:4] for x, y in zip(ahead, sync))
     assert eng_a.pool.num_used() == 0
+
+
+def test_graphed_vision_called_from_two_streams(fp16_engine):
+    """The vision worker encodes on its own stream while the engine thread encodes on the default one:
+    the graphs' static buffers are shared, so each replay must wait for the previous one (a CUDA
+    event); every image's rows must equal those of a call made alone."""
+    import threading
+
+    from vlmctl.runtime.engine import Engine
+    from vlmctl.runtime.vision import FeatureCache
+
+    eng = Engine(fp16_engine, device="cuda", kv_cache_tokens=1024)
+    enc = eng.vision
+    assert enc.runner.graphs_enabled
+    enc.cache = FeatureCache(0)  # no cache hits: every call below runs the tower
+
+    def items(offset):
+        return [eng.encode([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}],
+                           [make_image(offset + i)]).images[0] for i in range(8)]
+
+    alone = items(0)
+    for it in alone:
+        enc.encode([it])
+    torch.cuda.synchronize()
+    on_worker, on_main = items(0)[0::2], items(0)[1::2]
+    side = torch.cuda.Stream()
+
+    def worker():
+        with torch.cuda.stream(side):
+            for it in on_worker:
+                enc.encode([it])
+            side.synchronize()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    for it in on_main:
+        enc.encode([it])
+    t.join()
+    torch.cuda.synchronize()
+    both = [None] * 8
+    both[0::2], both[1::2] = on_worker, on_main
+    for a, b in zip(alone, both):
+        assert torch.equal(a.features, b.features)
