@@ -21,6 +21,7 @@ of 9 random words is ~60 tokens). Measured, all in one process:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import sys
@@ -148,14 +149,35 @@ def sync():
         torch.cuda.synchronize()
 
 
+def kernel_profile(prof, wall_s: float, prefill_tokens: int, top: int = 10) -> dict:
+    """One profiled forward: wall time against the sum of its GPU kernels (is it the GPU or the host
+    that is slow?), its costliest kernels and host ops."""
+    from torch.autograd import DeviceType
+
+    dev, cpu = [], []
+    for e in prof.key_averages():
+        if e.device_type == DeviceType.CUDA:
+            dev.append((e.key, getattr(e, "self_device_time_total", 0), e.count))
+        elif e.self_cpu_time_total:
+            cpu.append((e.key, e.self_cpu_time_total, e.count))
+    dev.sort(key=lambda r: -r[1])
+    cpu.sort(key=lambda r: -r[1])
+    return {"wall_ms": round(1000 * wall_s, 2), "prefill_tokens": prefill_tokens,
+            "kernels_ms": round(sum(r[1] for r in dev) / 1000, 2), "kernel_count": sum(r[2] for r in dev),
+            "top_kernels_us_count": [(k[:90], round(t), c) for k, t, c in dev[:top]],
+            "top_host_ops_us_count": [(k[:60], round(t), c) for k, t, c in cpu[:top]]}
+
+
 class StepLog:
     """Wraps `eng.step` while active: each step's wall time, prefill tokens and running requests, the
     time of its vision and forward phases (each synchronized, so the GPU time lands in the phase that
     queued it; this costs a little throughput), plus the CUDA caching allocator's counters, to say
     where a slow bench run's extra time goes."""
 
-    def __init__(self, eng):
+    def __init__(self, eng, profile_prefills: int = 0, profile_min_tokens: int = 1500):
         self.eng, self.rows, self._orig = eng, [], None
+        self.profile_prefills, self.profile_min_tokens, self.profiles = profile_prefills, profile_min_tokens, []
+        self._gc = {"collections": 0, "s": 0.0}
 
     def __enter__(self):
         eng = self.eng
@@ -168,12 +190,32 @@ class StepLog:
 
             def run(*a):
                 sync()  # attribute the GPU time to the phase that queued it
+                prof = None
+                if (name == "_run" and len(self.profiles) < self.profile_prefills
+                        and sum(s.n for s in a[0] if s.n > 1) >= self.profile_min_tokens):
+                    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                              torch.profiler.ProfilerActivity.CUDA])
+                    prof.__enter__()
                 t = time.perf_counter()
                 out = fn(*a)
                 sync()
-                phase[name] = phase.get(name, 0.0) + time.perf_counter() - t
+                dt = time.perf_counter() - t
+                phase[name] = phase.get(name, 0.0) + dt
+                if prof is not None:
+                    prof.__exit__(None, None, None)
+                    self.profiles.append(kernel_profile(prof, dt, sum(s.n for s in a[0] if s.n > 1)))
                 return out
             return run
+
+        def on_gc(stage, info):  # is a slow step a cyclic-GC pause?
+            if stage == "start":
+                self._gc["t"] = time.perf_counter()
+            elif "t" in self._gc:
+                self._gc["collections"] += 1
+                self._gc["s"] += time.perf_counter() - self._gc.pop("t")
+
+        self._on_gc = on_gc
+        gc.callbacks.append(on_gc)
 
         def timed():
             sched = eng.scheduler
@@ -195,6 +237,7 @@ class StepLog:
         return self
 
     def __exit__(self, *exc):
+        gc.callbacks.remove(self._on_gc)
         for name, fn in self._orig.items():
             setattr(self.eng, name, fn)
         self.eng = None  # the engine must be freeable once the caller drops it
@@ -214,7 +257,8 @@ class StepLog:
                 "slow_vision_s": float(sum(r[3] for r in slow)), "slow_forward_s": float(sum(r[4] for r in slow)),
                 "top_ms_prefill_running_vision_forward": [(round(1000 * a, 1), b, c, round(1000 * v, 1),
                                                            round(1000 * f, 1)) for a, b, c, v, f in top],
-                "allocator": delta}
+                "allocator": delta, "gc": {"collections": self._gc["collections"], "s": round(self._gc["s"], 4)},
+                "profiled_prefill_forwards": self.profiles}
 
 
 def load_engine(path: Path, **opts):
@@ -342,7 +386,7 @@ def hf_peer(ckpt: Path, cfg_kwargs: dict, batch: int, out_tokens: int) -> dict:
     return {"ttft_ms": 1000 * ttft, "batch": batch, "output_tok_s": batch * out_tokens / wall, "wall_s": wall}
 
 
-def profile_bench(eng, cfg) -> dict:
+def profile_bench(eng, cfg, profile_prefills: int = 0, profile_min_tokens: int = 1500) -> dict:
     """The bench again with other requests (other seeds: the same ones would come from the prefix
     cache), plain and then under cProfile; prints the engine thread's costliest calls."""
     import cProfile
@@ -353,7 +397,7 @@ def profile_bench(eng, cfg) -> dict:
     from vlmctl.measure.bench import bench_engine
 
     out = {}
-    with StepLog(eng) as steps:
+    with StepLog(eng, profile_prefills, profile_min_tokens) as steps:
         r = bench_engine(eng, dataclasses.replace(cfg, run=cfg.run + 100))
     out["again_tok_s"] = r["output_throughput"]
     out["again_steps"] = steps.summary()
@@ -386,6 +430,9 @@ def main():
     ap.add_argument("--vision-overlap", choices=("auto", "on", "off"), default="auto",
                     help="the fp16 engine's vision_overlap (images of waiting requests encoded ahead; auto: the "
                          "engine's default, on with a GPU)")
+    ap.add_argument("--kernel-profile", type=int, default=0, metavar="K",
+                    help="profile (torch.profiler, CPU + CUDA) the first K forwards of >= 1,500 prompt tokens in "
+                         "the bench and in its plain repeat: kernel time against wall time, top kernels and host ops")
     ap.add_argument("--out")
     args = ap.parse_args()
     shape = SMOKE if args.smoke else SEVEN_B
@@ -400,6 +447,7 @@ def main():
     size = (shape["image"], shape["image"])
     req = dict(image_size=size, prompt_len=9, output_len=128, warmup=2)
     n = 16 if args.smoke else args.num_requests
+    min_tokens = 8 if args.smoke else 1500  # a profiled forward's prompt tokens, at least
     overlap = {"auto": None, "on": True, "off": False}[args.vision_overlap]
     eng, load_s, _ = load_engine(engine_dir, vision_overlap=overlap)
     res["engine"] = {"load_s": load_s, "weights_gib": weight_gib(eng), "vision": eng.vision_summary,
@@ -413,7 +461,7 @@ def main():
         res["ttft_single"] = ttft_single(eng, {"image_size": size, "prompt_len": 9})
         log("ttft single:", json.dumps(res["ttft_single"]))
     if "bench" not in args.skip:
-        with StepLog(eng) as steps:
+        with StepLog(eng, args.kernel_profile, min_tokens) as steps:
             r = bench_engine(eng, BenchConfig(num_requests=n, concurrency=64, run=1, **req))
         res["bench_n256_c64"] = r
         res["bench_steps"] = steps.summary()
@@ -422,7 +470,8 @@ def main():
             f"p99 {r['ttft_ms']['p99']:.0f} ms, TPOT p50 {r['tpot_ms']['median']:.1f} p99 {r['tpot_ms']['p99']:.1f} ms, "
             f"prompt {r['mean_prompt_tokens']} tokens, failed {r['failed']}")
     if args.profile:
-        res["bench_repeats"] = profile_bench(eng, BenchConfig(num_requests=n, concurrency=64, run=1, **req))
+        res["bench_repeats"] = profile_bench(eng, BenchConfig(num_requests=n, concurrency=64, run=1, **req),
+                                             args.kernel_profile, min_tokens)
     if "burst" not in args.skip:
         r = bench_engine(eng, BenchConfig(num_requests=64, concurrency=64, run=2, **req))
         res["burst_64"] = r
