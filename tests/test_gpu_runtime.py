@@ -179,3 +179,20 @@ def test_graphed_vision_called_from_two_streams(fp16_engine):
     both[0::2], both[1::2] = on_worker, on_main
     for a, b in zip(alone, both):
         assert torch.equal(a.features, b.features)
+
+
+def test_prompt_attention_does_not_use_cudnn_sdpa(fp16_engine):
+    """cuDNN's SDPA builds an execution plan per new (query, key) length pair, ~1 ms of host time each,
+    which made a process's first prefills ~3x slower than later ones (docs/benchmarks.md); prompt
+    attention must run on the flash (or memory-efficient) backend instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vlmctl.runtime.engine import Engine
+    from vlmctl.runtime.sampling import SamplingParams
+
+    eng = Engine(fp16_engine, device="cuda", kv_cache_tokens=1024)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        eng.generate(prompts(eng, 3), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    names = {e.key for e in prof.key_averages()}
+    assert not [n for n in names if "cudnn_attention" in n], sorted(names)
+    assert [n for n in names if "flash_attention" in n or "efficient_attention" in n], sorted(names)

@@ -578,7 +578,8 @@ class TorchDecoder:
             return out
 
         x = self._embed(ids_t, fr, tr, table)
-        residual, h_out = self._layers(x, attend, self._cross_batch(cs, T))
+        with ops.attention_backends(dev):
+            residual, h_out = self._layers(x, attend, self._cross_batch(cs, T))
         # the last row of each chunk that wants logits, in the caller's chunk order
         ends, row = {}, 0
         for i, c in zip(order, cs):
@@ -876,5 +877,6 @@ class TorchDecoder:
             return out
 
         x = self._embed(ids, fr, tr, table.to(dev) if table is not None else None)
-        residual, h_out = self._layers(x, attend)
+        with ops.attention_backends(x.device):
+            residual, h_out = self._layers(x, attend)
         return self._final(residual, h_out, None).view(B, T, -1)

@@ -18,6 +18,7 @@ Set `VLMCTL_KERNELS=torch` to force the references on a GPU (debugging, A/B meas
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -202,6 +203,21 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
     rope_and_cache(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cache, v_cache, slots)
     q = qkv[:, :n_q * head_dim].view(qkv.shape[0], n_q, head_dim)
     return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, None, workspace, window)
+
+
+def attention_backends(device: torch.device):
+    """The SDPA backends for a forward's prompt and cross attention: on CUDA, flash, then memory-
+    efficient, then math, leaving out cuDNN's. cuDNN's SDPA builds an execution plan for each new
+    (query length, key length) pair, ~1 ms of host time apiece, and a serving engine meets new lengths
+    in nearly every prefill: on an H200, a ~2,000-token prefill forward spent 90-760 ms of host time in
+    `aten::_cudnn_attention_forward` the first time its lengths were seen and 3 ms after, for the same
+    ~48 ms of GPU kernels (benchmarks/serving_gpu.py --kernel-profile; docs/benchmarks.md). Set
+    process-wide for the duration of the `with` (torch keeps these flags globally), then restored."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def prefill_mask(n: int, L: int, window: int | None = None, blocks: torch.Tensor | None = None,

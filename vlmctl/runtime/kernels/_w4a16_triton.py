@@ -384,7 +384,10 @@ def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
                 M, N, K, stride_xm, SPLIT_K, MAGIC, MAGIC16,
                 G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, NGB: tl.constexpr,
                 WPG: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr,
-                KMAJOR: tl.constexpr = False):
+                KMAJOR: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+    """PREFETCH: load the next K block's words, scales and zero points into registers before the
+    current block's dequantize and dot (a decode batch's tile is small, and loads that feed the dot
+    only through the dequantize may not be pipelined by Triton)."""
     pid_n, pid_m, pid_k, n_tiles = _gemv_pids(KMAJOR)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -400,13 +403,26 @@ def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
     dtype = x_ptr.dtype.element_ty
     w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, it0, KW, KG, G, BK, NGB, WPG)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for it in range(it0, it1):
-        k0 = it * BK
-        words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G, EVEN_N)
-        w_ptrs += BK // 8
-        w = _dequant(words, s, z, MAGIC, MAGIC16, dtype, ASM)
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None], mask=m_mask[None, :], other=0.0)
-        acc = tl.dot(w, xt, acc)
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
+    if PREFETCH:
+        first = tl.minimum(it0, n_iter - 1)
+        w_ptrs += (first - it0) * (BK // 8)
+        words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, first * BK, G, EVEN_N)
+        for it in range(it0, it1):
+            nxt = tl.minimum(it + 1, it1 - 1)
+            w_ptrs += (nxt - it) * (BK // 8)
+            words_n, s_n, z_n = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, nxt * BK, G, EVEN_N)
+            xt = tl.load(x_ptrs + it * BK, mask=m_mask[None, :], other=0.0)
+            acc = tl.dot(_dequant(words, s, z, MAGIC, MAGIC16, dtype, ASM), xt, acc)
+            words, s, z = words_n, s_n, z_n
+    else:
+        for it in range(it0, it1):
+            k0 = it * BK
+            words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G, EVEN_N)
+            w_ptrs += BK // 8
+            w = _dequant(words, s, z, MAGIC, MAGIC16, dtype, ASM)
+            xt = tl.load(x_ptrs + k0, mask=m_mask[None, :], other=0.0)
+            acc = tl.dot(w, xt, acc)
     _finish(acc, offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
             pid_m * n_tiles + pid_n, pid_k, SPLIT_K, HAS_BIAS)
 
