@@ -26,6 +26,7 @@ import json
 import shutil
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -238,9 +239,9 @@ class StepLog:
 
     def __exit__(self, *exc):
         gc.callbacks.remove(self._on_gc)
-        for name, fn in self._orig.items():
-            setattr(self.eng, name, fn)
-        self.eng = None  # the engine must be freeable once the caller drops it
+        for name in self._orig:
+            delattr(self.eng, name)  # back to the class's methods (a bound method kept on the instance is a cycle)
+        self.eng, self._orig = None, None  # the engine must be freeable once the caller drops it
 
     def summary(self) -> dict:
         if not self.rows:
@@ -481,7 +482,11 @@ def main():
         res["running_plus_burst"] = running_plus_burst(eng, {"image_size": size, "prompt_len": 9})
         log("running + burst:", json.dumps(res["running_plus_burst"]))
     res["engine_stats"] = eng.stats()
+    eng_ref = weakref.ref(eng)
     del eng
+    gc.collect()  # anything cyclic still holding the engine's memory
+    if eng_ref() is not None:
+        log("warning: the fp16 engine is still referenced; its GPU memory is not free for the next parts")
     if dev == "cuda":
         torch.cuda.empty_cache()
     if args.awq and "awq" not in args.skip:
@@ -493,6 +498,9 @@ def main():
                       "bench_c1_tpot_ms": r1["tpot_ms"]["median"]}
         log("awq:", json.dumps(res["awq"]))
         del aeng
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
     if "hf" not in args.skip:
         res["transformers"] = {"b1": hf_peer(ckpt, {"image_size": size, "prompt_len": 9}, 1, 32),
                                "b64": hf_peer(ckpt, {"image_size": size, "prompt_len": 9}, 64 if not args.smoke else 4,
