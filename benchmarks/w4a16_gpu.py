@@ -133,8 +133,6 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--no-sweep", action="store_true", help="time the heuristic configs only")
     ap.add_argument("--no-step", action="store_true", help="skip the 32-layer CUDA-graph step")
-    ap.add_argument("--only-flag", choices=("prefetch", "weights_right"),
-                    help="sweep only the dot configs with this Config flag set, against each shape's current choice")
     ap.add_argument("--budget-s", type=float, default=230.0, help="skip optional parts past this many seconds")
     args = ap.parse_args(argv)
 
@@ -186,9 +184,6 @@ def main(argv=None):
                 n, k = shapes[s]
                 for m in ms:
                     cands = W.candidate_configs(m, n, k, g, W._sm_count(dev))
-                    if args.only_flag:  # the current choice stays in, so a slower newcomer is never pinned
-                        cands = [W.select_config(m, n, k, g, dtype, dev)] + [c for c in cands
-                                                                              if getattr(c, args.only_flag)]
                     if smoke:
                         cands = [c for c in cands if c.kernel != "dequant_mm"][:2] + \
                             [c for c in cands if c.kernel == "dequant_mm"]

@@ -5,8 +5,7 @@ Four kernels over the packed layout that `w4a16.py` documents:
   _gemv_h2_kernel  the same for fp16 x with half2 dequantization, fp16 products summed in short fp16
                    runs, the runs in fp32 (fewer instructions per weight than the fp32 unpack)
   _dot_kernel      tensor cores with the weight tile as the left operand ("swap AB"): acc[n, m] = W x^T,
-                   for decode batches (M padded to 16) and for prefill (a W4A16 GEMM); or, W_RIGHT,
-                   as the right operand: acc[m, n] = x W^T (M blocks of 64 and more)
+                   for decode batches (M padded to 16) and for prefill (a W4A16 GEMM)
   _dequant_kernel  packed -> dense [N, K] weight, for the dequantize + cuBLAS prefill path
 
 Within a word, k = 8j + 2t + e sits at bits 4t + 16e (t = 0..3, e = 0..1): the two 16-bit halves hold
@@ -380,28 +379,12 @@ def _gemv_h2_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_pt
             pid_m * n_tiles + pid_n, pid_k, SPLIT_K, HAS_BIAS)
 
 
-@triton.jit
-def _mma_block(acc, w, x_blk, m_mask, W_RIGHT: tl.constexpr):
-    """acc + one K block's product: W_RIGHT: x [BM, BK] @ w^T -> [BM, BN]; else w @ x^T -> [BN, BM]."""
-    if W_RIGHT:
-        return tl.dot(tl.load(x_blk, mask=m_mask[:, None], other=0.0), tl.trans(w), acc)
-    else:
-        return tl.dot(w, tl.load(x_blk, mask=m_mask[None, :], other=0.0), acc)
-
-
 @triton.jit(do_not_specialize=["M", "SPLIT_K", "MAGIC", "MAGIC16"])
 def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
                 M, N, K, stride_xm, SPLIT_K, MAGIC, MAGIC16,
                 G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, NGB: tl.constexpr,
                 WPG: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr,
-                KMAJOR: tl.constexpr = False, PREFETCH: tl.constexpr = False, W_RIGHT: tl.constexpr = False):
-    """PREFETCH: load the next K block's words, scales and zero points into registers before the
-    current block's dequantize and dot (a decode batch's tile is small, and loads that feed the dot
-    only through the dequantize may not be pipelined by Triton).
-    W_RIGHT: acc[m, n] = x W^T with the dequantized tile as the right operand. On sm_90 the swapped
-    form keeps the weights as wgmma's register operand, which Triton reaches through a shared-memory
-    round trip (store, barrier, ldmatrix) per K block; as the right operand the tile is stored once
-    and read by the tensor cores from shared memory. wgmma needs BM >= 64 for it."""
+                KMAJOR: tl.constexpr = False):
     pid_n, pid_m, pid_k, n_tiles = _gemv_pids(KMAJOR)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -416,30 +399,14 @@ def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
     offs_k = tl.arange(0, BK)
     dtype = x_ptr.dtype.element_ty
     w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, it0, KW, KG, G, BK, NGB, WPG)
-    if W_RIGHT:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    else:
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
-    if PREFETCH:
-        first = tl.minimum(it0, n_iter - 1)
-        w_ptrs += (first - it0) * (BK // 8)
-        words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, first * BK, G, EVEN_N)
-        for it in range(it0, it1):
-            nxt = tl.minimum(it + 1, it1 - 1)
-            w_ptrs += (nxt - it) * (BK // 8)
-            words_n, s_n, z_n = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, nxt * BK, G, EVEN_N)
-            acc = _mma_block(acc, _dequant(words, s, z, MAGIC, MAGIC16, dtype, ASM), x_ptrs + it * BK, m_mask, W_RIGHT)
-            words, s, z = words_n, s_n, z_n
-    else:
-        for it in range(it0, it1):
-            k0 = it * BK
-            words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G, EVEN_N)
-            w_ptrs += BK // 8
-            acc = _mma_block(acc, _dequant(words, s, z, MAGIC, MAGIC16, dtype, ASM), x_ptrs + k0, m_mask, W_RIGHT)
-    if W_RIGHT:
-        acc = tl.trans(acc)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for it in range(it0, it1):
+        k0 = it * BK
+        words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G, EVEN_N)
+        w_ptrs += BK // 8
+        w = _dequant(words, s, z, MAGIC, MAGIC16, dtype, ASM)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None], mask=m_mask[None, :], other=0.0)
+        acc = tl.dot(w, xt, acc)
     _finish(acc, offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
             pid_m * n_tiles + pid_n, pid_k, SPLIT_K, HAS_BIAS)
 

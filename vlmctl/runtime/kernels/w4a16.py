@@ -76,10 +76,7 @@ class Config:
     products, summed in fp16 before fp32), "dot" (tensor cores, block_m rows per program) or
     "dequant_mm" (dequantize to a scratch weight + cuBLAS).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
-    next K block into registers while computing the current one, 1 that it does not.
-    prefetch: "dot" only: that register prefetch of the next K block's packed words (decode batches).
-    weights_right: "dot" only: x W^T with the dequantized tile as the tensor cores' right operand
-    (no swap; for block_m >= 64, where sm_90's wgmma takes it from shared memory without a round trip)."""
+    next K block into registers while computing the current one, 1 that it does not."""
 
     kernel: str
     block_n: int = 0
@@ -90,8 +87,6 @@ class Config:
     num_stages: int = 2
     run_words: int = 0  # gemv_h2 only (1 or 2)
     k_major: bool = False  # GEMVs with split_k > 1: launch the K slices of a row tile side by side
-    prefetch: bool = False
-    weights_right: bool = False
 
     def valid_for(self, n: int, k: int, group_size: int) -> bool:
         if self.kernel == "dequant_mm":
@@ -104,8 +99,6 @@ class Config:
                 return False
         if self.kernel == "dot" and not (_pow2(self.block_m) and self.block_m >= 16 and self.block_n >= 16):
             return False  # tl.dot needs every dimension >= 16
-        if (self.prefetch or self.weights_right) and self.kernel != "dot":
-            return False
         return _block_k_ok(self.block_k, k, group_size) and (self.kernel == "gemv" or self.block_k >= 16)
 
 
@@ -164,10 +157,6 @@ _GEMV_SHAPES = ((128, 64, 1), (64, 64, 1), (64, 128, 1), (128, 128, 2), (64, 128
                 (32, 256, 2), (128, 256, 4))  # (block_n, block_k, num_warps)
 _DOT_SHAPES = ((64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 4, 3), (64, 256, 4, 2),
                (128, 64, 8, 3), (32, 128, 4, 3), (256, 64, 8, 3))  # (block_n, block_k, num_warps, stages)
-_DOT_PREFETCH_SHAPES = ((64, 128, 4, 1), (64, 256, 4, 1), (128, 128, 4, 1), (128, 128, 8, 1), (32, 256, 4, 1),
-                        (64, 128, 4, 2))  # (block_n, block_k, num_warps, stages) with the register prefetch
-_DOT_RIGHT_SHAPES = ((128, 128, 4, 2), (128, 128, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (256, 128, 8, 3),
-                     (128, 256, 4, 2))  # (block_n, block_k, num_warps, stages), weights as the right operand
 _GEMM_SHAPES = ((128, 64, 64, 4, 3), (128, 64, 128, 8, 3), (128, 128, 64, 8, 3), (64, 64, 128, 4, 4),
                 (128, 64, 128, 8, 4), (256, 64, 128, 8, 3))  # (block_n, block_k, block_m, num_warps, stages)
 
@@ -245,7 +234,7 @@ def candidate_configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -
     b = bucket(m)
     out: list[Config] = []
 
-    def add(kind, bn, bk, bm, warps, stages, per_sm, prefetch=False, right=False):
+    def add(kind, bn, bk, bm, warps, stages, per_sm):
         if not _block_k_ok(bk, k, group_size):
             return
         tiles = -(-n // bn) * (-(-m // bm) if kind == "dot" else m)
@@ -255,10 +244,9 @@ def candidate_configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -
             splits = {base} | ({2 * base} if tiles * base < sms else set())
         for split in sorted(splits):
             if split <= max(1, k // bk):
-                out.append(Config(kind, bn, bk, bm, split, warps, stages, prefetch=prefetch, weights_right=right))
+                out.append(Config(kind, bn, bk, bm, split, warps, stages))
                 if split > 1 and b <= 64:
-                    out.append(Config(kind, bn, bk, bm, split, warps, stages, k_major=True, prefetch=prefetch,
-                                      weights_right=right))
+                    out.append(Config(kind, bn, bk, bm, split, warps, stages, k_major=True))
 
     if b <= 4:
         for bn, bk, warps in _GEMV_SHAPES if b == 1 else _GEMV_SHAPES[:3]:
@@ -267,11 +255,6 @@ def candidate_configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -
     if b <= 64:
         for bn, bk, warps, stages in _DOT_SHAPES:
             add("dot", bn, bk, max(16, b), warps, stages, 2)
-        for bn, bk, warps, stages in _DOT_PREFETCH_SHAPES:
-            add("dot", bn, bk, max(16, b), warps, stages, 2, prefetch=True)
-    if b >= 64:
-        for bn, bk, warps, stages in _DOT_RIGHT_SHAPES:
-            add("dot", bn, bk, 64 if b == 64 else 128, warps, stages, 2 if b == 64 else 1, right=True)
     else:
         for bn, bk, bm, warps, stages in _GEMM_SHAPES:
             add("dot", bn, bk, bm, warps, stages, 1)
@@ -434,8 +417,7 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     common = dict(G=group_size, BN=config.block_n, BK=bk, NGB=ngb, WPG=wpg, HAS_BIAS=has_bias,
                   EVEN_N=n % config.block_n == 0, num_warps=config.num_warps)
     if config.kernel == "dot":
-        common.update(ASM=not _interpreting(), num_stages=config.num_stages, PREFETCH=config.prefetch,
-                      W_RIGHT=config.weights_right)
+        common.update(ASM=not _interpreting(), num_stages=config.num_stages)
     else:  # the GEMV's stages are its own register prefetch (Triton does not pipeline non-dot loads)
         common.update(PREFETCH=config.num_stages >= 2, num_stages=1)
     if config.k_major and split > 1 and grid_n <= 65535:  # grid dimension 2 holds at most 65535
@@ -558,10 +540,8 @@ def describe(config: Config) -> str:
     bm = f" bm{config.block_m}" if config.kernel == "dot" else ""
     run = f" r{config.run_words}" if config.kernel == "gemv_h2" else ""
     km = " kmajor" if config.k_major else ""
-    pf = " prefetch" if config.prefetch else ""
-    right = " wright" if config.weights_right else ""
     return (f"{config.kernel} bn{config.block_n} bk{config.block_k}{bm} sk{config.split_k} "
-            f"w{config.num_warps} s{config.num_stages}{run}{km}{pf}{right}")
+            f"w{config.num_warps} s{config.num_stages}{run}{km}")
 
 
 __all__ = ["FORMAT", "KEYS", "ORDER", "PACK", "PREFILL_DEQUANT_MIN_M", "Config", "bucket", "candidate_configs",
