@@ -149,6 +149,16 @@ def _gemv_pids(KMAJOR: tl.constexpr):
 
 
 @triton.jit
+def _k_slice(K, BK: tl.constexpr, SPLIT_K, pid_k):
+    """(K blocks in all, this split's first block, one past its last): slices of ceil(n / SPLIT_K)
+    blocks, so the last slices may be short or empty."""
+    n_iter = K // BK
+    per = tl.cdiv(n_iter, SPLIT_K)
+    it0 = pid_k * per
+    return n_iter, it0, tl.minimum(it0 + per, n_iter)
+
+
+@triton.jit
 def _finish(acc, offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr, tile_id, pid_k, SPLIT_K,
             HAS_BIAS: tl.constexpr):
     """acc [BN, BM] float32 -> y[m, n] (+ bias), through the split-K workspace when SPLIT_K > 1."""
@@ -198,10 +208,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
     n_mask = offs_n < N
     KW = K // 8
     KG = K // G
-    n_iter = K // BK
-    per = tl.cdiv(n_iter, SPLIT_K)
-    it0 = pid_k * per
-    it1 = tl.minimum(it0 + per, n_iter)
+    n_iter, it0, it1 = _k_slice(K, BK, SPLIT_K, pid_k)
     k_off = _k_offsets(NGB, WPG)
     pw = _pow16_neg()[None, None, :, :, :]  # 16**-(t + e), matching _unpack_f32
     x_row = x_ptr + pid_m * stride_xm
@@ -342,10 +349,7 @@ def _gemv_h2_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_pt
     n_mask = offs_n < N
     KW = K // 8
     KG = K // G
-    n_iter = K // BK
-    per = tl.cdiv(n_iter, SPLIT_K)
-    it0 = pid_k * per
-    it1 = tl.minimum(it0 + per, n_iter)
+    n_iter, it0, it1 = _k_slice(K, BK, SPLIT_K, pid_k)
     if ASM:  # the activations as int32 half2 pairs (x_ptr is fp16 and 16-byte aligned)
         x_row = (x_ptr + pid_m * stride_xm).to(tl.pointer_type(tl.int32))
         XS: tl.constexpr = 2
@@ -392,10 +396,7 @@ def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
     m_mask = offs_m < M
     KW = K // 8
     KG = K // G
-    n_iter = K // BK
-    per = tl.cdiv(n_iter, SPLIT_K)
-    it0 = pid_k * per
-    it1 = tl.minimum(it0 + per, n_iter)
+    n_iter, it0, it1 = _k_slice(K, BK, SPLIT_K, pid_k)
     offs_k = tl.arange(0, BK)
     dtype = x_ptr.dtype.element_ty
     w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, it0, KW, KG, G, BK, NGB, WPG)

@@ -15,6 +15,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _split_span(lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(context length, first position attended, positions per split in whole tiles, this split's
+    first position) for one sequence; a sliding window starts `window` positions before the end."""
+    ctx = tl.load(lens_ptr + seq)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx - window, 0)
+    per_split = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
+    return ctx, lo, per_split, lo + split * per_split
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr,
                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
                    scale_log2, block_size, group, num_splits, window,
@@ -23,13 +35,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(lens_ptr + seq)
-    lo = 0  # the first position attended (a sliding window starts later)
-    if HAS_WINDOW:
-        lo = tl.maximum(ctx - window, 0)
-    # this program's share of the context, in whole tiles
-    per_split = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
-    start = lo + split * per_split
+    ctx, lo, per_split, start = _split_span(lens_ptr, seq, split, num_splits, window, BLOCK_N, HAS_WINDOW)
     end = tl.minimum(start + per_split, ctx)
 
     g = tl.arange(0, BLOCK_G)
@@ -90,12 +96,7 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(lens_ptr + seq)
-    lo = 0  # the first position attended (a sliding window starts later)
-    if HAS_WINDOW:
-        lo = tl.maximum(ctx - window, 0)
-    per_split = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
-    start = lo + split * per_split
+    ctx, lo, per_split, start = _split_span(lens_ptr, seq, split, num_splits, window, BLOCK_N, HAS_WINDOW)
     end = tl.minimum(start + per_split, ctx - 1)  # cached positions; the new one (ctx - 1) comes from qkv
     owner = split == (ctx - 1 - lo) // per_split
 
