@@ -189,3 +189,12 @@ def test_decoder_wiring_single_token(dev, tmp_path):
     err = float((fused - plain).norm() / plain.norm())
     # nonzero: the kernel ran, not F.linear; the bound: fp16 through two layers, rounded differently
     assert 0 < err <= 2.0 ** -8, err
+
+
+@pytest.mark.parametrize("module", ["vlmctl.runtime.kernels.gemv", "vlmctl.runtime.kernels.w4a16"])
+def test_public_names_exist(module):
+    """Every name a kernel module exports is defined (`from ... import *` would fail otherwise)."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    assert [n for n in mod.__all__ if not hasattr(mod, n)] == []

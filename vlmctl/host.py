@@ -95,3 +95,9 @@ def peak_rss_mib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def cuda_graphs_allowed() -> bool:
+    """False when VLMCTL_CUDA_GRAPHS=0: every CUDA-graph capture (decode steps, vision tower) is off,
+    whatever the engine options say (debugging, A/B measurements)."""
+    return os.environ.get("VLMCTL_CUDA_GRAPHS", "1") != "0"

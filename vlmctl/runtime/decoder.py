@@ -29,7 +29,6 @@ any image request replays a graph captured without them.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import EngineError
+from ..host import cuda_graphs_allowed
 from ..formats.torch_layout import DecoderSpec, read_layout, torch_dtype, weights_location
 from . import ops
 
@@ -276,7 +276,7 @@ class TorchDecoder:
         self.xk_cache = self.xv_cache = None  # the cross-attention pool
         self.block_size = 0
         self.max_cross_rows = 0  # most image rows one sequence's cross KV holds
-        self.use_graphs = (self.device.type == "cuda" and os.environ.get("VLMCTL_CUDA_GRAPHS", "1") != "0")
+        self.use_graphs = self.device.type == "cuda" and cuda_graphs_allowed()
         self._graphs: dict[tuple[int, bool], tuple] = {}
         self._graph_pool = None
         self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count

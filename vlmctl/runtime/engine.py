@@ -35,7 +35,6 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -49,7 +48,7 @@ from ..errors import (BackendUnavailableError, EngineError, InputError, LimitErr
 from ..formats.artifacts import check_engine_files
 from ..formats.prompt_table import fake_ids, image_spans
 from ..formats.workdir import EngineDir
-from ..host import resolve_device
+from ..host import cuda_graphs_allowed, resolve_device
 from ..media.video import VideoLimits
 from ..models.base import EncodedPrompt
 from ..models.registry import get_family
@@ -265,7 +264,7 @@ class Engine:
         from .vision import VisionEncoder, choose_vision_runner
 
         dtype = torch_dtype(self.config.get("dtype", "float16"))
-        graphs = opts.cuda_graphs and os.environ.get("VLMCTL_CUDA_GRAPHS", "1") != "0"
+        graphs = opts.cuda_graphs and cuda_graphs_allowed()
         runner = choose_vision_runner(self.engine_dir, self.family, built_runner, dtype, self.device,
                                       opts.vision_backend, graphs=graphs)
         return VisionEncoder(runner, self.processor, self.device, dtype, max_batch=opts.vision_batch_size,

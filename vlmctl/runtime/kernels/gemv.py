@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .w4a16 import _device_name, _dtype_name, _interpreting, _pow2  # shared with the W4A16 kernels
+from .w4a16 import _device_name, _dtype_name, _interpreting, _pow2, _split_for  # shared with the W4A16 kernels
 
 MAX_M = 4  # rows per call; the kernel runs one program per row and re-reads W for each (from L2)
 TUNED_TABLE = Path(__file__).with_name("gemv_tuned.json")
@@ -56,14 +56,6 @@ class Config:
             and self.num_warps in (1, 2, 4, 8)
 
 
-def _split_for(tiles: int, k_iters: int, sms: int, per_sm: float) -> int:
-    """Smallest power-of-two split-K giving about per_sm * sms programs, keeping >= 2 K blocks each."""
-    split = 1
-    while tiles * split < per_sm * sms and split * 2 <= max(1, k_iters // 2) and split < 32:
-        split *= 2
-    return split
-
-
 # (block_n, block_k, num_warps): every thread reads 16 bytes (8 halves) of a row per load; the tile
 # holds block_n * block_k / (32 * num_warps) fp32 partial sums per thread (32-64 registers).
 _SHAPES = ((16, 256, 4), (8, 512, 4), (32, 256, 4), (16, 512, 8), (8, 256, 2), (32, 128, 4), (64, 128, 8),
@@ -75,7 +67,7 @@ def heuristic_config(m: int, n: int, k: int, sms: int = 132) -> Config:
     bn, bk = 16, 256
     while bk > 8 and bk > k:
         bk //= 2
-    return Config(bn, bk, _split_for(-(-n // bn) * m, -(-k // bk), sms, 4), 4, True)
+    return Config(bn, bk, _split_for(-(-n // bn) * m, -(-k // bk), sms, 4, cap=32), 4, True)
 
 
 def candidate_configs(m: int, n: int, k: int, sms: int = 132) -> list[Config]:
@@ -83,7 +75,7 @@ def candidate_configs(m: int, n: int, k: int, sms: int = 132) -> list[Config]:
     for bn, bk, warps in _SHAPES:
         if bk > max(8, k):
             continue
-        base = _split_for(-(-n // bn) * m, -(-k // bk), sms, 8 / warps * 2)
+        base = _split_for(-(-n // bn) * m, -(-k // bk), sms, 8 / warps * 2, cap=32)
         for split in sorted({max(1, base // 2), base, base * 2}):
             if split <= -(-k // bk):
                 for prefetch in (True, False):
@@ -259,5 +251,5 @@ def describe(c: Config) -> str:
     return f"bn{c.block_n} bk{c.block_k} sk{c.split_k} w{c.num_warps}{' pf' if c.prefetch else ''}"
 
 
-__all__ = ["MAX_M", "Config", "candidate_configs", "describe", "enabled", "gemv", "heuristic_config", "launch",
-           "load_tuned", "reference", "save_tuned", "select_config", "set_config", "tune", "usable", "warmup"]
+__all__ = ["MAX_M", "Config", "candidate_configs", "describe", "gemv", "heuristic_config", "launch",
+           "load_tuned", "preferred", "reference", "save_tuned", "select_config", "set_config", "tune", "usable", "warmup"]

@@ -138,10 +138,11 @@ def _sm_count(device) -> int:
     return _SM_COUNT[idx]
 
 
-def _split_for(tiles: int, k_iters: int, sms: int, ctas_per_sm: float) -> int:
-    """Smallest power-of-two split-K giving about ctas_per_sm * sms programs, keeping >= 2 K blocks each."""
+def _split_for(tiles: int, k_iters: int, sms: int, ctas_per_sm: float, cap: int = 64) -> int:
+    """Smallest power-of-two split-K (at most `cap`) giving about ctas_per_sm * sms programs, keeping
+    >= 2 K blocks each."""
     split = 1
-    while tiles * split < ctas_per_sm * sms and split * 2 <= max(1, k_iters // 2) and split < 64:
+    while tiles * split < ctas_per_sm * sms and split * 2 <= max(1, k_iters // 2) and split < cap:
         split *= 2
     return split
 
