@@ -12,8 +12,8 @@ def chat_command(
     engine_dir: Path = typer.Argument(..., help="Engine directory made by `vlmctl build`"),
     prompt: str = typer.Option(None, "--prompt", "-p", help="Ask one question and exit (non-interactive)"),
     image: list[Path] = typer.Option(None, "--image", "-i", help="Image file (repeatable)"),
-    video: list[Path] = typer.Option(None, "--video", help="Video file (repeatable; Qwen2-VL, Qwen2.5-VL, "
-                                     "LLaVA-OneVision; needs PyAV: pip install 'vlmctl[video]')"),
+    video: list[Path] = typer.Option(None, "--video", help="Video file (repeatable; for the families that take "
+                                     "videos, README's model table; needs PyAV: pip install 'vlmctl[video]')"),
     system: str = typer.Option(None, "--system", help="System message (interactive: /system TEXT changes it)"),
     max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="Maximum new tokens"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 (and anything below 1e-5) is greedy"),
