@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import EngineError
-from ..host import cuda_graphs_allowed
 from ..formats.torch_layout import DecoderSpec, read_layout, torch_dtype, weights_location
+from ..host import cuda_graphs_allowed
 from . import ops
 
 
