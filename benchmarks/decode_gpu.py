@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -232,6 +233,18 @@ def profile_step(dec, batch: int, prompt_len: int, top: int = 25) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60))
 
 
+def profile_graph_steps(dec, batch: int, prompt_len: int, top: int = 30) -> None:
+    """Kernel times inside replayed decode-step graphs (what a served step runs). With PDL a kernel's
+    time includes its wait for the one before, so the kernel times then overlap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    bench_vlmctl(dec, batch, prompt_len, 4, graphs=True)  # warm (and captured)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        bench_vlmctl(dec, batch, prompt_len, 8, graphs=True)
+    print(f"--- kernels of graphed steps at batch {batch} (11 decode steps + prefill; CUDA time) ---")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60))
+
+
 def sync():
     if DEV == "cuda":
         torch.cuda.synchronize()
@@ -276,6 +289,10 @@ def main():
     ap.add_argument("--awq", type=int, nargs="?", const=128, default=None, help="also the AWQ decoder (group size)")
     ap.add_argument("--attention", action="store_true", help="also time decode attention alone")
     ap.add_argument("--profile", type=int, nargs="*", default=[], help="batch sizes to profile (kernel table)")
+    ap.add_argument("--graph-profile", type=int, nargs="*", default=[],
+                    help="batch sizes whose graphed steps to profile (kernel table)")
+    ap.add_argument("--env-ab", metavar="VAR=V1,V2", help="time each decoder once per value of an environment "
+                    "switch (e.g. VLMCTL_PDL=0,auto), recapturing the graphs for each")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -301,17 +318,31 @@ def main():
               f"({blocks * 16 * dec.kv_bytes_per_token() / 1e9:.1f} GB)", flush=True)
         print(f"{'impl':<14}{'batch':>6}{'ms/step':>9}{'gpu ms':>8}{'tok/s':>9}{'bound ms':>10}{'% bound':>9}"
               f"{'prefill tok/s':>14}", flush=True)
-        for b in args.batches:
-            runs = [True] + ([False] if args.eager else [])
-            for graphs in runs:
-                r = bench_vlmctl(dec, b, args.prompt_len, args.steps, graphs)
-                kv = b * r["context"] * dec.kv_bytes_per_token()
-                r.update(variant=name, weight_bytes=weight_bytes, bound_ms=1000 * (weight_bytes + kv) / bw)
-                r["pct_bound"] = 100 * r["bound_ms"] / r["ms_per_step"]
-                rows.append(r)
-                print(f"{r['impl'] + '-' + name:<14}{b:>6}{r['ms_per_step']:>9.2f}{r['gpu_ms_per_step'] or 0:>8.2f}"
-                      f"{r['tok_s']:>9.0f}{r['bound_ms']:>10.2f}{r['pct_bound']:>8.0f}%{r['prefill_tok_s']:>14.0f}",
-                      flush=True)
+        var, values = (args.env_ab.split("=", 1)[0], args.env_ab.split("=", 1)[1].split(",")) if args.env_ab \
+            else (None, [None])
+        for value in values:
+            if var is not None:
+                os.environ[var] = value
+                dec._graphs.clear()
+                dec._graph_pool = None  # a fresh pool: the old graphs' pool is released with them
+                sync()
+                dec.capture_graphs(max(args.batches))
+                print(f"-- {var}={value}", flush=True)
+            for b in args.batches:
+                runs = [True] + ([False] if args.eager else [])
+                for graphs in runs:
+                    r = bench_vlmctl(dec, b, args.prompt_len, args.steps, graphs)
+                    kv = b * r["context"] * dec.kv_bytes_per_token()
+                    r.update(variant=name, weight_bytes=weight_bytes, bound_ms=1000 * (weight_bytes + kv) / bw)
+                    r["pct_bound"] = 100 * r["bound_ms"] / r["ms_per_step"]
+                    if var is not None:
+                        r["env"] = {var: value}
+                    rows.append(r)
+                    print(f"{r['impl'] + '-' + name:<14}{b:>6}{r['ms_per_step']:>9.2f}"
+                          f"{r['gpu_ms_per_step'] or 0:>8.2f}{r['tok_s']:>9.0f}{r['bound_ms']:>10.2f}"
+                          f"{r['pct_bound']:>8.0f}%{r['prefill_tok_s']:>14.0f}", flush=True)
+            for b in args.graph_profile:
+                profile_graph_steps(dec, b, args.prompt_len)
         for b in args.profile:
             profile_step(dec, b, args.prompt_len)
         del dec

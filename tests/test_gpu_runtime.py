@@ -196,3 +196,20 @@ def test_prompt_attention_does_not_use_cudnn_sdpa(fp16_engine):
     names = {e.key for e in prof.key_averages()}
     assert not [n for n in names if "cudnn_attention" in n], sorted(names)
     assert [n for n in names if "flash_attention" in n or "efficient_attention" in n], sorted(names)
+
+
+def test_pdl_steps_equal_plain_launches(fp16_engine, monkeypatch):
+    """The engine's tokens with programmatic dependent launch (and the GEMVs' L2 prefetch) on and off,
+    graphed: the same kernels in the same order, so the same tokens; the batch-1 rows take the Triton
+    GEMV here (VLMCTL_GEMV=triton) so the prefetching kernels run."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0")
+    monkeypatch.setenv("VLMCTL_GEMV", "triton")
+    monkeypatch.setenv("VLMCTL_L2_PREFETCH", "2")
+    monkeypatch.setenv("VLMCTL_PDL", "1")
+    _, with_pdl = run(fp16_engine, n=1, cuda_graphs=True)
+    _, with_pdl4 = run(fp16_engine, n=4, cuda_graphs=True)
+    monkeypatch.setenv("VLMCTL_PDL", "0")
+    _, plain = run(fp16_engine, n=1, cuda_graphs=True)
+    _, plain4 = run(fp16_engine, n=4, cuda_graphs=True)
+    assert with_pdl == plain and with_pdl4 == plain4

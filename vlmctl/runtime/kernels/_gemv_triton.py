@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import pdl
 from ._w4a16_triton import _finish
 
 
@@ -51,9 +52,12 @@ def _w_block(w_ptrs, k, K, EVEN_K: tl.constexpr):
 def _gemv_f16_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
                      M, N, K, stride_xm, stride_wn, SPLIT_K,
                      BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                     SILU: tl.constexpr, PREFETCH: tl.constexpr):
+                     SILU: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False,
+                     L2PF: tl.constexpr = 0):
     """PREFETCH: load the next K block into registers before multiplying this one (Triton's pipeliner
-    leaves loads that do not feed a tl.dot alone), so each warp keeps two blocks of loads in flight."""
+    leaves loads that do not feed a tl.dot alone), so each warp keeps two blocks of loads in flight.
+    PDL (`pdl`): the first weight block is loaded before waiting for the previous kernel."""
+    pdl.release(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -66,11 +70,17 @@ def _gemv_f16_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
     it1 = tl.minimum(it0 + per, n_iter)
     x_row = x_ptr + pid_m * stride_xm
     w_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    if L2PF > 0:  # the first L2PF blocks of this program's rows into L2 before the wait (EVEN_K only)
+        first = tl.minimum(it0, n_iter - 1)
+        nb = tl.maximum(tl.minimum(it1 - first, L2PF), 1)
+        pdl.prefetch_l2(w_ptr + rows.to(tl.int64) * stride_wn + first * BK,
+                        (nb * (BK * 2)).to(tl.int32) + tl.zeros_like(rows))
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     if PREFETCH:
         first = tl.minimum(it0, n_iter - 1)  # an empty split slice still loads a valid block (unused)
         k = first * BK + offs_k
         w = _w_block(w_base + first * BK, k, K, EVEN_K)
+        pdl.wait(PDL)
         x = _x_block(x_row, k, K, SILU, EVEN_K)
         for it in range(it0, it1):
             nxt = tl.minimum(it + 1, it1 - 1)  # the last block reloads itself: no branch, nothing out of range
@@ -80,6 +90,7 @@ def _gemv_f16_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
             acc += w.to(tl.float32) * x[None, :]
             w, x = w_n, x_n
     else:
+        pdl.wait(PDL)
         for it in range(it0, it1):
             k = it * BK + offs_k
             w = _w_block(w_base + it * BK, k, K, EVEN_K)

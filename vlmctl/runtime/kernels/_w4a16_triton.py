@@ -34,6 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _unpack_f32(words, magic):
@@ -184,6 +186,16 @@ def _finish(acc, offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr, tile_id
 
 
 @triton.jit
+def _prefetch_words(qw_ptr, offs_n, N, KW, it0, it1, n_iter, BK: tl.constexpr, L2PF: tl.constexpr):
+    """Bulk-prefetch into L2 the words of up to L2PF K blocks from it0 of rows offs_n (clamped to N - 1;
+    an empty slice prefetches the last block, which exists)."""
+    first = tl.minimum(it0, n_iter - 1)
+    nb = tl.maximum(tl.minimum(it1 - first, L2PF), 1)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    pdl.prefetch_l2(qw_ptr + rows * KW + first * (BK // 8), (nb * (BK // 2)).to(tl.int32) + tl.zeros_like(offs_n))
+
+
+@triton.jit
 def _gemv_block(acc, words, s, z, xv, pw, magic, BN: tl.constexpr, NGB: tl.constexpr, WPG: tl.constexpr):
     """acc [BN] += this K block's sum_k x * (code - zero) * scale, computed as
     scale * (sum_k (x * 16**-(t+e)) * (code * 16**(t+e)) - zero * sum_k x): one FFMA per weight."""
@@ -199,16 +211,20 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
                  M, N, K, stride_xm, SPLIT_K, MAGIC, MAGIC16,
                  G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGB: tl.constexpr, WPG: tl.constexpr,
                  HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr,
-                 KMAJOR: tl.constexpr = False):
+                 KMAJOR: tl.constexpr = False, PDL: tl.constexpr = False, L2PF: tl.constexpr = 0):
     """PREFETCH: load the next K block into registers before computing this one (the loop's loads do
     not feed a tl.dot, so Triton's pipeliner leaves them alone); each warp then keeps two blocks of
-    loads in flight instead of stalling on every block."""
+    loads in flight instead of stalling on every block. PDL (`pdl`): the first block of weights is
+    loaded before waiting for the previous kernel."""
+    pdl.release(PDL)
     pid_n, pid_m, pid_k, n_tiles = _gemv_pids(KMAJOR)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_mask = offs_n < N
     KW = K // 8
     KG = K // G
     n_iter, it0, it1 = _k_slice(K, BK, SPLIT_K, pid_k)
+    if L2PF > 0:  # the first L2PF blocks of this program's rows into L2 before the wait (`pdl.prefetch_l2`)
+        _prefetch_words(qw_ptr, offs_n, N, KW, it0, it1, n_iter, BK, L2PF)
     k_off = _k_offsets(NGB, WPG)
     pw = _pow16_neg()[None, None, :, :, :]  # 16**-(t + e), matching _unpack_f32
     x_row = x_ptr + pid_m * stride_xm
@@ -217,6 +233,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
         first = tl.minimum(it0, n_iter - 1)  # an empty split slice still loads a valid block (unused)
         w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, first, KW, KG, G, BK, NGB, WPG)
         words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, first * BK, G, EVEN_N)
+        pdl.wait(PDL)
         xv = tl.load(x_row + first * BK + k_off)
         for it in range(it0, it1):
             nxt = tl.minimum(it + 1, it1 - 1)  # the last block reloads itself: no branch, nothing out of range
@@ -227,6 +244,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
             words, s, z, xv = words_n, s_n, z_n, xv_n
     else:
         w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, it0, KW, KG, G, BK, NGB, WPG)
+        pdl.wait(PDL)
         for it in range(it0, it1):
             k0 = it * BK
             words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G, EVEN_N)
@@ -341,15 +359,19 @@ def _gemv_h2_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_pt
                     M, N, K, stride_xm, SPLIT_K, MAGIC, MAGIC16,
                     G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGB: tl.constexpr, WPG: tl.constexpr,
                     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr, RUNW: tl.constexpr,
-                    ASM: tl.constexpr, KMAJOR: tl.constexpr = False):
+                    ASM: tl.constexpr, KMAJOR: tl.constexpr = False, PDL: tl.constexpr = False,
+                    L2PF: tl.constexpr = 0):
     """The GEMV for fp16 activations with half2 dequantization and short fp16 runs (see
-    `_gemv_h2_block`); otherwise as `_gemv_kernel` (one x row per program, PREFETCH, split-K)."""
+    `_gemv_h2_block`); otherwise as `_gemv_kernel` (one x row per program, PREFETCH, split-K, PDL)."""
+    pdl.release(PDL)
     pid_n, pid_m, pid_k, n_tiles = _gemv_pids(KMAJOR)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_mask = offs_n < N
     KW = K // 8
     KG = K // G
     n_iter, it0, it1 = _k_slice(K, BK, SPLIT_K, pid_k)
+    if L2PF > 0:  # the first L2PF blocks of this program's rows into L2 before the wait (`pdl.prefetch_l2`)
+        _prefetch_words(qw_ptr, offs_n, N, KW, it0, it1, n_iter, BK, L2PF)
     if ASM:  # the activations as int32 half2 pairs (x_ptr is fp16 and 16-byte aligned)
         x_row = (x_ptr + pid_m * stride_xm).to(tl.pointer_type(tl.int32))
         XS: tl.constexpr = 2
@@ -362,6 +384,7 @@ def _gemv_h2_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_pt
         first = tl.minimum(it0, n_iter - 1)
         w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, first, KW, KG, G, BK, NGB, WPG)
         words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, first * BK, G, EVEN_N)
+        pdl.wait(PDL)
         xv = tl.load(x_row + first * (BK // XS) + k_off)
         for it in range(it0, it1):
             nxt = tl.minimum(it + 1, it1 - 1)
@@ -372,6 +395,7 @@ def _gemv_h2_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_pt
             words, s, z, xv = words_n, s_n, z_n, xv_n
     else:
         w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, it0, KW, KG, G, BK, NGB, WPG)
+        pdl.wait(PDL)
         for it in range(it0, it1):
             k0 = it * BK
             words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G, EVEN_N)
@@ -388,7 +412,8 @@ def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
                 M, N, K, stride_xm, SPLIT_K, MAGIC, MAGIC16,
                 G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, NGB: tl.constexpr,
                 WPG: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr,
-                KMAJOR: tl.constexpr = False):
+                KMAJOR: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl.release(PDL)
     pid_n, pid_m, pid_k, n_tiles = _gemv_pids(KMAJOR)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -401,6 +426,7 @@ def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
     dtype = x_ptr.dtype.element_ty
     w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, it0, KW, KG, G, BK, NGB, WPG)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
+    pdl.wait(PDL)  # (the first weight block is not loaded ahead: Triton pipelines this loop itself)
     for it in range(it0, it1):
         k0 = it * BK
         words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G, EVEN_N)

@@ -14,13 +14,19 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_r, stride_o, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ONE_PLUS: tl.constexpr = False):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ONE_PLUS: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
+    pdl.release(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # a weight: read before the wait (`pdl`)
+    pdl.wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -28,7 +34,6 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, stride_x, strid
         tl.store(res_ptr + row * stride_r + cols, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     if ONE_PLUS:
         y = (xf * tl.math.rsqrt(var + eps) * (1.0 + w.to(tl.float32))).to(x.dtype)
     else:
@@ -47,13 +52,15 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, weight, out, H, x.stride(0),
                                residual.stride(0) if residual is not None else 0, out.stride(0), eps,
                                HAS_RES=residual is not None, BLOCK=BLOCK, ONE_PLUS=one_plus,
-                               num_warps=8 if BLOCK >= 4096 else 4)
+                               num_warps=8 if BLOCK >= 4096 else 4, **pdl.launch_kwargs(x.device))
     return out
 
 
 @triton.jit
 def _qk_norm_kernel(qkv_ptr, qw_ptr, kw_ptr, stride_t, n_q_heads, eps, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                    ONE_PLUS: tl.constexpr):
+                    ONE_PLUS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.release(PDL)
+    pdl.wait(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)  # q heads, then k heads
     d = tl.arange(0, D_PAD)
@@ -80,13 +87,17 @@ def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n
         return
     _qk_norm_kernel[(T, n_q_heads + n_kv_heads)](qkv, q_weight, k_weight, qkv.stride(0), n_q_heads, eps,
                                                  HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-                                                 ONE_PLUS=one_plus, num_warps=1 if head_dim <= 128 else 2)
+                                                 ONE_PLUS=one_plus, num_warps=1 if head_dim <= 128 else 2,
+                                                 **pdl.launch_kwargs(qkv.device))
 
 
 @triton.jit
 def _rope_cache_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_t, stride_cs,
                        stride_cb, stride_cs_slot, stride_ch, n_q_heads, n_kv_heads, block_size,
-                       HEAD_DIM: tl.constexpr, HALF: tl.constexpr, WRITE_CACHE: tl.constexpr):
+                       HEAD_DIM: tl.constexpr, HALF: tl.constexpr, WRITE_CACHE: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl.release(PDL)
+    pdl.wait(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)  # 0..n_q+n_kv-1 rotate (q heads then k heads); n_q+n_kv.. copy v
     pos = tl.load(pos_ptr + t)
@@ -141,14 +152,17 @@ def rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Te
         qkv.stride(0), cos_sin.stride(0),
         kc.stride(0) if write else 0, kc.stride(1) if write else 0, kc.stride(2) if write else 0,
         n_q_heads, n_kv_heads, kc.shape[1] if write else 1,
-        HEAD_DIM=head_dim, HALF=head_dim // 2, WRITE_CACHE=write, num_warps=1)
+        HEAD_DIM=head_dim, HALF=head_dim // 2, WRITE_CACHE=write, num_warps=1, **pdl.launch_kwargs(qkv.device))
 
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 @triton.jit
-def _act_mul_kernel(gu_ptr, out_ptr, n_cols, stride_gu, stride_o, BLOCK: tl.constexpr, ACT: tl.constexpr = 0):
+def _act_mul_kernel(gu_ptr, out_ptr, n_cols, stride_gu, stride_o, BLOCK: tl.constexpr, ACT: tl.constexpr = 0,
+                    PDL: tl.constexpr = False):
+    pdl.release(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -172,7 +186,8 @@ def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     out = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
     _act_mul_kernel[(T, triton.cdiv(inter, BLOCK))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
-                                                    BLOCK=BLOCK, ACT=ACTIVATIONS[activation], num_warps=4)
+                                                    BLOCK=BLOCK, ACT=ACTIVATIONS[activation], num_warps=4,
+                                                    **pdl.launch_kwargs(gate_up.device))
     return out
 
 

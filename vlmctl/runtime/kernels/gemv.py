@@ -140,6 +140,7 @@ def launch(x2, weight, config: Config, bias=None, *, silu: bool = False, out=Non
     import torch
 
     from . import _gemv_triton as kern
+    from .pdl import l2_prefetch_blocks, launch_kwargs
     from .w4a16 import _buffer
 
     m = x2.shape[0]
@@ -163,10 +164,14 @@ def launch(x2, weight, config: Config, bias=None, *, silu: bool = False, out=Non
     cnt = _buffer(x2.device, "cnt", grid_n * mb if split > 1 else 1, torch.int32, zero=True)
     if bias is not None and bias.dtype != x2.dtype:
         bias = bias.to(x2.dtype)
+    pdl = launch_kwargs(x2.device)
+    if pdl["PDL"] and k % bk == 0 and (weight.stride(0) * weight.element_size()) % 16 == 0 \
+            and weight.data_ptr() % 16 == 0:  # the bulk L2 prefetch needs 16-byte aligned rows
+        pdl["L2PF"] = l2_prefetch_blocks("fp16")
     kern._gemv_f16_kernel[(grid_n, m, split)](
         x2, weight, bias if bias is not None else y, y, ws, cnt, m, n, k, x2.stride(0), weight.stride(0), split,
         BN=config.block_n, BK=bk, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, SILU=silu,
-        PREFETCH=config.prefetch, num_warps=config.num_warps, num_stages=1)
+        PREFETCH=config.prefetch, num_warps=config.num_warps, num_stages=1, **pdl)
     return y
 
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _split_span(lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
@@ -31,7 +33,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_
                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
                    scale_log2, block_size, group, num_splits, window,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr = False):
+                   SPLIT: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr = False,
+                   PDL: tl.constexpr = False):
+    pdl.release(PDL)
+    pdl.wait(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -88,10 +93,12 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
                         ml_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
                         scale_log2, block_size, group, num_splits, n_q_heads, n_kv_heads, window,
                         HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                        HAS_WINDOW: tl.constexpr = False):
+                        HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False):
     """`_decode_kernel` with the new token's rotary and KV append folded in: q and k of the token are
     rotated here (rounded per term as transformers does), the split that owns the last position
     writes k and v to the cache and attends to them from registers, the others read the cache."""
+    pdl.release(PDL)
+    pdl.wait(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -173,7 +180,9 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
 
 @triton.jit
 def _combine_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, n_heads, num_splits,
-                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.release(PDL)
+    pdl.wait(PDL)
     seq = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -232,10 +241,12 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
         qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group,
         num_splits, n_q, n_kv, window or 0, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=64 if D <= 128 else 32, SPLIT=split, HAS_WINDOW=window is not None, num_warps=4, num_stages=2)
+        BLOCK_N=64 if D <= 128 else 32, SPLIT=split, HAS_WINDOW=window is not None, num_warps=4, num_stages=2,
+        **pdl.launch_kwargs(qkv.device))
     if split:
         _combine_kernel[(B, n_q)](part, ml, out, out.stride(0), out.stride(1), n_q, num_splits, HEAD_DIM=D, D_PAD=D,
-                                  BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+                                  BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+                                  **pdl.launch_kwargs(qkv.device))
     return out
 
 
@@ -265,9 +276,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group, num_splits,
         window or 0, HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, SPLIT=split,
-        IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None, num_warps=4, num_stages=2)
+        IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None, num_warps=4, num_stages=2,
+        **pdl.launch_kwargs(q.device))
     if split:
         _combine_kernel[(B, Hq)](part, ml, out, out.stride(0), out.stride(1), Hq, num_splits, HEAD_DIM=D,
                                  D_PAD=triton.next_power_of_2(D),
-                                 BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+                                 BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+                                 **pdl.launch_kwargs(q.device))
     return out

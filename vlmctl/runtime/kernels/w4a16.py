@@ -415,8 +415,12 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     has_bias = bias is not None
     b = bias if has_bias else y  # a dummy pointer when there is no bias
     grid = (grid_n, grid_m, split)
+    from .pdl import l2_prefetch_blocks, launch_kwargs
+
     common = dict(G=group_size, BN=config.block_n, BK=bk, NGB=ngb, WPG=wpg, HAS_BIAS=has_bias,
-                  EVEN_N=n % config.block_n == 0, num_warps=config.num_warps)
+                  EVEN_N=n % config.block_n == 0, num_warps=config.num_warps, **launch_kwargs(x2.device))
+    if gemv and common["PDL"] and k % 32 == 0 and bk % 32 == 0 and qw.data_ptr() % 16 == 0:
+        common["L2PF"] = l2_prefetch_blocks("int4")  # (the bulk L2 prefetch needs 16-byte aligned rows and sizes)
     if config.kernel == "dot":
         common.update(ASM=not _interpreting(), num_stages=config.num_stages)
     else:  # the GEMV's stages are its own register prefetch (Triton does not pipeline non-dot loads)

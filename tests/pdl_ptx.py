@@ -1,0 +1,88 @@
+"""Compile the decode step's Triton kernels for sm_90 (no GPU needed: Triton's bundled ptxas) with
+programmatic dependent launch on, and report where each kernel's PTX waits for the previous kernel.
+Run in a subprocess by tests/test_pdl.py, because the tests' interpreter mode (TRITON_INTERPRET=1)
+turns @triton.jit functions into interpreted ones, which cannot be compiled.
+
+    python tests/pdl_ptx.py    # one JSON object: kernel -> facts about its PTX
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+POINTERS = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "part_ptr": "*fp32",
+            "ml_ptr": "*fp32", "bt_ptr": "*i32", "lens_ptr": "*i32", "pos_ptr": "*i32", "slot_ptr": "*i32",
+            "cos_sin_ptr": "*fp32"}
+FLOATS = {"eps", "scale_log2"}
+
+
+def kernels():
+    from vlmctl.runtime.kernels import _gemv_triton, _w4a16_triton, fused, paged_attention
+
+    w4 = dict(G=128, BN=32, BK=256, NGB=2, WPG=16, HAS_BIAS=False, EVEN_N=True)
+    return {  # name: (kernel, constexprs, num_warps, whether it reads weights before the wait)
+        "gemv_f16": (_gemv_triton._gemv_f16_kernel,
+                     dict(BN=16, BK=256, HAS_BIAS=False, EVEN_K=True, SILU=False, PREFETCH=True, L2PF=2), 4, True),
+        "gemv_f16_silu": (_gemv_triton._gemv_f16_kernel,
+                          dict(BN=64, BK=128, HAS_BIAS=False, EVEN_K=True, SILU=True, PREFETCH=True, L2PF=2), 8, True),
+        "gemv_w4a16": (_w4a16_triton._gemv_kernel, dict(w4, PREFETCH=True, L2PF=2), 2, True),
+        "gemv_w4a16_h2": (_w4a16_triton._gemv_h2_kernel,
+                          dict(w4, PREFETCH=True, RUNW=2, ASM=True, KMAJOR=True, L2PF=2), 2, True),
+        "dot_w4a16": (_w4a16_triton._dot_kernel, dict(w4, BN=64, BK=128, NGB=1, BM=16, ASM=True), 4, False),
+        "add_rms_norm": (fused._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=4096), 8, True),
+        "act_mul": (fused._act_mul_kernel, dict(BLOCK=1024, ACT=0), 4, False),
+        "decode_rope": (paged_attention._decode_rope_kernel,
+                        dict(HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True), 4, False),
+        "combine": (paged_attention._combine_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_S=32), 4, False),
+    }
+
+
+def ptx_of(fn, constexprs: dict, num_warps: int) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs or name in ("PDL",):
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = POINTERS.get(name, "*fp16")
+        else:
+            sig[name] = "fp32" if name in FLOATS else "i32"
+    names = list(sig)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in sig if sig[a].startswith("*")}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=dict(constexprs), attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": 2}).asm["ptx"]
+
+
+def facts(ptx: str) -> dict:
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
+    before = lines[:waits[0]] if waits else []
+    return {
+        "waits": len(waits),
+        "releases": sum(ln.startswith("griddepcontrol.launch_dependents") for ln in lines),
+        "stores_before_wait": sum(bool(re.match(r"(@%p\d+ )?(st|atom|red)\.", ln)) for ln in before),
+        "loads_before_wait": sum(bool(re.match(r"(@%p\d+ )?ld\.global", ln)) for ln in before),
+        "l2_prefetches_before_wait": sum("cp.async.bulk.prefetch.L2" in ln for ln in before),
+    }
+
+
+def main() -> None:
+    out = {}
+    for name, (fn, cx, warps, _) in kernels().items():
+        out[name] = {"pdl": facts(ptx_of(fn, dict(cx, PDL=True), warps)),
+                     "no_pdl": facts(ptx_of(fn, dict(cx, PDL=False), warps))}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

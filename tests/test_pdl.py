@@ -1,0 +1,145 @@
+"""Programmatic dependent launch (`vlmctl.runtime.kernels.pdl`).
+
+Without a GPU: the switch, and the contract each decode-step kernel keeps when launched with PDL,
+read from its sm_90 PTX (compiled here by Triton's bundled ptxas in a subprocess): it waits for the
+previous kernel exactly once, and before that wait it stores nothing (no st / atom / red), so it
+cannot overwrite what the previous kernel still reads; the GEMVs do load (their first weights) and
+prefetch into L2 before it, which is the point. With PDL off the kernels carry no grid-dependency
+instruction at all.
+
+On a GPU (`gpu` marks): chains of RMSNorm -> GEMV kernels, each reading the previous one's output,
+give bit-identical results with PDL (and the L2 prefetch) on and off, eagerly and replayed from a
+CUDA graph; a missing wait would read stale activations. The engine-level check is in
+tests/test_gpu_runtime.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+HAS_CUDA = torch.cuda.is_available()
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def ptx_facts():
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(HERE / "pdl_ptx.py")], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_every_step_kernel_waits_once_and_stores_nothing_before(ptx_facts):
+    sys.path.insert(0, str(HERE))
+    from pdl_ptx import kernels
+
+    expected = kernels()
+    assert set(ptx_facts) == set(expected)
+    for name, f in ptx_facts.items():
+        on, off = f["pdl"], f["no_pdl"]
+        assert on["waits"] == 1 and on["releases"] == 1, (name, on)
+        assert on["stores_before_wait"] == 0, (name, on)
+        assert off["waits"] == 0 and off["releases"] == 0, (name, off)
+        if expected[name][3]:  # reads weights ahead of the wait
+            assert on["loads_before_wait"] > 0, (name, on)
+        if name.startswith("gemv"):
+            assert on["l2_prefetches_before_wait"] > 0, (name, on)
+
+
+def test_switch(monkeypatch):
+    from vlmctl.runtime.kernels import pdl
+
+    monkeypatch.setenv("VLMCTL_PDL", "auto")
+    assert not pdl.enabled(torch.device("cpu"))
+    assert pdl.launch_kwargs(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setenv("VLMCTL_PDL", "off")
+    assert pdl.mode() == "0"
+    monkeypatch.setenv("VLMCTL_PDL", "sometimes")
+    with pytest.raises(ValueError, match="VLMCTL_PDL"):
+        pdl.mode()
+    monkeypatch.delenv("VLMCTL_PDL")
+    assert pdl.l2_prefetch_blocks("int4") == pdl.DEFAULT_L2_PREFETCH["int4"]
+    monkeypatch.setenv("VLMCTL_L2_PREFETCH", "3")
+    assert pdl.l2_prefetch_blocks("fp16") == 3
+    for bad in ("-1", "lots"):
+        monkeypatch.setenv("VLMCTL_L2_PREFETCH", bad)
+        with pytest.raises(ValueError, match="VLMCTL_L2_PREFETCH"):
+            pdl.l2_prefetch_blocks("int4")
+
+
+def _chain(kind: str):
+    """RMSNorm -> GEMV, eight times, each GEMV's output the next norm's input (4096 x 4096 weights)."""
+    from vlmctl.runtime.kernels import fused, gemv
+    from vlmctl.runtime.kernels import w4a16 as W
+
+    n = k = 4096
+    g = 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    norm_w = (torch.rand(k, generator=gen, device="cuda") + 0.5).half()
+    if kind == "fp16":
+        ws = [(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).half() for _ in range(8)]
+        cfg = gemv.heuristic_config(1, n, k)
+
+        def lin(x, w):
+            return gemv.launch(x, w, cfg)
+    else:
+        ws = []
+        for _ in range(8):
+            codes = torch.randint(0, 16, (n, k), generator=gen, device="cuda", dtype=torch.int32)
+            zeros = torch.randint(0, 16, (n, k // g), generator=gen, device="cuda", dtype=torch.int32)
+            scales = torch.rand(n, k // g, generator=gen, device="cuda") * 2 * k ** -0.5 / 4
+            ws.append(W.pack(codes, zeros, scales, g))
+        cfg = W.heuristic_h2_config(1, n, k, g) if kind == "h2" else W.heuristic_config(1, n, k, g)
+
+        def lin(x, p):
+            return W.launch(x, p, g, cfg)
+
+    x0 = torch.randn(1, k, generator=gen, device="cuda").half()
+
+    def run():
+        x = x0
+        for w in ws:
+            x = lin(fused.add_rms_norm(x, norm_w, 1e-6), w)
+        return x
+
+    return run
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["fp16", "h2", "gemv"])
+def test_gpu_pdl_chain_equals_plain_launches(kind, monkeypatch):
+    from vlmctl.runtime.kernels import pdl
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0")
+    monkeypatch.setenv("VLMCTL_PDL", "0")
+    run = _chain(kind)
+    plain = run()
+    monkeypatch.setenv("VLMCTL_PDL", "1")
+    monkeypatch.setenv("VLMCTL_L2_PREFETCH", "2")
+    assert pdl.enabled(plain.device)
+    eager = run()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(plain).all() and plain.abs().max() > 0
+    assert torch.equal(eager, plain)
+    assert torch.equal(out, plain)
