@@ -8,7 +8,7 @@ conversions and FMAs. Rows past N are read clamped to row N - 1 (valid memory, r
 the loads carry no row mask; only a K tail (K not a multiple of BK) is masked.
 
 SILU: x is not read from x_ptr[m, :K] but computed as silu(g) * u from the gate_up output row
-[g (K) | u (K)] (rounded to the activation dtype, as the separate SiLU·mul kernel stores it), so a
+[g (K) | u (K)] (rounded as the separate act_mul kernel rounds it: the SiLU, then the product), so a
 down_proj needs neither that kernel nor its intermediate.
 
 Split-K is reduced in-kernel by `_w4a16_triton._finish` (fp32 partials in a workspace, a per-tile ticket,
@@ -35,9 +35,10 @@ def _x_block(x_row, k, K, SILU: tl.constexpr, EVEN_K: tl.constexpr):
         a = tl.load(x_row + k, mask=k < K, other=0.0)
         if SILU:
             u = tl.load(x_row + K + k, mask=k < K, other=0.0)
-    if SILU:
+    if SILU:  # rounded as torch's F.silu(g) * u: the SiLU to the activation dtype, then the product
+        dt = x_row.dtype.element_ty
         g = a.to(tl.float32)
-        a = (g / (1.0 + tl.exp(-g)) * u.to(tl.float32)).to(x_row.dtype.element_ty)
+        a = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u.to(tl.float32)).to(dt)
     return a.to(tl.float32)
 
 
