@@ -35,11 +35,13 @@ def kernels():
         "gemv_w4a16": (_w4a16_triton._gemv_kernel, dict(w4, PREFETCH=True, L2PF=2), 2, True),
         "gemv_w4a16_h2": (_w4a16_triton._gemv_h2_kernel,
                           dict(w4, PREFETCH=True, RUNW=2, ASM=True, KMAJOR=True, L2PF=2), 2, True),
+        "gemv_w4a16_h2_silu": (_w4a16_triton._gemv_h2_kernel,
+                               dict(w4, PREFETCH=True, RUNW=2, ASM=True, KMAJOR=True, L2PF=2, SILU=True), 2, True),
         "dot_w4a16": (_w4a16_triton._dot_kernel, dict(w4, BN=64, BK=128, NGB=1, BM=16, ASM=True), 4, False),
         "add_rms_norm": (fused._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=4096), 8, True),
         "act_mul": (fused._act_mul_kernel, dict(BLOCK=1024, ACT=0), 4, False),
         "decode_rope": (paged_attention._decode_rope_kernel,
-                        dict(HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True), 4, False),
+                        dict(HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True, BLOCK_S=32), 4, True),
         "combine": (paged_attention._combine_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_S=32), 4, False),
     }
 
@@ -70,7 +72,9 @@ def facts(ptx: str) -> dict:
     return {
         "waits": len(waits),
         "releases": sum(ln.startswith("griddepcontrol.launch_dependents") for ln in lines),
-        "stores_before_wait": sum(bool(re.match(r"(@%p\d+ )?(st|atom|red)\.", ln)) for ln in before),
+        # global memory only: shared-memory stores before the wait (layout changes of loaded tiles) are
+        # private to the program
+        "stores_before_wait": sum(bool(re.match(r"(@%p\d+ )?(st\.global|atom\.|red\.)", ln)) for ln in before),
         "loads_before_wait": sum(bool(re.match(r"(@%p\d+ )?ld\.global", ln)) for ln in before),
         "l2_prefetches_before_wait": sum("cp.async.bulk.prefetch.L2" in ln for ln in before),
     }

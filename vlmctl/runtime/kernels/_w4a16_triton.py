@@ -375,9 +375,12 @@ def _h2_x(x_row, off, KX, SILU: tl.constexpr, ASM: tl.constexpr):
                                (u & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True))
             hi = _silu_mul_f16((g >> 16).to(tl.int16).to(tl.float16, bitcast=True),
                                (u >> 16).to(tl.int16).to(tl.float16, bitcast=True))
-            return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
-        return _silu_mul_f16(g, u)
-    return tl.load(x_row + off)
+            x = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+        else:
+            x = _silu_mul_f16(g, u)
+    else:
+        x = tl.load(x_row + off)
+    return x
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K", "MAGIC", "MAGIC16"])
