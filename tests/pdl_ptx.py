@@ -14,7 +14,6 @@ import re
 import sys
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 POINTERS = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "part_ptr": "*fp32",
@@ -41,7 +40,7 @@ def kernels():
         "add_rms_norm": (fused._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=4096), 8, True),
         "act_mul": (fused._act_mul_kernel, dict(BLOCK=1024, ACT=0), 4, False),
         "decode_rope": (paged_attention._decode_rope_kernel,
-                        dict(HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True, BLOCK_S=32), 4, True),
+                        dict(HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True), 4, False),
         "combine": (paged_attention._combine_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_S=32), 4, False),
     }
 
@@ -81,6 +80,9 @@ def facts(ptx: str) -> dict:
 
 
 def main() -> None:
+    # compiled, not interpreted: set before any kernel module is imported (tests/test_pdl.py imports
+    # this module for `kernels` only, and must keep its interpreter mode)
+    os.environ["TRITON_INTERPRET"] = "0"
     out = {}
     for name, (fn, cx, warps, _) in kernels().items():
         out[name] = {"pdl": facts(ptx_of(fn, dict(cx, PDL=True), warps)),

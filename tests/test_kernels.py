@@ -188,7 +188,7 @@ def test_paged_decode_window_reference_is_explicit():
 @pytest.mark.parametrize("window", [None, 7])
 def test_paged_decode_with_rope_and_append(dtype, n_q, n_kv, splits, window):
     """The fused decode kernel == rotary + KV append + attention as separate reference operations."""
-    from vlmctl.runtime.kernels.paged_attention import decode_workspace, paged_decode_rope
+    from vlmctl.runtime.kernels.paged_attention import paged_decode_rope
 
     g = torch.Generator().manual_seed(5)
     B, bs, nblocks, maxb, d = 3, 8, 24, 6, 32
@@ -206,13 +206,13 @@ def test_paged_decode_with_rope_and_append(dtype, n_q, n_kv, splits, window):
     ops.rope_and_cache_reference(qkv_ref, cos_sin, pos, n_q, n_kv, d, kc_ref, vc_ref, slots.to(DEV))
     want = ops.paged_decode_reference(qkv_ref[:, :n_q * d].view(B, n_q, d).float(), kc_ref.float(), vc_ref.float(),
                                       tables.to(DEV), lens.to(DEV), d ** -0.5, window)
-    ws = decode_workspace(B, n_q, n_kv, d, splits, DEV) if splits > 1 else None
+    ws = (torch.empty(B * n_q * splits, d, device=DEV), torch.empty(B * n_q * splits, 2, device=DEV)) \
+        if splits > 1 else None
     kc0, vc0 = kc.clone(), vc.clone()
     got = paged_decode_rope(qkv, cos_sin, pos, slots.to(DEV), kc, vc, tables.to(DEV), lens.to(DEV), d ** -0.5, n_q,
                             n_kv, num_splits=splits, workspace=ws, window=window)
     assert rel_err(got, want) < 3e-3
-    if ws is not None:  # the in-kernel combine's tickets are left at zero for the next launch (a graph replay)
-        assert int(ws[2].abs().sum()) == 0
+    if ws is not None:  # a workspace is reusable (as a captured step reuses it across layers)
         again = paged_decode_rope(qkv, cos_sin, pos, slots.to(DEV), kc0, vc0, tables.to(DEV), lens.to(DEV),
                                   d ** -0.5, n_q, n_kv, num_splits=splits, workspace=ws, window=window)
         assert torch.equal(again, got)

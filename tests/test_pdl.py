@@ -4,8 +4,8 @@ Without a GPU: the switch, and the contract each decode-step kernel keeps when l
 read from its sm_90 PTX (compiled here by Triton's bundled ptxas in a subprocess): it waits for the
 previous kernel exactly once, and before that wait it writes no global memory (no st.global, atom,
 red), so it cannot overwrite what the previous kernel still reads; the GEMVs (their first weights)
-and the decode attention (its first tile of cached K/V) do load before it, which is the point, and
-the GEMVs also prefetch into L2 there. With PDL off the kernels carry no grid-dependency
+and the RMSNorm (its weight) do load before it, which is the point, and the GEMVs also prefetch
+into L2 there. With PDL off the kernels carry no grid-dependency
 instruction at all.
 
 On a GPU (`gpu` marks): chains of RMSNorm -> GEMV kernels, each reading the previous one's output,

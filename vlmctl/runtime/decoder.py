@@ -848,9 +848,8 @@ class TorchDecoder:
     def _workspace(self, B: int, splits: int):
         if splits <= 1:
             return None
-        from .kernels.paged_attention import decode_workspace
-
-        return decode_workspace(B, self.n_heads, self.n_kv, self.head_dim, splits, self.device)
+        return (torch.empty((B * self.n_heads * splits, self.head_dim), dtype=torch.float32, device=self.device),
+                torch.empty((B * self.n_heads * splits, 2), dtype=torch.float32, device=self.device))
 
     # ---- full causal forward without the cache ---------------------------------------------------
     @torch.inference_mode()

@@ -89,75 +89,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_
 
 
 @triton.jit
-def _load_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, tile, end, stride_bt, stride_kb, stride_ks, stride_kh, block_size,
-               HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The cached K (as its two rotary halves) and V of positions [tile, tile + BLOCK_N) below `end`."""
-    n = tl.arange(0, BLOCK_N)
-    h = tl.arange(0, HALF)
-    d = tl.arange(0, HEAD_DIM)
-    tok = tile + n
-    valid = tok < end
-    blk = tl.load(bt_ptr + seq * stride_bt + tok // block_size, mask=valid, other=0)
-    row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
-    k1 = tl.load(k_ptr + row[:, None] + h[None, :], mask=valid[:, None], other=0.0)
-    k2 = tl.load(k_ptr + row[:, None] + HALF + h[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    return k1, k2, v, valid
-
-
-@triton.jit
-def _attend_tile(q1, q2, k1, k2, v, valid, m_i, l_i, acc, scale_log2):
-    """One online-softmax step over a tile (log2 domain): returns the updated (max, sum, acc)."""
-    s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale_log2
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _combine_heads(part_ptr, ml_ptr, out_ptr, seq, kvh, group, n_q_heads, num_splits, stride_ot, stride_oh,
-                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The split-K combine of `_combine_kernel` for the query heads of one KV head, read from L2 (.cg:
-    the other programs' partials, after the ticket's acquire)."""
-    s = tl.arange(0, BLOCK_S)
-    smask = s < num_splits
-    d = tl.arange(0, HEAD_DIM)
-    for gi in range(group):
-        head = kvh * group + gi
-        base = (seq * n_q_heads + head) * num_splits
-        m = tl.load(ml_ptr + (base + s) * 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(ml_ptr + (base + s) * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
-        m_all = tl.max(m, 0)
-        w = tl.where(m > float("-inf"), tl.math.exp2(m - m_all), 0.0)
-        denom = tl.sum(l * w, 0)
-        part = tl.load(part_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0,
-                       cache_modifier=".cg")
-        o = tl.sum(part * w[:, None], 0) / denom
-        tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
 def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr,
-                        ml_ptr, cnt_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot,
-                        stride_oh, scale_log2, block_size, group, num_splits, n_q_heads, n_kv_heads, window,
+                        ml_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+                        scale_log2, block_size, group, num_splits, n_q_heads, n_kv_heads, window,
                         HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                        BLOCK_S: tl.constexpr = 2, HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False):
+                        HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False):
     """`_decode_kernel` with the new token's rotary and KV append folded in: q and k of the token are
     rotated here (rounded per term as transformers does), the split that owns the last position
-    writes k and v to the cache and attends to them from registers, the others read the cache.
-
-    Split-K is combined in-kernel: each split stores its partial (un-normalized acc, max, sum), takes a
-    ticket from a per-(sequence, KV head) counter, and the last one combines them for the KV head's
-    query heads in a fixed order (as `_combine_kernel`), then resets the counter.
-
-    With PDL (`pdl`) the first tile of cached K/V is loaded before the wait: positions before the new
-    token were written by earlier steps, and the block table, lengths and positions are the step's
-    inputs, so nothing launched in this step writes them; q, k and v of the new token come after it."""
+    writes k and v to the cache and attends to them from registers, the others read the cache."""
     pdl.release(PDL)
+    pdl.wait(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -168,16 +109,12 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
 
     g = tl.arange(0, BLOCK_G)
     h = tl.arange(0, HALF)
-    d = tl.arange(0, HEAD_DIM)
     gmask = g < group
     heads = kvh * group + g
+    row_q = qkv_ptr + seq * stride_qt
     pos = tl.load(pos_ptr + seq)
     c = tl.load(cos_sin_ptr + pos * stride_cs + h)
     sn = tl.load(cos_sin_ptr + pos * stride_cs + HALF + h)
-    k1, k2, v, valid = _load_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, start, end, stride_bt, stride_kb, stride_ks,
-                                  stride_kh, block_size, HALF, HEAD_DIM, BLOCK_N)
-    pdl.wait(PDL)
-    row_q = qkv_ptr + seq * stride_qt
     q1 = tl.load(row_q + heads[:, None] * HEAD_DIM + h[None, :], mask=gmask[:, None], other=0.0)
     q2 = tl.load(row_q + heads[:, None] * HEAD_DIM + HALF + h[None, :], mask=gmask[:, None], other=0.0)
     dt = q1.dtype
@@ -192,45 +129,50 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    d = tl.arange(0, HEAD_DIM)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    if start < end:  # the first tile, loaded above (an empty span attends to nothing cached)
-        m_i, l_i, acc = _attend_tile(q1, q2, k1, k2, v, valid, m_i, l_i, acc, scale_log2)
-    for tile in range(start + BLOCK_N, end, BLOCK_N):
-        k1, k2, v, valid = _load_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, tile, end, stride_bt, stride_kb, stride_ks,
-                                      stride_kh, block_size, HALF, HEAD_DIM, BLOCK_N)
-        m_i, l_i, acc = _attend_tile(q1, q2, k1, k2, v, valid, m_i, l_i, acc, scale_log2)
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(start, end, BLOCK_N):
+        tok = tile + n
+        valid = tok < end
+        blk = tl.load(bt_ptr + seq * stride_bt + tok // block_size, mask=valid, other=0)
+        row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
+        k1 = tl.load(k_ptr + row[:, None] + h[None, :], mask=valid[:, None], other=0.0)
+        k2 = tl.load(k_ptr + row[:, None] + HALF + h[None, :], mask=valid[:, None], other=0.0)
+        s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
     if owner:
         kb = row_q + (n_q_heads + kvh) * HEAD_DIM
         b1 = tl.load(kb + h).to(tl.float32)
         b2 = tl.load(kb + HALF + h).to(tl.float32)
-        kn1 = ((b1 * c1).to(dt).to(tl.float32) - (b2 * s1).to(dt).to(tl.float32)).to(dt)
-        kn2 = ((b2 * c1).to(dt).to(tl.float32) + (b1 * s1).to(dt).to(tl.float32)).to(dt)
-        vn = tl.load(row_q + (n_q_heads + n_kv_heads + kvh) * HEAD_DIM + d)
+        k1 = ((b1 * c1).to(dt).to(tl.float32) - (b2 * s1).to(dt).to(tl.float32)).to(dt)
+        k2 = ((b2 * c1).to(dt).to(tl.float32) + (b1 * s1).to(dt).to(tl.float32)).to(dt)
+        v = tl.load(row_q + (n_q_heads + n_kv_heads + kvh) * HEAD_DIM + d)
         slot = tl.load(slot_ptr + seq)
         dst = (slot // block_size).to(tl.int64) * stride_kb + (slot % block_size) * stride_ks + kvh * stride_kh
-        tl.store(k_ptr + dst + h, kn1)
-        tl.store(k_ptr + dst + HALF + h, kn2)
-        tl.store(v_ptr + dst + d, vn)
-        s_new = tl.sum(q1.to(tl.float32) * kn1.to(tl.float32)[None, :]
-                       + q2.to(tl.float32) * kn2.to(tl.float32)[None, :], 1) * scale_log2
+        tl.store(k_ptr + dst + h, k1)
+        tl.store(k_ptr + dst + HALF + h, k2)
+        tl.store(v_ptr + dst + d, v)
+        s_new = tl.sum(q1.to(tl.float32) * k1.to(tl.float32)[None, :] + q2.to(tl.float32) * k2.to(tl.float32)[None, :],
+                       1) * scale_log2
         m_new = tl.maximum(m_i, s_new)
         alpha = tl.math.exp2(m_i - m_new)
         p_new = tl.math.exp2(s_new - m_new)
         l_i = l_i * alpha + p_new
-        acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
+        acc = acc * alpha[:, None] + p_new[:, None] * v.to(tl.float32)[None, :]
         m_i = m_new
     if SPLIT:
-        pidx = (seq * n_q_heads + heads) * num_splits + split
+        pidx = (seq * (tl.num_programs(1) * group) + heads) * num_splits + split
         tl.store(part_ptr + pidx[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
         tl.store(ml_ptr + pidx * 2, m_i, mask=gmask)
         tl.store(ml_ptr + pidx * 2 + 1, l_i, mask=gmask)
-        # every thread's partial is written before the ticket is taken (release); see w4a16's _finish
-        tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr + seq * n_kv_heads + kvh, 1, sem="acq_rel")
-        if ticket == num_splits - 1:
-            _combine_heads(part_ptr, ml_ptr, out_ptr, seq, kvh, group, n_q_heads, num_splits, stride_ot, stride_oh,
-                           HEAD_DIM, BLOCK_S)
-            tl.atomic_xchg(cnt_ptr + seq * n_kv_heads + kvh, 0)
     else:
         o = acc / l_i[:, None]
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(dt), mask=gmask[:, None])
@@ -288,28 +230,24 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
     out = torch.empty((B, n_q, D), dtype=qkv.dtype, device=qkv.device)
     split = num_splits > 1
     if split:
-        part, ml, cnt = workspace if workspace is not None else decode_workspace(B, n_q, n_kv, D, num_splits,
-                                                                                 qkv.device)
+        if workspace is None:
+            workspace = (torch.empty((B * n_q * num_splits, D), dtype=torch.float32, device=qkv.device),
+                         torch.empty((B * n_q * num_splits, 2), dtype=torch.float32, device=qkv.device))
+        part, ml = workspace
     else:
         part = ml = out
-        cnt = context_lens  # unused
     _decode_rope_kernel[(B, n_kv, num_splits)](
-        qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, out, part, ml, cnt,
+        qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, out, part, ml,
         qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group,
         num_splits, n_q, n_kv, window or 0, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=64 if D <= 128 else 32, SPLIT=split, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        HAS_WINDOW=window is not None, num_warps=4, num_stages=2, **pdl.launch_kwargs(qkv.device))
+        BLOCK_N=64 if D <= 128 else 32, SPLIT=split, HAS_WINDOW=window is not None, num_warps=4, num_stages=2,
+        **pdl.launch_kwargs(qkv.device))
+    if split:
+        _combine_kernel[(B, n_q)](part, ml, out, out.stride(0), out.stride(1), n_q, num_splits, HEAD_DIM=D, D_PAD=D,
+                                  BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+                                  **pdl.launch_kwargs(qkv.device))
     return out
-
-
-def decode_workspace(batch: int, n_q: int, n_kv: int, head_dim: int, num_splits: int, device):
-    """Split-K buffers of the decode kernels: partial outputs [B * Hq * splits, d] and (max, sum) pairs
-    (float32), and the per-(sequence, KV head) tickets of `paged_decode_rope`'s in-kernel combine
-    (zeroed; each launch leaves them zero). `paged_decode` uses the first two."""
-    return (torch.empty((batch * n_q * num_splits, head_dim), dtype=torch.float32, device=device),
-            torch.empty((batch * n_q * num_splits, 2), dtype=torch.float32, device=device),
-            torch.zeros(batch * n_kv, dtype=torch.int32, device=device))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -327,7 +265,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     BLOCK_N = 64 if D <= 128 else 32
     split = num_splits > 1
     if split:
-        part, ml = (workspace if workspace is not None else decode_workspace(B, Hq, Hkv, D, num_splits, q.device))[:2]
+        if workspace is None:
+            workspace = (torch.empty((B * Hq * num_splits, D), dtype=torch.float32, device=q.device),
+                         torch.empty((B * Hq * num_splits, 2), dtype=torch.float32, device=q.device))
+        part, ml = workspace
     else:
         part = ml = out
     _decode_kernel[(B, Hkv, num_splits)](

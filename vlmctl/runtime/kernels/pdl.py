@@ -9,11 +9,8 @@ GEMV's loads are a large part of it; PDL overlaps them with the kernel before. I
 the launches become programmatic edges.
 
 The contract every kernel launched with PDL keeps: before `wait` it writes no global memory and
-reads only what no kernel of the current step writes: weights; the step's inputs (positions, block
-tables, lengths: copied from the host before the step's first, non-PDL, kernel); the KV cache of
-positions before the step's new tokens (written by earlier steps; the decode attention loads its
-first tile of them early). Activations, the new tokens' K/V, split-K workspaces and tickets are
-touched only after it. Completion is transitive (a kernel completes only after its
+reads only weights (nothing in a step writes them); activations, the KV cache, split-K workspaces
+and tickets are touched only after it. Completion is transitive (a kernel completes only after its
 own `wait` returned), so after `wait` everything earlier on the stream has completed too.
 Kernels launched without PDL (torch's, cuBLAS's) wait for their predecessors as usual.
 
