@@ -429,28 +429,6 @@ def test_h2_gemv_configs_and_split_k(kern, cfg):
     assert int(W._WS[str(x.device)]["cnt"].abs().sum()) == 0, "split-K tile counters must be reset"
 
 
-@pytest.mark.parametrize("cfg", [H2_CONFIGS[1], H2_CONFIGS[2], H2_CONFIGS[4], W.Config("dot", 16, 64, 16, 1, 4, 2)],
-                         ids=W.describe)
-def test_silu_mul_fused_into_the_gemv(kern, cfg):
-    """launch(..., silu=True) on gate_up rows [g | u] equals the act_mul kernel followed by the same
-    config, bit for bit (the half2 GEMV computes silu(g) * u itself, rounded as act_mul rounds it; the
-    other kernels run act_mul first), and is within the bound of the float64 product."""
-    from vlmctl.runtime.kernels import fused
-
-    g, n, k = 64, 40, 512
-    p = _case(n, k, g, seed=23, device=kern)
-    gen = torch.Generator().manual_seed(5)
-    gate_up = (torch.randn(2, 2 * k, generator=gen) * 3).half().to(kern)
-    rows = (1,) if cfg.kernel == "gemv_h2" else (1, 2)
-    for m in rows:
-        x = fused.act_mul(gate_up[:m], "silu")
-        fused_y = W.launch(gate_up[:m], p, g, cfg, silu=True)
-        assert torch.equal(fused_y, W.launch(x, p, g, cfg))
-        _check_f64(fused_y, x, p, g, None, H2_TOL)
-    with pytest.raises(ValueError, match="gate | up"):
-        W.launch(gate_up[:1, :k], p, g, cfg, silu=True)
-
-
 def test_h2_gemv_large_activations_do_not_overflow(kern):
     """Activations in the thousands (LLaMA-style outliers): the products are of scaled weights, so the
     fp16 runs stay finite."""
@@ -534,25 +512,6 @@ def test_gpu_h2_7b_shapes_and_graph(name):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_gpu_h2_silu_mul_fused_at_down_proj_shape():
-    """The inline-PTX half2 GEMV with the SiLU·mul prologue at down_proj's shape (4096 x 11008) equals
-    the act_mul kernel followed by the same GEMV, bit for bit."""
-    from vlmctl.runtime.kernels import fused
-
-    n, k = LLAVA_7B["down"]
-    g = 128
-    p = _case(n, k, g, seed=29, device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    gate_up = (torch.randn(1, 2 * k, generator=gen, device="cuda") * 3).half()
-    x = fused.act_mul(gate_up, "silu")
-    for cfg in [W.heuristic_h2_config(1, n, k, g)] + W.h2_candidate_configs(1, n, k, g)[:4]:
-        y = W.launch(gate_up, p, g, cfg, silu=True)
-        assert torch.equal(y, W.launch(x, p, g, cfg)), W.describe(cfg)
-        _check_f64(y, x, p, g, None, H2_TOL)
 
 
 def _run_ptx(asm: str, operands: list[int]) -> float:

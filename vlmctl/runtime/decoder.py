@@ -86,13 +86,6 @@ class W4A16Linear:
 
         return w4a16_linear(x, self.packed, self.group_size, self.bias)
 
-    def silu_mul(self, gate_up):
-        """self(silu(gate) * up) from a gate_up output [T, 2I]; the half2 GEMV (batch-1 fp16 rows) fuses
-        the SiLU·mul, the other kernels run the act_mul kernel first."""
-        from .kernels.w4a16 import w4a16_linear
-
-        return w4a16_linear(gate_up, self.packed, self.group_size, self.bias, silu=True)
-
     def tensors(self):
         yield from self.packed.values()
         if self.bias is not None:
@@ -444,8 +437,8 @@ class TorchDecoder:
                 a = self._norm(a, layer.attn_out_norm)
             h = self._norm(a, layer.post_norm, residual)
             gu = layer.gate_up(h)
-            fuse = self._fuse_silu_down and isinstance(layer.down, (Linear, W4A16Linear))
-            h_out = layer.down.silu_mul(gu) if fuse else layer.down(ops.act_mul(gu, self.activation))
+            h_out = (layer.down.silu_mul(gu) if self._fuse_silu_down and isinstance(layer.down, Linear)
+                     else layer.down(ops.act_mul(gu, self.activation)))
             if layer.mlp_out_norm is not None:
                 h_out = self._norm(h_out, layer.mlp_out_norm)
         return residual, h_out

@@ -354,46 +354,15 @@ def _h2_x_offsets(NGB: tl.constexpr, WPG: tl.constexpr, RUNW: tl.constexpr, ASM:
     return off
 
 
-@triton.jit
-def _silu_mul_f16(g, u):
-    """silu(g) * u for fp16 g, u, rounded as torch's `F.silu(g) * u` (and the act_mul kernel) round it:
-    the SiLU to fp16, then the product."""
-    gf = g.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(tl.float16)
-    return (act.to(tl.float32) * u.to(tl.float32)).to(tl.float16)
-
-
-@triton.jit
-def _h2_x(x_row, off, KX, SILU: tl.constexpr, ASM: tl.constexpr):
-    """The activations at `off` (`_h2_x_offsets`' units: int32 half2 pairs with ASM, fp16 otherwise).
-    SILU: x_row is a gate_up row [gate (K) | up (K)] and x = silu(gate) * up; KX is K in those units."""
-    if SILU:
-        g = tl.load(x_row + off)
-        u = tl.load(x_row + KX + off)
-        if ASM:  # two fp16 per int32: compute per half, repack
-            lo = _silu_mul_f16((g & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True),
-                               (u & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True))
-            hi = _silu_mul_f16((g >> 16).to(tl.int16).to(tl.float16, bitcast=True),
-                               (u >> 16).to(tl.int16).to(tl.float16, bitcast=True))
-            x = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
-        else:
-            x = _silu_mul_f16(g, u)
-    else:
-        x = tl.load(x_row + off)
-    return x
-
-
 @triton.jit(do_not_specialize=["M", "SPLIT_K", "MAGIC", "MAGIC16"])
 def _gemv_h2_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
                     M, N, K, stride_xm, SPLIT_K, MAGIC, MAGIC16,
                     G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NGB: tl.constexpr, WPG: tl.constexpr,
                     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr, RUNW: tl.constexpr,
                     ASM: tl.constexpr, KMAJOR: tl.constexpr = False, PDL: tl.constexpr = False,
-                    L2PF: tl.constexpr = 0, SILU: tl.constexpr = False):
+                    L2PF: tl.constexpr = 0):
     """The GEMV for fp16 activations with half2 dequantization and short fp16 runs (see
-    `_gemv_h2_block`); otherwise as `_gemv_kernel` (one x row per program, PREFETCH, split-K, PDL).
-    SILU: x rows are gate_up rows [gate | up] (stride_xm their stride) and the GEMV multiplies
-    silu(gate) * up, so a down_proj needs no separate SiLU·mul kernel."""
+    `_gemv_h2_block`); otherwise as `_gemv_kernel` (one x row per program, PREFETCH, split-K, PDL)."""
     pdl.release(PDL)
     pid_n, pid_m, pid_k, n_tiles = _gemv_pids(KMAJOR)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -416,12 +385,12 @@ def _gemv_h2_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_pt
         w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, first, KW, KG, G, BK, NGB, WPG)
         words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, first * BK, G, EVEN_N)
         pdl.wait(PDL)
-        xv = _h2_x(x_row, first * (BK // XS) + k_off, K // XS, SILU, ASM)
+        xv = tl.load(x_row + first * (BK // XS) + k_off)
         for it in range(it0, it1):
             nxt = tl.minimum(it + 1, it1 - 1)
             w_ptrs += (nxt - it) * (BK // 8)
             words_n, s_n, z_n = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, nxt * BK, G, EVEN_N)
-            xv_n = _h2_x(x_row, nxt * (BK // XS) + k_off, K // XS, SILU, ASM)
+            xv_n = tl.load(x_row + nxt * (BK // XS) + k_off)
             acc = _gemv_h2_block(acc, words, s, z, xv, MAGIC16, BN, NGB, WPG, RUNW, ASM)
             words, s, z, xv = words_n, s_n, z_n, xv_n
     else:
@@ -431,8 +400,7 @@ def _gemv_h2_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_pt
             k0 = it * BK
             words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G, EVEN_N)
             w_ptrs += BK // 8
-            acc = _gemv_h2_block(acc, words, s, z, _h2_x(x_row, k0 // XS + k_off, K // XS, SILU, ASM), MAGIC16,
-                                 BN, NGB, WPG, RUNW, ASM)
+            acc = _gemv_h2_block(acc, words, s, z, tl.load(x_row + k0 // XS + k_off), MAGIC16, BN, NGB, WPG, RUNW, ASM)
     offs_m = pid_m + tl.arange(0, 1)
     out = tl.sum(tl.reshape(acc, (BN, NGB * (WPG // RUNW))), axis=1)  # across the lanes, once
     _finish(out[:, None], offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr,

@@ -376,24 +376,15 @@ def _buffer(device, name: str, numel: int, dtype, zero: bool = False):
     return t
 
 
-def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=None, *, silu: bool = False):
+def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=None):
     """Run one config on x2 [M, K] (contiguous rows) -> [M, N] in x2's dtype. Under TRITON_INTERPRET=1
-    this runs on CPU tensors too (tests); `w4a16_linear` is the entry point for callers.
-    silu: x2 is [M, 2K], gate then up, and the linear takes silu(gate) * up (fused into the half2
-    GEMV; the other kernels get it from the act_mul kernel first)."""
+    this runs on CPU tensors too (tests); `w4a16_linear` is the entry point for callers."""
     import torch
 
     kern = _triton_kernels()
     qw, s, z = (packed[key] for key in KEYS)
-    n, k = qw.shape[0], qw.shape[1] * PACK
-    m = x2.shape[0]
-    if x2.shape[1] != (2 * k if silu else k):
-        raise ValueError(f"x has {x2.shape[1]} features; the weight [N={n}, K={k}] expects "
-                         f"{2 * k if silu else k}{' (gate | up)' if silu else ''}")
-    if silu and config.kernel != "gemv_h2":
-        from .fused import act_mul
-
-        return launch(act_mul(x2, "silu"), packed, group_size, config, bias, out)
+    m, k = x2.shape
+    n = qw.shape[0]
     if not config.valid_for(n, k, group_size):
         raise ValueError(f"{config} does not fit N={n} K={k} G={group_size}")
     if bias is not None and bias.dtype != x2.dtype:
@@ -441,7 +432,7 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     if config.kernel == "gemv":
         kern._gemv_kernel[grid](*args, **common)
     elif config.kernel == "gemv_h2":
-        kern._gemv_h2_kernel[grid](*args, RUNW=config.run_words, ASM=not _interpreting(), SILU=silu, **common)
+        kern._gemv_h2_kernel[grid](*args, RUNW=config.run_words, ASM=not _interpreting(), **common)
     elif config.kernel == "dot":
         kern._dot_kernel[grid](*args, BM=config.block_m, **common)
     else:
@@ -465,33 +456,25 @@ def dequantize_into(packed: dict, group_size: int, w, block_n: int = 64, block_k
         ASM=not _interpreting(), num_warps=4)
 
 
-def w4a16_linear(x, packed: dict, group_size: int, bias=None, *, silu: bool = False):
-    """y = x @ W^T (+ bias) for x [..., K] with W packed; y has x's dtype and device. silu: x is
-    [..., 2K] (gate | up) and y = (silu(gate) * up) @ W^T.
+def w4a16_linear(x, packed: dict, group_size: int, bias=None):
+    """y = x @ W^T (+ bias) for x [..., K] with W packed; y has x's dtype and device.
 
     CUDA with triton and fp16/bf16 x: the Triton kernels, config per `select_config`. Otherwise the
     torch reference (dequantized once per weight, dtype and device, then cached).
     """
     qw = packed["q4weight"]
     n, k = qw.shape[0], qw.shape[1] * PACK
-    kx = 2 * k if silu else k
-    if x.shape[-1] != kx:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight expects {kx}{' (gate | up)' if silu else ''}")
-    x2 = x.reshape(-1, kx)
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight expects {k}")
+    x2 = x.reshape(-1, k)
     import torch
 
     if x2.device.type != "cuda" or x2.dtype not in (torch.float16, torch.bfloat16) or not triton_available():
-        if silu:
-            import torch.nn.functional as F
-
-            g, u = x2.chunk(2, -1)
-            x2 = F.silu(g) * u
         y = _reference_linear(x2, packed, group_size, bias)
     else:
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = launch(x2, packed, group_size, select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device), bias,
-                   silu=silu)
+        y = launch(x2, packed, group_size, select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device), bias)
     return y.reshape(*x.shape[:-1], n)
 
 
