@@ -34,7 +34,6 @@ def kernels():
         "gemv_w4a16": (_w4a16_triton._gemv_kernel, dict(w4, PREFETCH=True, L2PF=2), 2, True),
         "gemv_w4a16_h2": (_w4a16_triton._gemv_h2_kernel,
                           dict(w4, PREFETCH=True, RUNW=2, ASM=True, KMAJOR=True, L2PF=2), 2, True),
-        "dot_w4a16": (_w4a16_triton._dot_kernel, dict(w4, BN=64, BK=128, NGB=1, BM=16, ASM=True), 4, False),
         "add_rms_norm": (fused._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=4096), 8, True),
         "act_mul": (fused._act_mul_kernel, dict(BLOCK=1024, ACT=0), 4, False),
         "decode_rope": (paged_attention._decode_rope_kernel,

@@ -412,8 +412,7 @@ def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
                 M, N, K, stride_xm, SPLIT_K, MAGIC, MAGIC16,
                 G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, NGB: tl.constexpr,
                 WPG: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr,
-                KMAJOR: tl.constexpr = False, PDL: tl.constexpr = False):
-    pdl.release(PDL)
+                KMAJOR: tl.constexpr = False):
     pid_n, pid_m, pid_k, n_tiles = _gemv_pids(KMAJOR)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -426,7 +425,6 @@ def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
     dtype = x_ptr.dtype.element_ty
     w_ptrs, s_ptrs, z_ptrs = _block_ptrs(qw_ptr, s_ptr, z_ptr, offs_n, it0, KW, KG, G, BK, NGB, WPG)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    pdl.wait(PDL)  # (the first weight block is not loaded ahead: Triton pipelines this loop itself)
     for it in range(it0, it1):
         k0 = it * BK
         words, s, z = _load_block(w_ptrs, s_ptrs, z_ptrs, n_mask, k0, G, EVEN_N)

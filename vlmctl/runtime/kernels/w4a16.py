@@ -418,9 +418,13 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     from .pdl import l2_prefetch_blocks, launch_kwargs
 
     common = dict(G=group_size, BN=config.block_n, BK=bk, NGB=ngb, WPG=wpg, HAS_BIAS=has_bias,
-                  EVEN_N=n % config.block_n == 0, num_warps=config.num_warps, **launch_kwargs(x2.device))
-    if gemv and common["PDL"] and k % 32 == 0 and bk % 32 == 0 and qw.data_ptr() % 16 == 0:
-        common["L2PF"] = l2_prefetch_blocks("int4")  # (the bulk L2 prefetch needs 16-byte aligned rows and sizes)
+                  EVEN_N=n % config.block_n == 0, num_warps=config.num_warps)
+    # PDL for the GEMVs only: with the tensor-core kernel launched with it too, AWQ batch-64 steps were
+    # slower (H200: 11.23 vs 10.76 ms with PDL off everywhere; batch 8 unchanged; docs/benchmarks.md)
+    if gemv:
+        common.update(launch_kwargs(x2.device))
+        if common["PDL"] and k % 32 == 0 and bk % 32 == 0 and qw.data_ptr() % 16 == 0:
+            common["L2PF"] = l2_prefetch_blocks("int4")  # (the bulk L2 prefetch: 16-byte aligned rows and sizes)
     if config.kernel == "dot":
         common.update(ASM=not _interpreting(), num_stages=config.num_stages)
     else:  # the GEMV's stages are its own register prefetch (Triton does not pipeline non-dot loads)
