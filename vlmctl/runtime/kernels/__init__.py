@@ -8,6 +8,8 @@ is free. Each kernel has a torch reference that the CPU runs and the tests compa
                    used where the tuned table has the shape (w4a16.gemv_mode; reference: F.linear)
   w4a16            4-bit AWQ weights x fp16/bf16 activations: the packed on-device layout, the repack
                    from AutoAWQ's GEMM layout, and the linear (Triton on CUDA, a torch reference elsewhere)
+  pdl              programmatic dependent launch of the step's kernels (sm_90+): the switch, the
+                   wait / release helpers every step kernel calls, and the GEMVs' bulk L2 prefetch
 
 Kernel modules import triton themselves and are loaded only on a CUDA device, or by tests under
 `TRITON_INTERPRET=1`, so CPU hosts without triton keep working.
