@@ -34,9 +34,10 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off
     _gdc_wait = _gdc_launch_dependents = None
 
 MODES = ("auto", "0", "1")
-# Measured on an H200 at LLaVA-1.5-7B shapes (docs/benchmarks.md, session 5 r3): the int4 GEMVs'
-# step went from 2.29-2.37 to 2.16-2.17 ms with 1-2 blocks (4: 2.26, 16: 2.48, L2 thrashing); the
-# fp16 GEMVs, already near the bandwidth bound, only lost (3.87-3.94 ms -> 4.09 with 1 block).
+# Measured on an H200 with a 7B decoder at batch 1 (docs/benchmarks.md, session 5 r3): the int4
+# step went from 2.29-2.37 to 2.16-2.17 ms with 1-2 blocks (4: 2.26, 16: 2.48: more than L2 keeps
+# while the previous kernel runs); the fp16 step, its GEMVs already near the bandwidth bound, only
+# lost (3.87-3.94 ms -> 4.09 with 1 block).
 DEFAULT_L2_PREFETCH = {"int4": 2, "fp16": 0}
 _SUPPORTED: dict[str, bool] = {}
 
