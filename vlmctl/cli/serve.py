@@ -31,8 +31,7 @@ def serve_command(
     max_image_side: int = typer.Option(None, "--max-image-side", min=1,
                                        help="Longest image side accepted, in pixels (default 16384)"),
     max_image_aspect_ratio: float = typer.Option(None, "--max-image-aspect-ratio", min=1.0,
-                                                 help="Largest long-side/short-side ratio accepted (default 200, "
-                                                      "as Qwen2-VL's resize)"),
+                                                 help="Largest long-side/short-side ratio accepted (default 200)"),
     feature_cache_size: int = typer.Option(256, "--feature-cache-size", min=0, help="Images whose features are "
                                            "cached"),
     allowed_local_media_path: Path = typer.Option(None, "--allowed-local-media-path",
