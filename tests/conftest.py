@@ -59,6 +59,21 @@ def write_recipe(path: Path, source: Path, **extra) -> Path:
     return path
 
 
+@pytest.fixture
+def triton_device() -> str:
+    """Where the Triton kernels run: 'cuda' when present, else 'cpu' in Triton's interpreter (set above
+    without CUDA); skips where neither is possible."""
+    try:
+        import triton  # noqa: F401
+    except Exception as e:
+        pytest.skip(f"triton is not importable here ({e}); the kernels need it")
+    if not _no_cuda():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA and TRITON_INTERPRET is not 1: the kernels cannot run here")
+    return "cpu"
+
+
 @pytest.fixture(scope="session")
 def tiny_llava(tmp_path_factory) -> Path:
     from tiny_models import make_llava
