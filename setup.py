@@ -12,5 +12,5 @@ setup(
     + ["vlmctl.recipes", "vlmctl.configs"],
     package_dir={"vlmctl.recipes": "recipes", "vlmctl.configs": "configs"},
     # the W4A16 kernels' tuned configs (measured per GPU) are data of their package
-    package_data={"vlmctl.recipes": ["*.yaml"], "vlmctl.configs": ["*.yaml"], "vlmctl.runtime.kernels": ["*.json"]},
+    package_data={"vlmctl.recipes": ["*.yaml"], "vlmctl.configs": ["*.yaml"], "vlmctl.runtime.kernels": ["*.json", "*.cu"]},
 )

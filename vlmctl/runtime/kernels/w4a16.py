@@ -9,6 +9,9 @@ equals `dequantize(...).to(dtype)`.
 Kernels (see `_w4a16_triton.py`): a reduction-form GEMV for batch 1 (and its half2 variant for fp16
 activations, "gemv_h2", where the tuned table has it: `gemv_mode()`), a tensor-core kernel for
 batches up to 64 and for mid-size prefill, and dequantize-to-scratch + cuBLAS for large prefill,
+plus "mma", a CUDA kernel (`w4a16_mma.cu`, compiled at run time by NVRTC through `cuda_rtc`) for fp16
+decode batches where the tuned table picks it (on an H200: the qkv, gate_up and down shapes at
+batches 8-32; `VLMCTL_W4A16_MMA=0` turns it off),
 with split-K reduced in-kernel (deterministic, no memset). Which runs is `select_config(M, N, K, G,
 dtype)`: a measured table (`w4a16_tuned.json` beside this file, per GPU name, written by
 `benchmarks/w4a16_gpu.py --table-out`) or else heuristics. Every launch is CUDA-graph capturable
@@ -74,7 +77,10 @@ class Config:
     """One launch choice. kernel: "gemv" (reduction form, one x row per program), "gemv_h2" (the same
     for fp16 x with half2 dequantization and fp16 runs of run_words packed words, i.e. 8 * run_words
     products, summed in fp16 before fp32), "dot" (tensor cores, block_m rows per program) or
-    "dequant_mm" (dequantize to a scratch weight + cuBLAS).
+    "dequant_mm" (dequantize to a scratch weight + cuBLAS), or "mma" (the CUDA kernel of `w4a16_mma.cu`,
+    compiled at run time by NVRTC: fp16 only, mma.sync with the weights dequantized in registers;
+    block_m rows per tile, num_warps warps of block_n / (8 * num_warps) columns each, 64-wide K chunks
+    in a num_stages-deep cp.async ring).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
     next K block into registers while computing the current one, 1 that it does not."""
 
@@ -87,10 +93,20 @@ class Config:
     num_stages: int = 2
     run_words: int = 0  # gemv_h2 only (1 or 2)
     k_major: bool = False  # GEMVs with split_k > 1: launch the K slices of a row tile side by side
+    warps_m: int = 1  # "mma" only: warps along M (num_warps // warps_m along N)
 
     def valid_for(self, n: int, k: int, group_size: int) -> bool:
         if self.kernel == "dequant_mm":
             return True
+        if self.kernel == "mma":
+            wm = self.warps_m
+            if wm < 1 or self.num_warps % wm or self.block_m % (16 * wm):
+                return False
+            nt, rem = divmod(self.block_n, 8 * (self.num_warps // wm))
+            mt = self.block_m // (16 * wm)
+            return (1 <= mt <= 4 and mt * nt <= 16 and rem == 0 and nt in (1, 2, 4, 8) and self.block_k == 64
+                    and self.num_warps in (1, 2, 4, 8, 16) and 2 <= self.num_stages <= 8 and self.split_k >= 1
+                    and group_size % 64 == 0 and k % group_size == 0 and n % 8 == 0)
         if self.kernel not in ("gemv", "gemv_h2", "dot") or not _pow2(self.block_n) or self.split_k < 1:
             return False
         if self.kernel == "gemv_h2":
@@ -399,6 +415,11 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     y = out if out is not None else torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     if m == 0 or n == 0:
         return y
+    if config.kernel == "mma":
+        if not mma_runs(x2, qw):
+            raise ValueError("the mma kernel needs fp16 x on CUDA with 16-byte aligned rows and weights, and NVRTC")
+        _launch_mma(x2, packed, group_size, config, bias, y)
+        return y
     bk = config.block_k
     ngb, wpg = (bk // group_size, group_size // PACK) if bk >= group_size else (1, bk // PACK)
     grid_n = triton_cdiv(n, config.block_n)
@@ -444,6 +465,74 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     return y
 
 
+MMA_SOURCE = Path(__file__).with_name("w4a16_mma.cu")
+_MMA_TEXT: list = []
+MMA_XS_STRIDE, MMA_WS_STRIDE = 72, 12  # halfs per x row, words per weight row in shared memory (the .cu's)
+MMA_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may opt into on sm_80 / sm_90
+
+
+def mma_source() -> str:
+    if not _MMA_TEXT:
+        _MMA_TEXT.append(MMA_SOURCE.read_text())
+    return _MMA_TEXT[0]
+
+
+def mma_available() -> bool:
+    """Whether the CUDA "mma" kernel can be compiled here (NVRTC found; `VLMCTL_W4A16_MMA=0` turns it off)."""
+    if os.environ.get("VLMCTL_W4A16_MMA", "1").strip() in ("0", "off", "false"):
+        return False
+    from . import cuda_rtc
+
+    return cuda_rtc.available()
+
+
+def mma_runs(x2, qw) -> bool:
+    """The "mma" kernel's preconditions on the inputs (16-byte cp.async of x rows and weight rows)."""
+    import torch
+
+    return (x2.device.type == "cuda" and x2.dtype == torch.float16 and x2.stride(-1) == 1
+            and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0 and qw.data_ptr() % 16 == 0 and mma_available())
+
+
+def mma_kernel_name(config: Config, group_size: int) -> str:
+    """The template instance of `w4a16_mma.cu` that runs `config`."""
+    wm = config.warps_m
+    wn = config.num_warps // wm
+    return (f"w4a16_mma<{config.block_m // (16 * wm)}, {config.block_n // (8 * wn)}, {wm}, {wn}, "
+            f"{config.num_stages}, {group_size}>")
+
+
+def _launch_mma(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:
+    import torch
+
+    from . import cuda_rtc
+
+    qw, s, z = (packed[key] for key in KEYS)
+    m, k = x2.shape
+    n = qw.shape[0]
+    kern = cuda_rtc.load_kernel(mma_source(), mma_kernel_name(config, group_size), x2.device)
+    split = max(1, min(config.split_k, k // group_size))  # the kernel splits K at group boundaries
+    grid = (triton_cdiv(n, config.block_n), split, triton_cdiv(m, config.block_m))
+    mb = max(m, bucket(m))
+    ws = _buffer(x2.device, "ws", split * mb * n if split > 1 else 1, torch.float32)
+    cnt = _buffer(x2.device, "cnt", grid[0] * triton_cdiv(mb, config.block_m) if split > 1 else 1, torch.int32,
+                  zero=True)
+    max_groups = triton_cdiv(k // group_size, split)
+    smem = mma_shared_bytes(config, max_groups)
+    if smem > MMA_MAX_SHARED:
+        raise ValueError(f"{describe(config)} needs {smem} bytes of shared memory at K={k} (at most {MMA_MAX_SHARED}); "
+                         "a larger split_k or fewer stages fit")
+    kern.launch(grid, (32 * config.num_warps, 1, 1), smem,
+                [x2, qw, s, z, bias, y, ws, cnt, m, n, k, x2.stride(0), int(bias is not None), max_groups],
+                x2.device)
+
+
+def mma_shared_bytes(config: Config, max_groups: int) -> int:
+    """Dynamic shared memory of one "mma" block: the cp.async ring, then the block's scales and zero points."""
+    ring = config.num_stages * (config.block_m * MMA_XS_STRIDE * 2 + config.block_n * MMA_WS_STRIDE * 4)
+    return ring + config.block_n * max_groups * 3
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -478,7 +567,10 @@ def w4a16_linear(x, packed: dict, group_size: int, bias=None):
     else:
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = launch(x2, packed, group_size, select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device), bias)
+        cfg = select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device)
+        if cfg.kernel == "mma" and not mma_runs(x2, qw):  # no NVRTC here, or unaligned views: Triton instead
+            cfg = heuristic_config(x2.shape[0], n, k, group_size, _sm_count(x2.device))
+        y = launch(x2, packed, group_size, cfg, bias)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -546,9 +638,11 @@ def tune(packed: dict, group_size: int, m_values, dtype, *, configs=None, warmup
 def describe(config: Config) -> str:
     if config.kernel == "dequant_mm":
         return "dequant_mm"
-    bm = f" bm{config.block_m}" if config.kernel == "dot" else ""
+    bm = f" bm{config.block_m}" if config.kernel in ("dot", "mma") else ""
     run = f" r{config.run_words}" if config.kernel == "gemv_h2" else ""
     km = " kmajor" if config.k_major else ""
+    if config.kernel == "mma" and config.warps_m > 1:
+        km += f" wm{config.warps_m}"
     return (f"{config.kernel} bn{config.block_n} bk{config.block_k}{bm} sk{config.split_k} "
             f"w{config.num_warps} s{config.num_stages}{run}{km}")
 

@@ -1,0 +1,229 @@
+"""The CUDA "mma" W4A16 kernel (runtime/kernels/w4a16_mma.cu) on one GPU: correctness, config sweep, step graph.
+
+    OUT=results python benchmarks/w4a16_mma_gpu.py     (about 60 s on an H200 after ~10 s of NVRTC compiles)
+
+1. correctness: 6 shapes (odd N, K = 128 .. 11008, groups 64 and 128) x M in 1..100 x bias x split-K 1/3
+   against x @ dequantize(W)^T in fp32 (relative Frobenius error), run twice (split-K determinism);
+   one CUDA-graph replay against the eager result.
+2. sweep: per LLaVA-1.5-7B decoder linear and M in 8 16 32 64, every mma config of the grid below
+   (triton.testing.do_bench medians, L2 flushed), against the Triton config the tuned table selects and
+   cuBLAS on the dense fp16 weight.
+3. step graph: 32 layers x 4 linears with distinct weights replayed as one CUDA graph, the best mma
+   config per shape against the tuned Triton configs.
+Writes $OUT/mma_exp.json. The tuned table's "mma" entries (w4a16_tuned.json) were taken from this
+sweep's fastest configs where they beat the Triton kernel (docs/benchmarks.md).
+"""
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+from vlmctl.runtime.kernels import cuda_rtc  # noqa: E402
+from vlmctl.runtime.kernels import w4a16 as W  # noqa: E402
+
+OUT = os.environ.get("OUT", "/tmp")
+dev = torch.device("cuda")
+res = {"correct": [], "sweep": {}, "step": {}}
+T0 = time.perf_counter()
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
+
+
+def make(n, k, g, seed):
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=gen, device=dev, dtype=torch.int32)
+    zeros = torch.randint(0, 16, (n, k // g), generator=gen, device=dev, dtype=torch.uint8)
+    scales = (torch.rand(n, k // g, generator=gen, device=dev) * 0.004 + 0.001).half()
+    return {"q4weight": words, "q4scales": scales, "q4zeros": zeros}
+
+
+def cfg(bm, nt, wn, st, sk, wm=1):
+    return W.Config("mma", block_n=nt * 8 * wn, block_k=64, block_m=bm, split_k=sk, num_warps=wn * wm, num_stages=st,
+                    warps_m=wm)
+
+
+def bm_for(m):
+    return min(64, -(-m // 16) * 16)
+
+
+def precompile(cfgs, gs=(128,)):
+    exprs = sorted({W.mma_kernel_name(c, G) for c in cfgs for G in gs})
+    src = W.mma_source()
+    cap = torch.cuda.get_device_capability()
+    t = time.perf_counter()
+    with ThreadPoolExecutor(16) as ex:
+        list(ex.map(lambda e: cuda_rtc.cached_cubin(src, e, f"sm_{cap[0]}{cap[1]}"), exprs))
+    log(f"compiled {len(exprs)} kernels in {time.perf_counter() - t:.1f}s")
+
+
+log("nvrtc", cuda_rtc.nvrtc_version(), torch.__version__, torch.cuda.get_device_name())
+os.environ.setdefault("VLMCTL_CACHE_DIR", "/var/tmp/vlmctl-cache")
+
+# ------------------------------------------------------------------ correctness
+cases = [(4096, 4096, 128), (12288, 4096, 128), (4096, 11008, 128), (200, 192, 64), (72, 128, 128), (4096, 4096, 64)]
+ms = [1, 5, 16, 17, 40, 64, 100]
+shapes_cfg = [(4, 4, 1), (2, 4, 1), (8, 2, 1), (4, 4, 2)]
+all_c = [c for m in ms for nt, wn, wm in shapes_cfg for sk in (1, 3)
+         if bm_for(m) % (16 * wm) == 0 and (c := cfg(bm_for(m), nt, wn, 4, sk, wm)).valid_for(4096, 4096, 128)]
+precompile(all_c, (64, 128))
+worst = 0.0
+for (n, k, g) in cases:
+    p = make(n, k, g, n + k)
+    wdq = W.dequantize(p, g, torch.float16).float()
+    for m in ms:
+        x = torch.randn(m, k, device=dev, dtype=torch.float16)
+        for bias in (None, torch.randn(n, device=dev, dtype=torch.float16)):
+            ref = x.float() @ wdq.t() + (0 if bias is None else bias.float())
+            tri = W.launch(x, p, g, W.select_config(m, n, k, g, torch.float16, dev), bias).float()
+            e_tri = float((tri - ref).norm() / ref.norm())
+            for nt, wn, wm in shapes_cfg:
+                for sk in (1, 3):
+                    if bm_for(m) % (16 * wm):
+                        continue
+                    c = cfg(bm_for(m), nt, wn, 4, sk, wm)
+                    if not c.valid_for(n, k, g):
+                        continue
+                    y = W.launch(x, p, g, c, bias).float()
+                    y2 = W.launch(x, p, g, c, bias).float()
+                    e = float((y - ref).norm() / ref.norm())
+                    mx = float((y - ref).abs().max() / ref.abs().max())
+                    det = bool(torch.equal(y, y2))
+                    worst = max(worst, e)
+                    if e > 2e-3 or not det:
+                        log(f"BAD n{n} k{k} g{g} m{m} bias{bias is not None} {W.describe(c)}: rel {e:.2e} "
+                            f"max {mx:.2e} det {det} (triton {e_tri:.2e})")
+                    res["correct"].append(dict(n=n, k=k, g=g, m=m, bias=bias is not None, cfg=W.describe(c),
+                                               rel=e, maxrel=mx, det=det, triton_rel=e_tri))
+log(f"correctness: {len(res['correct'])} cases, worst rel err {worst:.2e}")
+
+# graph capture of one launch
+p = make(4096, 4096, 128, 1)
+x = torch.randn(64, 4096, device=dev, dtype=torch.float16)
+c = cfg(64, 4, 4, 4, 4)
+yref = W.launch(x, p, 128, c)
+torch.cuda.synchronize()
+g_ = torch.cuda.CUDAGraph()
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    yy = W.launch(x, p, 128, c)
+torch.cuda.current_stream().wait_stream(s)
+with torch.cuda.graph(g_):
+    yg = W.launch(x, p, 128, c)
+for _ in range(3):
+    g_.replay()
+torch.cuda.synchronize()
+log("graph replay equal:", bool(torch.equal(yg, yref)))
+res["graph_equal"] = bool(torch.equal(yg, yref))
+
+# ------------------------------------------------------------------ sweep
+from triton.testing import do_bench  # noqa: E402
+
+SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
+MS = [8, 16, 32, 64]
+SH = [(2, 4), (4, 4), (4, 2), (8, 2), (2, 8), (4, 8)]
+WM_SH = [(4, 4), (2, 4), (8, 2)]
+SH += [(8, 1), (4, 1)]
+best = {}
+
+
+def cands(m, n, k):
+    out = []
+    bm = bm_for(m)
+    for wm in (1, 2, 4):
+        if bm % (16 * wm):
+            continue
+        for nt, wn in SH:
+            if nt * bm // (16 * wm) > 16 or wm * wn > 16 or (wm > 1 and (nt, wn) not in WM_SH):
+                continue
+            bn = nt * 8 * wn
+            nb = -(-n // bn)
+            for st in (3, 4, 6):
+                for sk in (1, 2, 4, 8, 16):
+                    if sk > 1 and nb * sk > 8 * 132:
+                        continue
+                    if sk <= k // 128:
+                        out.append(cfg(bm, nt, wn, st, sk, wm))
+    return out
+
+
+allc = [c for m in MS for (n, k) in SHAPES.values() for c in cands(m, n, k)]
+precompile(allc)
+bench = lambda fn: do_bench(fn, warmup=3, rep=8, return_mode="median")  # noqa: E731
+for name, (n, k) in SHAPES.items():
+    p = make(n, k, 128, n)
+    wd = W.dequantize(p, 128, torch.float16)
+    for m in MS:
+        x = torch.randn(m, k, device=dev, dtype=torch.float16)
+        tc = W.select_config(m, n, k, 128, torch.float16, dev)
+        t_tri = bench(lambda: W.launch(x, p, 128, tc))
+        t_cub = bench(lambda: torch.nn.functional.linear(x, wd))
+        timed = []
+        for c in cands(m, n, k):
+            try:
+                W.launch(x, p, 128, c)
+                timed.append((bench(lambda: W.launch(x, p, 128, c)), c))
+            except Exception as e:
+                log("fail", W.describe(c), str(e)[:200])
+        timed.sort(key=lambda t: t[0])
+        best[(name, m)] = timed[0][1]
+        byt = n * k / 2 + n * k / 128 * 3
+        res["sweep"][f"{name}_m{m}"] = dict(triton=(W.describe(tc), t_tri * 1e3), cublas=t_cub * 1e3,
+                                           top=[(W.describe(c), t * 1e3) for t, c in timed[:6]])
+        log(f"{name:8s} m{m:3d}: mma {timed[0][0] * 1e3:7.1f} us ({byt / timed[0][0] / 1e9:.2f} TB/s) "
+            f"{W.describe(timed[0][1])} | triton {t_tri * 1e3:7.1f} ({W.describe(tc)}) | cublas {t_cub * 1e3:7.1f}")
+
+# ------------------------------------------------------------------ step graph (32 layers x 4 linears)
+layers = [{nm: make(n, k, 128, 1000 * i + j) for j, (nm, (n, k)) in enumerate(SHAPES.items())} for i in range(32)]
+torch.cuda.synchronize()
+
+
+def time_graph(fn_list):
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        for f in fn_list:
+            f()
+    torch.cuda.current_stream().wait_stream(st)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        for f in fn_list:
+            f()
+    for _ in range(3):
+        gr.replay()
+    ts = []
+    for _ in range(15):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        gr.replay()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+for m in MS:
+    xs = {nm: torch.randn(m, k, device=dev, dtype=torch.float16) for nm, (n, k) in SHAPES.items()}
+    ys = {nm: torch.empty(m, n, device=dev, dtype=torch.float16) for nm, (n, k) in SHAPES.items()}
+    fm, ft = [], []
+    for L in layers:
+        for nm in SHAPES:
+            c = best[(nm, m)]
+            n, k = SHAPES[nm]
+            tc = W.select_config(m, n, k, 128, torch.float16, dev)
+            fm.append(lambda L=L, nm=nm, c=c: W.launch(xs[nm], L[nm], 128, c, out=ys[nm]))
+            ft.append(lambda L=L, nm=nm, c=tc: W.launch(xs[nm], L[nm], 128, c, out=ys[nm]))
+    t_m = time_graph(fm)
+    t_t = time_graph(ft)
+    res["step"][m] = dict(mma=t_m, triton=t_t)
+    log(f"step graph m{m}: mma {t_m:.3f} ms, triton tuned {t_t:.3f} ms")
+
+json.dump(res, open(os.path.join(OUT, "mma_exp.json"), "w"), indent=1)
+log("done")

@@ -1,0 +1,143 @@
+"""The CUDA W4A16 kernel ("mma", `runtime/kernels/w4a16_mma.cu`, compiled at run time by NVRTC).
+
+Without a GPU: its configs' validity rules, its shared-memory sizing, that selection never picks it
+where it cannot run, and (where NVRTC is installed, e.g. `pip install nvidia-cuda-nvrtc`) that every
+template instance the tuned table names compiles for sm_90 without spilling. `gpu`-marked tests run
+it against the dequantized fp32 reference (odd N, partial M tiles, both group sizes, bias, split-K),
+check that split-K results are deterministic, that a CUDA-graph replay gives the same output, and
+that `VLMCTL_W4A16_MMA=0` falls back to the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vlmctl.runtime.kernels import cuda_rtc
+from vlmctl.runtime.kernels import w4a16 as W
+
+HAS_CUDA = torch.cuda.is_available()
+TOL16 = 2 * 2.0 ** -11
+
+
+def _mma(bm, bn, warps, stages, split, wm=1):
+    return W.Config("mma", block_n=bn, block_k=64, block_m=bm, split_k=split, num_warps=warps, num_stages=stages,
+                    warps_m=wm)
+
+
+def test_mma_config_rules():
+    assert _mma(64, 128, 4, 4, 2).valid_for(4096, 4096, 128)
+    assert _mma(64, 64, 8, 4, 2, wm=2).valid_for(4096, 4096, 64)
+    assert not _mma(64, 128, 4, 4, 1).valid_for(4096, 4096, 32)  # groups must hold whole 64-wide chunks
+    assert not _mma(64, 128, 4, 4, 1).valid_for(4100, 4096, 128)  # N a multiple of 8 (half2 stores)
+    assert not _mma(64, 256, 2, 4, 1).valid_for(4096, 4096, 128)  # 4 m-tiles x 16 n-tiles: would spill
+    assert not _mma(48, 128, 4, 4, 1, wm=2).valid_for(4096, 4096, 128)  # 48 rows do not split over 2 warps
+    assert W.mma_kernel_name(_mma(64, 64, 8, 3, 4, wm=2), 128) == "w4a16_mma<2, 2, 2, 4, 3, 128>"
+    assert "wm2" in W.describe(_mma(64, 64, 8, 3, 4, wm=2))
+
+
+def test_mma_shared_memory_sizing():
+    c = _mma(64, 128, 4, 4, 1)
+    ring = 4 * (64 * W.MMA_XS_STRIDE * 2 + 128 * W.MMA_WS_STRIDE * 4)
+    assert W.mma_shared_bytes(c, 32) == ring + 128 * 32 * 3  # plus a fp16 scale and a uint8 zero per row and group
+
+
+def test_selection_falls_back_where_mma_cannot_run(monkeypatch):
+    """On the CPU (no GPU name in the table) nothing selects it; with it switched off it is unavailable."""
+    assert W.select_config(16, 12288, 4096, 128, torch.float16).kernel != "mma"
+    monkeypatch.setenv("VLMCTL_W4A16_MMA", "0")
+    assert not W.mma_available()
+
+
+def _tuned_mma_names():
+    data = json.loads(W.TUNED_TABLE.read_text())
+    names = set()
+    for e in data["entries"]:
+        if e["config"]["kernel"] == "mma":
+            c = W.Config(**e["config"])
+            assert c.valid_for(e["n"], e["k"], e["group_size"]), e
+            names.add(W.mma_kernel_name(c, e["group_size"]))
+    return sorted(names)
+
+
+def test_tuned_table_mma_entries_are_valid():
+    assert _tuned_mma_names(), "the shipped table has no mma entries"
+
+
+@pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
+def test_tuned_instances_compile_for_sm90_without_spills():
+    names = _tuned_mma_names()
+    cubin, lowered = cuda_rtc.compile_cubin(W.mma_source(), names, "sm_90")
+    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(names)
+    assert all(v.startswith("_Z9w4a16_mma") for v in lowered.values())
+
+
+@pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
+def test_compile_error_carries_the_log():
+    with pytest.raises(cuda_rtc.RtcError, match="could not compile"):
+        cuda_rtc.compile_cubin("__global__ void k() { undefined_thing(); }", ["k"], "sm_90")
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+
+def _packed(n, k, g, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=gen, device="cuda", dtype=torch.int32)
+    zeros = torch.randint(0, 16, (n, k // g), generator=gen, device="cuda", dtype=torch.uint8)
+    scales = (torch.rand(n, k // g, generator=gen, device="cuda") * 0.004 + 0.001).half()
+    return {"q4weight": words, "q4scales": scales, "q4zeros": zeros}
+
+
+def _ref(x, p, g, bias):
+    y = x.float() @ W.dequantize(p, g, torch.float16).float().T
+    return y if bias is None else y + bias.float()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("n,k,g", [(4096, 4096, 128), (4096, 11008, 128), (200, 192, 64), (72, 128, 128),
+                                   (12288, 4096, 64)])
+@pytest.mark.parametrize("cfg", [_mma(16, 128, 4, 4, 1), _mma(32, 64, 4, 3, 3), _mma(64, 128, 8, 4, 4),
+                                 _mma(64, 64, 8, 6, 2, wm=2), _mma(48, 32, 2, 3, 1)], ids=W.describe)
+def test_gpu_mma_matches_reference(n, k, g, cfg):
+    p = _packed(n, k, g, seed=n + k)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for m in (1, 5, 16, 17, 40, 64, 100):
+        x = torch.randn(m, k, generator=gen, device="cuda").half()
+        for bias in (None, torch.randn(n, generator=gen, device="cuda").half()):
+            y = W.launch(x, p, g, cfg, bias)
+            ref = _ref(x, p, g, bias)
+            err = float((y.float() - ref).norm() / ref.norm())
+            assert err <= TOL16, f"M={m}: relative error {err:.2e}"
+            assert torch.equal(y, W.launch(x, p, g, cfg, bias)), "split-K results must not depend on timing"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_mma_cuda_graph_and_switch(monkeypatch):
+    p = _packed(4096, 4096, 128, seed=3)
+    x = torch.randn(64, 4096, device="cuda").half()
+    cfg = _mma(64, 128, 8, 4, 4)
+    ref = W.launch(x, p, 128, cfg)
+    y = torch.empty_like(ref)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        W.launch(x, p, 128, cfg, out=y)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        W.launch(x, p, 128, cfg, out=y)
+    y.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, ref)
+    monkeypatch.setenv("VLMCTL_W4A16_MMA", "0")
+    with pytest.raises(ValueError, match="mma kernel needs"):
+        W.launch(x, p, 128, cfg)
+    y2 = W.w4a16_linear(x[:8], p, 128)  # whatever the table says, it runs (Triton) with mma off
+    r = _ref(x[:8], p, 128, None)
+    assert float((y2.float() - r).norm() / r.norm()) <= TOL16

@@ -1,0 +1,314 @@
+// W4A16 on tensor cores with the weights dequantized straight into mma.sync's B-operand registers.
+//
+// Compiled at run time by NVRTC (cuda_rtc.py) for the GPU in use; no headers, so every half2 and
+// memory instruction below is inline PTX. It reads the engine's packed layout unchanged
+// (formats/w4a16.py: q4weight int32 [N, K/8], the code of k = 8j + 2t + e in bits 4t + 16e of word j;
+// q4scales fp16 [N, K/G]; q4zeros uint8 [N, K/G]) and computes y[M, N] = x[M, K] W^T (+ bias) for
+// any M in tiles of 16 * MT rows (gridDim.z), fp16 in and out, fp32 accumulation.
+//
+// Why it is shaped this way: in mma.m16n8k16 the B fragment of lane (g = lane / 4, t = lane % 4) is
+// W[n = g][k = 2t, 2t+1] and W[g][2t+8, 2t+9] of a 16-k step, and (word >> 4t) & 0x000F000F of the
+// step's first and second word is exactly that pair of codes, one per 16-bit half. OR 0x64006400 makes
+// them two fp16 numbers 1024 + code, so the dequantization is LOP3, HSUB2 (- 1024 - zero, exact) and
+// HMUL2 (* scale, one rounding, as dequantize(...).half()) per register, with no shared-memory trip of
+// the dequantized tile (what Triton's tl.dot needs) and no int->float conversion.
+//
+// Block: WM x WN warps, each NT n8-tiles x MT m16-tiles (warps along M dequantize the same weights
+// for their own rows: fewer registers per warp, more warps per SM); K in 64-wide
+// chunks (the group size G, a template argument, must be a multiple of 64), a STAGES-deep cp.async
+// ring in shared memory holding each chunk's x tile and packed weight tile. Split-K over gridDim.y at
+// group boundaries: each split writes fp32 partials to ws, the last to take a ticket sums them in split
+// order (deterministic), adds the bias, stores, and resets its counter.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+struct alignas(8) u32x2 { u32 x, y; };
+struct alignas(8) f32x2 { float x, y; };
+
+#define XS_STRIDE 72   // halfs per x row in shared memory: 64 + 8 pad, conflict-free ldmatrix
+#define WS_STRIDE 12   // words per weight row in shared memory: 8 + 4 pad, conflict-free 8-byte reads
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16_s(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4_s(u32 (&a)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// two fp16 weights (code - zero) * scale from the pair of codes at bits 4t and 4t + 16 of w
+__device__ __forceinline__ u32 dequant2(u32 w, int shift, u32 zf2, u32 s2) {
+    u32 v = ((w >> shift) & 0x000F000Fu) | 0x64006400u;
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(v), "r"(zf2));
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(d), "r"(s2));
+    return d;
+}
+
+__device__ __forceinline__ float half_to_float(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+__device__ __forceinline__ void fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+__device__ __forceinline__ f32x2 load_cg_f2(const float* p) {
+    f32x2 v;
+    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+    return v;
+}
+
+template <int MT, int NT, int WM, int WN, int STAGES, int G>
+__global__ void __launch_bounds__(WM * WN * 32)
+w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __restrict__ sc,
+          const u8* __restrict__ zp, const u16* __restrict__ bias, u16* __restrict__ y,
+          float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int K, int ldx, int has_bias,
+          int max_groups) {
+    constexpr int BN = WN * NT * 8;
+    constexpr int BM = WM * MT * 16;
+    constexpr int THREADS = WM * WN * 32;
+    constexpr int CPG = G / 64;  // 64-wide K chunks per group
+    constexpr int X_BYTES = BM * XS_STRIDE * 2, STAGE_BYTES = X_BYTES + BN * WS_STRIDE * 4;
+    extern __shared__ __align__(16) u8 smem[];
+    __shared__ int is_last;
+
+    // M tiles over gridDim.z: this block's rows start at m_base (ws keeps global rows, cnt one per tile)
+    const int m_base = blockIdx.z * BM;
+    x += (long long)m_base * ldx;
+    y += (long long)m_base * N;
+    const int M_all = M;
+    M = M - m_base < BM ? M - m_base : BM;
+    cnt += blockIdx.z * gridDim.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) % WN, warp_m = (tid >> 5) / WN;
+    const int g = lane >> 2, t = lane & 3;
+    const int n_block = blockIdx.x * BN;
+    const int split = blockIdx.y, splits = gridDim.y;
+    const int kw = K >> 3, kg = K / G;
+    // splits cut K at group boundaries, so each block loads a group's scales once
+    const int g_begin = (int)((long long)split * kg / splits);
+    const int ngroups = (int)((long long)(split + 1) * kg / splits) - g_begin;
+    const int nchunks = ngroups * CPG;
+
+    // Each thread's cp.async pieces (16 bytes each) are the same in every chunk: a running source
+    // pointer (advanced one chunk per load) and a fixed offset within a stage. Rows past M or N copy
+    // nothing (src-size 0 zero-fills) and point at row 0.
+    constexpr int XP = (BM * 8 + THREADS - 1) / THREADS, WP = (BN * 2 + THREADS - 1) / THREADS;
+    const u16* xsrc[XP];
+    u32 xdst[XP];
+    bool xok[XP];
+#pragma unroll
+    for (int q = 0; q < XP; ++q) {
+        const int i = tid + q * THREADS, r = i >> 3, p = i & 7;
+        xok[q] = (BM * 8 % THREADS == 0 || i < BM * 8) && r < M;
+        xsrc[q] = x + (xok[q] ? r * ldx : 0) + g_begin * G + p * 8;
+        xdst[q] = (r * XS_STRIDE + p * 8) * 2;
+    }
+    const u32* wsrc[WP];
+    u32 wdst[WP];
+    bool wok[WP];
+#pragma unroll
+    for (int q = 0; q < WP; ++q) {
+        const int i = tid + q * THREADS, r = i >> 1, p = i & 1;
+        wok[q] = (BN * 2 % THREADS == 0 || i < BN * 2) && n_block + r < N;
+        wsrc[q] = qw + (wok[q] ? (long long)(n_block + r) * kw : 0) + g_begin * (G / 8) + p * 4;
+        wdst[q] = X_BYTES + (r * WS_STRIDE + p * 4) * 4;
+    }
+    const u32 smem0 = smem_addr(smem);
+    auto load_chunk = [&](u32 stage_addr) {
+#pragma unroll
+        for (int q = 0; q < XP; ++q) {
+            if (BM * 8 % THREADS == 0 || tid + q * THREADS < BM * 8) cp_async16_s(stage_addr + xdst[q], xsrc[q], xok[q]);
+            xsrc[q] += 64;
+        }
+#pragma unroll
+        for (int q = 0; q < WP; ++q) {
+            if (BN * 2 % THREADS == 0 || tid + q * THREADS < BN * 2) cp_async16_s(stage_addr + wdst[q], wsrc[q], wok[q]);
+            wsrc[q] += 8;
+        }
+    };
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < nchunks) load_chunk(smem0 + s * STAGE_BYTES);
+        cp_async_commit();
+    }
+
+    // The block's scales and zero points for its whole K range go to shared memory once, while the
+    // cp.async prologue is in flight, so the loop reads them with short-latency
+    // loads instead of waiting on a global load per group. Rows past N are clamped to a real row
+    // (computed, never stored).
+    u16* s_sm = reinterpret_cast<u16*>(smem + STAGES * STAGE_BYTES);
+    u8* z_sm = reinterpret_cast<u8*>(s_sm + BN * max_groups);
+    for (int idx = tid; idx < BN * ngroups; idx += THREADS) {
+        const int r = idx / ngroups, gq = idx - r * ngroups;
+        const int n = n_block + r < N ? n_block + r : N - 1;
+        s_sm[r * max_groups + gq] = sc[(long long)n * kg + g_begin + gq];
+        z_sm[r * max_groups + gq] = zp[(long long)n * kg + g_begin + gq];
+    }
+    __syncthreads();  // the loop reads a group's entries before its first chunk's barrier
+    int row_sz[NT];  // this lane's row (one per n8-tile) in those tables
+#pragma unroll
+    for (int j = 0; j < NT; ++j) row_sz[j] = (warp * NT * 8 + j * 8 + g) * max_groups;
+
+
+    const u32 x_lane = ((warp_m * MT * 16 + (lane & 15)) * XS_STRIDE + (lane >> 4) * 8) * 2;
+    const u32 w_lane = X_BYTES + (warp * NT * 8 + g) * WS_STRIDE * 4;
+    u32 stage = 0, load_stage = (STAGES - 1) * STAGE_BYTES;
+    int c = 0;
+    for (int gq = 0; gq < ngroups; ++gq) {
+        u32 zf2[NT], s2[NT];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            zf2[j] = (0x6400u | z_sm[row_sz[j] + gq]) * 0x00010001u;  // fp16 1024 + zero, twice
+            s2[j] = (u32)s_sm[row_sz[j] + gq] * 0x00010001u;
+        }
+#pragma unroll
+        for (int cc = 0; cc < CPG; ++cc, ++c) {
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();
+            if (c + STAGES - 1 < nchunks) load_chunk(smem0 + load_stage);
+            cp_async_commit();
+            load_stage = load_stage + STAGE_BYTES == STAGES * STAGE_BYTES ? 0 : load_stage + STAGE_BYTES;
+
+            const u32 xc = smem0 + stage + x_lane;
+            const u32 wc = smem0 + stage + w_lane;
+            stage = stage + STAGE_BYTES == STAGES * STAGE_BYTES ? 0 : stage + STAGE_BYTES;
+            // software-pipelined: this chunk's weight words for all NT rows up front (two 16-byte
+            // reads each), the next 16-k step's x fragments loaded while this step's mma run
+            u32 wv[NT][8];
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const u32 addr = wc + j * 8 * WS_STRIDE * 4;
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(wv[j][0]), "=r"(wv[j][1]), "=r"(wv[j][2]), "=r"(wv[j][3]) : "r"(addr));
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(wv[j][4]), "=r"(wv[j][5]), "=r"(wv[j][6]), "=r"(wv[j][7]) : "r"(addr + 16));
+            }
+            u32 a[2][MT][4];
+#pragma unroll
+            for (int i = 0; i < MT; ++i) ldmatrix_x4_s(a[0][i], xc + i * 16 * XS_STRIDE * 2);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                if (kk < 3) {
+#pragma unroll
+                    for (int i = 0; i < MT; ++i)
+                        ldmatrix_x4_s(a[(kk + 1) & 1][i], xc + (i * 16 * XS_STRIDE + (kk + 1) * 16) * 2);
+                }
+                u32 b[NT][2];
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    b[j][0] = dequant2(wv[j][2 * kk], 4 * t, zf2[j], s2[j]);
+                    b[j][1] = dequant2(wv[j][2 * kk + 1], 4 * t, zf2[j], s2[j]);
+                }
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int i = 0; i < MT; ++i) mma16816(acc[i][j], a[kk & 1][i], b[j][0], b[j][1]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // fragment (i, j): rows (warp_m*MT + i)*16 + g (+ 8), columns n_block + warp*NT*8 + j*8 + 2t (+1)
+    if (splits == 1) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const int n = n_block + warp * NT * 8 + j * 8 + 2 * t;
+                if (n >= N) continue;
+                float b0 = 0.f, b1 = 0.f;
+                if (has_bias) { b0 = half_to_float(bias[n]); b1 = half_to_float(bias[n + 1]); }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int m = (warp_m * MT + i) * 16 + g + 8 * h;
+                    if (m < M)
+                        *reinterpret_cast<u32*>(y + (long long)m * N + n) =
+                            pack_half2(acc[i][j][2 * h] + b0, acc[i][j][2 * h + 1] + b1);
+                }
+            }
+        return;
+    }
+
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int n = n_block + warp * NT * 8 + j * 8 + 2 * t;
+            if (n >= N) continue;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int m = (warp_m * MT + i) * 16 + g + 8 * h;
+                if (m < M)
+                    *reinterpret_cast<f32x2*>(ws + ((long long)split * M_all + m_base + m) * N + n) =
+                        f32x2{acc[i][j][2 * h], acc[i][j][2 * h + 1]};
+            }
+        }
+    fence_gpu();
+    __syncthreads();
+    if (tid == 0) {
+        int ticket;
+        asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(cnt + blockIdx.x));
+        is_last = ticket == splits - 1;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    fence_gpu();
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int n = n_block + warp * NT * 8 + j * 8 + 2 * t;
+            if (n >= N) continue;
+            float b0 = 0.f, b1 = 0.f;
+            if (has_bias) { b0 = half_to_float(bias[n]); b1 = half_to_float(bias[n + 1]); }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int m = (warp_m * MT + i) * 16 + g + 8 * h;
+                if (m >= M) continue;
+                float s0 = 0.f, s1 = 0.f;
+                for (int s = 0; s < splits; ++s) {
+                    const f32x2 v = load_cg_f2(ws + ((long long)s * M_all + m_base + m) * N + n);
+                    s0 += v.x;
+                    s1 += v.y;
+                }
+                *reinterpret_cast<u32*>(y + (long long)m * N + n) = pack_half2(s0 + b0, s1 + b1);
+            }
+        }
+    if (tid == 0) cnt[blockIdx.x] = 0;
+}
