@@ -245,50 +245,32 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     cp_async_wait<0>();
 
     // fragment (i, j): rows (warp_m*MT + i)*16 + g (+ 8), columns n_block + warp*NT*8 + j*8 + 2t (+1)
-    if (splits == 1) {
+    if (splits > 1) {  // partials out; the last block of the tile to take a ticket reduces them below
 #pragma unroll
         for (int i = 0; i < MT; ++i)
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
                 const int n = n_block + warp * NT * 8 + j * 8 + 2 * t;
                 if (n >= N) continue;
-                float b0 = 0.f, b1 = 0.f;
-                if (has_bias) { b0 = half_to_float(bias[n]); b1 = half_to_float(bias[n + 1]); }
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int m = (warp_m * MT + i) * 16 + g + 8 * h;
                     if (m < M)
-                        *reinterpret_cast<u32*>(y + (long long)m * N + n) =
-                            pack_half2(acc[i][j][2 * h] + b0, acc[i][j][2 * h + 1] + b1);
+                        *reinterpret_cast<f32x2*>(ws + ((long long)split * M_all + m_base + m) * N + n) =
+                            f32x2{acc[i][j][2 * h], acc[i][j][2 * h + 1]};
                 }
             }
-        return;
-    }
-
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            const int n = n_block + warp * NT * 8 + j * 8 + 2 * t;
-            if (n >= N) continue;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int m = (warp_m * MT + i) * 16 + g + 8 * h;
-                if (m < M)
-                    *reinterpret_cast<f32x2*>(ws + ((long long)split * M_all + m_base + m) * N + n) =
-                        f32x2{acc[i][j][2 * h], acc[i][j][2 * h + 1]};
-            }
+        fence_gpu();
+        __syncthreads();
+        if (tid == 0) {
+            int ticket;
+            asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(cnt + blockIdx.x));
+            is_last = ticket == splits - 1;
         }
-    fence_gpu();
-    __syncthreads();
-    if (tid == 0) {
-        int ticket;
-        asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(cnt + blockIdx.x));
-        is_last = ticket == splits - 1;
+        __syncthreads();
+        if (!is_last) return;
+        fence_gpu();
     }
-    __syncthreads();
-    if (!is_last) return;
-    fence_gpu();
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -301,14 +283,17 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
             for (int h = 0; h < 2; ++h) {
                 const int m = (warp_m * MT + i) * 16 + g + 8 * h;
                 if (m >= M) continue;
-                float s0 = 0.f, s1 = 0.f;
-                for (int s = 0; s < splits; ++s) {
-                    const f32x2 v = load_cg_f2(ws + ((long long)s * M_all + m_base + m) * N + n);
-                    s0 += v.x;
-                    s1 += v.y;
+                float s0 = acc[i][j][2 * h], s1 = acc[i][j][2 * h + 1];
+                if (splits > 1) {  // in split order, so the result does not depend on which block came last
+                    s0 = s1 = 0.f;
+                    for (int s = 0; s < splits; ++s) {
+                        const f32x2 v = load_cg_f2(ws + ((long long)s * M_all + m_base + m) * N + n);
+                        s0 += v.x;
+                        s1 += v.y;
+                    }
                 }
                 *reinterpret_cast<u32*>(y + (long long)m * N + n) = pack_half2(s0 + b0, s1 + b1);
             }
         }
-    if (tid == 0) cnt[blockIdx.x] = 0;
+    if (splits > 1 && tid == 0) cnt[blockIdx.x] = 0;
 }
