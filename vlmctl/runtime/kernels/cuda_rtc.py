@@ -178,7 +178,8 @@ def load_kernel(source: str, name_expression: str, device) -> Kernel:
 
     device = torch.device(device)
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (hashlib.sha256(source.encode()).hexdigest(), name_expression, idx)
+    # called on every launch: str hashes are cached on the object, so this key costs no pass over the source
+    key = (hash(source), len(source), name_expression, idx)
     k = _KERNELS.get(key)
     if k is not None:
         return k

@@ -79,8 +79,8 @@ class Config:
     products, summed in fp16 before fp32), "dot" (tensor cores, block_m rows per program) or
     "dequant_mm" (dequantize to a scratch weight + cuBLAS), or "mma" (the CUDA kernel of `w4a16_mma.cu`,
     compiled at run time by NVRTC: fp16 only, mma.sync with the weights dequantized in registers;
-    block_m rows per tile, num_warps warps of block_n / (8 * num_warps) columns each, 64-wide K chunks
-    in a num_stages-deep cp.async ring).
+    block_m rows per tile, num_warps warps as warps_m along M by num_warps // warps_m along N, 64-wide
+    K chunks in a num_stages-deep cp.async ring).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
     next K block into registers while computing the current one, 1 that it does not."""
 
