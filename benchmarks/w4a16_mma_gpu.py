@@ -3,15 +3,17 @@
     OUT=results python benchmarks/w4a16_mma_gpu.py     (about 60 s on an H200 after ~10 s of NVRTC compiles)
 
 1. correctness: 6 shapes (odd N, K = 128 .. 11008, groups 64 and 128) x M in 1..100 x bias x split-K 1/3
-   against x @ dequantize(W)^T in fp32 (relative Frobenius error), run twice (split-K determinism);
-   one CUDA-graph replay against the eager result.
-2. sweep: per LLaVA-1.5-7B decoder linear and M in 8 16 32 64, every mma config of the grid below
-   (triton.testing.do_bench medians, L2 flushed), against the Triton config the tuned table selects and
-   cuBLAS on the dense fp16 weight.
-3. step graph: 32 layers x 4 linears with distinct weights replayed as one CUDA graph, the best mma
-   config per shape against the tuned Triton configs.
-Writes $OUT/mma_exp.json. The tuned table's "mma" entries (w4a16_tuned.json) were taken from this
-sweep's fastest configs where they beat the Triton kernel (docs/benchmarks.md).
+   x K chunks of 64/128/256 against x @ dequantize(W)^T in fp32 (relative Frobenius error), run twice
+   (split-K determinism); one CUDA-graph replay against the eager result.
+2. sweep: per LLaVA-1.5-7B decoder linear and M in 2 4 8 16 32 64, every mma config of the grid below
+   (CUDA graphs of 8 launches over distinct weights, so L2 does not keep them; median of 15 replays), against the
+   config the tuned table selects (Triton or mma) and cuBLAS on the dense fp16 weight.
+3. step graph: 32 layers x 4 linears with distinct weights replayed as one CUDA graph: the best mma
+   config per shape with and without PDL, the shipped table's configs, and cuBLAS on dense weights.
+Writes $OUT/mma_exp.json, and $OUT/w4a16_tuned.json: the shipped table with each swept (shape, M bucket)
+set to the fastest of the sweep's best mma config and what the shipped table selected (docs/benchmarks.md).
+
+    OUT=results python benchmarks/w4a16_mma_gpu.py [--quick]
 """
 import json
 import os
@@ -43,8 +45,8 @@ def make(n, k, g, seed):
     return {"q4weight": words, "q4scales": scales, "q4zeros": zeros}
 
 
-def cfg(bm, nt, wn, st, sk, wm=1):
-    return W.Config("mma", block_n=nt * 8 * wn, block_k=64, block_m=bm, split_k=sk, num_warps=wn * wm, num_stages=st,
+def cfg(bm, nt, wn, st, sk, wm=1, bk=64):
+    return W.Config("mma", block_n=nt * 8 * wn, block_k=bk, block_m=bm, split_k=sk, num_warps=wn * wm, num_stages=st,
                     warps_m=wm)
 
 
@@ -68,9 +70,9 @@ os.environ.setdefault("VLMCTL_CACHE_DIR", "/var/tmp/vlmctl-cache")
 # ------------------------------------------------------------------ correctness
 cases = [(4096, 4096, 128), (12288, 4096, 128), (4096, 11008, 128), (200, 192, 64), (72, 128, 128), (4096, 4096, 64)]
 ms = [1, 5, 16, 17, 40, 64, 100]
-shapes_cfg = [(4, 4, 1), (2, 4, 1), (8, 2, 1), (4, 4, 2)]
-all_c = [c for m in ms for nt, wn, wm in shapes_cfg for sk in (1, 3)
-         if bm_for(m) % (16 * wm) == 0 and (c := cfg(bm_for(m), nt, wn, 4, sk, wm)).valid_for(4096, 4096, 128)]
+shapes_cfg = [(4, 4, 1, 64), (2, 4, 1, 64), (8, 2, 1, 64), (4, 4, 2, 64), (2, 8, 1, 128), (4, 4, 1, 256)]
+all_c = [c for m in ms for nt, wn, wm, bk in shapes_cfg for sk in (1, 3)
+         if bm_for(m) % (16 * wm) == 0 and (c := cfg(bm_for(m), nt, wn, 4, sk, wm, bk)).valid_for(4096, 4096, 128)]
 precompile(all_c, (64, 128))
 worst = 0.0
 for (n, k, g) in cases:
@@ -82,12 +84,12 @@ for (n, k, g) in cases:
             ref = x.float() @ wdq.t() + (0 if bias is None else bias.float())
             tri = W.launch(x, p, g, W.select_config(m, n, k, g, torch.float16, dev), bias).float()
             e_tri = float((tri - ref).norm() / ref.norm())
-            for nt, wn, wm in shapes_cfg:
+            for nt, wn, wm, bk in shapes_cfg:
                 for sk in (1, 3):
                     if bm_for(m) % (16 * wm):
                         continue
-                    c = cfg(bm_for(m), nt, wn, 4, sk, wm)
-                    if not c.valid_for(n, k, g):
+                    c = cfg(bm_for(m), nt, wn, 4, sk, wm, bk)
+                    if not c.valid_for(n, k, g) or W.mma_shared_bytes(c, k // g) > W.MMA_MAX_SHARED:
                         continue
                     y = W.launch(x, p, g, c, bias).float()
                     y2 = W.launch(x, p, g, c, bias).float()
@@ -105,7 +107,7 @@ log(f"correctness: {len(res['correct'])} cases, worst rel err {worst:.2e}")
 # graph capture of one launch
 p = make(4096, 4096, 128, 1)
 x = torch.randn(64, 4096, device=dev, dtype=torch.float16)
-c = cfg(64, 4, 4, 4, 4)
+c = cfg(64, 4, 4, 4, 4, bk=128)
 yref = W.launch(x, p, 128, c)
 torch.cuda.synchronize()
 g_ = torch.cuda.CUDAGraph()
@@ -123,20 +125,18 @@ log("graph replay equal:", bool(torch.equal(yg, yref)))
 res["graph_equal"] = bool(torch.equal(yg, yref))
 
 # ------------------------------------------------------------------ sweep
-from triton.testing import do_bench  # noqa: E402
-
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
-MS = [8, 16, 32, 64]
-SH = [(2, 4), (4, 4), (4, 2), (8, 2), (2, 8), (4, 8)]
+QUICK = "--quick" in sys.argv
+MS = [2, 4, 8, 16, 32, 64]
+SH = [(2, 4), (4, 4), (4, 2), (8, 2), (2, 8), (4, 8), (8, 1), (4, 1)]
 WM_SH = [(4, 4), (2, 4), (8, 2)]
-SH += [(8, 1), (4, 1)]
 best = {}
 
 
 def cands(m, n, k):
     out = []
     bm = bm_for(m)
-    for wm in (1, 2, 4):
+    for wm in (1, 2):
         if bm % (16 * wm):
             continue
         for nt, wn in SH:
@@ -144,47 +144,25 @@ def cands(m, n, k):
                 continue
             bn = nt * 8 * wn
             nb = -(-n // bn)
-            for st in (3, 4, 6):
-                for sk in (1, 2, 4, 8, 16):
-                    if sk > 1 and nb * sk > 8 * 132:
-                        continue
-                    if sk <= k // 128:
-                        out.append(cfg(bm, nt, wn, st, sk, wm))
+            for bk in (64, 128, 256):
+                for st in (3, 4):
+                    for sk in (1, 2, 4, 8, 16):
+                        if sk > 1 and nb * sk > 8 * 132:
+                            continue
+                        c = cfg(bm, nt, wn, st, sk, wm, bk)
+                        if not c.valid_for(n, k, 128) or sk > k // max(bk, 128):
+                            continue
+                        if W.mma_shared_bytes(c, -(-k // 128 // sk) * max(1, bk // 128)) > W.MMA_MAX_SHARED:
+                            continue
+                        if QUICK and st != 4:
+                            continue
+                        out.append(c)
     return out
 
 
-allc = [c for m in MS for (n, k) in SHAPES.values() for c in cands(m, n, k)]
-precompile(allc)
-bench = lambda fn: do_bench(fn, warmup=3, rep=8, return_mode="median")  # noqa: E731
-for name, (n, k) in SHAPES.items():
-    p = make(n, k, 128, n)
-    wd = W.dequantize(p, 128, torch.float16)
-    for m in MS:
-        x = torch.randn(m, k, device=dev, dtype=torch.float16)
-        tc = W.select_config(m, n, k, 128, torch.float16, dev)
-        t_tri = bench(lambda: W.launch(x, p, 128, tc))
-        t_cub = bench(lambda: torch.nn.functional.linear(x, wd))
-        timed = []
-        for c in cands(m, n, k):
-            try:
-                W.launch(x, p, 128, c)
-                timed.append((bench(lambda: W.launch(x, p, 128, c)), c))
-            except Exception as e:
-                log("fail", W.describe(c), str(e)[:200])
-        timed.sort(key=lambda t: t[0])
-        best[(name, m)] = timed[0][1]
-        byt = n * k / 2 + n * k / 128 * 3
-        res["sweep"][f"{name}_m{m}"] = dict(triton=(W.describe(tc), t_tri * 1e3), cublas=t_cub * 1e3,
-                                           top=[(W.describe(c), t * 1e3) for t, c in timed[:6]])
-        log(f"{name:8s} m{m:3d}: mma {timed[0][0] * 1e3:7.1f} us ({byt / timed[0][0] / 1e9:.2f} TB/s) "
-            f"{W.describe(timed[0][1])} | triton {t_tri * 1e3:7.1f} ({W.describe(tc)}) | cublas {t_cub * 1e3:7.1f}")
-
-# ------------------------------------------------------------------ step graph (32 layers x 4 linears)
-layers = [{nm: make(n, k, 128, 1000 * i + j) for j, (nm, (n, k)) in enumerate(SHAPES.items())} for i in range(32)]
-torch.cuda.synchronize()
-
-
-def time_graph(fn_list):
+def time_graph(fn_list, reps=15):
+    """Median ms of one replay of fn_list captured as a CUDA graph (GPU time only: per-call timing of these
+    launches from Python measured the host whenever it fell behind the GPU)."""
     st = torch.cuda.Stream()
     st.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(st):
@@ -198,7 +176,7 @@ def time_graph(fn_list):
     for _ in range(3):
         gr.replay()
     ts = []
-    for _ in range(15):
+    for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         gr.replay()
@@ -209,21 +187,80 @@ def time_graph(fn_list):
     return ts[len(ts) // 2]
 
 
+allc = [c for m in MS for (n, k) in SHAPES.values() for c in cands(m, n, k)]
+precompile(allc)
+NW = 8  # weight sets per shape, cycled through in each timed graph: more bytes than the 50 MB L2 holds
+shipped = {}
+log("mma PDL:", W.mma_pdl(dev))
+for name, (n, k) in SHAPES.items():
+    ps = [make(n, k, 128, n + i) for i in range(NW)]
+    wds = [W.dequantize(p, 128, torch.float16) for p in ps]
+    for m in MS:
+        x = torch.randn(m, k, device=dev, dtype=torch.float16)
+        y = torch.empty(m, n, device=dev, dtype=torch.float16)
+
+        def per_call(c):  # µs per launch, NW launches over distinct weights in one graph
+            return time_graph([lambda p=p: W.launch(x, p, 128, c, out=y) for p in ps]) * 1e3 / NW
+
+        tc = W.select_config(m, n, k, 128, torch.float16, dev)
+        t_tri = per_call(tc)
+        shipped[(name, m)] = (tc, t_tri)
+        t_cub = time_graph([lambda wd=wd: torch.mm(x, wd.t(), out=y) for wd in wds]) * 1e3 / NW
+        timed = []
+        for c in cands(m, n, k):
+            try:
+                timed.append((per_call(c), c))
+            except Exception as e:
+                log("fail", W.describe(c), str(e)[:200])
+        timed.sort(key=lambda t: t[0])
+        best[(name, m)] = timed[0][1]
+        byt = n * k / 2 + n * k / 128 * 3
+        res["sweep"][f"{name}_m{m}"] = dict(shipped=(W.describe(tc), t_tri), cublas=t_cub,
+                                           top=[(W.describe(c), t) for t, c in timed[:6]])
+        log(f"{name:8s} m{m:3d}: mma {timed[0][0]:7.1f} us ({byt / timed[0][0] / 1e6:.2f} TB/s) "
+            f"{W.describe(timed[0][1])} | shipped {t_tri:7.1f} ({W.describe(tc)}) | cublas {t_cub:7.1f}")
+
+# ------------------------------------------------------------------ step graph (32 layers x 4 linears)
+layers = [{nm: make(n, k, 128, 1000 * i + j) for j, (nm, (n, k)) in enumerate(SHAPES.items())} for i in range(32)]
+torch.cuda.synchronize()
+
+
+# the table this run proposes: per (shape, bucket) the faster of the best mma config and the shipped choice
+for (nm, m), c in best.items():
+    n, k = SHAPES[nm]
+    t_best = res["sweep"][f"{nm}_m{m}"]["top"][0][1]
+    if t_best < shipped[(nm, m)][1]:
+        W.set_config(m, n, k, 128, torch.float16, c, dev)
+W.save_tuned(os.path.join(OUT, "w4a16_tuned.json"))
+dense = [{nm: torch.randn(n, k, device=dev, dtype=torch.float16) * 0.02 for nm, (n, k) in SHAPES.items()}
+         for _ in range(32)]
 for m in MS:
     xs = {nm: torch.randn(m, k, device=dev, dtype=torch.float16) for nm, (n, k) in SHAPES.items()}
     ys = {nm: torch.empty(m, n, device=dev, dtype=torch.float16) for nm, (n, k) in SHAPES.items()}
-    fm, ft = [], []
-    for L in layers:
+    fm, ft, fc, fs = [], [], [], []
+    for L, D in zip(layers, dense):
         for nm in SHAPES:
             c = best[(nm, m)]
             n, k = SHAPES[nm]
-            tc = W.select_config(m, n, k, 128, torch.float16, dev)
+            tc = W.select_config(m, n, k, 128, torch.float16, dev)  # the proposed table's choice
             fm.append(lambda L=L, nm=nm, c=c: W.launch(xs[nm], L[nm], 128, c, out=ys[nm]))
             ft.append(lambda L=L, nm=nm, c=tc: W.launch(xs[nm], L[nm], 128, c, out=ys[nm]))
-    t_m = time_graph(fm)
-    t_t = time_graph(ft)
-    res["step"][m] = dict(mma=t_m, triton=t_t)
-    log(f"step graph m{m}: mma {t_m:.3f} ms, triton tuned {t_t:.3f} ms")
+            fc.append(lambda D=D, nm=nm: torch.mm(xs[nm], D[nm].t(), out=ys[nm]))
+            fs.append(lambda L=L, nm=nm, c=shipped[(nm, m)][0]: W.launch(xs[nm], L[nm], 128, c, out=ys[nm]))
+    pdl0 = os.environ.get("VLMCTL_W4A16_MMA_PDL")
+    t = {}
+    for flag in ("0", "1"):
+        os.environ["VLMCTL_W4A16_MMA_PDL"] = flag
+        t[flag] = (time_graph(fm), time_graph(ft), time_graph(fs))
+    if pdl0 is None:
+        os.environ.pop("VLMCTL_W4A16_MMA_PDL")
+    else:
+        os.environ["VLMCTL_W4A16_MMA_PDL"] = pdl0
+    t_c = time_graph(fc)
+    res["step"][m] = dict(best_mma=t["0"][0], best_mma_pdl=t["1"][0], table=t["0"][1], table_pdl=t["1"][1],
+                          shipped=t["0"][2], shipped_pdl=t["1"][2], cublas=t_c)
+    log(f"step graph m{m} (PDL off / on): best mma {t['0'][0]:.3f} / {t['1'][0]:.3f} ms, proposed table "
+        f"{t['0'][1]:.3f} / {t['1'][1]:.3f}, shipped table {t['0'][2]:.3f} / {t['1'][2]:.3f}, cuBLAS fp16 {t_c:.3f}")
 
 json.dump(res, open(os.path.join(OUT, "mma_exp.json"), "w"), indent=1)
 log("done")

@@ -22,8 +22,8 @@ HAS_CUDA = torch.cuda.is_available()
 TOL16 = 2 * 2.0 ** -11
 
 
-def _mma(bm, bn, warps, stages, split, wm=1):
-    return W.Config("mma", block_n=bn, block_k=64, block_m=bm, split_k=split, num_warps=warps, num_stages=stages,
+def _mma(bm, bn, warps, stages, split, wm=1, bk=64):
+    return W.Config("mma", block_n=bn, block_k=bk, block_m=bm, split_k=split, num_warps=warps, num_stages=stages,
                     warps_m=wm)
 
 
@@ -34,14 +34,21 @@ def test_mma_config_rules():
     assert not _mma(64, 128, 4, 4, 1).valid_for(4100, 4096, 128)  # N a multiple of 8 (half2 stores)
     assert not _mma(64, 256, 2, 4, 1).valid_for(4096, 4096, 128)  # 4 m-tiles x 16 n-tiles: would spill
     assert not _mma(48, 128, 4, 4, 1, wm=2).valid_for(4096, 4096, 128)  # 48 rows do not split over 2 warps
-    assert W.mma_kernel_name(_mma(64, 64, 8, 3, 4, wm=2), 128) == "w4a16_mma<2, 2, 2, 4, 3, 128>"
+    assert _mma(16, 128, 4, 4, 2, bk=256).valid_for(4096, 4096, 128)  # a chunk of two groups
+    assert _mma(16, 128, 4, 4, 2, bk=128).valid_for(4096, 4096, 64)
+    assert not _mma(16, 128, 4, 4, 1, bk=256).valid_for(4096, 4224, 128)  # K must hold whole 256-wide chunks
+    assert not _mma(16, 128, 4, 4, 1, bk=32).valid_for(4096, 4096, 128)
+    assert W.mma_kernel_name(_mma(64, 64, 8, 3, 4, wm=2), 128) == "w4a16_mma<2, 2, 2, 4, 3, 128, 64>"
+    assert W.mma_kernel_name(_mma(16, 128, 4, 4, 1, bk=256), 64) == "w4a16_mma<1, 4, 1, 4, 4, 64, 256>"
     assert "wm2" in W.describe(_mma(64, 64, 8, 3, 4, wm=2))
 
 
 def test_mma_shared_memory_sizing():
-    c = _mma(64, 128, 4, 4, 1)
-    ring = 4 * (64 * W.MMA_XS_STRIDE * 2 + 128 * W.MMA_WS_STRIDE * 4)
-    assert W.mma_shared_bytes(c, 32) == ring + 128 * 32 * 3  # plus a fp16 scale and a uint8 zero per row and group
+    # x rows of 64 + 8 halfs and weight rows of 8 + 4 words per stage (the .cu's padding)
+    ring = 4 * (64 * 72 * 2 + 128 * 12 * 4)
+    assert W.mma_shared_bytes(_mma(64, 128, 4, 4, 1), 32) == ring + 128 * 32 * 3  # + a fp16 scale, a uint8 zero
+    ring = 3 * (16 * 136 * 2 + 64 * 20 * 4)  # 128-wide chunks: 128 + 8 halfs, 16 + 4 words
+    assert W.mma_shared_bytes(_mma(16, 64, 2, 3, 1, bk=128), 8) == ring + 64 * 8 * 3
 
 
 def test_selection_falls_back_where_mma_cannot_run(monkeypatch):
@@ -101,8 +108,11 @@ def _ref(x, p, g, bias):
 @pytest.mark.parametrize("n,k,g", [(4096, 4096, 128), (4096, 11008, 128), (200, 192, 64), (72, 128, 128),
                                    (12288, 4096, 64)])
 @pytest.mark.parametrize("cfg", [_mma(16, 128, 4, 4, 1), _mma(32, 64, 4, 3, 3), _mma(64, 128, 8, 4, 4),
-                                 _mma(64, 64, 8, 6, 2, wm=2), _mma(48, 32, 2, 3, 1)], ids=W.describe)
+                                 _mma(64, 64, 8, 6, 2, wm=2), _mma(48, 32, 2, 3, 1), _mma(16, 128, 8, 4, 3, bk=128),
+                                 _mma(32, 64, 4, 3, 2, bk=256), _mma(64, 128, 8, 3, 2, bk=128)], ids=W.describe)
 def test_gpu_mma_matches_reference(n, k, g, cfg):
+    if not cfg.valid_for(n, k, g):
+        pytest.skip(f"{W.describe(cfg)} does not fit K={k}, G={g}")
     p = _packed(n, k, g, seed=n + k)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for m in (1, 5, 16, 17, 40, 64, 100):
@@ -141,3 +151,59 @@ def test_gpu_mma_cuda_graph_and_switch(monkeypatch):
     y2 = W.w4a16_linear(x[:8], p, 128)  # whatever the table says, it runs (Triton) with mma off
     r = _ref(x[:8], p, 128, None)
     assert float((y2.float() - r).norm() / r.norm()) <= TOL16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("bk", [64, 256])
+def test_gpu_mma_pdl_chain_waits_for_its_input(monkeypatch, bk):
+    """Launched with programmatic dependent launch, a kernel may start before the one that writes its
+    input ends: a chain of linears, each reading the last one's output, must still equal the chain run
+    without PDL (eager and replayed as a CUDA graph)."""
+    from vlmctl.runtime.kernels import pdl
+
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("this GPU (or Triton) has no programmatic dependent launch")
+    ps = [_packed(4096, 4096, 128, seed=10 + i) for i in range(6)]
+    cfg = _mma(16, 128, 8, 4, 2, bk=bk)
+    x = torch.randn(8, 4096, device="cuda").half() * 4
+
+    def chain():
+        h = x
+        for p in ps:
+            h = W.launch(h, p, 128, cfg) * 0.5  # the next kernel reads the product (a torch kernel in between)
+            h = W.launch(h, p, 128, cfg)  # and directly another mma output
+        return h
+
+    monkeypatch.setenv("VLMCTL_W4A16_MMA_PDL", "0")
+    ref = chain()
+    monkeypatch.setenv("VLMCTL_W4A16_MMA_PDL", "1")
+    assert W.mma_pdl(x.device)
+    for _ in range(3):
+        assert torch.equal(chain(), ref)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+
+
+def test_launch_structs_match_cuda_h():
+    """cuLaunchKernelEx's structs as cuda.h lays them out on 64-bit Linux (an offset off here would make
+    the driver read garbage or refuse the launch); the PDL attribute is id 6 with the flag in the union."""
+    import ctypes
+
+    assert ctypes.sizeof(cuda_rtc._LaunchAttribute) == 72  # id, 4 bytes of padding, 64-byte union
+    cfg = cuda_rtc._LaunchConfig
+    assert (cfg.hStream.offset, cfg.attrs.offset, cfg.numAttrs.offset, ctypes.sizeof(cfg)) == (32, 40, 48, 56)
+    a = cuda_rtc._pdl_attribute()
+    raw = bytes(a)
+    assert raw[:4] == (6).to_bytes(4, "little") and raw[8:12] == (1).to_bytes(4, "little") and not any(raw[12:])

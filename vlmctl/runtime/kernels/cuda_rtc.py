@@ -136,17 +136,41 @@ def _check_cuda(res: int, what: str) -> None:
         raise RtcError(f"CUDA driver {what}: {(name.value or b'?').decode()} ({res})")
 
 
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h), for cuLaunchKernelEx
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def _pdl_attribute() -> _LaunchAttribute:
+    a = _LaunchAttribute()
+    a.id = _PROGRAMMATIC_STREAM_SERIALIZATION
+    a.value[0] = 1  # the union's first int: programmaticStreamSerializationAllowed
+    return a
+
+
 class Kernel:
     """One loaded kernel function; `launch` puts it on torch's current stream of `device`."""
 
     _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    _PDL = _pdl_attribute()
 
     def __init__(self, func: ctypes.c_void_p, name: str):
         self.func = func
         self.name = name
         self._smem_limit = 0  # raised (once per size) for any dynamic size: static shared memory counts against 48 KB too
 
-    def launch(self, grid, block, shared_mem: int, args: list, device) -> None:
+    def launch(self, grid, block, shared_mem: int, args: list, device, pdl: bool = False) -> None:
+        """pdl: launch with programmatic dependent launch (sm_90+; `kernels/pdl.py` has the contract the
+        kernel must keep: nothing but weights read before its griddepcontrol.wait)."""
         import torch
 
         if shared_mem > self._smem_limit:
@@ -165,6 +189,11 @@ class Kernel:
                 raise TypeError(f"kernel argument of type {type(a).__name__}")
         params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
         stream = torch.cuda.current_stream(device).cuda_stream
+        if pdl:
+            cfg = _LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(stream), ctypes.pointer(self._PDL), 1)
+            _check_cuda(_driver().cuLaunchKernelEx(ctypes.byref(cfg), self.func, params, None),
+                        f"launch of {self.name} (PDL)")
+            return
         _check_cuda(_driver().cuLaunchKernel(self.func, *grid, *block, shared_mem, ctypes.c_void_p(stream),
                                              params, None), f"launch of {self.name}")
 

@@ -79,8 +79,8 @@ class Config:
     products, summed in fp16 before fp32), "dot" (tensor cores, block_m rows per program) or
     "dequant_mm" (dequantize to a scratch weight + cuBLAS), or "mma" (the CUDA kernel of `w4a16_mma.cu`,
     compiled at run time by NVRTC: fp16 only, mma.sync with the weights dequantized in registers;
-    block_m rows per tile, num_warps warps as warps_m along M by num_warps // warps_m along N, 64-wide
-    K chunks in a num_stages-deep cp.async ring).
+    block_m rows per tile, num_warps warps as warps_m along M by num_warps // warps_m along N, K chunks
+    of block_k (64, 128 or 256) in a num_stages-deep cp.async ring).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
     next K block into registers while computing the current one, 1 that it does not."""
 
@@ -104,9 +104,11 @@ class Config:
                 return False
             nt, rem = divmod(self.block_n, 8 * (self.num_warps // wm))
             mt = self.block_m // (16 * wm)
-            return (1 <= mt <= 4 and mt * nt <= 16 and rem == 0 and nt in (1, 2, 4, 8) and self.block_k == 64
+            bk = self.block_k
+            return (1 <= mt <= 4 and mt * nt <= 16 and rem == 0 and nt in (1, 2, 4, 8) and bk in (64, 128, 256)
                     and self.num_warps in (1, 2, 4, 8, 16) and 2 <= self.num_stages <= 8 and self.split_k >= 1
-                    and group_size % 64 == 0 and k % group_size == 0 and n % 8 == 0)
+                    and group_size % 64 == 0 and (group_size % bk == 0 or bk % group_size == 0)
+                    and k % max(bk, group_size) == 0 and n % 8 == 0)
         if self.kernel not in ("gemv", "gemv_h2", "dot") or not _pow2(self.block_n) or self.split_k < 1:
             return False
         if self.kernel == "gemv_h2":
@@ -467,7 +469,6 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
 
 MMA_SOURCE = Path(__file__).with_name("w4a16_mma.cu")
 _MMA_TEXT: list = []
-MMA_XS_STRIDE, MMA_WS_STRIDE = 72, 12  # halfs per x row, words per weight row in shared memory (the .cu's)
 MMA_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may opt into on sm_80 / sm_90
 
 
@@ -499,7 +500,7 @@ def mma_kernel_name(config: Config, group_size: int) -> str:
     wm = config.warps_m
     wn = config.num_warps // wm
     return (f"w4a16_mma<{config.block_m // (16 * wm)}, {config.block_n // (8 * wn)}, {wm}, {wn}, "
-            f"{config.num_stages}, {group_size}>")
+            f"{config.num_stages}, {group_size}, {config.block_k}>")
 
 
 def _launch_mma(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:
@@ -511,26 +512,47 @@ def _launch_mma(x2, packed: dict, group_size: int, config: Config, bias, y) -> N
     m, k = x2.shape
     n = qw.shape[0]
     kern = cuda_rtc.load_kernel(mma_source(), mma_kernel_name(config, group_size), x2.device)
-    split = max(1, min(config.split_k, k // group_size))  # the kernel splits K at group boundaries
+    unit = max(config.block_k, group_size)  # the kernel walks K (and splits it) in whole chunks and groups
+    split = max(1, min(config.split_k, k // unit))
     grid = (triton_cdiv(n, config.block_n), split, triton_cdiv(m, config.block_m))
     mb = max(m, bucket(m))
     ws = _buffer(x2.device, "ws", split * mb * n if split > 1 else 1, torch.float32)
     cnt = _buffer(x2.device, "cnt", grid[0] * triton_cdiv(mb, config.block_m) if split > 1 else 1, torch.int32,
                   zero=True)
-    max_groups = triton_cdiv(k // group_size, split)
+    max_groups = triton_cdiv(k // unit, split) * (unit // group_size)
     smem = mma_shared_bytes(config, max_groups)
     if smem > MMA_MAX_SHARED:
         raise ValueError(f"{describe(config)} needs {smem} bytes of shared memory at K={k} (at most {MMA_MAX_SHARED}); "
                          "a larger split_k or fewer stages fit")
     kern.launch(grid, (32 * config.num_warps, 1, 1), smem,
                 [x2, qw, s, z, bias, y, ws, cnt, m, n, k, x2.stride(0), int(bias is not None), max_groups],
-                x2.device)
+                x2.device, pdl=mma_pdl(x2.device))
+
+
+def mma_pdl(device) -> bool:
+    """Whether "mma" launches use programmatic dependent launch: only with `VLMCTL_W4A16_MMA_PDL=1`, and
+    where `pdl.enabled` (VLMCTL_PDL). Off by default because it was measured slower (H200, LLaVA-1.5-7B
+    shapes, docs/benchmarks.md session 7): a step graph of the 128 linears at M = 8 took 3.03 ms with it
+    and 2.55 without, the AWQ decode step at batch 8 4.74 vs 4.22 ms; the kernel keeps the PDL contract
+    (only weights read before its wait) either way, and a GPU test checks it with the switch on."""
+    from . import pdl
+
+    if os.environ.get("VLMCTL_W4A16_MMA_PDL", "0").strip() not in ("1", "on", "true"):
+        return False
+    return pdl.enabled(device)
 
 
 def mma_shared_bytes(config: Config, max_groups: int) -> int:
-    """Dynamic shared memory of one "mma" block: the cp.async ring, then the block's scales and zero points."""
-    ring = config.num_stages * (config.block_m * MMA_XS_STRIDE * 2 + config.block_n * MMA_WS_STRIDE * 4)
+    """Dynamic shared memory of one "mma" block: the cp.async ring (x rows of block_k + 8 halfs, weight
+    rows of block_k / 8 + 4 words), then the block's scales and zero points."""
+    xs, wsw = mma_strides(config.block_k)
+    ring = config.num_stages * (config.block_m * xs * 2 + config.block_n * wsw * 4)
     return ring + config.block_n * max_groups * 3
+
+
+def mma_strides(block_k: int) -> tuple[int, int]:
+    """Halfs per x row and words per weight row of one stage in shared memory (the .cu's XS and WSW)."""
+    return block_k + 8, block_k // 8 + 4
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -14,11 +14,17 @@
 // the dequantized tile (what Triton's tl.dot needs) and no int->float conversion.
 //
 // Block: WM x WN warps, each NT n8-tiles x MT m16-tiles (warps along M dequantize the same weights
-// for their own rows: fewer registers per warp, more warps per SM); K in 64-wide
-// chunks (the group size G, a template argument, must be a multiple of 64), a STAGES-deep cp.async
-// ring in shared memory holding each chunk's x tile and packed weight tile. Split-K over gridDim.y at
-// group boundaries: each split writes fp32 partials to ws, the last to take a ticket sums them in split
-// order (deterministic), adds the bias, stores, and resets its counter.
+// for their own rows: fewer registers per warp, more warps per SM); K in KC-wide chunks (64, 128 or
+// 256: wider chunks read longer contiguous runs of each weight row, KC / 2 bytes), a STAGES-deep
+// cp.async ring in shared memory holding each chunk's x tile and packed weight tile. The group size G
+// (a template argument) is a multiple of 64; K is walked in units of max(KC, G), so a chunk holds whole
+// groups or a group whole chunks. Split-K over gridDim.y at unit boundaries: each split writes fp32
+// partials to ws, the last to take a ticket sums them in split order (deterministic), adds the bias,
+// stores, and resets its counter.
+//
+// Programmatic dependent launch (sm_90): the kernel lets the next one be scheduled at once, and reads
+// only weights (the packed tiles of its first stages, its scales and zero points) before
+// griddepcontrol.wait; x, ws, cnt and y are touched after it. Launched without PDL, both are no-ops.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -26,8 +32,6 @@ typedef unsigned char u8;
 struct alignas(8) u32x2 { u32 x, y; };
 struct alignas(8) f32x2 { float x, y; };
 
-#define XS_STRIDE 72   // halfs per x row in shared memory: 64 + 8 pad, conflict-free ldmatrix
-#define WS_STRIDE 12   // words per weight row in shared memory: 8 + 4 pad, conflict-free 8-byte reads
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
@@ -77,6 +81,18 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
     return d;
 }
 
+__device__ __forceinline__ void pdl_release() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 __device__ __forceinline__ f32x2 load_cg_f2(const float* p) {
@@ -85,19 +101,24 @@ __device__ __forceinline__ f32x2 load_cg_f2(const float* p) {
     return v;
 }
 
-template <int MT, int NT, int WM, int WN, int STAGES, int G>
+template <int MT, int NT, int WM, int WN, int STAGES, int G, int KC>
 __global__ void __launch_bounds__(WM * WN * 32)
 w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __restrict__ sc,
           const u8* __restrict__ zp, const u16* __restrict__ bias, u16* __restrict__ y,
           float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int K, int ldx, int has_bias,
           int max_groups) {
+    static_assert(KC == 64 || KC == 128 || KC == 256, "chunks of 64, 128 or 256");
+    static_assert(G % 64 == 0 && (G % KC == 0 || KC % G == 0), "a chunk holds whole groups or a group whole chunks");
     constexpr int BN = WN * NT * 8;
     constexpr int BM = WM * MT * 16;
     constexpr int THREADS = WM * WN * 32;
-    constexpr int CPG = G / 64;  // 64-wide K chunks per group
-    constexpr int X_BYTES = BM * XS_STRIDE * 2, STAGE_BYTES = X_BYTES + BN * WS_STRIDE * 4;
+    constexpr int XS = KC + 8;        // halfs per x row in shared memory (+8: conflict-free ldmatrix)
+    constexpr int WSW = KC / 8 + 4;   // words per weight row in shared memory (+4: conflict-free 16-byte reads)
+    constexpr int UNIT = KC > G ? KC : G, CPU = UNIT / KC;  // K unit and chunks per unit
+    constexpr int X_BYTES = BM * XS * 2, STAGE_BYTES = X_BYTES + BN * WSW * 4;
     extern __shared__ __align__(16) u8 smem[];
     __shared__ int is_last;
+    pdl_release();
 
     // M tiles over gridDim.z: this block's rows start at m_base (ws keeps global rows, cnt one per tile)
     const int m_base = blockIdx.z * BM;
@@ -110,47 +131,43 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     const int g = lane >> 2, t = lane & 3;
     const int n_block = blockIdx.x * BN;
     const int split = blockIdx.y, splits = gridDim.y;
-    const int kw = K >> 3, kg = K / G;
-    // splits cut K at group boundaries, so each block loads a group's scales once
-    const int g_begin = (int)((long long)split * kg / splits);
-    const int ngroups = (int)((long long)(split + 1) * kg / splits) - g_begin;
-    const int nchunks = ngroups * CPG;
+    const int kw = K >> 3, kg = K / G, ku = K / UNIT;
+    // splits cut K at unit boundaries (whole groups), so each block loads a group's scales once
+    const int u_begin = (int)((long long)split * ku / splits);
+    const int nunits = (int)((long long)(split + 1) * ku / splits) - u_begin;
+    const int nchunks = nunits * CPU;
+    const int g_begin = u_begin * (UNIT / G), ngroups = nunits * (UNIT / G);
 
-    // Each thread's cp.async pieces (16 bytes each) are the same in every chunk: a running source
-    // pointer (advanced one chunk per load) and a fixed offset within a stage. Rows past M or N copy
-    // nothing (src-size 0 zero-fills) and point at row 0.
-    constexpr int XP = (BM * 8 + THREADS - 1) / THREADS, WP = (BN * 2 + THREADS - 1) / THREADS;
-    const u16* xsrc[XP];
-    u32 xdst[XP];
-    bool xok[XP];
-#pragma unroll
-    for (int q = 0; q < XP; ++q) {
-        const int i = tid + q * THREADS, r = i >> 3, p = i & 7;
-        xok[q] = (BM * 8 % THREADS == 0 || i < BM * 8) && r < M;
-        xsrc[q] = x + (xok[q] ? r * ldx : 0) + g_begin * G + p * 8;
-        xdst[q] = (r * XS_STRIDE + p * 8) * 2;
-    }
-    const u32* wsrc[WP];
-    u32 wdst[WP];
-    bool wok[WP];
-#pragma unroll
-    for (int q = 0; q < WP; ++q) {
-        const int i = tid + q * THREADS, r = i >> 1, p = i & 1;
-        wok[q] = (BN * 2 % THREADS == 0 || i < BN * 2) && n_block + r < N;
-        wsrc[q] = qw + (wok[q] ? (long long)(n_block + r) * kw : 0) + g_begin * (G / 8) + p * 4;
-        wdst[q] = X_BYTES + (r * WS_STRIDE + p * 4) * 4;
-    }
+    // Each thread's cp.async pieces (16 bytes each): piece q of a tile is row tid / PR + q * THREADS / PR,
+    // 16-byte column tid % PR, in every chunk (PR pieces per row; THREADS is a multiple of PR). Rows
+    // past M or N copy nothing (src-size 0 zero-fills) and point at row 0. Addresses are recomputed per
+    // chunk from one running K offset rather than kept per piece: fewer registers at KC = 256.
+    constexpr int XPR = KC / 8, WPR = KC / 32;  // 16-byte pieces per x row and per weight row
+    constexpr int XP = (BM * XPR + THREADS - 1) / THREADS, WP = (BN * WPR + THREADS - 1) / THREADS;
+    const int xr0 = tid / XPR, xp = tid % XPR, wr0 = tid / WPR, wp = tid % WPR;
+    const u16* xbase = x + u_begin * UNIT + xp * 8;
+    const u32* wbase = qw + u_begin * (UNIT / 8) + wp * 4;
     const u32 smem0 = smem_addr(smem);
-    auto load_chunk = [&](u32 stage_addr) {
-#pragma unroll
-        for (int q = 0; q < XP; ++q) {
-            if (BM * 8 % THREADS == 0 || tid + q * THREADS < BM * 8) cp_async16_s(stage_addr + xdst[q], xsrc[q], xok[q]);
-            xsrc[q] += 64;
-        }
+    int kx = 0;  // K offset (elements) of the next chunk to load within this split
+    auto load_w = [&](u32 stage_addr) {
 #pragma unroll
         for (int q = 0; q < WP; ++q) {
-            if (BN * 2 % THREADS == 0 || tid + q * THREADS < BN * 2) cp_async16_s(stage_addr + wdst[q], wsrc[q], wok[q]);
-            wsrc[q] += 8;
+            const int r = wr0 + q * (THREADS / WPR);
+            if (BN * WPR % THREADS == 0 || r < BN) {
+                const bool ok = n_block + r < N;
+                cp_async16_s(stage_addr + X_BYTES + (r * WSW + wp * 4) * 4,
+                             wbase + (ok ? (long long)(n_block + r) * kw : 0) + kx / 8, ok);
+            }
+        }
+    };
+    auto load_x = [&](u32 stage_addr) {
+#pragma unroll
+        for (int q = 0; q < XP; ++q) {
+            const int r = xr0 + q * (THREADS / XPR);
+            if (BM * XPR % THREADS == 0 || r < BM) {
+                const bool ok = r < M;
+                cp_async16_s(stage_addr + (r * XS + xp * 8) * 2, xbase + (ok ? r * ldx : 0) + kx, ok);
+            }
         }
     };
 
@@ -162,16 +179,17 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
+    // Prologue: the first stages' weight tiles, then the block's scales and zero points for its whole
+    // K range (to shared memory once, so the loop reads them with short-latency loads), all before the
+    // wait for the previous kernel; then the x tiles. The first commit group holds every prologue
+    // weight tile and the first x tile, so the loop's wait accounting is unchanged.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < nchunks) load_chunk(smem0 + s * STAGE_BYTES);
-        cp_async_commit();
+        if (s < nchunks) load_w(smem0 + s * STAGE_BYTES);
+        kx += KC;
     }
-
-    // The block's scales and zero points for its whole K range go to shared memory once, while the
-    // cp.async prologue is in flight, so the loop reads them with short-latency
-    // loads instead of waiting on a global load per group. Rows past N are clamped to a real row
-    // (computed, never stored).
+    kx = 0;
+    // Rows past N are clamped to a real row (computed, never stored).
     u16* s_sm = reinterpret_cast<u16*>(smem + STAGES * STAGE_BYTES);
     u8* z_sm = reinterpret_cast<u8*>(s_sm + BN * max_groups);
     for (int idx = tid; idx < BN * ngroups; idx += THREADS) {
@@ -180,65 +198,83 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
         s_sm[r * max_groups + gq] = sc[(long long)n * kg + g_begin + gq];
         z_sm[r * max_groups + gq] = zp[(long long)n * kg + g_begin + gq];
     }
+    pdl_wait();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < nchunks) load_x(smem0 + s * STAGE_BYTES);
+        kx += KC;
+        cp_async_commit();
+    }
     __syncthreads();  // the loop reads a group's entries before its first chunk's barrier
     int row_sz[NT];  // this lane's row (one per n8-tile) in those tables
 #pragma unroll
     for (int j = 0; j < NT; ++j) row_sz[j] = (warp * NT * 8 + j * 8 + g) * max_groups;
 
-
-    const u32 x_lane = ((warp_m * MT * 16 + (lane & 15)) * XS_STRIDE + (lane >> 4) * 8) * 2;
-    const u32 w_lane = X_BYTES + (warp * NT * 8 + g) * WS_STRIDE * 4;
+    const u32 x_lane = ((warp_m * MT * 16 + (lane & 15)) * XS + (lane >> 4) * 8) * 2;
+    const u32 w_lane = X_BYTES + (warp * NT * 8 + g) * WSW * 4;
     u32 stage = 0, load_stage = (STAGES - 1) * STAGE_BYTES;
     int c = 0;
-    for (int gq = 0; gq < ngroups; ++gq) {
-        u32 zf2[NT], s2[NT];
+    u32 zf2[NT], s2[NT];
+    for (int un = 0; un < nunits; ++un) {
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            zf2[j] = (0x6400u | z_sm[row_sz[j] + gq]) * 0x00010001u;  // fp16 1024 + zero, twice
-            s2[j] = (u32)s_sm[row_sz[j] + gq] * 0x00010001u;
-        }
-#pragma unroll
-        for (int cc = 0; cc < CPG; ++cc, ++c) {
+        for (int cc = 0; cc < CPU; ++cc, ++c) {
             cp_async_wait<STAGES - 2>();
             __syncthreads();
-            if (c + STAGES - 1 < nchunks) load_chunk(smem0 + load_stage);
+            if (c + STAGES - 1 < nchunks) {
+                load_w(smem0 + load_stage);
+                load_x(smem0 + load_stage);
+            }
+            kx += KC;
             cp_async_commit();
             load_stage = load_stage + STAGE_BYTES == STAGES * STAGE_BYTES ? 0 : load_stage + STAGE_BYTES;
 
             const u32 xc = smem0 + stage + x_lane;
             const u32 wc = smem0 + stage + w_lane;
             stage = stage + STAGE_BYTES == STAGES * STAGE_BYTES ? 0 : stage + STAGE_BYTES;
-            // software-pipelined: this chunk's weight words for all NT rows up front (two 16-byte
-            // reads each), the next 16-k step's x fragments loaded while this step's mma run
-            u32 wv[NT][8];
 #pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                const u32 addr = wc + j * 8 * WS_STRIDE * 4;
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(wv[j][0]), "=r"(wv[j][1]), "=r"(wv[j][2]), "=r"(wv[j][3]) : "r"(addr));
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(wv[j][4]), "=r"(wv[j][5]), "=r"(wv[j][6]), "=r"(wv[j][7]) : "r"(addr + 16));
-            }
-            u32 a[2][MT][4];
+            for (int sub = 0; sub < KC / 64; ++sub) {  // 64-k pieces of the chunk
+                const int k_in_unit = cc * KC + sub * 64;  // compile-time after unrolling
+                if (k_in_unit % G == 0) {  // a new group: its scale and 1024 + zero, twice, per row
+                    const int gq = un * (UNIT / G) + k_in_unit / G;
 #pragma unroll
-            for (int i = 0; i < MT; ++i) ldmatrix_x4_s(a[0][i], xc + i * 16 * XS_STRIDE * 2);
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                if (kk < 3) {
-#pragma unroll
-                    for (int i = 0; i < MT; ++i)
-                        ldmatrix_x4_s(a[(kk + 1) & 1][i], xc + (i * 16 * XS_STRIDE + (kk + 1) * 16) * 2);
+                    for (int j = 0; j < NT; ++j) {
+                        zf2[j] = (0x6400u | z_sm[row_sz[j] + gq]) * 0x00010001u;
+                        s2[j] = (u32)s_sm[row_sz[j] + gq] * 0x00010001u;
+                    }
                 }
-                u32 b[NT][2];
+                // software-pipelined: this piece's weight words for all NT rows up front (two 16-byte
+                // reads each), the next 16-k step's x fragments loaded while this step's mma run
+                u32 wv[NT][8];
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
-                    b[j][0] = dequant2(wv[j][2 * kk], 4 * t, zf2[j], s2[j]);
-                    b[j][1] = dequant2(wv[j][2 * kk + 1], 4 * t, zf2[j], s2[j]);
+                    const u32 addr = wc + (j * 8 * WSW + sub * 8) * 4;
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(wv[j][0]), "=r"(wv[j][1]), "=r"(wv[j][2]), "=r"(wv[j][3]) : "r"(addr));
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(wv[j][4]), "=r"(wv[j][5]), "=r"(wv[j][6]), "=r"(wv[j][7]) : "r"(addr + 16));
                 }
+                const u32 xs = xc + sub * 64 * 2;
+                u32 a[2][MT][4];
 #pragma unroll
-                for (int j = 0; j < NT; ++j)
+                for (int i = 0; i < MT; ++i) ldmatrix_x4_s(a[0][i], xs + i * 16 * XS * 2);
 #pragma unroll
-                    for (int i = 0; i < MT; ++i) mma16816(acc[i][j], a[kk & 1][i], b[j][0], b[j][1]);
+                for (int kk = 0; kk < 4; ++kk) {
+                    if (kk < 3) {
+#pragma unroll
+                        for (int i = 0; i < MT; ++i)
+                            ldmatrix_x4_s(a[(kk + 1) & 1][i], xs + (i * 16 * XS + (kk + 1) * 16) * 2);
+                    }
+                    u32 b[NT][2];
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) {
+                        b[j][0] = dequant2(wv[j][2 * kk], 4 * t, zf2[j], s2[j]);
+                        b[j][1] = dequant2(wv[j][2 * kk + 1], 4 * t, zf2[j], s2[j]);
+                    }
+#pragma unroll
+                    for (int j = 0; j < NT; ++j)
+#pragma unroll
+                        for (int i = 0; i < MT; ++i) mma16816(acc[i][j], a[kk & 1][i], b[j][0], b[j][1]);
+                }
             }
         }
     }
