@@ -333,3 +333,220 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
         }
     if (splits > 1 && tid == 0) cnt[blockIdx.x] = 0;
 }
+
+// ---------------------------------------------------------------------------------------------------
+// W4A16 on Hopper's warpgroup MMA (sm_90a): y^T = W x^T, so the weights are wgmma's A operand, which it
+// reads from registers (dequantized there, as in w4a16_mma), and x is its B operand, read by the tensor
+// cores from shared memory (no ldmatrix, no copies of x per warp), asynchronously: a warpgroup's four
+// 16-k steps of a chunk are issued back to back and complete while it does nothing else.
+//
+// Block: NWG warpgroups, each 64 weight rows (warp w of a group: rows 16w .. 16w + 15) by BMX batch rows
+// (the wgmma N: 16, 32 or 64; more rows tile gridDim.z). K in 64-wide chunks through a STAGES-deep cp.async
+// ring; split-K over gridDim.y at group boundaries as in w4a16_mma (same workspace, same tickets).
+// The x tile of a chunk is stored as wgmma's K-major, non-swizzled layout: 8 x 8 core matrices of 128
+// bytes, core matrix (row group rg, 8-k column kc) at (kc * BMX / 8 + rg) * 128, its row r at r * 16.
+// LSWAP swaps the two descriptor strides (for checking the layout on a new toolchain; 0 is the layout above).
+
+__device__ __forceinline__ unsigned long long wgmma_desc(u32 saddr, u32 lbo, u32 sbo) {
+    return (unsigned long long)((saddr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16)
+           | ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32);  // base offset 0, no swizzle
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+
+__device__ __forceinline__ void wgmma_n16(float* d, const u32 (&a)[4], unsigned long long desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+__device__ __forceinline__ void wgmma_n32(float* d, const u32 (&a)[4], unsigned long long desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+__device__ __forceinline__ void wgmma_n64(float* d, const u32 (&a)[4], unsigned long long desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+
+template <int BMX>
+__device__ __forceinline__ void wgmma_step(float* d, const u32 (&a)[4], unsigned long long desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (BMX == 16) wgmma_n16(d, a, desc);
+    else if constexpr (BMX == 32) wgmma_n32(d, a, desc);
+    else wgmma_n64(d, a, desc);
+#else
+    __trap();  // compiled for a GPU without wgmma (the launcher only picks this kernel on sm_90)
+#endif
+}
+
+template <int NWG, int BMX, int STAGES, int G, int LSWAP>
+__global__ void __launch_bounds__(NWG * 128)
+w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __restrict__ sc,
+            const u8* __restrict__ zp, const u16* __restrict__ bias, u16* __restrict__ y,
+            float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int K, int ldx, int has_bias,
+            int max_groups) {
+    static_assert(BMX == 16 || BMX == 32 || BMX == 64, "wgmma N of 16, 32 or 64 batch rows");
+    static_assert(G % 64 == 0, "groups of whole 64-wide chunks");
+    constexpr int BN = NWG * 64, THREADS = NWG * 128, WSW = 12, CPG = G / 64;
+    constexpr int X_BYTES = BMX * 64 * 2, STAGE_BYTES = X_BYTES + BN * WSW * 4;
+    constexpr u32 LBO = LSWAP ? 128 : BMX * 16, SBO = LSWAP ? BMX * 16 : 128;  // K-adjacent, N-adjacent core matrices
+    extern __shared__ __align__(128) u8 smem[];
+    __shared__ int is_last;
+
+    const int m_base = blockIdx.z * BMX;
+    x += (long long)m_base * ldx;
+    y += (long long)m_base * N;
+    const int M_all = M;
+    M = M - m_base < BMX ? M - m_base : BMX;
+    cnt += blockIdx.z * gridDim.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;  // warp w of the block: rows 16w .. 16w + 15
+    const int g = lane >> 2, t = lane & 3;
+    const int n_block = blockIdx.x * BN;
+    const int split = blockIdx.y, splits = gridDim.y;
+    const int kw = K >> 3, kg = K / G;
+    const int g_begin = (int)((long long)split * kg / splits);
+    const int ngroups = (int)((long long)(split + 1) * kg / splits) - g_begin;
+    const int nchunks = ngroups * CPG;
+
+    // cp.async pieces: x rows in core-matrix order (piece p of row r: column kc = p), weight rows as in w4a16_mma
+    constexpr int XP = (BMX * 8 + THREADS - 1) / THREADS, WP = (BN * 2 + THREADS - 1) / THREADS;
+    const u32 smem0 = smem_addr(smem);
+    int kx = 0;
+    auto load_chunk = [&](u32 stage_addr) {
+#pragma unroll
+        for (int q = 0; q < XP; ++q) {
+            const int i = tid + q * THREADS, r = i >> 3, p = i & 7;
+            if (BMX * 8 % THREADS == 0 || i < BMX * 8) {
+                const bool ok = r < M;
+                cp_async16_s(stage_addr + (p * (BMX / 8) + (r >> 3)) * 128 + (r & 7) * 16,
+                             x + (ok ? r * ldx : 0) + g_begin * G + kx + p * 8, ok);
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < WP; ++q) {
+            const int i = tid + q * THREADS, r = i >> 1, p = i & 1;
+            if (BN * 2 % THREADS == 0 || i < BN * 2) {
+                const bool ok = n_block + r < N;
+                cp_async16_s(stage_addr + X_BYTES + (r * WSW + p * 4) * 4,
+                             qw + (ok ? (long long)(n_block + r) * kw : 0) + (g_begin * G + kx) / 8 + p * 4, ok);
+            }
+        }
+        kx += 64;
+    };
+
+    float acc[BMX / 2];
+#pragma unroll
+    for (int e = 0; e < BMX / 2; ++e) acc[e] = 0.f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < nchunks) load_chunk(smem0 + s * STAGE_BYTES);
+        cp_async_commit();
+    }
+    u16* s_sm = reinterpret_cast<u16*>(smem + STAGES * STAGE_BYTES);
+    u8* z_sm = reinterpret_cast<u8*>(s_sm + BN * max_groups);
+    for (int idx = tid; idx < BN * ngroups; idx += THREADS) {
+        const int r = idx / ngroups, gq = idx - r * ngroups;
+        const int n = n_block + r < N ? n_block + r : N - 1;
+        s_sm[r * max_groups + gq] = sc[(long long)n * kg + g_begin + gq];
+        z_sm[r * max_groups + gq] = zp[(long long)n * kg + g_begin + gq];
+    }
+    __syncthreads();
+    const int r0 = warp * 16 + g;  // this lane's two weight rows in the block: r0 and r0 + 8
+    u32 stage = 0, load_stage = (STAGES - 1) * STAGE_BYTES;
+    int c = 0;
+    for (int gq = 0; gq < ngroups; ++gq) {
+        const u32 zf0 = (0x6400u | z_sm[r0 * max_groups + gq]) * 0x00010001u;
+        const u32 zf1 = (0x6400u | z_sm[(r0 + 8) * max_groups + gq]) * 0x00010001u;
+        const u32 s0 = (u32)s_sm[r0 * max_groups + gq] * 0x00010001u;
+        const u32 s1 = (u32)s_sm[(r0 + 8) * max_groups + gq] * 0x00010001u;
+#pragma unroll
+        for (int cc = 0; cc < CPG; ++cc, ++c) {
+            cp_async_wait<STAGES - 2>();
+            fence_proxy_async();  // this thread's copies, made with generic-proxy stores, visible to wgmma's reads
+            __syncthreads();  // this chunk landed; every warpgroup's wgmmas of the last chunk completed (waited below)
+            if (c + STAGES - 1 < nchunks) load_chunk(smem0 + load_stage);
+            cp_async_commit();
+            load_stage = load_stage + STAGE_BYTES == STAGES * STAGE_BYTES ? 0 : load_stage + STAGE_BYTES;
+            const u32 xc = smem0 + stage;
+            const u32 wc = smem0 + stage + X_BYTES + r0 * WSW * 4;
+            stage = stage + STAGE_BYTES == STAGES * STAGE_BYTES ? 0 : stage + STAGE_BYTES;
+            u32 w0[8], w1[8];  // rows r0 and r0 + 8: the chunk's 8 words each
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w0[0]), "=r"(w0[1]), "=r"(w0[2]), "=r"(w0[3]) : "r"(wc));
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w0[4]), "=r"(w0[5]), "=r"(w0[6]), "=r"(w0[7]) : "r"(wc + 16));
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w1[0]), "=r"(w1[1]), "=r"(w1[2]), "=r"(w1[3]) : "r"(wc + 8 * WSW * 4));
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w1[4]), "=r"(w1[5]), "=r"(w1[6]), "=r"(w1[7]) : "r"(wc + 8 * WSW * 4 + 16));
+            u32 a[4][4];  // A fragments of the four 16-k steps: (row g, k 2t..), (row g + 8, k 2t..), (g, 2t + 8..), (g + 8, 2t + 8..)
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                a[s][0] = dequant2(w0[2 * s], 4 * t, zf0, s0);
+                a[s][1] = dequant2(w1[2 * s], 4 * t, zf1, s1);
+                a[s][2] = dequant2(w0[2 * s + 1], 4 * t, zf0, s0);
+                a[s][3] = dequant2(w1[2 * s + 1], 4 * t, zf1, s1);
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int s = 0; s < 4; ++s) wgmma_step<BMX>(acc, a[s], wgmma_desc(xc + s * 2 * (BMX / 8) * 128, LBO, SBO));
+            wgmma_commit();
+            wgmma_wait<0>();  // the stage is refilled after the next barrier; a[] is rewritten next chunk
+        }
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int e = 0; e < BMX / 2; ++e) asm volatile("" : "+f"(acc[e]) :: "memory");  // reads after the wait
+
+    // accumulator e = 4j + 2h + b: weight row r0 + 8h, batch row 8j + 2t + b
+    if (splits > 1) {
+#pragma unroll
+        for (int e = 0; e < BMX / 2; ++e) {
+            const int n = n_block + r0 + 8 * ((e >> 1) & 1), m = 8 * (e >> 2) + 2 * t + (e & 1);
+            if (n < N && m < M) ws[((long long)split * M_all + m_base + m) * N + n] = acc[e];
+        }
+        fence_gpu();
+        __syncthreads();
+        if (tid == 0) {
+            int ticket;
+            asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(cnt + blockIdx.x));
+            is_last = ticket == splits - 1;
+        }
+        __syncthreads();
+        if (!is_last) return;
+        fence_gpu();
+    }
+#pragma unroll
+    for (int e = 0; e < BMX / 2; ++e) {
+        const int n = n_block + r0 + 8 * ((e >> 1) & 1), m = 8 * (e >> 2) + 2 * t + (e & 1);
+        if (n >= N || m >= M) continue;
+        float v = acc[e];
+        if (splits > 1) {  // in split order
+            v = 0.f;
+            for (int s = 0; s < splits; ++s) {
+                float p;
+                asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(p) : "l"(ws + ((long long)s * M_all + m_base + m) * N + n));
+                v += p;
+            }
+        }
+        if (has_bias) v += half_to_float(bias[n]);
+        u16 h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+        y[(long long)m * N + n] = h;
+    }
+    if (splits > 1 && tid == 0) cnt[blockIdx.x] = 0;
+}
