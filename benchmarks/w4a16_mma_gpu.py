@@ -122,7 +122,7 @@ for lswap in (0, 1) if wg_ok else ():
             x = torch.randn(m, k, device=dev, dtype=torch.float16)
             bias = torch.randn(n, device=dev, dtype=torch.float16)
             ref = x.float() @ wdq.t() + bias.float()
-            for bn in (64, 128):
+            for bn in (64, 128, 256):
                 for sk in (1, 3):
                     c = wg(min(64, max(16, 1 << (m - 1).bit_length())), bn, 4, sk)
                     if not c.valid_for(n, k, g) or W.mma_shared_bytes(c, k // g) > W.MMA_MAX_SHARED:
@@ -198,7 +198,7 @@ def cands(m, n, k):
                             continue
                         out.append(c)
     if wg_ok:  # the Hopper kernel, where its correctness pass found no error
-        for bn in (64, 128):
+        for bn in (64, 128, 256):
             for st in (3, 4, 6):
                 for sk in (1, 2, 4, 8, 16):
                     c = wg(bm, bn, st, sk)

@@ -151,7 +151,7 @@ def _wgmma(bm, bn, stages, split):
 @pytest.mark.parametrize("n,k,g", [(4096, 4096, 128), (4096, 11008, 128), (200, 192, 64), (72, 128, 128),
                                    (12288, 4096, 64)])
 @pytest.mark.parametrize("cfg", [_wgmma(64, 128, 4, 1), _wgmma(64, 64, 3, 3), _wgmma(32, 128, 4, 2),
-                                 _wgmma(16, 64, 6, 1)], ids=W.describe)
+                                 _wgmma(16, 64, 6, 1), _wgmma(64, 256, 4, 2)], ids=W.describe)
 def test_gpu_wgmma_matches_reference(n, k, g, cfg):
     p = _packed(n, k, g, seed=n + k)
     gen = torch.Generator(device="cuda").manual_seed(2)

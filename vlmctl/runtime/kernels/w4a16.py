@@ -102,8 +102,8 @@ class Config:
         if self.kernel == "dequant_mm":
             return True
         if self.kernel == "wgmma":
-            return (self.block_n in (64, 128) and self.num_warps == self.block_n // 16 and self.block_k == 64
-                    and self.block_m in (16, 32, 64) and 2 <= self.num_stages <= 8 and self.split_k >= 1
+            return (self.block_n in (64, 128, 256) and self.num_warps == self.block_n // 16 and self.block_k == 64
+                    and self.block_m in (16, 32, 64) and 3 <= self.num_stages <= 8 and self.split_k >= 1
                     and group_size % 64 == 0 and k % group_size == 0 and n % 8 == 0)
         if self.kernel == "mma":
             wm = self.warps_m

@@ -404,6 +404,11 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
             int max_groups) {
     static_assert(BMX == 16 || BMX == 32 || BMX == 64, "wgmma N of 16, 32 or 64 batch rows");
     static_assert(G % 64 == 0, "groups of whole 64-wide chunks");
+    static_assert(STAGES >= 3, "one stage may still be read by the last chunk's wgmmas while two are in flight");
+    // Prefetch distance STAGES - 2: the chunk refilled at iteration c is chunk c - 2's stage, whose wgmmas
+    // every warpgroup retired (wait_group 1 at the end of iteration c - 1) before this iteration's barrier;
+    // chunk c - 1's wgmmas keep running while chunk c is dequantized (into the other half of a[][]).
+    constexpr int PF = STAGES - 2;
     constexpr int BN = NWG * 64, THREADS = NWG * 128, WSW = 12, CPG = G / 64;
     constexpr int X_BYTES = BMX * 64 * 2, STAGE_BYTES = X_BYTES + BN * WSW * 4;
     constexpr u32 LBO = LSWAP ? 128 : BMX * 16, SBO = LSWAP ? BMX * 16 : 128;  // K-adjacent, N-adjacent core matrices
@@ -456,7 +461,7 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
     for (int e = 0; e < BMX / 2; ++e) acc[e] = 0.f;
 
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < PF; ++s) {
         if (s < nchunks) load_chunk(smem0 + s * STAGE_BYTES);
         cp_async_commit();
     }
@@ -470,7 +475,9 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
     }
     __syncthreads();
     const int r0 = warp * 16 + g;  // this lane's two weight rows in the block: r0 and r0 + 8
-    u32 stage = 0, load_stage = (STAGES - 1) * STAGE_BYTES;
+    u32 stage = 0, load_stage = PF * STAGE_BYTES;
+    u32 a[2][4][4];  // per chunk parity: A fragments of the four 16-k steps, (row g, k 2t..), (row g + 8, k 2t..),
+                     // (g, 2t + 8..), (g + 8, 2t + 8..)
     int c = 0;
     for (int gq = 0; gq < ngroups; ++gq) {
         const u32 zf0 = (0x6400u | z_sm[r0 * max_groups + gq]) * 0x00010001u;
@@ -479,10 +486,10 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
         const u32 s1 = (u32)s_sm[(r0 + 8) * max_groups + gq] * 0x00010001u;
 #pragma unroll
         for (int cc = 0; cc < CPG; ++cc, ++c) {
-            cp_async_wait<STAGES - 2>();
+            cp_async_wait<PF - 1>();
             fence_proxy_async();  // this thread's copies, made with generic-proxy stores, visible to wgmma's reads
             __syncthreads();  // this chunk landed; every warpgroup's wgmmas of the last chunk completed (waited below)
-            if (c + STAGES - 1 < nchunks) load_chunk(smem0 + load_stage);
+            if (c + PF < nchunks) load_chunk(smem0 + load_stage);
             cp_async_commit();
             load_stage = load_stage + STAGE_BYTES == STAGES * STAGE_BYTES ? 0 : load_stage + STAGE_BYTES;
             const u32 xc = smem0 + stage;
@@ -493,21 +500,23 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
             asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w0[4]), "=r"(w0[5]), "=r"(w0[6]), "=r"(w0[7]) : "r"(wc + 16));
             asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w1[0]), "=r"(w1[1]), "=r"(w1[2]), "=r"(w1[3]) : "r"(wc + 8 * WSW * 4));
             asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w1[4]), "=r"(w1[5]), "=r"(w1[6]), "=r"(w1[7]) : "r"(wc + 8 * WSW * 4 + 16));
-            u32 a[4][4];  // A fragments of the four 16-k steps: (row g, k 2t..), (row g + 8, k 2t..), (g, 2t + 8..), (g + 8, 2t + 8..)
+            const int par = CPG % 2 == 0 ? (cc & 1) : 0;  // c's parity (a group's chunks start even; unrolled: a constant)
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
-                a[s][0] = dequant2(w0[2 * s], 4 * t, zf0, s0);
-                a[s][1] = dequant2(w1[2 * s], 4 * t, zf1, s1);
-                a[s][2] = dequant2(w0[2 * s + 1], 4 * t, zf0, s0);
-                a[s][3] = dequant2(w1[2 * s + 1], 4 * t, zf1, s1);
+                a[par][s][0] = dequant2(w0[2 * s], 4 * t, zf0, s0);
+                a[par][s][1] = dequant2(w1[2 * s], 4 * t, zf1, s1);
+                a[par][s][2] = dequant2(w0[2 * s + 1], 4 * t, zf0, s0);
+                a[par][s][3] = dequant2(w1[2 * s + 1], 4 * t, zf1, s1);
             }
             wgmma_fence();
 #pragma unroll
-            for (int s = 0; s < 4; ++s) wgmma_step<BMX>(acc, a[s], wgmma_desc(xc + s * 2 * (BMX / 8) * 128, LBO, SBO));
+            for (int s = 0; s < 4; ++s) wgmma_step<BMX>(acc, a[par][s], wgmma_desc(xc + s * 2 * (BMX / 8) * 128, LBO, SBO));
             wgmma_commit();
-            wgmma_wait<0>();  // the stage is refilled after the next barrier; a[] is rewritten next chunk
+            if constexpr (CPG % 2 == 0) wgmma_wait<1>();  // chunk c - 1's group done: its stage and a[] half are free
+            else wgmma_wait<0>();  // (odd chunks per group: no compile-time parity, no overlap)
         }
     }
+    wgmma_wait<0>();
     cp_async_wait<0>();
 #pragma unroll
     for (int e = 0; e < BMX / 2; ++e) asm volatile("" : "+f"(acc[e]) :: "memory");  // reads after the wait
