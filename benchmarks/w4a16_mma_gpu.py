@@ -55,12 +55,12 @@ def bm_for(m):
 
 
 def precompile(cfgs, gs=(128,)):
-    exprs = sorted({(W.mma_kernel_name(c, G), "a" if c.kernel == "wgmma" else "") for c in cfgs for G in gs})
+    exprs = sorted({W.mma_kernel_name(c, G) for c in cfgs for G in gs})
     src = W.mma_source()
     cap = torch.cuda.get_device_capability()
     t = time.perf_counter()
     with ThreadPoolExecutor(16) as ex:
-        list(ex.map(lambda e: cuda_rtc.cached_cubin(src, e[0], f"sm_{cap[0]}{cap[1]}{e[1]}"), exprs))
+        list(ex.map(lambda e: cuda_rtc.cached_cubin(src, e, f"sm_{cap[0]}{cap[1]}"), exprs))
     log(f"compiled {len(exprs)} kernels in {time.perf_counter() - t:.1f}s")
 
 
@@ -103,46 +103,6 @@ for (n, k, g) in cases:
                     res["correct"].append(dict(n=n, k=k, g=g, m=m, bias=bias is not None, cfg=W.describe(c),
                                                rel=e, maxrel=mx, det=det, triton_rel=e_tri))
 log(f"correctness: {len(res['correct'])} cases, worst rel err {worst:.2e}")
-
-
-def wg(bm, bn, st, sk):
-    return W.Config("wgmma", block_n=bn, block_k=64, block_m=bm, split_k=sk, num_warps=bn // 16, num_stages=st)
-
-
-# the Hopper kernel: its descriptor layout first (LSWAP 0 is the one derived; 1 the strides swapped)
-wg_ok = torch.cuda.get_device_capability() == (9, 0)
-res["wgmma_correct"] = []
-for lswap in (0, 1) if wg_ok else ():
-    W._WGMMA_LSWAP = lswap
-    bad = 0
-    for (n, k, g) in cases:
-        p = make(n, k, g, n + k)
-        wdq = W.dequantize(p, g, torch.float16).float()
-        for m in ms:
-            x = torch.randn(m, k, device=dev, dtype=torch.float16)
-            bias = torch.randn(n, device=dev, dtype=torch.float16)
-            ref = x.float() @ wdq.t() + bias.float()
-            for bn in (64, 128, 256):
-                for sk in (1, 3):
-                    c = wg(min(64, max(16, 1 << (m - 1).bit_length())), bn, 4, sk)
-                    if not c.valid_for(n, k, g) or W.mma_shared_bytes(c, k // g) > W.MMA_MAX_SHARED:
-                        continue
-                    y = W.launch(x, p, g, c, bias).float()
-                    y2 = W.launch(x, p, g, c, bias).float()
-                    e = float((y - ref).norm() / ref.norm())
-                    det = bool(torch.equal(y, y2))
-                    res["wgmma_correct"].append(dict(lswap=lswap, n=n, k=k, g=g, m=m, cfg=W.describe(c), rel=e, det=det))
-                    if not (e <= 2e-3 and det):
-                        bad += 1
-                        if bad <= 3:
-                            log(f"wgmma BAD lswap{lswap} n{n} k{k} g{g} m{m} {W.describe(c)}: rel {e:.2e} det {det}")
-    log(f"wgmma lswap {lswap}: {bad} bad of {sum(r['lswap'] == lswap for r in res['wgmma_correct'])}, worst "
-        f"{max(r['rel'] for r in res['wgmma_correct'] if r['lswap'] == lswap):.2e}")
-    if bad == 0:
-        break
-else:
-    wg_ok = False
-res["wgmma_lswap"] = W._WGMMA_LSWAP if wg_ok else None
 
 # graph capture of one launch
 p = make(4096, 4096, 128, 1)
@@ -196,14 +156,6 @@ def cands(m, n, k):
                             continue
                         if QUICK and st != 4:
                             continue
-                        out.append(c)
-    if wg_ok:  # the Hopper kernel, where its correctness pass found no error
-        for bn in (64, 128, 256):
-            for st in (3, 4, 6):
-                for sk in (1, 2, 4, 8, 16):
-                    c = wg(bm, bn, st, sk)
-                    if (c.valid_for(n, k, 128) and sk <= k // 128 and (sk == 1 or -(-n // bn) * sk <= 8 * 132)
-                            and W.mma_shared_bytes(c, -(-k // 128 // sk)) <= W.MMA_MAX_SHARED):
                         out.append(c)
     return out
 

@@ -80,10 +80,7 @@ class Config:
     "dequant_mm" (dequantize to a scratch weight + cuBLAS), or "mma" (the CUDA kernel of `w4a16_mma.cu`,
     compiled at run time by NVRTC: fp16 only, mma.sync with the weights dequantized in registers;
     block_m rows per tile, num_warps warps as warps_m along M by num_warps // warps_m along N, K chunks
-    of block_k (64, 128 or 256) in a num_stages-deep cp.async ring), or "wgmma" (the same file's Hopper
-    kernel, sm_90 only: the dequantized weights are warpgroup-MMA's register operand and x its
-    shared-memory operand; block_n 64 or 128 weight rows (one warpgroup of 4 warps per 64), block_m 16,
-    32 or 64 batch rows, 64-wide K chunks).
+    of block_k (64, 128 or 256) in a num_stages-deep cp.async ring).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
     next K block into registers while computing the current one, 1 that it does not."""
 
@@ -101,10 +98,6 @@ class Config:
     def valid_for(self, n: int, k: int, group_size: int) -> bool:
         if self.kernel == "dequant_mm":
             return True
-        if self.kernel == "wgmma":
-            return (self.block_n in (64, 128, 256) and self.num_warps == self.block_n // 16 and self.block_k == 64
-                    and self.block_m in (16, 32, 64) and 3 <= self.num_stages <= 8 and self.split_k >= 1
-                    and group_size % 64 == 0 and k % group_size == 0 and n % 8 == 0)
         if self.kernel == "mma":
             wm = self.warps_m
             if wm < 1 or self.num_warps % wm or self.block_m % (16 * wm):
@@ -424,11 +417,9 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     y = out if out is not None else torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     if m == 0 or n == 0:
         return y
-    if config.kernel in ("mma", "wgmma"):
+    if config.kernel == "mma":
         if not mma_runs(x2, qw):
             raise ValueError("the mma kernel needs fp16 x on CUDA with 16-byte aligned rows and weights, and NVRTC")
-        if config.kernel == "wgmma" and not wgmma_runs(x2.device):
-            raise ValueError("the wgmma kernel runs on compute capability 9.0 (Hopper) only")
         _launch_mma(x2, packed, group_size, config, bias, y)
         return y
     bk = config.block_k
@@ -504,21 +495,8 @@ def mma_runs(x2, qw) -> bool:
             and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0 and qw.data_ptr() % 16 == 0 and mma_available())
 
 
-def wgmma_runs(device) -> bool:
-    """Warpgroup MMA exists on sm_90 (compiled for sm_90a) and on no later architecture's instruction set."""
-    import torch
-
-    return torch.cuda.get_device_capability(device) == (9, 0)
-
-
-_WGMMA_LSWAP = 0  # the kernel's LSWAP template argument (0: the descriptor strides its comment derives)
-
-
 def mma_kernel_name(config: Config, group_size: int) -> str:
-    """The template instance of `w4a16_mma.cu` that runs `config` ("mma" or "wgmma")."""
-    if config.kernel == "wgmma":
-        return (f"w4a16_wgmma<{config.block_n // 64}, {config.block_m}, {config.num_stages}, {group_size}, "
-                f"{_WGMMA_LSWAP}>")
+    """The template instance of `w4a16_mma.cu` that runs `config`."""
     wm = config.warps_m
     wn = config.num_warps // wm
     return (f"w4a16_mma<{config.block_m // (16 * wm)}, {config.block_n // (8 * wn)}, {wm}, {wn}, "
@@ -533,8 +511,7 @@ def _launch_mma(x2, packed: dict, group_size: int, config: Config, bias, y) -> N
     qw, s, z = (packed[key] for key in KEYS)
     m, k = x2.shape
     n = qw.shape[0]
-    kern = cuda_rtc.load_kernel(mma_source(), mma_kernel_name(config, group_size), x2.device,
-                                arch_suffix="a" if config.kernel == "wgmma" else "")
+    kern = cuda_rtc.load_kernel(mma_source(), mma_kernel_name(config, group_size), x2.device)
     unit = max(config.block_k, group_size)  # the kernel walks K (and splits it) in whole chunks and groups
     split = max(1, min(config.split_k, k // unit))
     grid = (triton_cdiv(n, config.block_n), split, triton_cdiv(m, config.block_m))
@@ -549,7 +526,7 @@ def _launch_mma(x2, packed: dict, group_size: int, config: Config, bias, y) -> N
                          "a larger split_k or fewer stages fit")
     kern.launch(grid, (32 * config.num_warps, 1, 1), smem,
                 [x2, qw, s, z, bias, y, ws, cnt, m, n, k, x2.stride(0), int(bias is not None), max_groups],
-                x2.device, pdl=config.kernel == "mma" and mma_pdl(x2.device))
+                x2.device, pdl=mma_pdl(x2.device))
 
 
 def mma_pdl(device) -> bool:
@@ -568,8 +545,6 @@ def mma_pdl(device) -> bool:
 def mma_shared_bytes(config: Config, max_groups: int) -> int:
     """Dynamic shared memory of one "mma" block: the cp.async ring (x rows of block_k + 8 halfs, weight
     rows of block_k / 8 + 4 words), then the block's scales and zero points."""
-    if config.kernel == "wgmma":  # x tiles without padding (the core-matrix layout is conflict-free)
-        return config.num_stages * (config.block_m * 64 * 2 + config.block_n * 12 * 4) + config.block_n * max_groups * 3
     xs, wsw = mma_strides(config.block_k)
     ring = config.num_stages * (config.block_m * xs * 2 + config.block_n * wsw * 4)
     return ring + config.block_n * max_groups * 3
@@ -615,8 +590,7 @@ def w4a16_linear(x, packed: dict, group_size: int, bias=None):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         cfg = select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device)
-        if cfg.kernel in ("mma", "wgmma") and not (mma_runs(x2, qw) and (cfg.kernel == "mma" or wgmma_runs(x2.device))):
-            # no NVRTC here, unaligned views, or a GPU without wgmma: Triton instead
+        if cfg.kernel == "mma" and not mma_runs(x2, qw):  # no NVRTC here, or unaligned views: Triton instead
             cfg = heuristic_config(x2.shape[0], n, k, group_size, _sm_count(x2.device))
         y = launch(x2, packed, group_size, cfg, bias)
     return y.reshape(*x.shape[:-1], n)
@@ -686,7 +660,7 @@ def tune(packed: dict, group_size: int, m_values, dtype, *, configs=None, warmup
 def describe(config: Config) -> str:
     if config.kernel == "dequant_mm":
         return "dequant_mm"
-    bm = f" bm{config.block_m}" if config.kernel in ("dot", "mma", "wgmma") else ""
+    bm = f" bm{config.block_m}" if config.kernel in ("dot", "mma") else ""
     run = f" r{config.run_words}" if config.kernel == "gemv_h2" else ""
     km = " kmajor" if config.k_major else ""
     if config.kernel == "mma" and config.warps_m > 1:
