@@ -24,21 +24,29 @@ import torch
 
 MAX_SEQ = 2048 + 512  # recipe defaults: max_input_len + max_output_len
 DEV = "cuda"
+ACT = torch.float16  # the decoders' activation dtype on the GPU (--dtype)
 SHAPE = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32, "vocab_size": 32064}
-SMOKE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "vocab_size": 1000}
+# --model: other decoders' shapes, as Llama decoders (what kernel choice and bandwidth depend on).
+# Qwen2-VL-7B's language model: GQA with 4 KV heads, 28 layers (its qkv bias and M-RoPE left out).
+SHAPES = {"llava-1.5-7b": (SHAPE, 32),
+          "qwen2-vl-7b": ({"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+                           "num_key_value_heads": 4, "vocab_size": 152064}, 28)}
+SMOKE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "vocab_size": 1000}
 
 
 def llama7b_config(layers: int, shape: dict = SHAPE) -> dict:
-    return {"model_type": "llama", **shape, "num_hidden_layers": layers,
-            "num_key_value_heads": shape["num_attention_heads"], "rms_norm_eps": 1e-5,
+    return {"model_type": "llama", "num_key_value_heads": shape["num_attention_heads"], **shape,
+            "num_hidden_layers": layers, "rms_norm_eps": 1e-5,
             "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False,
             "hidden_act": "silu"}
 
 
 def random_hf_state(cfg: dict, device, seed: int = 0) -> dict:
     g = torch.Generator(device=device).manual_seed(seed)
-    dt = torch.float16 if device == "cuda" else torch.float32
+    dt = ACT if device == "cuda" else torch.float32
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
 
     def w(*shape, std=0.02):
         return torch.randn(*shape, generator=g, device=device, dtype=dt) * std
@@ -49,8 +57,8 @@ def random_hf_state(cfg: dict, device, seed: int = 0) -> dict:
     sd = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": ones(), "lm_head.weight": w(v, h)}
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}"
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            sd[f"{p}.self_attn.{n}.weight"] = w(h, h)
+        for n, rows in (("q_proj", h), ("k_proj", kv), ("v_proj", kv), ("o_proj", h)):
+            sd[f"{p}.self_attn.{n}.weight"] = w(rows, h)
         sd[f"{p}.mlp.gate_proj.weight"] = w(i, h)
         sd[f"{p}.mlp.up_proj.weight"] = w(i, h)
         sd[f"{p}.mlp.down_proj.weight"] = w(h, i)
@@ -91,7 +99,7 @@ def make_decoder(cfg, sd, awq_group: int | None):
     from vlmctl.runtime.decoder import TorchDecoder
 
     spec = decoder_spec(cfg)
-    tensors = runtime_tensors(spec, sd, torch.float16 if DEV == "cuda" else torch.float32)
+    tensors = runtime_tensors(spec, sd, ACT if DEV == "cuda" else torch.float32)
     if awq_group:
         from dataclasses import replace
 
@@ -99,7 +107,7 @@ def make_decoder(cfg, sd, awq_group: int | None):
 
         spec = replace(spec, quantization={"method": "awq", "bits": 4, "group_size": awq_group, "layout": FORMAT})
         tensors = rtn_w4a16(tensors, awq_group)
-    return TorchDecoder(spec, tensors, dtype=torch.float16 if DEV == "cuda" else torch.float32, device=DEV,
+    return TorchDecoder(spec, tensors, dtype=ACT if DEV == "cuda" else torch.float32, device=DEV,
                         max_seq=MAX_SEQ)
 
 
@@ -253,7 +261,7 @@ def sync():
 def bench_hf(cfg, sd, batch: int, prompt_len: int, steps: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.set_default_dtype(torch.float16)
+    torch.set_default_dtype(ACT)
     with torch.device("cuda"):
         model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}))
     torch.set_default_dtype(torch.float32)
@@ -280,7 +288,8 @@ def bench_hf(cfg, sd, batch: int, prompt_len: int, steps: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--model", choices=list(SHAPES), default="llava-1.5-7b", help="decoder shape")
+    ap.add_argument("--layers", type=int, help="default: the model's")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--prompt-len", type=int, default=640)
     ap.add_argument("--steps", type=int, default=64)
@@ -293,14 +302,18 @@ def main():
                     help="batch sizes whose graphed steps to profile (kernel table)")
     ap.add_argument("--env-ab", metavar="VAR=V1,V2", help="time each decoder once per value of an environment "
                     "switch (e.g. VLMCTL_PDL=0,auto), recapturing the graphs for each")
+    ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16",
+                    help="activations and dense weights (AWQ scales stay fp16, as in the engine)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    global DEV
+    global DEV, ACT
+    ACT = getattr(torch, args.dtype)
     if args.smoke:
         DEV = "cpu"
         args.layers, args.prompt_len, args.steps, args.hf_batches = 2, 600, 4, []
-    cfg = llama7b_config(args.layers, SMOKE if args.smoke else SHAPE)
+    shape, layers = SHAPES[args.model]
+    cfg = llama7b_config(args.layers or layers, SMOKE if args.smoke else shape)
     sd = random_hf_state(cfg, DEV)
     bw = copy_bandwidth() if DEV == "cuda" else 20e9
     device_name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)"
@@ -308,7 +321,8 @@ def main():
     rows = []
     if args.attention and DEV == "cuda":
         rows.extend({"attention": r} for r in bench_attention(bw))
-    variants = [("fp16", None)] + ([("awq", args.awq)] if args.awq else [])
+    dense_name = "fp16" if ACT == torch.float16 else "bf16"
+    variants = [(dense_name, None)] + ([("awq", args.awq)] if args.awq else [])
     for name, group in variants:
         dec = make_decoder(cfg, sd, group)
         weight_bytes = sum(t.numel() * t.element_size() for t in _decoder_tensors(dec))
@@ -350,7 +364,7 @@ def main():
             torch.cuda.empty_cache()
     for b in args.hf_batches:
         r = bench_hf(cfg, sd, b, args.prompt_len, args.steps)
-        r["variant"] = "fp16"
+        r["variant"] = dense_name
         rows.append(r)
         print(f"{'transformers':<14}{b:>6}{r['ms_per_step']:>9.2f}{r['tok_s']:>9.0f}", flush=True)
     if args.out:

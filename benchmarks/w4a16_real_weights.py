@@ -8,7 +8,7 @@ Two steps, because the whole checkpoint is more than the GPU machine takes along
 
 `extract` repacks the chosen layers' AutoAWQ GEMM tensors into the engine's W4A16 layout (exact);
 `check` runs every mma config of a small grid (16/32/64-row tiles, 64-128-wide K chunks, split-K 1 and
-3) at M = 1, 2, 8, 17, 32, 64 with activations of unit and of large magnitude (x 64), reporting the
+3) at M = 1, 2, 8, 17, 32, 64 with fp16 and bf16 activations of unit and of large magnitude (x 64), reporting the
 relative Frobenius error and the worst element error relative to the largest output. Real AWQ weights
 differ from random ones in their per-channel scales (folded into the weights) and zero points.
 """
@@ -66,32 +66,37 @@ def check(path: Path, out: Path | None) -> int:
     cfgs = [W.Config("mma", block_n=bn, block_k=bk, block_m=bm, split_k=sk, num_warps=w, num_stages=4)
             for bm, bn, w in ((16, 128, 8), (32, 64, 4), (64, 128, 8)) for bk in (64, 128) for sk in (1, 3)]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows, worst, worst_max = [], 0.0, 0.0
+    tol = {"float16": 2 * 2.0 ** -11, "bfloat16": 2 * 2.0 ** -8}  # twice the output dtype's unit roundoff
+    rows = []
     for base in bases:
         p = {k: t[f"{base}.{k}"] for k in W.KEYS}
         n, k = p["q4weight"].shape[0], p["q4weight"].shape[1] * 8
-        wdq = W.dequantize(p, group, torch.float16).float()
-        for m in (1, 2, 8, 17, 32, 64):
-            for scale in (1.0, 64.0):
-                x = (torch.randn(m, k, generator=gen, device="cuda") * scale).half()
-                ref = x.float() @ wdq.T
-                for c in cfgs:
-                    if not c.valid_for(n, k, group):
-                        continue
-                    y = W.launch(x, p, group, c).float()
-                    rel = float((y - ref).norm() / ref.norm())
-                    mx = float((y - ref).abs().max() / ref.abs().max())
-                    finite = bool(torch.isfinite(y).all())
-                    worst, worst_max = max(worst, rel if finite else float("inf")), max(worst_max, mx)
-                    rows.append(dict(linear=base, n=n, k=k, m=m, x_scale=scale, cfg=W.describe(c), rel=rel,
-                                     max_rel=mx, finite=finite))
-    tol = 2 * 2.0 ** -11
-    bad = [r for r in rows if not (r["finite"] and r["rel"] <= tol)]
-    print(f"{len(bases)} linears x {len(rows) // max(1, len(bases))} cases: worst relative error {worst:.2e} "
-          f"(tolerance {tol:.2e}), worst element error / max |y| {worst_max:.2e}; {len(bad)} over tolerance")
+        for dt in (torch.float16, torch.bfloat16):
+            wdq = W.dequantize(p, group, dt).float()
+            for m in (1, 2, 8, 17, 32, 64):
+                for scale in (1.0, 64.0):
+                    x = (torch.randn(m, k, generator=gen, device="cuda") * scale).to(dt)
+                    ref = x.float() @ wdq.T
+                    for c in cfgs:
+                        if not c.valid_for(n, k, group):
+                            continue
+                        y = W.launch(x, p, group, c).float()
+                        rows.append(dict(linear=base, n=n, k=k, m=m, dtype=str(dt)[6:], x_scale=scale,
+                                         cfg=W.describe(c), rel=float((y - ref).norm() / ref.norm()),
+                                         max_rel=float((y - ref).abs().max() / ref.abs().max()),
+                                         finite=bool(torch.isfinite(y).all())))
+    bad = [r for r in rows if not (r["finite"] and r["rel"] <= tol[r["dtype"]])]
+    summary = {}
+    for d in tol:
+        sel = [r for r in rows if r["dtype"] == d]
+        summary[d] = dict(cases=len(sel), worst_rel=max(r["rel"] for r in sel),
+                          worst_max_rel=max(r["max_rel"] for r in sel), tolerance=tol[d],
+                          bad=sum(not (r["finite"] and r["rel"] <= tol[d]) for r in sel))
+        print(f"{d}: {len(bases)} linears, {len(sel)} cases: worst relative error {summary[d]['worst_rel']:.2e} "
+              f"(tolerance {tol[d]:.2e}), worst element error / max |y| {summary[d]['worst_max_rel']:.2e}; "
+              f"{summary[d]['bad']} over tolerance")
     if out:
-        out.write_text(json.dumps(dict(group=group, worst_rel=worst, worst_max_rel=worst_max, bad=len(bad),
-                                       cases=rows), indent=1))
+        out.write_text(json.dumps(dict(group=group, summary=summary, cases=rows), indent=1))
     return 1 if bad else 0
 
 

@@ -38,8 +38,8 @@ def test_mma_config_rules():
     assert _mma(16, 128, 4, 4, 2, bk=128).valid_for(4096, 4096, 64)
     assert not _mma(16, 128, 4, 4, 1, bk=256).valid_for(4096, 4224, 128)  # K must hold whole 256-wide chunks
     assert not _mma(16, 128, 4, 4, 1, bk=32).valid_for(4096, 4096, 128)
-    assert W.mma_kernel_name(_mma(64, 64, 8, 3, 4, wm=2), 128) == "w4a16_mma<2, 2, 2, 4, 3, 128, 64>"
-    assert W.mma_kernel_name(_mma(16, 128, 4, 4, 1, bk=256), 64) == "w4a16_mma<1, 4, 1, 4, 4, 64, 256>"
+    assert W.mma_kernel_name(_mma(64, 64, 8, 3, 4, wm=2), 128) == "w4a16_mma<2, 2, 2, 4, 3, 128, 64, 0>"
+    assert W.mma_kernel_name(_mma(16, 128, 4, 4, 1, bk=256), 64) == "w4a16_mma<1, 4, 1, 4, 4, 64, 256, 0>"
     assert "wm2" in W.describe(_mma(64, 64, 8, 3, 4, wm=2))
 
 
@@ -58,6 +58,51 @@ def test_selection_falls_back_where_mma_cannot_run(monkeypatch):
     assert not W.mma_available()
 
 
+# decoder linears (N, K) of models whose shapes the tuned table does not hold: Qwen2-VL-7B, LLaVA-1.6-Mistral-7B,
+# LLaVA-1.5-13B, SmolLM2-135M (qkv, o, gate_up, down)
+OTHER_SHAPES = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (6144, 4096), (28672, 4096),
+                (4096, 14336), (15360, 5120), (5120, 5120), (27648, 5120), (5120, 13824), (960, 576),
+                (576, 576), (3072, 576), (576, 1536)]
+
+
+def test_mma_heuristic_reproduces_the_measured_choices():
+    """For each LLaVA-1.5-7B linear, the untabled-shape rule (fp16) picks a block shape and split-K that
+    the H200 sweep chose for that shape at one of the batches 2-16 (the shipped table is measured data,
+    not this rule's output)."""
+    data = json.loads(W.TUNED_TABLE.read_text())
+    chosen = {}
+    for e in data["entries"]:
+        c = e["config"]
+        if e["device"] == "NVIDIA H200" and e["dtype"] == "float16" and 2 <= e["bucket"] <= 16 and c["kernel"] == "mma":
+            chosen.setdefault((e["n"], e["k"]), set()).add((c["block_n"], c["num_warps"], c["split_k"]))
+    assert len(chosen) == 4
+    for (n, k), seen in chosen.items():
+        h = W.heuristic_mma_config(n, k, 128, 132)
+        assert h.block_m == 16 and (h.block_n, h.num_warps, h.split_k) in seen, (n, k, h, seen)
+
+
+@pytest.mark.parametrize("g", [64, 128])
+def test_mma_heuristic_fits_other_models(g):
+    for n, k in OTHER_SHAPES:
+        if k % g:
+            continue  # no quantization of this model uses that group size
+        for sms in (132, 108, 78):
+            c = W.heuristic_mma_config(n, k, g, sms)
+            assert c.valid_for(n, k, g), (n, k, g, c)
+            unit = max(c.block_k, g)
+            max_groups = -(-(k // unit) // c.split_k) * (unit // g)
+            assert W.mma_shared_bytes(c, max_groups) <= W.MMA_MAX_SHARED
+            for m in (2, 5, 16):
+                assert W.heuristic_config(m, n, k, g, sms, mma=True) == c
+            b = W.heuristic_mma_config(n, k, g, sms, torch.bfloat16)
+            assert b.valid_for(n, k, g) and (b.block_n, b.num_warps) == (64, 4)
+            for m in (1, 17, 64):
+                assert W.heuristic_config(m, n, k, g, sms, mma=True).kernel != "mma"
+    # where the CUDA kernel cannot take the shape (a group of 32, N not a multiple of 8), Triton does
+    assert W.heuristic_config(8, 4096, 4096, 32, mma=True).kernel == "dot"
+    assert W.heuristic_config(8, 4100, 4096, 128, mma=True).kernel == "dot"
+
+
 def _tuned_mma_names():
     data = json.loads(W.TUNED_TABLE.read_text())
     names = set()
@@ -65,7 +110,7 @@ def _tuned_mma_names():
         if e["config"]["kernel"] == "mma":
             c = W.Config(**e["config"])
             assert c.valid_for(e["n"], e["k"], e["group_size"]), e
-            names.add(W.mma_kernel_name(c, e["group_size"]))
+            names.add(W.mma_kernel_name(c, e["group_size"], e["dtype"]))
     return sorted(names)
 
 
@@ -79,6 +124,15 @@ def test_tuned_instances_compile_for_sm90_without_spills():
     cubin, lowered = cuda_rtc.compile_cubin(W.mma_source(), names, "sm_90")
     assert cubin[:4] == b"\x7fELF" and set(lowered) == set(names)
     assert all(v.startswith("_Z9w4a16_mma") for v in lowered.values())
+
+
+@pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
+def test_bf16_instances_compile_for_sm90():
+    cfgs = [_mma(16, 128, 8, 4, 4, bk=128), _mma(32, 64, 4, 4, 8), _mma(64, 64, 8, 3, 2, wm=2, bk=256)]
+    names = [W.mma_kernel_name(c, 128, torch.bfloat16) for c in cfgs]
+    assert all(n.endswith(", 1>") for n in names)
+    cubin, lowered = cuda_rtc.compile_cubin(W.mma_source(), names, "sm_90")
+    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(names)
 
 
 @pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
@@ -99,8 +153,11 @@ def _packed(n, k, g, seed):
 
 
 def _ref(x, p, g, bias):
-    y = x.float() @ W.dequantize(p, g, torch.float16).float().T
+    y = x.float() @ W.dequantize(p, g, x.dtype).float().T
     return y if bias is None else y + bias.float()
+
+
+TOL_BF16 = 2 * 2.0 ** -8  # bf16 keeps 8 significant bits
 
 
 @pytest.mark.gpu
@@ -123,6 +180,66 @@ def test_gpu_mma_matches_reference(n, k, g, cfg):
             err = float((y.float() - ref).norm() / ref.norm())
             assert err <= TOL16, f"M={m}: relative error {err:.2e}"
             assert torch.equal(y, W.launch(x, p, g, cfg, bias)), "split-K results must not depend on timing"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("n,k,g", [(4096, 4096, 128), (4096, 11008, 128), (200, 192, 64)])
+@pytest.mark.parametrize("cfg", [_mma(16, 128, 4, 4, 1), _mma(32, 64, 4, 3, 3, bk=128), _mma(64, 64, 8, 6, 2, wm=2),
+                                 _mma(32, 64, 4, 3, 2, bk=256)], ids=W.describe)
+def test_gpu_mma_bf16_matches_reference(n, k, g, cfg):
+    if not cfg.valid_for(n, k, g):
+        pytest.skip(f"{W.describe(cfg)} does not fit K={k}, G={g}")
+    p = _packed(n, k, g, seed=n + k)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for m in (1, 5, 17, 40, 64):
+        x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+        for bias in (None, torch.randn(n, generator=gen, device="cuda").bfloat16()):
+            y = W.launch(x, p, g, cfg, bias)
+            assert y.dtype == torch.bfloat16
+            ref = _ref(x, p, g, bias)
+            err = float((y.float() - ref).norm() / ref.norm())
+            assert err <= TOL_BF16, f"M={m}: relative error {err:.2e}"
+            assert torch.equal(y, W.launch(x, p, g, cfg, bias))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cfg", [_mma(16, 64, 4, 4, 1), _mma(32, 64, 4, 4, 3, bk=128)], ids=W.describe)
+def test_gpu_mma_dequantizes_exactly(dtype, cfg):
+    """Rows of the identity pick single weights out: each output is one dequantized weight times 1.0, so
+    the kernel must return dequantize(W).to(dtype) bit for bit (its rounding, not just its tolerance)."""
+    n, k, g = 256, 512, 128
+    p = _packed(n, k, g, seed=7)
+    p["q4scales"] = p["q4scales"] * 700  # scales whose products need the final rounding to the dtype
+    wd = W.dequantize(p, g, dtype)
+    for k0 in range(0, k, 32):
+        x = torch.zeros(32, k, device="cuda", dtype=dtype)
+        x[torch.arange(32), k0 + torch.arange(32)] = 1
+        y = W.launch(x, p, g, cfg)
+        assert torch.equal(y, wd[:, k0:k0 + 32].T.contiguous()), f"columns {k0}..{k0 + 31}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_untabled_shapes_take_the_mma_heuristic(monkeypatch, dtype):
+    """Shapes the tuned table does not hold run the mma kernel at 2-16 rows (Qwen2-VL-7B's qkv and down),
+    matching the reference; with VLMCTL_W4A16_MMA_HEURISTIC=0 they stay on Triton."""
+    tol = TOL16 if dtype == torch.float16 else TOL_BF16
+    dev = torch.device("cuda")
+    for n, k in ((4608, 3584), (3584, 18944)):
+        p = _packed(n, k, 128, seed=n)
+        for m in (2, 7, 16):
+            assert W.select_config(m, n, k, 128, dtype, dev).kernel == "mma"
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            ref = _ref(x, p, 128, None)
+            y = W.w4a16_linear(x, p, 128)
+            assert float((y.float() - ref).norm() / ref.norm()) <= tol
+        assert W.select_config(1, n, k, 128, dtype, dev).kernel != "mma"
+    monkeypatch.setenv("VLMCTL_W4A16_MMA_HEURISTIC", "0")
+    assert W.select_config(8, 4608, 3584, 128, dtype, dev).kernel == "dot"
 
 
 @pytest.mark.gpu

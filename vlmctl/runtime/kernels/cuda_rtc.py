@@ -19,6 +19,7 @@ from pathlib import Path
 
 _LOCK = threading.Lock()
 _NVRTC = None
+_AVAILABLE: bool | None = None
 _CUDA = None
 _MODULES: dict = {}  # (cubin digest, device index) -> CUmodule handle
 
@@ -228,12 +229,16 @@ def load_kernel(source: str, name_expression: str, device) -> Kernel:
 
 
 def available() -> bool:
-    """Whether kernels can be compiled here (NVRTC found); a GPU is needed only to load and run them."""
-    try:
-        nvrtc_library()
-    except RtcError:
-        return False
-    return True
+    """Whether kernels can be compiled here (NVRTC found); a GPU is needed only to load and run them.
+    Remembered after the first answer: kernel selection asks on every call."""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        try:
+            nvrtc_library()
+            _AVAILABLE = True
+        except RtcError:
+            _AVAILABLE = False
+    return _AVAILABLE
 
 
 __all__ = ["Kernel", "RtcError", "available", "cache_dir", "cached_cubin", "compile_cubin", "load_kernel",

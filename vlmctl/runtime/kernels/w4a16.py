@@ -10,8 +10,8 @@ Kernels (see `_w4a16_triton.py`): a reduction-form GEMV for batch 1 (and its hal
 activations, "gemv_h2", where the tuned table has it: `gemv_mode()`), a tensor-core kernel for
 batches up to 64 and for mid-size prefill, and dequantize-to-scratch + cuBLAS for large prefill,
 plus "mma", a CUDA kernel (`w4a16_mma.cu`, compiled at run time by NVRTC through `cuda_rtc`) for fp16
-decode batches where the tuned table picks it (on an H200: the qkv, gate_up and down shapes at
-batches 8-32; `VLMCTL_W4A16_MMA=0` turns it off),
+and bf16 decode batches where the tuned table picks it (on an H200: batches 2-32, see the table;
+`VLMCTL_W4A16_MMA=0` turns it off),
 with split-K reduced in-kernel (deterministic, no memset). Which runs is `select_config(M, N, K, G,
 dtype)`: a measured table (`w4a16_tuned.json` beside this file, per GPU name, written by
 `benchmarks/w4a16_gpu.py --table-out`) or else heuristics. Every launch is CUDA-graph capturable
@@ -78,7 +78,7 @@ class Config:
     for fp16 x with half2 dequantization and fp16 runs of run_words packed words, i.e. 8 * run_words
     products, summed in fp16 before fp32), "dot" (tensor cores, block_m rows per program) or
     "dequant_mm" (dequantize to a scratch weight + cuBLAS), or "mma" (the CUDA kernel of `w4a16_mma.cu`,
-    compiled at run time by NVRTC: fp16 only, mma.sync with the weights dequantized in registers;
+    compiled at run time by NVRTC: fp16 or bf16 x, mma.sync with the weights dequantized in registers;
     block_m rows per tile, num_warps warps as warps_m along M by num_warps // warps_m along N, K chunks
     of block_k (64, 128 or 256) in a num_stages-deep cp.async ring).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
@@ -180,14 +180,21 @@ _GEMM_SHAPES = ((128, 64, 64, 4, 3), (128, 64, 128, 8, 3), (128, 128, 64, 8, 3),
                 (128, 64, 128, 8, 4), (256, 64, 128, 8, 3))  # (block_n, block_k, block_m, num_warps, stages)
 
 
-def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = 132) -> Config:
-    """Untuned choice (reasoned from instruction counts, not measured): used when the tuned table has no entry."""
+def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = 132, mma: bool = False,
+                     dtype="float16") -> Config:
+    """The choice where the tuned table has no entry. With `mma` (the CUDA kernel can run: `select_config`
+    decides), batches of 2-16 rows take `heuristic_mma_config` where it fits; otherwise, and elsewhere,
+    the Triton kernels: at batch 1 the GEMV in the block shape the H200 sweeps chose for LLaVA-1.5-7B
+    (32 rows, 256-wide K blocks, 2 warps, ~4 programs per SM), else configs reasoned from instruction
+    counts."""
     b = bucket(m)
     if b >= PREFILL_DEQUANT_MIN_M:
         return Config("dequant_mm")
+    if mma and 2 <= b <= 16 and (c := heuristic_mma_config(n, k, group_size, sms, dtype)).valid_for(n, k, group_size):
+        return c
     if b == 1:
-        bn, bk = 128, _fit_block_k(64, k, group_size)
-        return Config("gemv", bn, bk, 1, _split_for(-(-n // bn), k // bk, sms, 8), 1, 2)
+        bn, bk = 32, _fit_block_k(256, k, group_size)
+        return Config("gemv", bn, bk, 1, _split_for(-(-n // bn), k // bk, sms, 4), 2, 2)
     if b <= 64:
         bn, bk, bm = 64, _fit_block_k(128, k, group_size), max(16, b)
         c = Config("dot", bn, bk, bm, _split_for(-(-n // bn), k // bk, sms, 2), 4, 3)
@@ -198,6 +205,22 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = 132) ->
     return c if c.valid_for(n, k, group_size) else Config("dequant_mm")
 
 
+def heuristic_mma_config(n: int, k: int, group_size: int, sms: int = 132, dtype="float16") -> Config:
+    """The "mma" config for 2-16 rows at shapes the tuned table does not hold, from H200 sweeps over the
+    decoder linears of LLaVA-1.5-7B, -13B, LLaVA-1.6-Mistral-7B and Qwen2-VL-7B (docs/benchmarks.md):
+    16-row tiles, a 4-deep ring of 64-wide K chunks, and a split-K aiming at ~2.5 blocks per SM that
+    leaves each split at least ~768 of K. fp16: 128 weight rows on 8 warps, or 64 on 4 where that
+    gives fewer than ~1.5 blocks per SM (small N); bf16, whose dequantization costs a fifth more
+    instructions, always 64 on 4."""
+    shapes = ((64, 4),) if _dtype_name(dtype) == "bfloat16" else ((128, 8), (64, 4))
+    for bn, warps in shapes:
+        blocks = -(-n // bn)
+        split = _split_for(blocks, k // 384, sms, 2.5)
+        if blocks * split >= 1.5 * sms:
+            break
+    return Config("mma", block_n=bn, block_k=64, block_m=16, split_k=split, num_warps=warps, num_stages=4)
+
+
 GEMV_MODES = ("auto", "triton", "cublas")
 
 
@@ -205,7 +228,9 @@ def gemv_mode() -> str:
     """`VLMCTL_GEMV`, the switch of the batch-1 Triton GEMVs (the fp16 dense GEMV in `kernels.gemv` and
     the half2 W4A16 GEMV "gemv_h2"): "auto" (default) runs them for the shapes this GPU's tuned tables
     hold, where they were measured faster (on an H200: docs/benchmarks.md); "triton" everywhere, with
-    heuristic configs where the tables have no entry; "cublas" never (cuBLAS and the fp32-unpack GEMV)."""
+    heuristic configs where the tables have no entry; "cublas" never (cuBLAS and the fp32-unpack GEMV).
+    Elsewhere W4A16 at batch 1 runs the fp32-unpack GEMV, whose untuned block shape measured faster than
+    the half2 GEMV's untuned one at Qwen2-VL-7B's shapes (decode step 2.80 vs 3.04 ms on an H200)."""
     mode = os.environ.get("VLMCTL_GEMV", "auto").strip().lower() or "auto"
     if mode not in GEMV_MODES:
         raise ValueError(f"VLMCTL_GEMV={mode!r}: expected one of {', '.join(GEMV_MODES)}")
@@ -286,6 +311,7 @@ def _dtype_name(dtype) -> str:
 
 
 _DEVICE_NAME: dict = {}
+_CAPABILITY: dict = {}
 
 
 def _device_name(device) -> str:
@@ -346,7 +372,23 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None) -
     c = _TUNED.get((_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype)))
     if c is not None and c.valid_for(n, k, group_size):
         return c
-    return heuristic_config(m, n, k, group_size, _sm_count(device))
+    return heuristic_config(m, n, k, group_size, _sm_count(device), mma=_mma_heuristic_ok(dtype, device),
+                            dtype=dtype)
+
+
+def _mma_heuristic_ok(dtype, device) -> bool:
+    """Whether untabled shapes may take the "mma" kernel: fp16/bf16 on a GPU with mma.sync m16n8k16
+    (compute capability 8.0+) where NVRTC is found. `VLMCTL_W4A16_MMA_HEURISTIC=0` keeps them on Triton."""
+    if os.environ.get("VLMCTL_W4A16_MMA_HEURISTIC", "1").strip() in ("0", "off", "false"):
+        return False
+    if _dtype_name(dtype) not in ("float16", "bfloat16") or getattr(device, "type", None) != "cuda":
+        return False
+    import torch
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPABILITY[idx] >= (8, 0) and mma_available()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -419,7 +461,8 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
         return y
     if config.kernel == "mma":
         if not mma_runs(x2, qw):
-            raise ValueError("the mma kernel needs fp16 x on CUDA with 16-byte aligned rows and weights, and NVRTC")
+            raise ValueError("the mma kernel needs fp16 or bf16 x on CUDA with 16-byte aligned rows and weights, "
+                             "and NVRTC")
         _launch_mma(x2, packed, group_size, config, bias, y)
         return y
     bk = config.block_k
@@ -491,16 +534,17 @@ def mma_runs(x2, qw) -> bool:
     """The "mma" kernel's preconditions on the inputs (16-byte cp.async of x rows and weight rows)."""
     import torch
 
-    return (x2.device.type == "cuda" and x2.dtype == torch.float16 and x2.stride(-1) == 1
+    return (x2.device.type == "cuda" and x2.dtype in (torch.float16, torch.bfloat16) and x2.stride(-1) == 1
             and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0 and qw.data_ptr() % 16 == 0 and mma_available())
 
 
-def mma_kernel_name(config: Config, group_size: int) -> str:
-    """The template instance of `w4a16_mma.cu` that runs `config`."""
+def mma_kernel_name(config: Config, group_size: int, dtype="float16") -> str:
+    """The template instance of `w4a16_mma.cu` that runs `config` on `dtype` (fp16 or bf16) activations."""
     wm = config.warps_m
     wn = config.num_warps // wm
+    bf16 = {"float16": 0, "bfloat16": 1}[_dtype_name(dtype)]
     return (f"w4a16_mma<{config.block_m // (16 * wm)}, {config.block_n // (8 * wn)}, {wm}, {wn}, "
-            f"{config.num_stages}, {group_size}, {config.block_k}>")
+            f"{config.num_stages}, {group_size}, {config.block_k}, {bf16}>")
 
 
 def _launch_mma(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:
@@ -511,7 +555,7 @@ def _launch_mma(x2, packed: dict, group_size: int, config: Config, bias, y) -> N
     qw, s, z = (packed[key] for key in KEYS)
     m, k = x2.shape
     n = qw.shape[0]
-    kern = cuda_rtc.load_kernel(mma_source(), mma_kernel_name(config, group_size), x2.device)
+    kern = cuda_rtc.load_kernel(mma_source(), mma_kernel_name(config, group_size, x2.dtype), x2.device)
     unit = max(config.block_k, group_size)  # the kernel walks K (and splits it) in whole chunks and groups
     split = max(1, min(config.split_k, k // unit))
     grid = (triton_cdiv(n, config.block_n), split, triton_cdiv(m, config.block_m))
@@ -591,7 +635,7 @@ def w4a16_linear(x, packed: dict, group_size: int, bias=None):
             x2 = x2.contiguous()
         cfg = select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device)
         if cfg.kernel == "mma" and not mma_runs(x2, qw):  # no NVRTC here, or unaligned views: Triton instead
-            cfg = heuristic_config(x2.shape[0], n, k, group_size, _sm_count(x2.device))
+            cfg = heuristic_config(x2.shape[0], n, k, group_size, _sm_count(x2.device), mma=False)
         y = launch(x2, packed, group_size, cfg, bias)
     return y.reshape(*x.shape[:-1], n)
 
@@ -671,6 +715,6 @@ def describe(config: Config) -> str:
 
 __all__ = ["FORMAT", "KEYS", "ORDER", "PACK", "PREFILL_DEQUANT_MIN_M", "Config", "bucket", "candidate_configs",
            "check_packed", "dequantize", "dequantize_into", "describe", "gemv_mode", "h2_candidate_configs",
-           "heuristic_config", "heuristic_h2_config", "launch", "load_tuned",
+           "heuristic_config", "heuristic_h2_config", "heuristic_mma_config", "launch", "load_tuned",
            "pack", "repack_awq_gemm", "repack_gemm_tensors", "save_tuned", "select_config", "set_config",
            "triton_available", "tune", "unpack", "w4a16_linear", "warmup", "weight_bytes"]
