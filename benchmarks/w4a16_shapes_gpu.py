@@ -8,6 +8,8 @@ For each model's four decoder linears (distinct random int4 weights per layer, g
   after   what `select_config` picks now (table, else the rules: at 2-16 rows the mma kernel, at 1 row
           the half2 GEMV's heuristic in fp16 and the GEMV's new block shape in bf16)
   cublas  cuBLAS on dense weights of the same shapes (the fp16/bf16 engine's linears)
+  and candidate rules: at M = 1 in fp16 the fp32-unpack GEMV's (gemv_rule) and the half2 GEMV's (h2_rule),
+  at M = 32 the mma rule with 32-row tiles (mma32_rule)
 With --sweep, also per linear at M = 4 and 16 the best of a grid of mma configs (graphs of 4 launches
 over distinct weights), to see how far the rule is from the best config it could have picked.
 
@@ -127,6 +129,13 @@ def main():
                 ys = {nm: torch.empty(m, n, device=dev, dtype=dt) for nm, (n, k) in shapes.items()}
                 picks = {"before": {nm: before_config(m, n, k, dt, dev) for nm, (n, k) in shapes.items()},
                          "after": {nm: W.select_config(m, n, k, G, dt, dev) for nm, (n, k) in shapes.items()}}
+                sms = W._sm_count(dev)
+                if m == 1 and dt == torch.float16:  # the two GEMVs' untuned rules
+                    picks["gemv_rule"] = {nm: W.heuristic_config(1, n, k, G, sms) for nm, (n, k) in shapes.items()}
+                    picks["h2_rule"] = {nm: W.heuristic_h2_config(1, n, k, G, sms) for nm, (n, k) in shapes.items()}
+                if m == 32:  # the mma rule with 32-row tiles
+                    picks["mma32_rule"] = {nm: W.heuristic_mma_config(n, k, G, sms, dt, block_m=32)
+                                           for nm, (n, k) in shapes.items()}
                 row = {"model": mname, "dtype": dname, "m": m,
                        "configs": {v: {nm: W.describe(c) for nm, c in p.items()} for v, p in picks.items()}}
                 for v, p in picks.items():
@@ -136,7 +145,8 @@ def main():
                 row["cublas"] = time_graph([lambda D=D, nm=nm: torch.mm(xs[nm], D[nm].t(), out=ys[nm])
                                             for D in dense for nm in shapes])
                 res["step"].append(row)
-                log(f"{mname:22s} {dname:8s} m{m:3d}: before {row['before']:.3f} ms, after {row['after']:.3f}, "
+                extra = "".join(f", {v} {row[v]:.3f}" for v in picks if v not in ("before", "after"))
+                log(f"{mname:22s} {dname:8s} m{m:3d}: before {row['before']:.3f} ms, after {row['after']:.3f}{extra}, "
                     f"cuBLAS {row['cublas']:.3f}  {row['configs']['after']}")
             del dense
             if args.sweep and "tabled" not in mname:

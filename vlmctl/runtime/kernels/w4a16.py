@@ -205,7 +205,8 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = 132, mm
     return c if c.valid_for(n, k, group_size) else Config("dequant_mm")
 
 
-def heuristic_mma_config(n: int, k: int, group_size: int, sms: int = 132, dtype="float16") -> Config:
+def heuristic_mma_config(n: int, k: int, group_size: int, sms: int = 132, dtype="float16",
+                         block_m: int = 16) -> Config:
     """The "mma" config for 2-16 rows at shapes the tuned table does not hold, from H200 sweeps over the
     decoder linears of LLaVA-1.5-7B, -13B, LLaVA-1.6-Mistral-7B and Qwen2-VL-7B (docs/benchmarks.md):
     16-row tiles, a 4-deep ring of 64-wide K chunks, and a split-K aiming at ~2.5 blocks per SM that
@@ -218,7 +219,7 @@ def heuristic_mma_config(n: int, k: int, group_size: int, sms: int = 132, dtype=
         split = _split_for(blocks, k // 384, sms, 2.5)
         if blocks * split >= 1.5 * sms:
             break
-    return Config("mma", block_n=bn, block_k=64, block_m=16, split_k=split, num_warps=warps, num_stages=4)
+    return Config("mma", block_n=bn, block_k=64, block_m=block_m, split_k=split, num_warps=warps, num_stages=4)
 
 
 GEMV_MODES = ("auto", "triton", "cublas")
@@ -226,32 +227,38 @@ GEMV_MODES = ("auto", "triton", "cublas")
 
 def gemv_mode() -> str:
     """`VLMCTL_GEMV`, the switch of the batch-1 Triton GEMVs (the fp16 dense GEMV in `kernels.gemv` and
-    the half2 W4A16 GEMV "gemv_h2"): "auto" (default) runs them for the shapes this GPU's tuned tables
-    hold, where they were measured faster (on an H200: docs/benchmarks.md); "triton" everywhere, with
-    heuristic configs where the tables have no entry; "cublas" never (cuBLAS and the fp32-unpack GEMV).
-    Elsewhere W4A16 at batch 1 runs the fp32-unpack GEMV, whose untuned block shape measured faster than
-    the half2 GEMV's untuned one at Qwen2-VL-7B's shapes (decode step 2.80 vs 3.04 ms on an H200)."""
+    the half2 W4A16 GEMV "gemv_h2"): "auto" (default) runs the dense GEMV for the shapes this GPU's
+    tuned table holds, where it was measured faster than cuBLAS, and the half2 GEMV for every fp16
+    W4A16 linear (the table's config, else `heuristic_h2_config`, measured on an H200 at four models'
+    shapes: docs/benchmarks.md); "triton" both everywhere, with heuristic configs where the tables
+    have no entry; "cublas" neither (cuBLAS, and the fp32-unpack GEMV for W4A16)."""
     mode = os.environ.get("VLMCTL_GEMV", "auto").strip().lower() or "auto"
     if mode not in GEMV_MODES:
         raise ValueError(f"VLMCTL_GEMV={mode!r}: expected one of {', '.join(GEMV_MODES)}")
     return mode
 
 
-# (block_n, block_k, num_warps, run_words): fewest SASS instructions per weight on sm_90 (compiled
-# without a GPU, main loop): 64x128/1 warp/runs of 2 words 2.96, 32x256/2 warps 3.05, 128x128/4 3.12;
-# the fp32 GEMV's best is 4.28 (128x64, 1 warp). Not yet timed.
-_H2_SHAPES = ((64, 128, 1, 2), (32, 256, 2, 2), (128, 64, 1, 2), (64, 128, 2, 2), (128, 128, 4, 2),
+# (block_n, block_k, num_warps, run_words), the heuristic's order of preference: first the block the H200
+# sweeps picked for the 7B shapes, then the others a sweep tries. SASS instructions per weight on sm_90
+# (compiled without a GPU, main loop): 64x128/1 warp/runs of 2 words 2.96, 32x256/2 warps 3.05,
+# 128x128/4 3.12; the fp32 GEMV's best is 4.28 (128x64, 1 warp).
+_H2_SHAPES = ((32, 256, 2, 2), (64, 128, 1, 2), (128, 64, 1, 2), (64, 128, 2, 2), (128, 128, 4, 2),
               (64, 128, 1, 1), (16, 256, 1, 2), (8, 256, 1, 2), (16, 128, 1, 2))
 
 
 def heuristic_h2_config(m: int, n: int, k: int, group_size: int, sms: int = 132) -> Config | None:
-    """The untuned half2 GEMV choice for a batch of <= 4 rows (None where no block fits)."""
+    """The untuned half2 GEMV choice for a batch of <= 4 rows (None where no block fits): the block the
+    H200 sweeps chose for three of LLaVA-1.5-7B's four linears (32 rows, 256-wide K blocks, 2 warps,
+    runs of 2 words, register prefetch, K slices side by side) with a split-K aiming at ~4 programs per
+    SM and at least ~1,024 of K per split (their splits: qkv 2, o 4, down 8); other block shapes where
+    that one does not fit."""
     if bucket(m) > 4:
         return None
     for bn, bk, warps, run in _H2_SHAPES:
-        c = Config("gemv_h2", bn, bk, 1, 1, warps, 1, run)
+        c = Config("gemv_h2", bn, bk, 1, 1, warps, 2, run)
         if c.valid_for(n, k, group_size):
-            return Config("gemv_h2", bn, bk, 1, _split_for(-(-n // bn) * m, k // bk, sms, 8 / warps), warps, 1, run)
+            split = _split_for(-(-n // bn) * m, k // 512, sms, 4)
+            return Config("gemv_h2", bn, bk, 1, split, warps, 2, run, k_major=split > 1)
     return None
 
 
@@ -365,7 +372,7 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None) -
     _load_tuned_table()
     if bucket(m) == 1 and _dtype_name(dtype) == "float16" and (mode := gemv_mode()) != "cublas":
         c = _TUNED_H2.get((_device_name(device), 1, n, k, group_size, "float16"))
-        if (c is None or not c.valid_for(n, k, group_size)) and mode == "triton":
+        if c is None or not c.valid_for(n, k, group_size):
             c = heuristic_h2_config(m, n, k, group_size, _sm_count(device))
         if c is not None and c.valid_for(n, k, group_size):
             return c
