@@ -8,6 +8,7 @@ import json
 import os
 import re
 import select
+import signal
 import sys
 import time
 
@@ -46,10 +47,15 @@ class Pty:
     def __init__(self, args, cwd):
         import pty
 
+        # PYTHONFAULTHANDLER: on SIGABRT the child prints every thread's stack (see wait)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TERM": "dumb",
-               "NO_COLOR": "1", "COLUMNS": "200"}
+               "NO_COLOR": "1", "COLUMNS": "200", "PYTHONFAULTHANDLER": "1"}
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: a new session whose controlling terminal is the pty
+            # as a terminal's shell starts programs: Ctrl-C's SIGINT not ignored. A test run started in
+            # the background (`make test &`) has it ignored, and exec passes that on, so the chat would
+            # (rightly) not quit at the prompt
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.chdir(cwd)
             os.execve(sys.executable, [sys.executable, "-m", "vlmctl", *map(str, args)], env)
         self.buf, self.pos = "", 0
@@ -88,8 +94,20 @@ class Pty:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
                 return os.waitstatus_to_exitcode(status)
-        os.kill(self.pid, 9)
-        raise AssertionError(f"chat did not exit: {self.buf[-2000:]!r}")
+        # still running: have it print where each thread is (faulthandler), then end it
+        os.kill(self.pid, signal.SIGABRT)
+        stop = time.monotonic() + 5
+        while time.monotonic() < stop and not os.waitpid(self.pid, os.WNOHANG)[0]:
+            try:
+                if select.select([self.fd], [], [], 0.1)[0]:
+                    self.buf += os.read(self.fd, 65536).decode(errors="replace")
+            except OSError:
+                break
+        try:
+            os.kill(self.pid, 9)
+        except ProcessLookupError:
+            pass
+        raise AssertionError(f"chat did not exit: {self.buf[-8000:]!r}")
 
     def close(self):
         try:

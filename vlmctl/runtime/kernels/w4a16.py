@@ -7,7 +7,7 @@ path). Dequantization in the kernels is exact in fp32 and rounds once to the act
 equals `dequantize(...).to(dtype)`.
 
 Kernels (see `_w4a16_triton.py`): a reduction-form GEMV for batch 1 (and its half2 variant for fp16
-activations, "gemv_h2", where the tuned table has it: `gemv_mode()`), a tensor-core kernel for
+activations, "gemv_h2", the fp16 default: `gemv_mode()`), a tensor-core kernel for
 batches up to 64 and for mid-size prefill, and dequantize-to-scratch + cuBLAS for large prefill,
 plus "mma", a CUDA kernel (`w4a16_mma.cu`, compiled at run time by NVRTC through `cuda_rtc`) for fp16
 and bf16 decode batches where the tuned table picks it (on an H200: batches 2-32, see the table;
@@ -370,15 +370,13 @@ def set_config(m: int, n: int, k: int, group_size: int, dtype, config: Config, d
 
 def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None) -> Config:
     _load_tuned_table()
-    if bucket(m) == 1 and _dtype_name(dtype) == "float16" and (mode := gemv_mode()) != "cublas":
-        c = _TUNED_H2.get((_device_name(device), 1, n, k, group_size, "float16"))
-        if c is None or not c.valid_for(n, k, group_size):
-            c = heuristic_h2_config(m, n, k, group_size, _sm_count(device))
+    key = (_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))
+    half2 = bucket(m) == 1 and _dtype_name(dtype) == "float16" and gemv_mode() != "cublas"
+    # measured entries first (the half2 GEMV's, then any other kernel's), then the untuned rules
+    for c in ((_TUNED_H2.get(key) if half2 else None), _TUNED.get(key),
+              (heuristic_h2_config(m, n, k, group_size, _sm_count(device)) if half2 else None)):
         if c is not None and c.valid_for(n, k, group_size):
             return c
-    c = _TUNED.get((_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype)))
-    if c is not None and c.valid_for(n, k, group_size):
-        return c
     return heuristic_config(m, n, k, group_size, _sm_count(device), mma=_mma_heuristic_ok(dtype, device),
                             dtype=dtype)
 
