@@ -184,9 +184,9 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = 132, mm
                      dtype="float16") -> Config:
     """The choice where the tuned table has no entry. With `mma` (the CUDA kernel can run: `select_config`
     decides), batches of 2-16 rows take `heuristic_mma_config` where it fits; otherwise, and elsewhere,
-    the Triton kernels: at batch 1 the GEMV in the block shape the H200 sweeps chose for LLaVA-1.5-7B
-    (32 rows, 256-wide K blocks, 2 warps, ~4 programs per SM), else configs reasoned from instruction
-    counts."""
+    the Triton kernels: at batch 1 the GEMV in the block shape the H200 sweeps chose for the tuned 7B
+    decoder's linears (32 rows, 256-wide K blocks, 2 warps, ~4 programs per SM), else configs reasoned
+    from instruction counts."""
     b = bucket(m)
     if b >= PREFILL_DEQUANT_MIN_M:
         return Config("dequant_mm")
@@ -208,7 +208,7 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = 132, mm
 def heuristic_mma_config(n: int, k: int, group_size: int, sms: int = 132, dtype="float16",
                          block_m: int = 16) -> Config:
     """The "mma" config for 2-16 rows at shapes the tuned table does not hold, from H200 sweeps over the
-    decoder linears of LLaVA-1.5-7B, -13B, LLaVA-1.6-Mistral-7B and Qwen2-VL-7B (docs/benchmarks.md):
+    linears of four decoders (hidden 3584 to 5120, with and without GQA; docs/benchmarks.md, session 8):
     16-row tiles, a 4-deep ring of 64-wide K chunks, and a split-K aiming at ~2.5 blocks per SM that
     leaves each split at least ~768 of K. fp16: 128 weight rows on 8 warps, or 64 on 4 where that
     gives fewer than ~1.5 blocks per SM (small N); bf16, whose dequantization costs a fifth more
@@ -248,7 +248,7 @@ _H2_SHAPES = ((32, 256, 2, 2), (64, 128, 1, 2), (128, 64, 1, 2), (64, 128, 2, 2)
 
 def heuristic_h2_config(m: int, n: int, k: int, group_size: int, sms: int = 132) -> Config | None:
     """The untuned half2 GEMV choice for a batch of <= 4 rows (None where no block fits): the block the
-    H200 sweeps chose for three of LLaVA-1.5-7B's four linears (32 rows, 256-wide K blocks, 2 warps,
+    H200 sweeps chose for three of the tuned 7B decoder's four linears (32 rows, 256-wide K blocks, 2 warps,
     runs of 2 words, register prefetch, K slices side by side) with a split-K aiming at ~4 programs per
     SM and at least ~1,024 of K per split (their splits: qkv 2, o 4, down 8); other block shapes where
     that one does not fit."""
@@ -580,7 +580,7 @@ def _launch_mma(x2, packed: dict, group_size: int, config: Config, bias, y) -> N
 
 def mma_pdl(device) -> bool:
     """Whether "mma" launches use programmatic dependent launch: only with `VLMCTL_W4A16_MMA_PDL=1`, and
-    where `pdl.enabled` (VLMCTL_PDL). Off by default because it was measured slower (H200, LLaVA-1.5-7B
+    where `pdl.enabled` (VLMCTL_PDL). Off by default because it was measured slower (H200, 7B decoder
     shapes, docs/benchmarks.md session 7): a step graph of the 128 linears at M = 8 took 3.03 ms with it
     and 2.55 without, the AWQ decode step at batch 8 4.74 vs 4.22 ms; the kernel keeps the PDL contract
     (only weights read before its wait) either way, and a GPU test checks it with the switch on."""
