@@ -31,6 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_timing import graph_median_ms  # noqa: E402  (benchmarks/, this script's directory)
+
 HBM_TBPS = 4.26
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
 SMOKE_SHAPES = {"qkv": (96, 64), "o": (64, 64), "gate_up": (176, 64), "down": (64, 128)}
@@ -322,32 +324,6 @@ def main(argv=None):
         log(f"results written to {args.out}")
     log(f"total {time.perf_counter() - clock.t0:.0f} s")
     return out
-
-
-def graph_median_ms(fns, replays: int = 10) -> float:
-    """Capture the calls `fns` (warmed first: compiled, allocated) as one CUDA graph; the median ms of
-    `replays` replays, timed with CUDA events."""
-    import torch
-
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def step_graphs(W, torch, shapes, g, layers, dtypes, int4_order, clock, notes):

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
+from gpu_timing import graph_median_ms as time_graph  # noqa: E402
 from vlmctl.runtime.kernels import cuda_rtc  # noqa: E402
 from vlmctl.runtime.kernels import w4a16 as W  # noqa: E402
 
@@ -160,33 +161,6 @@ def cands(m, n, k):
                             continue
                         out.append(c)
     return out
-
-
-def time_graph(fn_list, reps=15):
-    """Median ms of one replay of fn_list captured as a CUDA graph (GPU time only: per-call timing of these
-    launches from Python measured the host whenever it fell behind the GPU)."""
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        for f in fn_list:
-            f()
-    torch.cuda.current_stream().wait_stream(st)
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        for f in fn_list:
-            f()
-    for _ in range(3):
-        gr.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        gr.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 allc = [c for m in MS for (n, k) in SHAPES.values() for c in cands(m, n, k)]

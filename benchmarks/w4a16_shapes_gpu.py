@@ -25,6 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
+from gpu_timing import graph_median_ms as time_graph  # noqa: E402
 from vlmctl.runtime.kernels import w4a16 as W  # noqa: E402
 
 # (N, K) of qkv, o, gate_up, down, and the layer count
@@ -49,33 +50,6 @@ def make(n, k, seed, dev):
     return {"q4weight": torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=gen, device=dev, dtype=torch.int32),
             "q4scales": (torch.rand(n, k // G, generator=gen, device=dev) * 0.004 + 0.001).half(),
             "q4zeros": torch.randint(0, 16, (n, k // G), generator=gen, device=dev, dtype=torch.uint8)}
-
-
-def time_graph(fns, reps=15):
-    """Median ms of one replay of fns captured as one CUDA graph."""
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(st)
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        for f in fns:
-            f()
-    for _ in range(3):
-        gr.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        gr.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    del gr
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def before_config(m, n, k, dt, dev):
