@@ -44,7 +44,7 @@ def test_multi_line_input():
 class Pty:
     """`vlmctl ARGS` with a pseudo-terminal as its controlling terminal (stdin, stdout and stderr)."""
 
-    def __init__(self, args, cwd):
+    def __init__(self, args, cwd, sigint=signal.SIG_DFL):
         import pty
 
         # PYTHONFAULTHANDLER: on SIGABRT the child prints every thread's stack (see wait)
@@ -52,10 +52,9 @@ class Pty:
                "NO_COLOR": "1", "COLUMNS": "200", "PYTHONFAULTHANDLER": "1"}
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: a new session whose controlling terminal is the pty
-            # as a terminal's shell starts programs: Ctrl-C's SIGINT not ignored. A test run started in
-            # the background (`make test &`) has it ignored, and exec passes that on, so the chat would
-            # (rightly) not quit at the prompt
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            # as a terminal's shell starts programs: SIGINT at its default, whatever this test run
+            # inherited (started in the background, `make test &`, it has SIGINT ignored)
+            signal.signal(signal.SIGINT, sigint)
             os.chdir(cwd)
             os.execve(sys.executable, [sys.executable, "-m", "vlmctl", *map(str, args)], env)
         self.buf, self.pos = "", 0
@@ -164,6 +163,16 @@ def test_ctrl_c_stops_the_answer_then_quits_at_the_prompt(tiny_llava_engine, tmp
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX pseudo-terminals")
+def test_ctrl_c_quits_at_the_prompt_even_when_started_with_sigint_ignored(tiny_llava_engine, tmp_path):
+    p = Pty(["chat", tiny_llava_engine], tmp_path, sigint=signal.SIG_IGN)
+    try:
+        p.expect(PROMPT)
+        p.send("\x03")
+        assert p.wait() == 130
+    finally:
+        p.close()
+
+
 def test_ctrl_d_at_the_prompt_leaves_normally(tiny_llava_engine, tmp_path):
     p = Pty(["chat", tiny_llava_engine], tmp_path)
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -116,10 +117,31 @@ def answer(engine, messages: list[dict], images: list, params, write: Callable[[
     return req.completion(), aborted
 
 
+@contextmanager
+def _ctrl_c_on_terminal():
+    """On a terminal, Ctrl-C works as documented even where the process started with SIGINT ignored (a
+    job that a non-interactive shell starts in the background inherits that, and exec keeps it): without
+    this an answer would still stop (`answer` installs its own handler) but the prompt would not quit."""
+    restore = None
+    if (sys.stdin.isatty() and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
+        restore = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if restore is not None:
+            signal.signal(signal.SIGINT, restore)
+
+
 def run(engine, params, *, system: str | None = None, images: list | None = None, videos: list | None = None,
         console=None, out=None, read: Callable[[str], str] | None = None) -> None:
     """The loop. `console` (stderr) shows prompts and notes, `out` (stdout) the answers. `images`
     and `videos` (--image, --video) go with the first message."""
+    with _ctrl_c_on_terminal():
+        _loop(engine, params, system, images, videos, console, out, read)
+
+
+def _loop(engine, params, system, images, videos, console, out, read) -> None:
     from .runtime.engine import load_image
 
     def write(s: str) -> None:
