@@ -373,10 +373,12 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None) -
     key = (_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))
     half2 = bucket(m) == 1 and _dtype_name(dtype) == "float16" and gemv_mode() != "cublas"
     # measured entries first (the half2 GEMV's, then any other kernel's), then the untuned rules
-    for c in ((_TUNED_H2.get(key) if half2 else None), _TUNED.get(key),
-              (heuristic_h2_config(m, n, k, group_size, _sm_count(device)) if half2 else None)):
+    for c in ((_TUNED_H2.get(key) if half2 else None), _TUNED.get(key)):
         if c is not None and c.valid_for(n, k, group_size):
             return c
+    if half2 and (c := heuristic_h2_config(m, n, k, group_size, _sm_count(device))) is not None \
+            and c.valid_for(n, k, group_size):
+        return c
     return heuristic_config(m, n, k, group_size, _sm_count(device), mma=_mma_heuristic_ok(dtype, device),
                             dtype=dtype)
 
