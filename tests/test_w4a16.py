@@ -466,23 +466,26 @@ def test_h2_configs_and_table_round_trip(tmp_path):
     for name, (n, k) in LLAVA_7B.items():
         cands = W.h2_candidate_configs(1, n, k, 128)
         assert cands and all(c.kernel == "gemv_h2" and c.valid_for(n, k, 128) for c in cands), name
-    saved = dict(W._TUNED), dict(W._TUNED_H2)
+    tables = (W._TUNED, W._TUNED_H2, W._TUNED_CUDA)
+    saved = [dict(t) for t in tables]
     try:
-        W._TUNED.clear()
-        W._TUNED_H2.clear()
+        for t in tables:
+            t.clear()
         c = W.Config("gemv_h2", 32, 256, 1, 4, 2, 2, 2)
+        cu = W.Config("gemv_cuda", block_n=16, num_warps=4, num_stages=2)
         W.set_config(1, 4096, 4096, 128, torch.float16, c)
         W.set_config(1, 4096, 4096, 128, torch.float16, W.Config("gemv", 128, 64, 1, 8, 1, 2))
+        W.set_config(1, 4096, 4096, 128, torch.float16, cu)  # same key, each kernel keeps its own entry
         W.save_tuned(tmp_path / "t.json")
-        W._TUNED.clear()
-        W._TUNED_H2.clear()
-        assert W.load_tuned(tmp_path / "t.json") == 2
+        for t in tables:
+            t.clear()
+        assert W.load_tuned(tmp_path / "t.json") == 3
         assert list(W._TUNED_H2.values()) == [c] and list(W._TUNED.values())[0].kernel == "gemv"
+        assert list(W._TUNED_CUDA.values()) == [cu]
     finally:
-        W._TUNED.clear()
-        W._TUNED_H2.clear()
-        W._TUNED.update(saved[0])
-        W._TUNED_H2.update(saved[1])
+        for t, s in zip(tables, saved):
+            t.clear()
+            t.update(s)
 
 
 @pytest.mark.gpu

@@ -44,7 +44,9 @@ _RETIRED: list = []
 _DEQ_CACHE: dict = {}  # id(q4weight) -> {(dtype, device): W}, dropped when q4weight is freed
 _TUNED: dict = {}  # (device name, bucket, N, K, G, dtype name) -> Config
 _TUNED_H2: dict = {}  # the same for the half2 GEMV ("variant": "h2" in the table), per gemv_mode()
+_TUNED_CUDA: dict = {}  # and for the CUDA GEMV ("variant": "cuda"), where it can run
 _TUNED_LOADED = False
+_VARIANT_TABLES = {"h2": _TUNED_H2, "cuda": _TUNED_CUDA}
 _SM_COUNT: dict = {}
 
 
@@ -80,7 +82,10 @@ class Config:
     "dequant_mm" (dequantize to a scratch weight + cuBLAS), or "mma" (the CUDA kernel of `w4a16_mma.cu`,
     compiled at run time by NVRTC: fp16 or bf16 x, mma.sync with the weights dequantized in registers;
     block_m rows per tile, num_warps warps as warps_m along M by num_warps // warps_m along N, K chunks
-    of block_k (64, 128 or 256) in a num_stages-deep cp.async ring).
+    of block_k (64, 128 or 256) in a num_stages-deep cp.async ring), or "gemv_cuda" (the batch-1 GEMV of
+    the same source, fp16 x: block_n weight rows per block, block_n // num_warps per warp, each lane
+    reading num_stages 16-byte chunks of every row per batch, the next batch loaded while one is
+    computed; block_k and split_k unused).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
     next K block into registers while computing the current one, 1 that it does not."""
 
@@ -109,6 +114,11 @@ class Config:
                     and self.num_warps in (1, 2, 4, 8, 16) and 2 <= self.num_stages <= 8 and self.split_k >= 1
                     and group_size % 64 == 0 and (group_size % bk == 0 or bk % group_size == 0)
                     and k % max(bk, group_size) == 0 and n % 8 == 0)
+        if self.kernel == "gemv_cuda":
+            rpw, rem = divmod(self.block_n, max(1, self.num_warps))
+            return (self.num_warps in (1, 2, 4, 8, 16) and rem == 0 and rpw in (1, 2, 4, 8)
+                    and self.num_stages in (1, 2, 4) and self.split_k == 1 and group_size % 32 == 0
+                    and k % group_size == 0)
         if self.kernel not in ("gemv", "gemv_h2", "dot") or not _pow2(self.block_n) or self.split_k < 1:
             return False
         if self.kernel == "gemv_h2":
@@ -262,6 +272,26 @@ def heuristic_h2_config(m: int, n: int, k: int, group_size: int, sms: int = 132)
     return None
 
 
+def heuristic_gemv_cuda_config(n: int, k: int, group_size: int, sms: int = 132) -> Config:
+    """The CUDA GEMV's config where the tuned table has none: 4 rows per warp, 4 warps, 2 chunks per lane
+    and row in flight. In an H200 sweep within 7 % of each 7B linear's best config (qkv 12.9 vs 12.0 µs,
+    o 5.3 vs 5.5, gate_up 21.6 vs 20.4, down 10.9 vs 10.6), within 14 % at Qwen2-VL-7B and 13B shapes."""
+    return Config("gemv_cuda", block_n=16, num_warps=4, num_stages=2)
+
+
+def gemv_cuda_candidate_configs(n: int, k: int, group_size: int) -> list[Config]:
+    """What a sweep tries for the CUDA GEMV: rows per warp x warps x chunks in flight (at most 8 rows x
+    chunks a lane, which keeps a lane's two batches of registers under the 255-register limit)."""
+    out = []
+    for rpw in (1, 2, 4, 8):
+        for warps in (2, 4, 8):
+            for ks in (1, 2, 4):
+                c = Config("gemv_cuda", block_n=rpw * warps, num_warps=warps, num_stages=ks)
+                if rpw * ks <= 8 and c.valid_for(n, k, group_size):
+                    out.append(c)
+    return out
+
+
 def h2_candidate_configs(m: int, n: int, k: int, group_size: int, sms: int = 132) -> list[Config]:
     """What a tuning sweep tries for the half2 GEMV: block shapes x register prefetch x split-K."""
     out = []
@@ -346,17 +376,19 @@ def load_tuned(path) -> int:
     data = json.loads(Path(path).read_text())
     for e in data.get("entries", []):
         key = (e["device"], int(e["bucket"]), int(e["n"]), int(e["k"]), int(e["group_size"]), e["dtype"])
-        (_TUNED_H2 if e.get("variant") == "h2" else _TUNED)[key] = Config(**e["config"])
+        _VARIANT_TABLES.get(e.get("variant"), _TUNED)[key] = Config(**e["config"])
     return len(data.get("entries", []))
 
 
 def save_tuned(path) -> None:
-    """Write every pinned config; the half2 GEMV's entries carry "variant": "h2" (used at batch 1 in
-    fp16 unless VLMCTL_GEMV=cublas: `gemv_mode`)."""
+    """Write every pinned config; the half2 GEMV's entries carry "variant": "h2" and the CUDA GEMV's
+    "variant": "cuda" (both used at batch 1 in fp16 unless VLMCTL_GEMV=cublas: `gemv_mode`; the CUDA
+    GEMV's first, where it can run), so that each keeps the entry measured for the kernel after it."""
     entries = [{"device": d, "bucket": b, "n": n, "k": k, "group_size": g, "dtype": t, "config": asdict(c)}
                for (d, b, n, k, g, t), c in sorted(_TUNED.items())]
-    entries += [{"device": d, "bucket": b, "n": n, "k": k, "group_size": g, "dtype": t, "variant": "h2",
-                 "config": asdict(c)} for (d, b, n, k, g, t), c in sorted(_TUNED_H2.items())]
+    for variant, table in _VARIANT_TABLES.items():
+        entries += [{"device": d, "bucket": b, "n": n, "k": k, "group_size": g, "dtype": t, "variant": variant,
+                     "config": asdict(c)} for (d, b, n, k, g, t), c in sorted(table.items())]
     Path(path).write_text(json.dumps({"format": FORMAT, "entries": entries}, indent=1) + "\n")
 
 
@@ -364,7 +396,7 @@ def set_config(m: int, n: int, k: int, group_size: int, dtype, config: Config, d
     """Pin the config used for (bucket(m), N, K, G, dtype) on this device's GPU model."""
     if not config.valid_for(n, k, group_size):
         raise ValueError(f"{config} does not fit N={n} K={k} G={group_size}")
-    table = _TUNED_H2 if config.kernel == "gemv_h2" else _TUNED
+    table = {"gemv_h2": _TUNED_H2, "gemv_cuda": _TUNED_CUDA}.get(config.kernel, _TUNED)
     table[(_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))] = config
 
 
@@ -372,15 +404,37 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None) -
     _load_tuned_table()
     key = (_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))
     half2 = bucket(m) == 1 and _dtype_name(dtype) == "float16" and gemv_mode() != "cublas"
-    # measured entries first (the half2 GEMV's, then any other kernel's), then the untuned rules
-    for c in ((_TUNED_H2.get(key) if half2 else None), _TUNED.get(key)):
+    cuda_gemv = half2 and _gemv_cuda_ok(device)
+    # measured entries first (the CUDA GEMV's, the half2 GEMV's, then any other kernel's), then the untuned rules
+    for c in ((_TUNED_CUDA.get(key) if cuda_gemv else None), (_TUNED_H2.get(key) if half2 else None), _TUNED.get(key)):
         if c is not None and c.valid_for(n, k, group_size):
             return c
+    if cuda_gemv and (c := heuristic_gemv_cuda_config(n, k, group_size, _sm_count(device))).valid_for(n, k, group_size):
+        return c
     if half2 and (c := heuristic_h2_config(m, n, k, group_size, _sm_count(device))) is not None \
             and c.valid_for(n, k, group_size):
         return c
     return heuristic_config(m, n, k, group_size, _sm_count(device), mma=_mma_heuristic_ok(dtype, device),
                             dtype=dtype)
+
+
+def _gemv_cuda_ok(device) -> bool:
+    """Whether fp16 batch-1 linears may take the CUDA GEMV: `gemv_cuda_enabled`, on a CUDA device of
+    compute capability 8.0+ (its PTX: f16x2 FMA, L1::no_allocate) where NVRTC is found."""
+    if getattr(device, "type", None) != "cuda" or not gemv_cuda_enabled():
+        return False
+    from . import cuda_rtc
+
+    return _capability(device) >= (8, 0) and cuda_rtc.available()
+
+
+def _capability(device) -> tuple[int, int]:
+    import torch
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPABILITY[idx]
 
 
 def _mma_heuristic_ok(dtype, device) -> bool:
@@ -390,12 +444,7 @@ def _mma_heuristic_ok(dtype, device) -> bool:
         return False
     if _dtype_name(dtype) not in ("float16", "bfloat16") or getattr(device, "type", None) != "cuda":
         return False
-    import torch
-
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CAPABILITY:
-        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
-    return _CAPABILITY[idx] >= (8, 0) and mma_available()
+    return _capability(device) >= (8, 0) and mma_available()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -471,6 +520,11 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
             raise ValueError("the mma kernel needs fp16 or bf16 x on CUDA with 16-byte aligned rows and weights, "
                              "and NVRTC")
         _launch_mma(x2, packed, group_size, config, bias, y)
+        return y
+    if config.kernel == "gemv_cuda":
+        if not gemv_cuda_runs(x2, qw):
+            raise ValueError("the CUDA GEMV needs fp16 x on CUDA with 16-byte aligned rows and weights, and NVRTC")
+        _launch_gemv_cuda(x2, packed, group_size, config, bias, y)
         return y
     bk = config.block_k
     ngb, wpg = (bk // group_size, group_size // PACK) if bk >= group_size else (1, bk // PACK)
@@ -552,6 +606,44 @@ def mma_kernel_name(config: Config, group_size: int, dtype="float16") -> str:
     bf16 = {"float16": 0, "bfloat16": 1}[_dtype_name(dtype)]
     return (f"w4a16_mma<{config.block_m // (16 * wm)}, {config.block_n // (8 * wn)}, {wm}, {wn}, "
             f"{config.num_stages}, {group_size}, {config.block_k}, {bf16}>")
+
+
+def gemv_cuda_enabled() -> bool:
+    """Whether selection may pick the CUDA batch-1 GEMV: only with `VLMCTL_W4A16_GEMV_CUDA=1`. Off by
+    default because it was not faster in the decode step (H200, LLaVA-1.5-7B shapes, docs/benchmarks.md
+    session 9): its 128 linears alone took 1.50 ms as a CUDA graph against the half2 GEMV's 1.64, but
+    AWQ decode steps at batch 1 took 2.21-2.45 ms with it against 2.17-2.34 without, in four runs."""
+    return os.environ.get("VLMCTL_W4A16_GEMV_CUDA", "0").strip().lower() in ("1", "on", "true")
+
+
+def gemv_cuda_runs(x2, qw) -> bool:
+    """The CUDA GEMV's preconditions: fp16 x on CUDA with 16-byte aligned rows, aligned weights, NVRTC."""
+    import torch
+
+    from . import cuda_rtc
+
+    return (x2.device.type == "cuda" and x2.dtype == torch.float16 and x2.stride(-1) == 1
+            and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0 and qw.data_ptr() % 16 == 0
+            and cuda_rtc.available())
+
+
+def gemv_cuda_kernel_name(config: Config, group_size: int) -> str:
+    """The template instance of `w4a16_mma.cu`'s w4a16_gemv that runs `config`."""
+    return (f"w4a16_gemv<{config.block_n // config.num_warps}, {config.num_warps}, {config.num_stages}, "
+            f"{group_size}>")
+
+
+def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:
+    from . import cuda_rtc, pdl
+
+    qw, s, z = (packed[key] for key in KEYS)
+    m, k = x2.shape
+    n = qw.shape[0]
+    kern = cuda_rtc.load_kernel(mma_source(), gemv_cuda_kernel_name(config, group_size), x2.device)
+    # PDL as for the Triton GEMVs: the kernel reads only weights, scales and zero points before its wait
+    kern.launch((triton_cdiv(n, config.block_n), m, 1), (32 * config.num_warps, 1, 1), 0,
+                [x2, qw, s, z, bias, y, n, k, x2.stride(0), int(bias is not None)], x2.device,
+                pdl=pdl.enabled(x2.device))
 
 
 def _launch_mma(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:
@@ -643,6 +735,9 @@ def w4a16_linear(x, packed: dict, group_size: int, bias=None):
         cfg = select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device)
         if cfg.kernel == "mma" and not mma_runs(x2, qw):  # no NVRTC here, or unaligned views: Triton instead
             cfg = heuristic_config(x2.shape[0], n, k, group_size, _sm_count(x2.device), mma=False)
+        elif cfg.kernel == "gemv_cuda" and not gemv_cuda_runs(x2, qw):  # an unaligned view: the half2 GEMV
+            cfg = (heuristic_h2_config(x2.shape[0], n, k, group_size, _sm_count(x2.device))
+                   or heuristic_config(x2.shape[0], n, k, group_size, _sm_count(x2.device), mma=False))
         y = launch(x2, packed, group_size, cfg, bias)
     return y.reshape(*x.shape[:-1], n)
 
@@ -714,6 +809,8 @@ def describe(config: Config) -> str:
     bm = f" bm{config.block_m}" if config.kernel in ("dot", "mma") else ""
     run = f" r{config.run_words}" if config.kernel == "gemv_h2" else ""
     km = " kmajor" if config.k_major else ""
+    if config.kernel == "gemv_cuda":
+        return f"gemv_cuda bn{config.block_n} w{config.num_warps} s{config.num_stages}"
     if config.kernel == "mma" and config.warps_m > 1:
         km += f" wm{config.warps_m}"
     return (f"{config.kernel} bn{config.block_n} bk{config.block_k}{bm} sk{config.split_k} "
@@ -722,6 +819,7 @@ def describe(config: Config) -> str:
 
 __all__ = ["FORMAT", "KEYS", "ORDER", "PACK", "PREFILL_DEQUANT_MIN_M", "Config", "bucket", "candidate_configs",
            "check_packed", "dequantize", "dequantize_into", "describe", "gemv_mode", "h2_candidate_configs",
-           "heuristic_config", "heuristic_h2_config", "heuristic_mma_config", "launch", "load_tuned",
+           "gemv_cuda_candidate_configs", "gemv_cuda_enabled", "heuristic_config",
+           "heuristic_gemv_cuda_config", "heuristic_h2_config", "heuristic_mma_config", "launch", "load_tuned",
            "pack", "repack_awq_gemm", "repack_gemm_tensors", "save_tuned", "select_config", "set_config",
            "triton_available", "tune", "unpack", "w4a16_linear", "warmup", "weight_bytes"]

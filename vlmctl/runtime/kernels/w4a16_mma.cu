@@ -403,3 +403,172 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
         }
     if (splits > 1 && tid == 0) cnt[blockIdx.x] = 0;
 }
+
+
+// ---------------------------------------------------------------------------------------------------
+// w4a16_gemv: one x row per blockIdx.y (decode at batch 1), fp16 activations, no tensor cores.
+//
+// At M = 1 a step is a stream of the int4 weights, so what counts is bytes in flight per SM and few
+// instructions per weight. Each warp owns RPW weight rows; its lanes walk K in 32-k chunks (16 bytes of
+// a row: lane c % 32 takes chunk c, a warp reads 512 contiguous bytes of each row per load), KS chunks
+// per lane and row per batch, and the next batch (weights, scales, zero points and the x chunks) is
+// loaded into registers while the current one is computed. No shared memory, no barrier, no split-K:
+// lanes add up by shuffles at the end. A chunk never straddles a group (G is a multiple of 32), so it
+// takes one scale and one zero point.
+// Numerics as the Triton half2 GEMV ("gemv_h2"): every pair dequantized exactly and rounded once
+// (dequant2), products summed with fma.f16x2 in runs of two words (8 products per half), runs and
+// lanes in fp32.
+// PDL: weights, scales and zero points of the first batch are loaded before griddepcontrol.wait; x
+// after it, y at the end.
+
+struct alignas(16) u32x4 { u32 x, y, z, w; };
+
+__device__ __forceinline__ u32x4 ld_stream16(const void* p) {  // weights: read once, not kept in L1
+    u32x4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32x4 ld_act16(const void* p) {  // x: written by the previous kernel, read after the wait
+    u32x4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ u32 fma_f16x2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ float half2_sum(u32 h) {
+    u16 lo, hi;
+    asm("mov.b32 {%0, %1}, %2;" : "=h"(lo), "=h"(hi) : "r"(h));
+    return half_to_float(lo) + half_to_float(hi);
+}
+
+__device__ __forceinline__ u32 x_pair(const u32x4& v, int t) {
+    return t == 0 ? v.x : t == 1 ? v.y : t == 2 ? v.z : v.w;
+}
+
+template <int RPW, int KS>
+struct GemvBatch {
+    u32x4 w[KS][RPW];  // 32 codes of each row
+    u32 s[KS][RPW];    // its group's scale (fp16 bits)
+    u32 z[KS][RPW];    // and zero point
+    u32x4 x[KS][4];    // the chunk's 32 activations, shared by the RPW rows
+};
+
+template <int RPW, int KS, int G>
+__device__ __forceinline__ void gemv_load_weights(GemvBatch<RPW, KS>& b, const u32* const (&rows)[RPW],
+                                                  const u16* const (&srow)[RPW], const u8* const (&zrow)[RPW],
+                                                  int c0, int KC) {
+#pragma unroll
+    for (int u = 0; u < KS; ++u) {
+        const int c = c0 + 32 * u;
+        if (c < KC) {
+#pragma unroll
+            for (int r = 0; r < RPW; ++r) {
+                b.w[u][r] = ld_stream16(rows[r] + 4 * c);
+                b.s[u][r] = srow[r][(c * 32) / G];
+                b.z[u][r] = zrow[r][(c * 32) / G];
+            }
+        }
+    }
+}
+
+template <int RPW, int KS>
+__device__ __forceinline__ void gemv_load_x(GemvBatch<RPW, KS>& b, const u16* xr, int c0, int KC) {
+#pragma unroll
+    for (int u = 0; u < KS; ++u) {
+        const int c = c0 + 32 * u;
+        if (c < KC) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) b.x[u][j] = ld_act16(xr + 32 * c + 8 * j);
+        }
+    }
+}
+
+template <int RPW, int KS>
+__device__ __forceinline__ void gemv_compute(const GemvBatch<RPW, KS>& b, float (&acc)[RPW], int c0, int KC) {
+#pragma unroll
+    for (int u = 0; u < KS; ++u) {
+        if (c0 + 32 * u < KC) {
+#pragma unroll
+            for (int r = 0; r < RPW; ++r) {
+                const u32 zf2 = (0x6400u | b.z[u][r]) * 0x10001u;  // fp16 1024 + zero, twice
+                const u32 s2 = b.s[u][r] * 0x10001u;
+                const u32 words[4] = {b.w[u][r].x, b.w[u][r].y, b.w[u][r].z, b.w[u][r].w};
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {  // runs of two words
+                    u32 run = 0;
+#pragma unroll
+                    for (int jj = 0; jj < 2; ++jj) {
+                        const int j = 2 * h + jj;
+#pragma unroll
+                        for (int t = 0; t < 4; ++t)  // k = 8j + 2t, 8j + 2t + 1
+                            run = fma_f16x2(dequant2(words[j], 4 * t, zf2, s2), x_pair(b.x[u][j], t), run);
+                    }
+                    acc[r] += half2_sum(run);
+                }
+            }
+        }
+    }
+}
+
+template <int RPW, int NW, int KS, int G>
+__global__ void __launch_bounds__(NW * 32)
+w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
+           const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias) {
+    pdl_release();
+    const int lane = threadIdx.x & 31;
+    const int row0 = (blockIdx.x * NW + (threadIdx.x >> 5)) * RPW;
+    const int KC = K >> 5;  // 32-k chunks of a row
+    const int KG = K / G;
+    const u32* rows[RPW];
+    const u16* srow[RPW];
+    const u8* zrow[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {  // rows past N read row N - 1 and are not stored
+        const int n = min(row0 + r, N - 1);
+        rows[r] = qw + (size_t)n * (K >> 3);
+        srow[r] = sc + (size_t)n * KG;
+        zrow[r] = zp + (size_t)n * KG;
+    }
+    const u16* xr = x + (size_t)blockIdx.y * ldx;
+    float acc[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
+    GemvBatch<RPW, KS> a, b;
+    gemv_load_weights<RPW, KS, G>(a, rows, srow, zrow, lane, KC);
+    pdl_wait();
+    gemv_load_x(a, xr, lane, KC);
+    for (int c0 = lane; c0 < KC; c0 += 64 * KS) {  // two batches per trip: a and b take turns
+        gemv_load_weights<RPW, KS, G>(b, rows, srow, zrow, c0 + 32 * KS, KC);
+        gemv_load_x(b, xr, c0 + 32 * KS, KC);
+        gemv_compute(a, acc, c0, KC);
+        if (c0 + 32 * KS >= KC) break;
+        gemv_load_weights<RPW, KS, G>(a, rows, srow, zrow, c0 + 64 * KS, KC);
+        gemv_load_x(a, xr, c0 + 64 * KS, KC);
+        gemv_compute(b, acc, c0 + 32 * KS, KC);
+    }
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            const int n = row0 + r;
+            if (n < N) {
+                const float v = acc[r] + (has_bias ? half_to_float(bias[n]) : 0.f);
+                u16 h;
+                asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+                y[(size_t)blockIdx.y * N + n] = h;
+            }
+        }
+    }
+}

@@ -1,0 +1,198 @@
+"""The CUDA batch-1 W4A16 GEMV ("gemv_cuda", `w4a16_gemv` in `runtime/kernels/w4a16_mma.cu`).
+
+Selection takes it only with `VLMCTL_W4A16_GEMV_CUDA=1` (measured no faster than the half2 Triton GEMV
+in the decode step; docs/benchmarks.md). Without a GPU: its configs' validity rules, that selection
+never returns it where it cannot run or is not asked for (the CPU, the switch off, `VLMCTL_GEMV=cublas`,
+bf16, batches above 1), and (where NVRTC is
+installed) that every config a sweep tries compiles for sm_90. `gpu`-marked tests run it against the
+dequantized fp32 reference (odd N and K, groups 32-128, bias, M > 1), check that it dequantizes exactly
+(one-hot activations pick single weights out), that a CUDA-graph replay and launches with programmatic
+dependent launch give the same bits, and that the switch selects it (table or rule).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmctl.runtime.kernels import cuda_rtc
+from vlmctl.runtime.kernels import w4a16 as W
+
+HAS_CUDA = torch.cuda.is_available()
+TOL16 = 2 * 2.0 ** -11
+
+
+def _cfg(rows, warps, stages):
+    return W.Config("gemv_cuda", block_n=rows, num_warps=warps, num_stages=stages)
+
+
+def test_gemv_cuda_config_rules():
+    assert _cfg(16, 4, 2).valid_for(4096, 4096, 128)
+    assert _cfg(8, 8, 1).valid_for(45, 96, 32)  # odd N, K of three 32-k chunks, groups of 32
+    assert not _cfg(16, 4, 2).valid_for(4096, 4096, 24)  # a 32-k chunk would straddle groups
+    assert not _cfg(16, 4, 2).valid_for(4096, 4000, 128)  # K not a multiple of the group
+    assert not _cfg(12, 4, 2).valid_for(4096, 4096, 128)  # 3 rows per warp
+    assert not _cfg(16, 4, 3).valid_for(4096, 4096, 128)  # chunks in flight: 1, 2 or 4
+    assert not _cfg(64, 4, 2).valid_for(4096, 4096, 128)  # 16 rows per warp
+    assert not W.Config("gemv_cuda", block_n=16, num_warps=4, num_stages=2, split_k=2).valid_for(4096, 4096, 128)
+    assert W.describe(_cfg(16, 4, 2)) == "gemv_cuda bn16 w4 s2"
+    assert W.gemv_cuda_kernel_name(_cfg(16, 4, 2), 128) == "w4a16_gemv<4, 4, 2, 128>"
+
+
+def test_gemv_cuda_candidates_and_rule_are_valid():
+    for n, k in ((12288, 4096), (4096, 11008), (4608, 3584), (3584, 18944), (5120, 13824)):
+        cands = W.gemv_cuda_candidate_configs(n, k, 128)
+        assert cands and all(c.valid_for(n, k, 128) for c in cands)
+        assert all((c.block_n // c.num_warps) * c.num_stages <= 8 for c in cands)  # register budget
+        assert W.heuristic_gemv_cuda_config(n, k, 128).valid_for(n, k, 128)
+
+
+def test_selection_never_returns_gemv_cuda_where_it_cannot_run(monkeypatch):
+    """A table entry for the CUDA GEMV is skipped on the CPU (no CUDA device) even when asked for, and the
+    untuned rules do not pick it there either; bf16 and batches above 1 never take it."""
+    monkeypatch.setenv("VLMCTL_W4A16_GEMV_CUDA", "1")
+    assert W.gemv_cuda_enabled()
+    n, k, g = 4096, 4096, 128
+    saved = dict(W._TUNED_CUDA)
+    try:
+        W.set_config(1, n, k, g, torch.float16, _cfg(16, 4, 2))  # keyed to the device name "cpu"
+        assert W._TUNED_CUDA[("cpu", 1, n, k, g, "float16")] == _cfg(16, 4, 2)
+        assert W.select_config(1, n, k, g, torch.float16).kernel != "gemv_cuda"
+        assert W.select_config(1, 4104, 4096, g, torch.float16).kernel != "gemv_cuda"  # untabled
+        assert W.select_config(1, n, k, g, torch.bfloat16).kernel != "gemv_cuda"
+        assert W.select_config(2, n, k, g, torch.float16).kernel != "gemv_cuda"
+    finally:
+        W._TUNED_CUDA.clear()
+        W._TUNED_CUDA.update(saved)
+
+
+def test_gemv_cuda_is_opt_in(monkeypatch):
+    monkeypatch.delenv("VLMCTL_W4A16_GEMV_CUDA", raising=False)
+    assert not W.gemv_cuda_enabled()
+    for v, on in (("1", True), ("on", True), ("0", False), ("", False)):
+        monkeypatch.setenv("VLMCTL_W4A16_GEMV_CUDA", v)
+        assert W.gemv_cuda_enabled() is on
+
+
+@pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
+def test_every_candidate_compiles_for_sm90():
+    cands = W.gemv_cuda_candidate_configs(4096, 4096, 128)
+    names = sorted({W.gemv_cuda_kernel_name(c, g) for c in cands for g in (64, 128)}
+                   | {W.gemv_cuda_kernel_name(W.heuristic_gemv_cuda_config(4096, 4096, 128), 32)})
+    cubin, lowered = cuda_rtc.compile_cubin(W.mma_source(), names, "sm_90")
+    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(names)
+    assert all(v.startswith("_Z10w4a16_gemv") for v in lowered.values())
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+
+def _packed(n, k, g, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=gen, device="cuda", dtype=torch.int32)
+    zeros = torch.randint(0, 16, (n, k // g), generator=gen, device="cuda", dtype=torch.uint8)
+    scales = (torch.rand(n, k // g, generator=gen, device="cuda") * 0.004 + 0.001).half()
+    return {"q4weight": words, "q4scales": scales, "q4zeros": zeros}
+
+
+def _ref(x, p, g, bias):
+    y = x.float() @ W.dequantize(p, g, x.dtype).float().T
+    return y if bias is None else y + bias.float()
+
+
+GPU_CFGS = [_cfg(16, 4, 2), _cfg(8, 8, 1), _cfg(32, 4, 1), _cfg(4, 2, 4), _cfg(64, 8, 1), _cfg(16, 8, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("n,k,g", [(4096, 4096, 128), (4096, 11008, 128), (203, 4096, 64), (45, 96, 32),
+                                   (1000, 3584, 128), (17, 4160, 64), (22016, 4096, 128)])
+@pytest.mark.parametrize("cfg", GPU_CFGS, ids=W.describe)
+def test_gpu_gemv_cuda_matches_reference(n, k, g, cfg):
+    p = _packed(n, k, g, seed=n + k)
+    for m in (1, 3):
+        x = torch.randn(m, k, device="cuda").half()
+        for bias in (None, torch.randn(n, device="cuda").half()):
+            ref = _ref(x, p, g, bias)
+            y = W.launch(x, p, g, cfg, bias)
+            assert y.shape == (m, n) and y.dtype == torch.float16
+            assert float((y.float() - ref).norm() / ref.norm()) <= TOL16, (m, bias is not None)
+            assert torch.equal(W.launch(x, p, g, cfg, bias), y)  # deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("cfg", [_cfg(16, 4, 2), _cfg(8, 8, 1)], ids=W.describe)
+def test_gpu_gemv_cuda_dequantizes_exactly(cfg):
+    """A one-hot activation row picks one weight column out: each output is one dequantized weight times
+    1.0, so the kernel must return dequantize(W).half() bit for bit (its rounding, not its tolerance)."""
+    n, k, g = 256, 512, 128
+    p = _packed(n, k, g, seed=7)
+    p["q4scales"] = p["q4scales"] * 700  # products that need the final rounding to fp16
+    wd = W.dequantize(p, g, torch.float16)
+    for k0 in range(0, k, 32):
+        x = torch.zeros(32, k, device="cuda", dtype=torch.float16)
+        x[torch.arange(32), k0 + torch.arange(32)] = 1
+        assert torch.equal(W.launch(x, p, g, cfg), wd[:, k0:k0 + 32].T.contiguous()), f"columns {k0}..{k0 + 31}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_gemv_cuda_is_selected_and_switchable(monkeypatch):
+    """By default batch-1 fp16 linears take the half2 Triton GEMV; with VLMCTL_W4A16_GEMV_CUDA=1 the CUDA
+    GEMV (the table's entry for the 7B qkv, the rule for an untabled shape), matching the reference."""
+    dev = torch.device("cuda")
+    monkeypatch.delenv("VLMCTL_W4A16_GEMV_CUDA", raising=False)
+    assert W.select_config(1, 4608, 3584, 128, torch.float16, dev).kernel == "gemv_h2"
+    p = _packed(4608, 3584, 128, seed=5)
+    x = torch.randn(1, 3584, device="cuda").half()
+    ref = _ref(x, p, 128, None)
+    y0 = W.w4a16_linear(x, p, 128)
+    assert float((y0.float() - ref).norm() / ref.norm()) <= TOL16
+    monkeypatch.setenv("VLMCTL_W4A16_GEMV_CUDA", "1")
+    for n, k in ((12288, 4096), (4608, 3584)):
+        assert W.select_config(1, n, k, 128, torch.float16, dev).kernel == "gemv_cuda"
+        assert W.select_config(1, n, k, 128, torch.bfloat16, dev).kernel != "gemv_cuda"
+    y = W.w4a16_linear(x, p, 128)
+    assert float((y.float() - ref).norm() / ref.norm()) <= TOL16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_gemv_cuda_pdl_chain_and_graph(monkeypatch):
+    """Launched with programmatic dependent launch, the GEMV may start before the kernel that writes its
+    input ends: a chain of linears, each reading the previous output (directly, or through a torch
+    kernel), must equal the chain launched without PDL, eager and replayed from a CUDA graph."""
+    from vlmctl.runtime.kernels import pdl
+
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("this GPU (or Triton) has no programmatic dependent launch")
+    ps = [_packed(4096, 4096, 128, seed=20 + i) for i in range(6)]
+    cfg = _cfg(16, 4, 2)
+    x = torch.randn(1, 4096, device="cuda").half() * 4
+
+    def chain():
+        h = x
+        for p in ps:
+            h = W.launch(h, p, 128, cfg) * 0.5
+            h = W.launch(h, p, 128, cfg)
+        return h
+
+    monkeypatch.setenv("VLMCTL_PDL", "0")
+    ref = chain()
+    monkeypatch.setenv("VLMCTL_PDL", "auto")
+    for _ in range(3):
+        assert torch.equal(chain(), ref)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
