@@ -18,6 +18,8 @@ import torch
 from vlmctl.runtime.kernels import cuda_rtc
 from vlmctl.runtime.kernels import w4a16 as W
 
+from w4a16_gpu_helpers import capture, random_packed, reference
+
 HAS_CUDA = torch.cuda.is_available()
 TOL16 = 2 * 2.0 ** -11
 
@@ -87,19 +89,6 @@ def test_every_candidate_compiles_for_sm90():
 # ------------------------------------------------------------------------------------------ GPU
 
 
-def _packed(n, k, g, seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=gen, device="cuda", dtype=torch.int32)
-    zeros = torch.randint(0, 16, (n, k // g), generator=gen, device="cuda", dtype=torch.uint8)
-    scales = (torch.rand(n, k // g, generator=gen, device="cuda") * 0.004 + 0.001).half()
-    return {"q4weight": words, "q4scales": scales, "q4zeros": zeros}
-
-
-def _ref(x, p, g, bias):
-    y = x.float() @ W.dequantize(p, g, x.dtype).float().T
-    return y if bias is None else y + bias.float()
-
-
 GPU_CFGS = [_cfg(16, 4, 2), _cfg(8, 8, 1), _cfg(32, 4, 1), _cfg(4, 2, 4), _cfg(64, 8, 1), _cfg(16, 8, 4)]
 
 
@@ -109,11 +98,11 @@ GPU_CFGS = [_cfg(16, 4, 2), _cfg(8, 8, 1), _cfg(32, 4, 1), _cfg(4, 2, 4), _cfg(6
                                    (1000, 3584, 128), (17, 4160, 64), (22016, 4096, 128)])
 @pytest.mark.parametrize("cfg", GPU_CFGS, ids=W.describe)
 def test_gpu_gemv_cuda_matches_reference(n, k, g, cfg):
-    p = _packed(n, k, g, seed=n + k)
+    p = random_packed(n, k, g, seed=n + k)
     for m in (1, 3):
         x = torch.randn(m, k, device="cuda").half()
         for bias in (None, torch.randn(n, device="cuda").half()):
-            ref = _ref(x, p, g, bias)
+            ref = reference(x, p, g, bias)
             y = W.launch(x, p, g, cfg, bias)
             assert y.shape == (m, n) and y.dtype == torch.float16
             assert float((y.float() - ref).norm() / ref.norm()) <= TOL16, (m, bias is not None)
@@ -127,7 +116,7 @@ def test_gpu_gemv_cuda_dequantizes_exactly(cfg):
     """A one-hot activation row picks one weight column out: each output is one dequantized weight times
     1.0, so the kernel must return dequantize(W).half() bit for bit (its rounding, not its tolerance)."""
     n, k, g = 256, 512, 128
-    p = _packed(n, k, g, seed=7)
+    p = random_packed(n, k, g, seed=7)
     p["q4scales"] = p["q4scales"] * 700  # products that need the final rounding to fp16
     wd = W.dequantize(p, g, torch.float16)
     for k0 in range(0, k, 32):
@@ -144,9 +133,9 @@ def test_gpu_gemv_cuda_is_selected_and_switchable(monkeypatch):
     dev = torch.device("cuda")
     monkeypatch.delenv("VLMCTL_W4A16_GEMV_CUDA", raising=False)
     assert W.select_config(1, 4608, 3584, 128, torch.float16, dev).kernel == "gemv_h2"
-    p = _packed(4608, 3584, 128, seed=5)
+    p = random_packed(4608, 3584, 128, seed=5)
     x = torch.randn(1, 3584, device="cuda").half()
-    ref = _ref(x, p, 128, None)
+    ref = reference(x, p, 128, None)
     y0 = W.w4a16_linear(x, p, 128)
     assert float((y0.float() - ref).norm() / ref.norm()) <= TOL16
     monkeypatch.setenv("VLMCTL_W4A16_GEMV_CUDA", "1")
@@ -167,7 +156,7 @@ def test_gpu_gemv_cuda_pdl_chain_and_graph(monkeypatch):
 
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("this GPU (or Triton) has no programmatic dependent launch")
-    ps = [_packed(4096, 4096, 128, seed=20 + i) for i in range(6)]
+    ps = [random_packed(4096, 4096, 128, seed=20 + i) for i in range(6)]
     cfg = _cfg(16, 4, 2)
     x = torch.randn(1, 4096, device="cuda").half() * 4
 
@@ -183,14 +172,7 @@ def test_gpu_gemv_cuda_pdl_chain_and_graph(monkeypatch):
     monkeypatch.setenv("VLMCTL_PDL", "auto")
     for _ in range(3):
         assert torch.equal(chain(), ref)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
+    graph, out = capture(chain)
     for _ in range(3):
         out.zero_()
         graph.replay()

@@ -18,6 +18,8 @@ import torch
 from vlmctl.runtime.kernels import cuda_rtc
 from vlmctl.runtime.kernels import w4a16 as W
 
+from w4a16_gpu_helpers import capture, random_packed, reference
+
 HAS_CUDA = torch.cuda.is_available()
 TOL16 = 2 * 2.0 ** -11
 
@@ -144,19 +146,6 @@ def test_compile_error_carries_the_log():
 # ------------------------------------------------------------------------------------------ GPU
 
 
-def _packed(n, k, g, seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=gen, device="cuda", dtype=torch.int32)
-    zeros = torch.randint(0, 16, (n, k // g), generator=gen, device="cuda", dtype=torch.uint8)
-    scales = (torch.rand(n, k // g, generator=gen, device="cuda") * 0.004 + 0.001).half()
-    return {"q4weight": words, "q4scales": scales, "q4zeros": zeros}
-
-
-def _ref(x, p, g, bias):
-    y = x.float() @ W.dequantize(p, g, x.dtype).float().T
-    return y if bias is None else y + bias.float()
-
-
 TOL_BF16 = 2 * 2.0 ** -8  # bf16 keeps 8 significant bits
 
 
@@ -170,13 +159,13 @@ TOL_BF16 = 2 * 2.0 ** -8  # bf16 keeps 8 significant bits
 def test_gpu_mma_matches_reference(n, k, g, cfg):
     if not cfg.valid_for(n, k, g):
         pytest.skip(f"{W.describe(cfg)} does not fit K={k}, G={g}")
-    p = _packed(n, k, g, seed=n + k)
+    p = random_packed(n, k, g, seed=n + k)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for m in (1, 5, 16, 17, 40, 64, 100):
         x = torch.randn(m, k, generator=gen, device="cuda").half()
         for bias in (None, torch.randn(n, generator=gen, device="cuda").half()):
             y = W.launch(x, p, g, cfg, bias)
-            ref = _ref(x, p, g, bias)
+            ref = reference(x, p, g, bias)
             err = float((y.float() - ref).norm() / ref.norm())
             assert err <= TOL16, f"M={m}: relative error {err:.2e}"
             assert torch.equal(y, W.launch(x, p, g, cfg, bias)), "split-K results must not depend on timing"
@@ -190,14 +179,14 @@ def test_gpu_mma_matches_reference(n, k, g, cfg):
 def test_gpu_mma_bf16_matches_reference(n, k, g, cfg):
     if not cfg.valid_for(n, k, g):
         pytest.skip(f"{W.describe(cfg)} does not fit K={k}, G={g}")
-    p = _packed(n, k, g, seed=n + k)
+    p = random_packed(n, k, g, seed=n + k)
     gen = torch.Generator(device="cuda").manual_seed(2)
     for m in (1, 5, 17, 40, 64):
         x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
         for bias in (None, torch.randn(n, generator=gen, device="cuda").bfloat16()):
             y = W.launch(x, p, g, cfg, bias)
             assert y.dtype == torch.bfloat16
-            ref = _ref(x, p, g, bias)
+            ref = reference(x, p, g, bias)
             err = float((y.float() - ref).norm() / ref.norm())
             assert err <= TOL_BF16, f"M={m}: relative error {err:.2e}"
             assert torch.equal(y, W.launch(x, p, g, cfg, bias))
@@ -211,7 +200,7 @@ def test_gpu_mma_dequantizes_exactly(dtype, cfg):
     """Rows of the identity pick single weights out: each output is one dequantized weight times 1.0, so
     the kernel must return dequantize(W).to(dtype) bit for bit (its rounding, not just its tolerance)."""
     n, k, g = 256, 512, 128
-    p = _packed(n, k, g, seed=7)
+    p = random_packed(n, k, g, seed=7)
     p["q4scales"] = p["q4scales"] * 700  # scales whose products need the final rounding to the dtype
     wd = W.dequantize(p, g, dtype)
     for k0 in range(0, k, 32):
@@ -230,11 +219,11 @@ def test_gpu_untabled_shapes_take_the_mma_heuristic(monkeypatch, dtype):
     tol = TOL16 if dtype == torch.float16 else TOL_BF16
     dev = torch.device("cuda")
     for n, k in ((4608, 3584), (3584, 18944)):
-        p = _packed(n, k, 128, seed=n)
+        p = random_packed(n, k, 128, seed=n)
         for m in (2, 7, 16):
             assert W.select_config(m, n, k, 128, dtype, dev).kernel == "mma"
             x = torch.randn(m, k, device="cuda", dtype=dtype)
-            ref = _ref(x, p, 128, None)
+            ref = reference(x, p, 128, None)
             y = W.w4a16_linear(x, p, 128)
             assert float((y.float() - ref).norm() / ref.norm()) <= tol
         assert W.select_config(1, n, k, 128, dtype, dev).kernel != "mma"
@@ -245,19 +234,12 @@ def test_gpu_untabled_shapes_take_the_mma_heuristic(monkeypatch, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_mma_cuda_graph_and_switch(monkeypatch):
-    p = _packed(4096, 4096, 128, seed=3)
+    p = random_packed(4096, 4096, 128, seed=3)
     x = torch.randn(64, 4096, device="cuda").half()
     cfg = _mma(64, 128, 8, 4, 4)
     ref = W.launch(x, p, 128, cfg)
     y = torch.empty_like(ref)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        W.launch(x, p, 128, cfg, out=y)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        W.launch(x, p, 128, cfg, out=y)
+    graph, _ = capture(lambda: W.launch(x, p, 128, cfg, out=y))
     y.zero_()
     graph.replay()
     torch.cuda.synchronize()
@@ -266,7 +248,7 @@ def test_gpu_mma_cuda_graph_and_switch(monkeypatch):
     with pytest.raises(ValueError, match="mma kernel needs"):
         W.launch(x, p, 128, cfg)
     y2 = W.w4a16_linear(x[:8], p, 128)  # whatever the table says, it runs (Triton) with mma off
-    r = _ref(x[:8], p, 128, None)
+    r = reference(x[:8], p, 128, None)
     assert float((y2.float() - r).norm() / r.norm()) <= TOL16
 
 
@@ -281,7 +263,7 @@ def test_gpu_mma_pdl_chain_waits_for_its_input(monkeypatch, bk):
 
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("this GPU (or Triton) has no programmatic dependent launch")
-    ps = [_packed(4096, 4096, 128, seed=10 + i) for i in range(6)]
+    ps = [random_packed(4096, 4096, 128, seed=10 + i) for i in range(6)]
     cfg = _mma(16, 128, 8, 4, 2, bk=bk)
     x = torch.randn(8, 4096, device="cuda").half() * 4
 
@@ -298,14 +280,7 @@ def test_gpu_mma_pdl_chain_waits_for_its_input(monkeypatch, bk):
     assert W.mma_pdl(x.device)
     for _ in range(3):
         assert torch.equal(chain(), ref)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
+    graph, out = capture(chain)
     for _ in range(3):
         out.zero_()
         graph.replay()

@@ -274,8 +274,9 @@ def heuristic_h2_config(m: int, n: int, k: int, group_size: int, sms: int = 132)
 
 def heuristic_gemv_cuda_config(n: int, k: int, group_size: int, sms: int = 132) -> Config:
     """The CUDA GEMV's config where the tuned table has none: 4 rows per warp, 4 warps, 2 chunks per lane
-    and row in flight. In an H200 sweep within 7 % of each 7B linear's best config (qkv 12.9 vs 12.0 µs,
-    o 5.3 vs 5.5, gate_up 21.6 vs 20.4, down 10.9 vs 10.6), within 14 % at Qwen2-VL-7B and 13B shapes."""
+    and row in flight. In an H200 sweep within 7 % of the best config for each linear of a 7B decoder
+    with hidden size 4096 (qkv 12.9 vs 12.0 µs, o 5.3 vs 5.5, gate_up 21.6 vs 20.4, down 10.9 vs 10.6),
+    within 14 % at hidden sizes 3584 and 5120 (docs/benchmarks.md, session 9)."""
     return Config("gemv_cuda", block_n=16, num_warps=4, num_stages=2)
 
 
@@ -610,9 +611,9 @@ def mma_kernel_name(config: Config, group_size: int, dtype="float16") -> str:
 
 def gemv_cuda_enabled() -> bool:
     """Whether selection may pick the CUDA batch-1 GEMV: only with `VLMCTL_W4A16_GEMV_CUDA=1`. Off by
-    default because it was not faster in the decode step (H200, LLaVA-1.5-7B shapes, docs/benchmarks.md
-    session 9): its 128 linears alone took 1.50 ms as a CUDA graph against the half2 GEMV's 1.64, but
-    AWQ decode steps at batch 1 took 2.21-2.45 ms with it against 2.17-2.34 without, in four runs."""
+    default because it was not faster in the decode step (H200, a 7B decoder's shapes, docs/benchmarks.md
+    session 9): its 128 linears alone took 1.50 ms as a CUDA graph against the half2 GEMV's 1.63, but
+    the AWQ decode step at batch 1 was 3-3.5 % faster with it on two machines and 1-8 % slower on two."""
     return os.environ.get("VLMCTL_W4A16_GEMV_CUDA", "0").strip().lower() in ("1", "on", "true")
 
 
