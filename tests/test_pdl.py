@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from w4a16_gpu_helpers import capture
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -100,7 +101,8 @@ def _chain(kind: str):
             zeros = torch.randint(0, 16, (n, k // g), generator=gen, device="cuda", dtype=torch.int32)
             scales = torch.rand(n, k // g, generator=gen, device="cuda") * 2 * k ** -0.5 / 4
             ws.append(W.pack(codes, zeros, scales, g))
-        cfg = W.heuristic_h2_config(1, n, k, g) if kind == "h2" else W.heuristic_config(1, n, k, g)
+        cfg = {"h2": W.heuristic_h2_config(1, n, k, g), "cuda": W.heuristic_gemv_cuda_config(n, k, g)}.get(
+            kind, W.heuristic_config(1, n, k, g))
 
         def lin(x, p):
             return W.launch(x, p, g, cfg)
@@ -118,7 +120,7 @@ def _chain(kind: str):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["fp16", "h2", "gemv"])
+@pytest.mark.parametrize("kind", ["fp16", "h2", "gemv", "cuda"])
 def test_gpu_pdl_chain_equals_plain_launches(kind, monkeypatch):
     from vlmctl.runtime.kernels import pdl
 
@@ -131,14 +133,7 @@ def test_gpu_pdl_chain_equals_plain_launches(kind, monkeypatch):
     monkeypatch.setenv("VLMCTL_L2_PREFETCH", "2")
     assert pdl.enabled(plain.device)
     eager = run()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture(run)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

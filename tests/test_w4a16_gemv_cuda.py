@@ -2,12 +2,12 @@
 
 Selection takes it only with `VLMCTL_W4A16_GEMV_CUDA=1` (measured no faster than the half2 Triton GEMV
 in the decode step; docs/benchmarks.md). Without a GPU: its configs' validity rules, that selection
-never returns it where it cannot run or is not asked for (the CPU, the switch off, `VLMCTL_GEMV=cublas`,
-bf16, batches above 1), and (where NVRTC is
-installed) that every config a sweep tries compiles for sm_90. `gpu`-marked tests run it against the
-dequantized fp32 reference (odd N and K, groups 32-128, bias, M > 1), check that it dequantizes exactly
-(one-hot activations pick single weights out), that a CUDA-graph replay and launches with programmatic
-dependent launch give the same bits, and that the switch selects it (table or rule).
+never returns it where it cannot run (the CPU, bf16, batches above 1) or with the switch off, and
+(where NVRTC is installed) that every config a sweep tries compiles for sm_90. `gpu`-marked tests run
+it against the dequantized fp32 reference (odd N and K, groups 32-128, bias, M > 1), check that it
+dequantizes exactly (one-hot activations pick single weights out) and that the switch selects it
+(table or rule). tests/test_pdl.py checks its chain of RMSNorm -> GEMV launches with programmatic
+dependent launch, eager and in a CUDA graph, against plain launches.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from vlmctl.runtime.kernels import cuda_rtc
 from vlmctl.runtime.kernels import w4a16 as W
 
-from w4a16_gpu_helpers import capture, random_packed, reference
+from w4a16_gpu_helpers import random_packed, reference
 
 HAS_CUDA = torch.cuda.is_available()
 TOL16 = 2 * 2.0 ** -11
@@ -144,37 +144,3 @@ def test_gpu_gemv_cuda_is_selected_and_switchable(monkeypatch):
         assert W.select_config(1, n, k, 128, torch.bfloat16, dev).kernel != "gemv_cuda"
     y = W.w4a16_linear(x, p, 128)
     assert float((y.float() - ref).norm() / ref.norm()) <= TOL16
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_gpu_gemv_cuda_pdl_chain_and_graph(monkeypatch):
-    """Launched with programmatic dependent launch, the GEMV may start before the kernel that writes its
-    input ends: a chain of linears, each reading the previous output (directly, or through a torch
-    kernel), must equal the chain launched without PDL, eager and replayed from a CUDA graph."""
-    from vlmctl.runtime.kernels import pdl
-
-    if not pdl.enabled(torch.device("cuda")):
-        pytest.skip("this GPU (or Triton) has no programmatic dependent launch")
-    ps = [random_packed(4096, 4096, 128, seed=20 + i) for i in range(6)]
-    cfg = _cfg(16, 4, 2)
-    x = torch.randn(1, 4096, device="cuda").half() * 4
-
-    def chain():
-        h = x
-        for p in ps:
-            h = W.launch(h, p, 128, cfg) * 0.5
-            h = W.launch(h, p, 128, cfg)
-        return h
-
-    monkeypatch.setenv("VLMCTL_PDL", "0")
-    ref = chain()
-    monkeypatch.setenv("VLMCTL_PDL", "auto")
-    for _ in range(3):
-        assert torch.equal(chain(), ref)
-    graph, out = capture(chain)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ref)
