@@ -11,8 +11,8 @@ config sweep against the half2 Triton GEMV and cuBLAS, and a step graph of a dec
    shipped table selects with the CUDA GEMV off (the half2 GEMV) and cuBLAS on the dense fp16 weight.
 3. step graph: 32 layers x 4 linears (distinct weights) as one CUDA graph at M = 1: the sweep's best CUDA
    config per shape, the untuned rule (`heuristic_gemv_cuda_config`), the half2 GEMV, cuBLAS dense.
-Selection takes the CUDA GEMV only with VLMCTL_W4A16_GEMV_CUDA=1 (it won here but not in the decode step:
-`python benchmarks/decode_gpu.py --batches 1 --awq --env-ab VLMCTL_W4A16_GEMV_CUDA=0,1`).
+Selection takes the CUDA GEMV by default (VLMCTL_W4A16_GEMV_CUDA=0 turns it off); in the decode step:
+`python benchmarks/decode_gpu.py --batches 1 --awq --env-ab VLMCTL_W4A16_GEMV_CUDA=0,1`.
 Writes $OUT/gemv_cuda.json and $OUT/w4a16_tuned.json (the shipped table plus, per swept 7B shape, the
 best CUDA config where it beat the half2 GEMV).
 """
@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from gpu_timing import graph_median_ms  # noqa: E402
+from gpu_weights import random_packed  # noqa: E402
 from vlmctl.runtime.kernels import cuda_rtc, pdl  # noqa: E402
 from vlmctl.runtime.kernels import w4a16 as W  # noqa: E402
 
@@ -52,15 +53,7 @@ def log(*a):
     print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
 
 
-def make(n, k, g, seed):
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=gen, device=dev, dtype=torch.int32)
-    zeros = torch.randint(0, 16, (n, k // g), generator=gen, device=dev, dtype=torch.uint8)
-    scales = (torch.rand(n, k // g, generator=gen, device=dev) * 0.004 + 0.001).half()
-    return {"q4weight": words, "q4scales": scales, "q4zeros": zeros}
-
-
-def without_cuda_gemv(fn):  # what selection picks by default (the switch is off unless set)
+def without_cuda_gemv(fn):  # what selection picks with the CUDA GEMV switched off (the half2 GEMV)
     old = os.environ.get("VLMCTL_W4A16_GEMV_CUDA")
     os.environ["VLMCTL_W4A16_GEMV_CUDA"] = "0"
     try:
@@ -94,7 +87,7 @@ cases = [(4096, 4096, 128), (4096, 11008, 128), (22016, 4096, 128), (203, 4096, 
 worst = 0.0
 bad = 0
 for (n, k, g) in cases:
-    p = make(n, k, g, n + k)
+    p = random_packed(n, k, g, n + k)
     wdq = W.dequantize(p, g, DT).float()
     for m in (1, 3):
         x = torch.randn(m, k, device=dev, dtype=DT)
@@ -119,7 +112,7 @@ for (n, k, g) in cases:
 log(f"correctness: {len(res['correct'])} cases, worst rel err {worst:.2e}, bad {bad}")
 res["worst_rel"] = worst
 
-p = make(4096, 4096, 128, 1)
+p = random_packed(4096, 4096, 128, 1)
 x = torch.randn(1, 4096, device=dev, dtype=DT)
 c = W.heuristic_gemv_cuda_config(4096, 4096, 128)
 yref = W.launch(x, p, 128, c)
@@ -144,7 +137,7 @@ for model in models:
     for name, (n, k) in MODELS[model].items():
         if (n, k) in best:
             continue
-        ps = [make(n, k, 128, n + i) for i in range(NWS)]
+        ps = [random_packed(n, k, 128, n + i) for i in range(NWS)]
         x = torch.randn(1, k, device=dev, dtype=DT)
         y = torch.empty(1, n, device=dev, dtype=DT)
 
@@ -172,7 +165,7 @@ for model in models:
 # ------------------------------------------------------------------ step graphs at M = 1
 for model in models:
     shapes = MODELS[model]
-    layers = [{nm: make(n, k, 128, 1000 * i + j) for j, (nm, (n, k)) in enumerate(shapes.items())}
+    layers = [{nm: random_packed(n, k, 128, 1000 * i + j) for j, (nm, (n, k)) in enumerate(shapes.items())}
               for i in range(32)]
     xs = {nm: torch.randn(1, k, device=dev, dtype=DT) for nm, (n, k) in shapes.items()}
     ys = {nm: torch.empty(1, n, device=dev, dtype=DT) for nm, (n, k) in shapes.items()}

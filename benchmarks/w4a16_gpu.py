@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_timing import graph_median_ms  # noqa: E402  (benchmarks/, this script's directory)
+from gpu_weights import random_packed  # noqa: E402
 
 HBM_TBPS = 4.26
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
@@ -51,18 +52,6 @@ class Clock:
 
     def left(self) -> float:
         return self.budget - (time.perf_counter() - self.t0)
-
-
-def make_weights(n, k, g, device, seed):
-    """Random AWQ codes, zero points and scales in the kernel layout, plus the codes for other libraries."""
-    import torch
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=gen, device=device, dtype=torch.int32)
-    zeros = torch.randint(0, 16, (n, k // g), generator=gen, device=device, dtype=torch.uint8)
-    # scales of a typical AWQ layer: |W| ~ 0.02, so scale ~ 0.02 * 2 / 15
-    scales = (torch.rand(n, k // g, generator=gen, device=device) * 0.004 + 0.001).half()
-    return {"q4weight": words, "q4scales": scales, "q4zeros": zeros}
 
 
 def timer(smoke: bool):
@@ -174,7 +163,7 @@ def main(argv=None):
     log(f"device {name}; torch {torch.__version__}; triton {triton.__version__}; gemlite {gemlite_version}")
     results, sweep_log, step_rows, notes = [], {}, [], []
 
-    weights = {s: make_weights(n, k, g, dev, seed=i) for i, (s, (n, k)) in enumerate(shapes.items())}
+    weights = {s: random_packed(n, k, g, i, dev) for i, (s, (n, k)) in enumerate(shapes.items())}
     ref_w = {s: W.dequantize(p, g) for s, p in weights.items()}  # fp32 [N, K]
 
     # 1. sweep -------------------------------------------------------------------------------------------
@@ -330,7 +319,7 @@ def step_graphs(W, torch, shapes, g, layers, dtypes, int4_order, clock, notes):
     """Time one decode step's linears (layers x 4, distinct weights) as one CUDA graph per (path, M)."""
     rows = []
     dev = torch.device("cuda")
-    sets = [{s: make_weights(n, k, g, dev, seed=1000 + 10 * i + j) for j, (s, (n, k)) in enumerate(shapes.items())}
+    sets = [{s: random_packed(n, k, g, 1000 + 10 * i + j, dev) for j, (s, (n, k)) in enumerate(shapes.items())}
             for i in range(layers)]
     order = list(shapes)
 

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from gpu_timing import graph_median_ms as time_graph  # noqa: E402
+from gpu_weights import random_packed  # noqa: E402
 from vlmctl.runtime.kernels import cuda_rtc  # noqa: E402
 from vlmctl.runtime.kernels import w4a16 as W  # noqa: E402
 
@@ -38,14 +39,6 @@ T0 = time.perf_counter()
 
 def log(*a):
     print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
-
-
-def make(n, k, g, seed):
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=gen, device=dev, dtype=torch.int32)
-    zeros = torch.randint(0, 16, (n, k // g), generator=gen, device=dev, dtype=torch.uint8)
-    scales = (torch.rand(n, k // g, generator=gen, device=dev) * 0.004 + 0.001).half()
-    return {"q4weight": words, "q4scales": scales, "q4zeros": zeros}
 
 
 def cfg(bm, nt, wn, st, sk, wm=1, bk=64):
@@ -79,7 +72,7 @@ all_c = [c for m in ms for nt, wn, wm, bk in shapes_cfg for sk in (1, 3)
 precompile(all_c, (64, 128))
 worst = 0.0
 for (n, k, g) in cases:
-    p = make(n, k, g, n + k)
+    p = random_packed(n, k, g, n + k)
     wdq = W.dequantize(p, g, DT).float()
     for m in ms:
         x = torch.randn(m, k, device=dev, dtype=DT)
@@ -108,7 +101,7 @@ for (n, k, g) in cases:
 log(f"correctness: {len(res['correct'])} cases, worst rel err {worst:.2e}")
 
 # graph capture of one launch
-p = make(4096, 4096, 128, 1)
+p = random_packed(4096, 4096, 128, 1)
 x = torch.randn(64, 4096, device=dev, dtype=DT)
 c = cfg(64, 4, 4, 4, 4, bk=128)
 yref = W.launch(x, p, 128, c)
@@ -169,7 +162,7 @@ NW = 8  # weight sets per shape, cycled through in each timed graph: more bytes 
 shipped = {}
 log("mma PDL:", W.mma_pdl(dev))
 for name, (n, k) in SHAPES.items():
-    ps = [make(n, k, 128, n + i) for i in range(NW)]
+    ps = [random_packed(n, k, 128, n + i) for i in range(NW)]
     wds = [W.dequantize(p, 128, DT) for p in ps]
     for m in MS:
         x = torch.randn(m, k, device=dev, dtype=DT)
@@ -197,7 +190,8 @@ for name, (n, k) in SHAPES.items():
             f"{W.describe(timed[0][1])} | shipped {t_tri:7.1f} ({W.describe(tc)}) | cublas {t_cub:7.1f}")
 
 # ------------------------------------------------------------------ step graph (32 layers x 4 linears)
-layers = [{nm: make(n, k, 128, 1000 * i + j) for j, (nm, (n, k)) in enumerate(SHAPES.items())} for i in range(32)]
+layers = [{nm: random_packed(n, k, 128, 1000 * i + j) for j, (nm, (n, k)) in enumerate(SHAPES.items())}
+          for i in range(32)]
 torch.cuda.synchronize()
 
 

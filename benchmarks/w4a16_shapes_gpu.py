@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from gpu_timing import graph_median_ms as time_graph  # noqa: E402
+from gpu_weights import random_packed  # noqa: E402
 from vlmctl.runtime.kernels import w4a16 as W  # noqa: E402
 
 # (N, K) of qkv, o, gate_up, down, and the layer count
@@ -43,13 +44,6 @@ T0 = time.perf_counter()
 
 def log(*a):
     print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
-
-
-def make(n, k, seed, dev):
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    return {"q4weight": torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=gen, device=dev, dtype=torch.int32),
-            "q4scales": (torch.rand(n, k // G, generator=gen, device=dev) * 0.004 + 0.001).half(),
-            "q4zeros": torch.randint(0, 16, (n, k // G), generator=gen, device=dev, dtype=torch.uint8)}
 
 
 def before_config(m, n, k, dt, dev):
@@ -92,7 +86,7 @@ def main():
     res = {"device": torch.cuda.get_device_name(), "step": [], "sweep": []}
     for mname in args.models:
         shapes, nl = MODELS[mname]
-        layers = [{nm: make(n, k, 1000 * i + j, dev) for j, (nm, (n, k)) in enumerate(shapes.items())}
+        layers = [{nm: random_packed(n, k, G, 1000 * i + j, dev) for j, (nm, (n, k)) in enumerate(shapes.items())}
                   for i in range(nl)]
         for dname in args.dtypes:
             dt = getattr(torch, dname)

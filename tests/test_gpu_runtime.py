@@ -213,3 +213,37 @@ def test_pdl_steps_equal_plain_launches(fp16_engine, monkeypatch):
     _, plain = run(fp16_engine, n=1, cuda_graphs=True)
     _, plain4 = run(fp16_engine, n=4, cuda_graphs=True)
     assert with_pdl == plain and with_pdl4 == plain4
+
+
+@pytest.fixture(scope="module")
+def awq_engine(tmp_path_factory):
+    from vlmctl.pipeline import build
+    from vlmctl.recipe import load_recipe
+
+    d = tmp_path_factory.mktemp("gpu-awq")
+    ckpt = make_llava(d / "ckpt", hidden=128, text_layers=3, init_range=0.05)
+    recipe = load_recipe(write_recipe(
+        d / "r.yaml", ckpt, dtype="float16", profiles=[],
+        quantization={"method": "awq", "group_size": 32, "calibration": {"samples": 4, "seq_len": 32}},
+        limits={"max_batch_size": 8, "max_input_len": 256, "max_output_len": 64}))
+    build(recipe, d / "eng")
+    return d / "eng"
+
+
+def test_awq_act_mul_in_the_gemv_equals_the_separate_kernel(awq_engine, monkeypatch):
+    """An AWQ engine's batch-1 steps run gate_up's act·mul in the GEMV's epilogue (`w4a16_act_mul`);
+    graphed generations, one request and four, give the tokens of the linear + act·mul kernel pair."""
+    from vlmctl.runtime.decoder import W4A16Linear
+    from vlmctl.runtime.kernels import w4a16 as W
+
+    monkeypatch.setenv("VLMCTL_W4A16_ACT_MUL", "1")
+    eng, fused = run(awq_engine, n=1, cuda_graphs=True)
+    _, fused4 = run(awq_engine, n=4, cuda_graphs=True)
+    gate_up = eng.decoder.layers[0].gate_up
+    assert isinstance(gate_up, W4A16Linear)
+    x = torch.zeros(1, gate_up.packed["q4weight"].shape[1] * W.PACK, dtype=torch.float16, device="cuda")
+    assert W.w4a16_act_mul(x, gate_up.packed, gate_up.group_size, "silu") is not None, "the fusion must run here"
+    monkeypatch.setenv("VLMCTL_W4A16_ACT_MUL", "0")
+    _, plain = run(awq_engine, n=1, cuda_graphs=True)
+    _, plain4 = run(awq_engine, n=4, cuda_graphs=True)
+    assert fused == plain and fused4 == plain4

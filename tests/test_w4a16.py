@@ -488,6 +488,89 @@ def test_h2_configs_and_table_round_trip(tmp_path):
             t.update(s)
 
 
+# ------------------------------------------------------------------------------------------ act·mul epilogue
+# A gate_up GEMV can return act(gate) * up itself (`launch(..., act=...)`, `w4a16_act_mul`): each tile
+# holds a run of gate rows and their up rows. The result must equal the plain GEMV's output put through the
+# act·mul kernel, bit for bit: same per-row arithmetic, same roundings.
+ACT_CONFIGS = [
+    (W.Config("gemv", 16, 64, 1, 1, 4, 2), torch.float16),  # no split: the epilogue stores directly
+    (W.Config("gemv", 32, 256, 1, 2, 4, 2), torch.bfloat16),  # split-K: the last program applies it
+    (W.Config("gemv", 8, 64, 1, 3, 2, 2, k_major=True), torch.float16),  # uneven split, K-major grid
+    (W.Config("gemv_h2", 16, 64, 1, 1, 1, 2, 2), torch.float16),  # the shipped gate_up form: split 1
+    (W.Config("gemv_h2", 32, 256, 1, 2, 2, 2, 2), torch.float16),
+    (W.Config("gemv_h2", 16, 64, 1, 5, 1, 2, 2, k_major=True), torch.float16),  # an empty last slice
+]
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("cfg,dtype", ACT_CONFIGS, ids=[W.describe(c) for c, _ in ACT_CONFIGS])
+def test_gemv_act_mul_epilogue_equals_the_act_mul_kernel(kern, cfg, dtype, activation):
+    from vlmctl.runtime import ops
+    from vlmctl.runtime.kernels.fused import act_mul
+
+    g, n, k = 64, 2 * 36, 512  # I = 36: the last pair tile is partial for every block_n here
+    p = _case(n, k, g, seed=23, device=kern)
+    gen = torch.Generator().manual_seed(5)
+    for m, with_bias in ((1, False), (2, True)):
+        x = (torch.randn(m, k, generator=gen) * 4).to(dtype).to(kern)  # gate values well into SiLU's tails
+        bias = torch.randn(n, generator=gen).to(dtype).to(kern) if with_bias else None
+        plain = W.launch(x, p, g, cfg, bias=bias)
+        fused = W.launch(x, p, g, cfg, bias=bias, act=activation)
+        assert fused.shape == (m, n // 2) and fused.dtype == dtype
+        assert torch.equal(fused, act_mul(plain, activation)), "the epilogue must equal the act·mul kernel"
+        ref = ops.act_mul(plain.cpu(), activation)  # torch's form: the rounding the kernels follow
+        assert float((fused.cpu().float() - ref.float()).abs().max()) <= float(ref.float().abs().max()) * 2.0 ** -7
+    assert int(W._WS[str(x.device)]["cnt"].abs().sum()) == 0, "split-K tile counters must be reset"
+
+
+def test_act_mul_launch_rejects_what_it_cannot_fuse():
+    p = _case(24, 256, 128, 0, "cpu")
+    x = torch.zeros(1, 256, dtype=torch.float16)
+    for cfg in (W.Config("dot", 16, 64, 16, 1, 4, 2), W.Config("gemv_cuda", block_n=16, num_warps=4, num_stages=2)):
+        with pytest.raises(ValueError, match="epilogue"):
+            W.launch(x, p, 128, cfg, act="silu")
+
+
+def test_w4a16_act_mul_declines_off_the_gpu_and_with_the_switch(monkeypatch):
+    """None (the caller runs the linear and the act·mul kernel) on the CPU, for an odd N, and with
+    VLMCTL_W4A16_ACT_MUL=0; the CPU engine path never reaches the kernels."""
+    p = _case(16, 256, 128, 0, "cpu")
+    assert W.w4a16_act_mul(torch.zeros(1, 256, dtype=torch.float16), p, 128, "silu") is None
+    monkeypatch.setenv("VLMCTL_W4A16_ACT_MUL", "0")
+    assert not W.act_mul_fusion_enabled()
+    monkeypatch.setenv("VLMCTL_W4A16_ACT_MUL", "1")
+    assert W.act_mul_fusion_enabled()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_act_mul_at_7b_gate_up_and_in_a_graph(dtype, activation, monkeypatch):
+    """What the decoder runs at batch 1: `w4a16_act_mul` on LLaVA-1.5-7B's gate_up (the config
+    select_config picks) equals w4a16_linear + the act·mul kernel bit for bit, eager and replayed
+    from a CUDA graph; with the switch off it declines."""
+    from vlmctl.runtime.kernels.fused import act_mul
+
+    n, k = LLAVA_7B["gate_up"]
+    g = 128
+    p = _case(n, k, g, seed=3, device="cuda")
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    W.warmup([p], g, [1], dtype, "cuda", act_mul=[p], activation=activation)
+    want = act_mul(W.w4a16_linear(x, p, g), activation)
+    got = W.w4a16_act_mul(x, p, g, activation)
+    assert got is not None and torch.equal(got, want)
+    xs = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = W.w4a16_act_mul(xs, p, g, activation)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    monkeypatch.setenv("VLMCTL_W4A16_ACT_MUL", "0")
+    assert W.w4a16_act_mul(x, p, g, activation) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("name", list(LLAVA_7B))

@@ -1,7 +1,7 @@
 """The CUDA batch-1 W4A16 GEMV ("gemv_cuda", `w4a16_gemv` in `runtime/kernels/w4a16_mma.cu`).
 
-Selection takes it only with `VLMCTL_W4A16_GEMV_CUDA=1` (measured no faster than the half2 Triton GEMV
-in the decode step; docs/benchmarks.md). Without a GPU: its configs' validity rules, that selection
+Selection takes it by default for fp16 batch-1 linears on a GPU (`VLMCTL_W4A16_GEMV_CUDA=0` turns it
+off; docs/benchmarks.md). Without a GPU: its configs' validity rules, that selection
 never returns it where it cannot run (the CPU, bf16, batches above 1) or with the switch off, and
 (where NVRTC is installed) that every config a sweep tries compiles for sm_90. `gpu`-marked tests run
 it against the dequantized fp32 reference (odd N and K, groups 32-128, bias, M > 1), check that it
@@ -68,10 +68,10 @@ def test_selection_never_returns_gemv_cuda_where_it_cannot_run(monkeypatch):
         W._TUNED_CUDA.update(saved)
 
 
-def test_gemv_cuda_is_opt_in(monkeypatch):
+def test_gemv_cuda_is_on_unless_switched_off(monkeypatch):
     monkeypatch.delenv("VLMCTL_W4A16_GEMV_CUDA", raising=False)
-    assert not W.gemv_cuda_enabled()
-    for v, on in (("1", True), ("on", True), ("0", False), ("", False)):
+    assert W.gemv_cuda_enabled()
+    for v, on in (("1", True), ("on", True), ("", True), ("0", False), ("off", False), ("false", False)):
         monkeypatch.setenv("VLMCTL_W4A16_GEMV_CUDA", v)
         assert W.gemv_cuda_enabled() is on
 
@@ -128,17 +128,17 @@ def test_gpu_gemv_cuda_dequantizes_exactly(cfg):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_gemv_cuda_is_selected_and_switchable(monkeypatch):
-    """By default batch-1 fp16 linears take the half2 Triton GEMV; with VLMCTL_W4A16_GEMV_CUDA=1 the CUDA
+    """With VLMCTL_W4A16_GEMV_CUDA=0 batch-1 fp16 linears take the half2 Triton GEMV; by default the CUDA
     GEMV (the table's entry for the 7B qkv, the rule for an untabled shape), matching the reference."""
     dev = torch.device("cuda")
-    monkeypatch.delenv("VLMCTL_W4A16_GEMV_CUDA", raising=False)
+    monkeypatch.setenv("VLMCTL_W4A16_GEMV_CUDA", "0")
     assert W.select_config(1, 4608, 3584, 128, torch.float16, dev).kernel == "gemv_h2"
     p = random_packed(4608, 3584, 128, seed=5)
     x = torch.randn(1, 3584, device="cuda").half()
     ref = reference(x, p, 128, None)
     y0 = W.w4a16_linear(x, p, 128)
     assert float((y0.float() - ref).norm() / ref.norm()) <= TOL16
-    monkeypatch.setenv("VLMCTL_W4A16_GEMV_CUDA", "1")
+    monkeypatch.delenv("VLMCTL_W4A16_GEMV_CUDA")
     for n, k in ((12288, 4096), (4608, 3584)):
         assert W.select_config(1, n, k, 128, torch.float16, dev).kernel == "gemv_cuda"
         assert W.select_config(1, n, k, 128, torch.bfloat16, dev).kernel != "gemv_cuda"

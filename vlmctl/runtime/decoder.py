@@ -68,6 +68,10 @@ class Linear:
             return gemv(gate_up, self.weight, self.bias, silu=True)
         return self(ops.act_mul(gate_up, "silu"))
 
+    def act_mul(self, x, activation: str):
+        """act(gate) * up of this gate_up linear's output [T, 2I] -> [T, I]."""
+        return ops.act_mul(self(x), activation)
+
     def tensors(self):
         yield self.weight
         if self.bias is not None:
@@ -85,6 +89,14 @@ class W4A16Linear:
         from .kernels.w4a16 import w4a16_linear
 
         return w4a16_linear(x, self.packed, self.group_size, self.bias)
+
+    def act_mul(self, x, activation: str):
+        """act(gate) * up of this gate_up linear's output: in the GEMV's epilogue where
+        `w4a16_act_mul` can (batch-1 decode), else the linear and then the act·mul kernel."""
+        from .kernels.w4a16 import w4a16_act_mul
+
+        y = w4a16_act_mul(x, self.packed, self.group_size, activation, self.bias)
+        return y if y is not None else ops.act_mul(self(x), activation)
 
     def tensors(self):
         yield from self.packed.values()
@@ -436,9 +448,8 @@ class TorchDecoder:
             if layer.attn_out_norm is not None:
                 a = self._norm(a, layer.attn_out_norm)
             h = self._norm(a, layer.post_norm, residual)
-            gu = layer.gate_up(h)
-            h_out = (layer.down.silu_mul(gu) if self._fuse_silu_down and isinstance(layer.down, Linear)
-                     else layer.down(ops.act_mul(gu, self.activation)))
+            h_out = (layer.down.silu_mul(layer.gate_up(h)) if self._fuse_silu_down and isinstance(layer.down, Linear)
+                     else layer.down(layer.gate_up.act_mul(h, self.activation)))
             if layer.mlp_out_norm is not None:
                 h_out = self._norm(h_out, layer.mlp_out_norm)
         return residual, h_out
@@ -459,7 +470,7 @@ class TorchDecoder:
         if cross.row_scale is not None:  # rows computed only to be discarded (a captured step's text rows)
             a = a * cross.row_scale
         h2 = self._norm(a * c.attn_gate, layer.post_norm, res)
-        m = layer.down(ops.act_mul(layer.gate_up(h2), self.activation))
+        m = layer.down(layer.gate_up.act_mul(h2, self.activation))
         m = (m * cross.mlp_mask) * c.mlp_gate
         if rows is None:
             return res, m
@@ -770,7 +781,10 @@ class TorchDecoder:
             shapes = {}
             for lin in packed:
                 shapes.setdefault(tuple(lin.packed["q4weight"].shape), lin.packed)
-            warmup(list(shapes.values()), packed[0].group_size, self._bucket_sizes, self.dtype, self.device)
+            gate_up = {tuple(lyr.gate_up.packed["q4weight"].shape): lyr.gate_up.packed for lyr in self.layers
+                       if isinstance(lyr.gate_up, W4A16Linear)}
+            warmup(list(shapes.values()), packed[0].group_size, self._bucket_sizes, self.dtype, self.device,
+                   act_mul=list(gate_up.values()), activation=self.activation)
         dense = [lin for layer in self.layers for lin in self._linears(layer) if isinstance(lin, Linear) and lin.gemv]
         if dense:
             from .kernels import gemv

@@ -98,5 +98,5 @@ def _gemv_f16_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
             acc += w.to(tl.float32) * _x_block(x_row, k, K, SILU, EVEN_K)[None, :]
     out = tl.sum(acc, axis=1)
     offs_m = pid_m + tl.arange(0, 1)
-    _finish(out[:, None], offs_n, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+    _finish(out[:, None], offs_n, offs_n < N, offs_m, M, N, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
             pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS)

@@ -159,6 +159,19 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 @triton.jit
+def act_f32(gf, ACT: tl.constexpr):
+    """The activation of float32 gf (ACT: `ACTIVATIONS`), in float32; callers round it to the model dtype
+    before multiplying by up, as torch's act(gate) * up does."""
+    if ACT == 0:  # SiLU
+        return gf / (1.0 + tl.exp(-gf))
+    # GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh through exp
+    inner = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
+    inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)  # tanh is +-1 in float32 beyond; exp stays finite
+    th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+    return 0.5 * gf * (1.0 + th)
+
+
+@triton.jit
 def _act_mul_kernel(gu_ptr, out_ptr, n_cols, stride_gu, stride_o, BLOCK: tl.constexpr, ACT: tl.constexpr = 0,
                     PDL: tl.constexpr = False):
     pdl.release(PDL)
@@ -168,14 +181,7 @@ def _act_mul_kernel(gu_ptr, out_ptr, n_cols, stride_gu, stride_o, BLOCK: tl.cons
     mask = cols < n_cols
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
     u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0)
-    gf = g.to(tl.float32)
-    if ACT == 0:  # SiLU
-        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    else:  # GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh through exp
-        inner = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
-        inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)  # tanh is +-1 in float32 beyond; exp stays finite
-        th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
-        act = (0.5 * gf * (1.0 + th)).to(g.dtype)
+    act = act_f32(g.to(tl.float32), ACT).to(g.dtype)
     tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
 
 

@@ -401,7 +401,10 @@ def set_config(m: int, n: int, k: int, group_size: int, dtype, config: Config, d
     table[(_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))] = config
 
 
-def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None) -> Config:
+def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None, *,
+                  cuda_gemv_rule: bool = True) -> Config:
+    """The config for y = x W^T at this shape: measured entries, then the untuned rules. cuda_gemv_rule=False:
+    the CUDA GEMV only where the table has it (a gate_up fused with its act·mul keeps a Triton GEMV)."""
     _load_tuned_table()
     key = (_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))
     half2 = bucket(m) == 1 and _dtype_name(dtype) == "float16" and gemv_mode() != "cublas"
@@ -412,7 +415,7 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None) -
     for c in measured:
         if c is not None and c.valid_for(n, k, group_size):
             return c
-    if cuda_gemv and (c := heuristic_gemv_cuda_config(n, k, group_size)).valid_for(n, k, group_size):
+    if cuda_gemv and cuda_gemv_rule and (c := heuristic_gemv_cuda_config(n, k, group_size)).valid_for(n, k, group_size):
         return c
     if half2 and (c := heuristic_h2_config(m, n, k, group_size, _sm_count(device))) is not None \
             and c.valid_for(n, k, group_size):
@@ -495,9 +498,11 @@ def _buffer(device, name: str, numel: int, dtype, zero: bool = False):
     return t
 
 
-def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=None):
+def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=None, act: str | None = None):
     """Run one config on x2 [M, K] (contiguous rows) -> [M, N] in x2's dtype. Under TRITON_INTERPRET=1
-    this runs on CPU tensors too (tests); `w4a16_linear` is the entry point for callers."""
+    this runs on CPU tensors too (tests); `w4a16_linear` is the entry point for callers.
+    act ("silu" or "gelu_tanh", Triton GEMV configs only): W is a gate_up weight (gate rows, then up
+    rows) and the result is act(gate) * up [M, N / 2], computed in the GEMV's epilogue."""
     import torch
 
     kern = _triton_kernels()
@@ -506,6 +511,9 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     n = qw.shape[0]
     if not config.valid_for(n, k, group_size):
         raise ValueError(f"{config} does not fit N={n} K={k} G={group_size}")
+    if act is not None and (config.kernel not in ACT_MUL_KERNELS or n % 2 or config.block_n % 2):
+        raise ValueError(f"act·mul runs in the epilogue of {ACT_MUL_KERNELS} configs with an even block_n, "
+                         f"on an even N; not {describe(config)} with N={n}")
     if bias is not None and bias.dtype != x2.dtype:
         bias = bias.to(x2.dtype)
     if config.kernel == "dequant_mm":
@@ -515,7 +523,8 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
             return torch.nn.functional.linear(x2, w, bias)
         torch.mm(x2, w.t(), out=out)
         return out.add_(bias) if bias is not None else out
-    y = out if out is not None else torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    n_out, rows_per_tile = (n // 2, config.block_n // 2) if act is not None else (n, config.block_n)
+    y = out if out is not None else torch.empty(m, n_out, dtype=x2.dtype, device=x2.device)
     if m == 0 or n == 0:
         return y
     if config.kernel == "mma":
@@ -531,7 +540,7 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
         return y
     bk = config.block_k
     ngb, wpg = (bk // group_size, group_size // PACK) if bk >= group_size else (1, bk // PACK)
-    grid_n = triton_cdiv(n, config.block_n)
+    grid_n = triton_cdiv(n_out, rows_per_tile)
     gemv = config.kernel in ("gemv", "gemv_h2")
     if config.kernel == "gemv_h2" and x2.dtype != torch.float16:
         raise ValueError(f"the half2 GEMV takes fp16 activations, not {x2.dtype}")
@@ -548,7 +557,11 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     from .pdl import l2_prefetch_blocks, launch_kwargs
 
     common = dict(G=group_size, BN=config.block_n, BK=bk, NGB=ngb, WPG=wpg, HAS_BIAS=has_bias,
-                  EVEN_N=n % config.block_n == 0, num_warps=config.num_warps)
+                  EVEN_N=n_out % rows_per_tile == 0, num_warps=config.num_warps)
+    if act is not None:
+        from .fused import ACTIVATIONS
+
+        common["ACT"] = ACTIVATIONS[act]
     # PDL for the GEMVs only: with the tensor-core kernel launched with it too, AWQ batch-64 steps were
     # slower (H200: 11.23 vs 10.76 ms with PDL off everywhere; batch 8 unchanged; docs/benchmarks.md)
     if gemv:
@@ -572,6 +585,39 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     else:
         raise ValueError(f"unknown kernel {config.kernel!r}")
     return y
+
+
+ACT_MUL_KERNELS = ("gemv", "gemv_h2")  # the kernels whose epilogue can apply act(gate) * up
+
+
+def act_mul_fusion_enabled() -> bool:
+    """Whether `w4a16_act_mul` fuses (default on; `VLMCTL_W4A16_ACT_MUL=0` runs the linear, then the
+    act·mul kernel, to compare)."""
+    return os.environ.get("VLMCTL_W4A16_ACT_MUL", "1").strip().lower() not in ("0", "off", "false")
+
+
+def w4a16_act_mul(x, packed: dict, group_size: int, activation: str, bias=None):
+    """act(gate) * up of y = x @ W^T (+ bias) for a gate_up weight W [2I, K] (gate rows, then up rows)
+    -> [..., I], computed in the GEMV's epilogue: no [.., 2I] intermediate and no act·mul kernel. Only
+    where `w4a16_linear` would run one of the Triton GEMVs on these shapes (batch-1 decode on a GPU);
+    None elsewhere, and the caller runs the linear and the act·mul kernel. Results equal that pair's
+    bit for bit (the epilogue rounds gate and up to x's dtype first, as the plain GEMV's output is)."""
+    import torch
+
+    qw = packed["q4weight"]
+    n, k = qw.shape[0], qw.shape[1] * PACK
+    if (x.device.type != "cuda" or x.dtype not in (torch.float16, torch.bfloat16) or x.shape[-1] != k or n % 2
+            or not act_mul_fusion_enabled() or not triton_available()):
+        return None
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    # the CUDA GEMV's rule is passed over here: on an H200 the half2 GEMV won gate_up at the 7B shape, and
+    # with the rule taking gate_up a 13B decode step was 4-5 % slower (docs/benchmarks.md, session 10)
+    cfg = select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device, cuda_gemv_rule=False)
+    if cfg.kernel not in ACT_MUL_KERNELS or cfg.block_n % 2:
+        return None
+    return launch(x2, packed, group_size, cfg, bias, act=activation).reshape(*x.shape[:-1], n // 2)
 
 
 MMA_SOURCE = Path(__file__).with_name("w4a16_mma.cu")
@@ -612,11 +658,12 @@ def mma_kernel_name(config: Config, group_size: int, dtype="float16") -> str:
 
 
 def gemv_cuda_enabled() -> bool:
-    """Whether selection may pick the CUDA batch-1 GEMV: only with `VLMCTL_W4A16_GEMV_CUDA=1`. Off by
-    default because it was not faster in the decode step (H200, a 7B decoder's shapes, docs/benchmarks.md
-    session 9): its 128 linears alone took 1.50 ms as a CUDA graph against the half2 GEMV's 1.63, but
-    the AWQ decode step at batch 1 was 3-3.5 % faster with it on two machines and 1-8 % slower on two."""
-    return os.environ.get("VLMCTL_W4A16_GEMV_CUDA", "0").strip().lower() in ("1", "on", "true")
+    """Whether selection may pick the CUDA batch-1 GEMV (default on; `VLMCTL_W4A16_GEMV_CUDA=0` turns it
+    off). H200, a 7B decoder's shapes (docs/benchmarks.md, sessions 9 and 10): its 128 linears alone take
+    1.50 ms as a CUDA graph against the half2 GEMV's 1.63; in the AWQ decode step at batch 1 it was 2.6-4.3 %
+    faster in all five off/on pairs of two session-10 machines and in two of four session-9 runs, level
+    in one and 1-8 % slower in the first."""
+    return os.environ.get("VLMCTL_W4A16_GEMV_CUDA", "1").strip().lower() not in ("0", "off", "false")
 
 
 def gemv_cuda_runs(x2, qw) -> bool:
@@ -745,10 +792,11 @@ def w4a16_linear(x, packed: dict, group_size: int, bias=None):
     return y.reshape(*x.shape[:-1], n)
 
 
-def warmup(packed_list, group_size: int, m_values, dtype, device=None) -> None:
+def warmup(packed_list, group_size: int, m_values, dtype, device=None, *, act_mul=(), activation="silu") -> None:
     """Compile every kernel the given batch sizes select (with and without a bias) and size the shared
     buffers, so that later calls (and CUDA-graph capture) neither compile nor allocate beyond their
-    outputs. `packed_list`: the packed weights (or one per distinct (N, K)) that will be called.
+    outputs. `packed_list`: the packed weights (or one per distinct (N, K)) that will be called;
+    `act_mul`: the gate_up weights that will also be called through `w4a16_act_mul` with `activation`.
     Triton specializes on 16-byte alignment of the pointers: inputs in graphs should be allocations
     (or views starting at such an offset), as the warm-up's are."""
     import torch
@@ -765,6 +813,13 @@ def warmup(packed_list, group_size: int, m_values, dtype, device=None) -> None:
             x = torch.zeros(m, k, dtype=dtype, device=dev)
             w4a16_linear(x, packed, group_size)
             w4a16_linear(x, packed, group_size, torch.zeros(n, dtype=dtype, device=dev))
+    for packed in act_mul:
+        qw = packed["q4weight"]
+        dev = torch.device(device) if device is not None else qw.device
+        for m in sorted(set(m_values)):
+            x = torch.zeros(m, qw.shape[1] * PACK, dtype=dtype, device=dev)
+            w4a16_act_mul(x, packed, group_size, activation)
+            w4a16_act_mul(x, packed, group_size, activation, torch.zeros(qw.shape[0], dtype=dtype, device=dev))
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
