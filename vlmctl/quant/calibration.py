@@ -69,14 +69,20 @@ def _txt_lines(path: Path) -> list[str]:
     return [line for line in lines if line]
 
 
-def _jsonl_texts(path: Path) -> Iterator[str]:
+def jsonl_objects(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-blank line of a JSON-lines file; InputError naming the line
+    on invalid JSON."""
     for n, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            yield n, json.loads(line)
         except json.JSONDecodeError as e:
             raise InputError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+
+
+def _jsonl_texts(path: Path) -> Iterator[str]:
+    for n, obj in jsonl_objects(path):
         if isinstance(obj, str):
             text = obj
         elif isinstance(obj, dict):

@@ -19,7 +19,6 @@ layers see what they see at inference.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from ..errors import EngineError, InputError
 from ..formats.prompt_table import fake_ids
 from ..formats.workdir import Workspace
 from ..progress import Progress, ensure
-from .calibration import DEFAULT_SEED, _read_text, _resolve
+from .calibration import DEFAULT_SEED, _resolve, jsonl_objects
 
 
 def read_image_text_records(spec: str | None, base_dir: Path | None = None) -> list[dict] | None:
@@ -38,13 +37,7 @@ def read_image_text_records(spec: str | None, base_dir: Path | None = None) -> l
     if not (path.is_file() and path.suffix in (".jsonl", ".json")):
         return None
     records, any_image = [], False
-    for n, line in enumerate(_read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+    for n, obj in jsonl_objects(path):
         if isinstance(obj, str):
             obj = {"text": obj}
         if not isinstance(obj, dict) or not isinstance(obj.get("text", ""), str):
@@ -62,28 +55,35 @@ def read_image_text_records(spec: str | None, base_dir: Path | None = None) -> l
     return records if any_image else None
 
 
-def image_text_embeddings(workspace: Workspace, records: list[dict], samples: int, seq_len: int,
-                          seed: int = DEFAULT_SEED, progress: Progress | None = None):
-    """Float32 decoder input embeddings [n, seq_len, hidden] from a conversion workspace."""
+def _front_end(workspace):
+    """(processor, vision runner, float32 token embeddings, embedding scale) of a conversion workspace: the
+    family's processor and its own torch vision module, float32 on the CPU (the reference the exported
+    graphs are checked against)."""
     import torch
 
     from ..models.registry import get_family
     from .awq import embedding_scale, embedding_weight
 
-    progress = ensure(progress)
     workspace = workspace if isinstance(workspace, Workspace) else Workspace(Path(workspace))
     family = get_family(workspace.family_name())
     processor = family.load_processor(workspace.processor, workspace.vision)
-    tokenizer = processor.tokenizer
-    # the family's own torch module, float32 on the CPU: the reference the exported graphs are checked against
     module = family.build_vision_module(workspace.vision, torch.float32).eval()
 
     def run(feed):
         return module(*[torch.from_numpy(v) for v in feed.values()])
 
-    embed = embedding_weight(workspace.llm).to(torch.float32)
+    return (processor, run, embedding_weight(workspace.llm).to(torch.float32), embedding_scale(workspace.llm))
+
+
+def image_text_embeddings(workspace: Workspace, records: list[dict], samples: int, seq_len: int,
+                          seed: int = DEFAULT_SEED, progress: Progress | None = None):
+    """Float32 decoder input embeddings [n, seq_len, hidden] from a conversion workspace."""
+    import torch
+
+    progress = ensure(progress)
+    processor, run, embed, scale = _front_end(workspace)
+    tokenizer = processor.tokenizer
     vocab = embed.shape[0]
-    scale = embedding_scale(workspace.llm)
 
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
@@ -161,22 +161,9 @@ def cross_attention_calibration(workspace: Workspace, records: list[dict], sampl
     import numpy as np
     import torch
 
-    from ..models.registry import get_family
-    from .awq import embedding_scale, embedding_weight
-
     progress = ensure(progress)
-    workspace = workspace if isinstance(workspace, Workspace) else Workspace(Path(workspace))
-    family = get_family(workspace.family_name())
-    processor = family.load_processor(workspace.processor, workspace.vision)
+    processor, run, embed, scale = _front_end(workspace)
     tokenizer = processor.tokenizer
-    # the family's own torch module, float32 on the CPU, as for the prompt-table families above
-    module = family.build_vision_module(workspace.vision, torch.float32).eval()
-
-    def run(feed):
-        return module(*[torch.from_numpy(v) for v in feed.values()])
-
-    embed = embedding_weight(workspace.llm).to(torch.float32)
-    scale = embedding_scale(workspace.llm)
 
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)

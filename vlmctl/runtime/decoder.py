@@ -855,8 +855,9 @@ class TorchDecoder:
     def _workspace(self, B: int, splits: int):
         if splits <= 1:
             return None
-        return (torch.empty((B * self.n_heads * splits, self.head_dim), dtype=torch.float32, device=self.device),
-                torch.empty((B * self.n_heads * splits, 2), dtype=torch.float32, device=self.device))
+        from .kernels.paged_attention import split_workspace
+
+        return split_workspace(B, self.n_heads, self.head_dim, splits, self.device)
 
     # ---- full causal forward without the cache ---------------------------------------------------
     @torch.inference_mode()

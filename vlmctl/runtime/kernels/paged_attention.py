@@ -212,6 +212,29 @@ def choose_splits(batch: int, n_kv_heads: int, max_context: int, num_sms: int, b
     return max(1, min(want, triton.cdiv(max_context, block_n), 32))
 
 
+def split_workspace(batch: int, n_heads: int, head_dim: int, num_splits: int, device) -> tuple:
+    """What a decode call with num_splits > 1 writes for the combine: each split's un-normalized output
+    [B * H * S, d] and its (max, sum) [B * H * S, 2], float32. Pass it as `workspace` to reuse it."""
+    rows = batch * n_heads * num_splits
+    return (torch.empty((rows, head_dim), dtype=torch.float32, device=device),
+            torch.empty((rows, 2), dtype=torch.float32, device=device))
+
+
+def _partials(out: torch.Tensor, num_splits: int, workspace) -> tuple:
+    """(part, ml) pointers for the decode kernels: the split workspace, or `out` (unused) without splits."""
+    if num_splits <= 1:
+        return out, out
+    B, H, D = out.shape
+    return workspace if workspace is not None else split_workspace(B, H, D, num_splits, out.device)
+
+
+def _combine(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    B, H, D = out.shape
+    _combine_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, num_splits, HEAD_DIM=D,
+                            D_PAD=triton.next_power_of_2(D), BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+                            num_warps=4, **pdl.launch_kwargs(out.device))
+
+
 def fused_rope_supported(head_dim: int, dtype) -> bool:
     return head_dim in (32, 64, 128, 256) and dtype in (torch.float16, torch.bfloat16)
 
@@ -229,13 +252,7 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
     group = n_q // n_kv
     out = torch.empty((B, n_q, D), dtype=qkv.dtype, device=qkv.device)
     split = num_splits > 1
-    if split:
-        if workspace is None:
-            workspace = (torch.empty((B * n_q * num_splits, D), dtype=torch.float32, device=qkv.device),
-                         torch.empty((B * n_q * num_splits, 2), dtype=torch.float32, device=qkv.device))
-        part, ml = workspace
-    else:
-        part = ml = out
+    part, ml = _partials(out, num_splits, workspace)
     _decode_rope_kernel[(B, n_kv, num_splits)](
         qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, out, part, ml,
         qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -244,9 +261,7 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
         BLOCK_N=64 if D <= 128 else 32, SPLIT=split, HAS_WINDOW=window is not None, num_warps=4, num_stages=2,
         **pdl.launch_kwargs(qkv.device))
     if split:
-        _combine_kernel[(B, n_q)](part, ml, out, out.stride(0), out.stride(1), n_q, num_splits, HEAD_DIM=D, D_PAD=D,
-                                  BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
-                                  **pdl.launch_kwargs(qkv.device))
+        _combine(part, ml, out, num_splits)
     return out
 
 
@@ -264,13 +279,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     BLOCK_G = max(16, triton.next_power_of_2(group))
     BLOCK_N = 64 if D <= 128 else 32
     split = num_splits > 1
-    if split:
-        if workspace is None:
-            workspace = (torch.empty((B * Hq * num_splits, D), dtype=torch.float32, device=q.device),
-                         torch.empty((B * Hq * num_splits, 2), dtype=torch.float32, device=q.device))
-        part, ml = workspace
-    else:
-        part = ml = out
+    part, ml = _partials(out, num_splits, workspace)
     _decode_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part, ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -279,8 +288,5 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None, num_warps=4, num_stages=2,
         **pdl.launch_kwargs(q.device))
     if split:
-        _combine_kernel[(B, Hq)](part, ml, out, out.stride(0), out.stride(1), Hq, num_splits, HEAD_DIM=D,
-                                 D_PAD=triton.next_power_of_2(D),
-                                 BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
-                                 **pdl.launch_kwargs(q.device))
+        _combine(part, ml, out, num_splits)
     return out
