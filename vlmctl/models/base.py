@@ -229,6 +229,17 @@ class VLMFamily(abc.ABC):
         lm_head that the checkpoint contains; `convert` does the same."""
         return bool(getattr(self.hf_config(config_dict), "tie_word_embeddings", False))
 
+    def standalone_text_config(self, config_dict: dict) -> dict:
+        """The VLM's text config as a plain causal LM's config.json: its decoder family's causal-LM class as
+        `architectures`, the source path dropped. `text_config_dict` adds what its family's VLM computes
+        differently from that causal LM."""
+        from .decoders import decoder_family
+
+        text = self.hf_config(config_dict).text_config.to_dict()
+        text["architectures"] = [decoder_family(text["model_type"]).causal_lm_class]
+        text.pop("_name_or_path", None)
+        return text
+
     def decoder_model_type(self, config_dict: dict) -> str:
         return self.text_config_dict(config_dict)["model_type"]
 

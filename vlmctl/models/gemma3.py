@@ -113,14 +113,8 @@ class Gemma3Family(VLMFamily):
         return key
 
     def text_config_dict(self, config_dict: dict) -> dict:
-        from .decoders import decoder_family
-
-        cfg = self.hf_config(config_dict)
-        text = cfg.text_config.to_dict()
-        text["architectures"] = [decoder_family(text["model_type"]).causal_lm_class]
-        text.pop("_name_or_path", None)
-        # transformers ties the VLM's lm_head by the top-level flag alone
-        text["tie_word_embeddings"] = bool(cfg.tie_word_embeddings)
+        text = self.standalone_text_config(config_dict)
+        text["tie_word_embeddings"] = self.ties_lm_head(config_dict)  # the VLM's top-level flag decides
         # Gemma3ForConditionalGeneration computes plain logits (only Gemma3ForCausalLM softcaps): the
         # standalone decoder must compute what the VLM computes
         text["final_logit_softcapping"] = None

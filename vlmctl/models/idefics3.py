@@ -139,15 +139,10 @@ class Idefics3Family(VLMFamily):
         return getattr(transformers, f"{self.kind}ForConditionalGeneration")
 
     def text_config_dict(self, config_dict: dict) -> dict:
-        from .decoders import decoder_family
-
-        cfg = self.hf_config(config_dict)
-        text = cfg.text_config.to_dict()
-        text["architectures"] = [decoder_family(text["model_type"]).causal_lm_class]
-        text.pop("_name_or_path", None)
+        text = self.standalone_text_config(config_dict)
         # transformers ties lm_head to the text model's embedding by the top-level flag alone
         # (`_tied_weights_keys` lives on the VLM class; the text config's flag is never read).
-        text["tie_word_embeddings"] = bool(cfg.tie_word_embeddings)
+        text["tie_word_embeddings"] = self.ties_lm_head(config_dict)
         return text
 
     def vision_module_names(self) -> list[str]:

@@ -152,10 +152,7 @@ class InternVLFamily(VLMFamily):
         return InternVLForConditionalGeneration
 
     def text_config_dict(self, config_dict: dict) -> dict:
-        cfg = self.hf_config(config_dict)
-        text = cfg.text_config.to_dict()
-        text["architectures"] = [_causal_lm_class(text["model_type"])]
-        text.pop("_name_or_path", None)
+        text = self.standalone_text_config(config_dict)
         # transformers' rule (VLMFamily.ties_lm_head); convert unties when the checkpoint has its own lm_head
         # (InternVL3-8B: top-level default true, text config false, lm_head present).
         text["tie_word_embeddings"] = self.ties_lm_head(config_dict)
@@ -279,9 +276,3 @@ class InternVLProcessorAdapter(FamilyProcessor):
 
     def image_text(self, item: ImageItem) -> str:
         return self.start_token + self.placeholder * item.num_tokens + self.end_token
-
-
-def _causal_lm_class(model_type: str) -> str:
-    from .decoders import decoder_family
-
-    return decoder_family(model_type).causal_lm_class

@@ -83,11 +83,7 @@ class LlavaFamily(VLMFamily):
         return LlavaForConditionalGeneration
 
     def text_config_dict(self, config_dict: dict) -> dict:
-        cfg = self.hf_config(config_dict)
-        text = cfg.text_config.to_dict()
-        text["architectures"] = [_causal_lm_class(text["model_type"])]
-        text.pop("_name_or_path", None)
-        return text
+        return self.standalone_text_config(config_dict)
 
     def vision_module_names(self) -> list[str]:
         return ["vision_tower", "multi_modal_projector"]
@@ -150,9 +146,3 @@ class LlavaProcessorAdapter(FamilyProcessor):
 
     def num_image_tokens(self, size: tuple[int, int]) -> int:
         return self.rows
-
-
-def _causal_lm_class(model_type: str) -> str:
-    from .decoders import decoder_family
-
-    return decoder_family(model_type).causal_lm_class

@@ -123,12 +123,7 @@ class MllamaFamily(VLMFamily):
         return False
 
     def text_config_dict(self, config_dict: dict) -> dict:
-        from .decoders import decoder_family
-
-        cfg = self.hf_config(config_dict)
-        text = cfg.text_config.to_dict()
-        text["architectures"] = [decoder_family(text["model_type"]).causal_lm_class]
-        text.pop("_name_or_path", None)
+        text = self.standalone_text_config(config_dict)
         text["tie_word_embeddings"] = False
         return text
 
