@@ -599,15 +599,16 @@ def act_mul_fusion_enabled() -> bool:
 def w4a16_act_mul(x, packed: dict, group_size: int, activation: str, bias=None):
     """act(gate) * up of y = x @ W^T (+ bias) for a gate_up weight W [2I, K] (gate rows, then up rows)
     -> [..., I], computed in the GEMV's epilogue: no [.., 2I] intermediate and no act·mul kernel. Only
-    where `w4a16_linear` would run one of the Triton GEMVs on these shapes (batch-1 decode on a GPU);
-    None elsewhere, and the caller runs the linear and the act·mul kernel. Results equal that pair's
-    bit for bit (the epilogue rounds gate and up to x's dtype first, as the plain GEMV's output is)."""
+    for one row (batch-1 decode) on a GPU, where selection picks one of the Triton GEMVs; None elsewhere
+    (checked before any selection, so batched steps pay nothing), and the caller runs the linear and the
+    act·mul kernel. Results equal that pair's bit for bit (the epilogue rounds gate and up to x's dtype
+    first, as the plain GEMV's output is)."""
     import torch
 
     qw = packed["q4weight"]
     n, k = qw.shape[0], qw.shape[1] * PACK
-    if (x.device.type != "cuda" or x.dtype not in (torch.float16, torch.bfloat16) or x.shape[-1] != k or n % 2
-            or not act_mul_fusion_enabled() or not triton_available()):
+    if (x.device.type != "cuda" or x.dtype not in (torch.float16, torch.bfloat16) or x.shape[-1] != k
+            or x.numel() != k or n % 2 or not act_mul_fusion_enabled() or not triton_available()):
         return None
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -813,13 +814,12 @@ def warmup(packed_list, group_size: int, m_values, dtype, device=None, *, act_mu
             x = torch.zeros(m, k, dtype=dtype, device=dev)
             w4a16_linear(x, packed, group_size)
             w4a16_linear(x, packed, group_size, torch.zeros(n, dtype=dtype, device=dev))
-    for packed in act_mul:
+    for packed in act_mul if 1 in m_values else ():  # `w4a16_act_mul` fuses one-row calls only
         qw = packed["q4weight"]
         dev = torch.device(device) if device is not None else qw.device
-        for m in sorted(set(m_values)):
-            x = torch.zeros(m, qw.shape[1] * PACK, dtype=dtype, device=dev)
-            w4a16_act_mul(x, packed, group_size, activation)
-            w4a16_act_mul(x, packed, group_size, activation, torch.zeros(qw.shape[0], dtype=dtype, device=dev))
+        x = torch.zeros(1, qw.shape[1] * PACK, dtype=dtype, device=dev)
+        w4a16_act_mul(x, packed, group_size, activation)
+        w4a16_act_mul(x, packed, group_size, activation, torch.zeros(qw.shape[0], dtype=dtype, device=dev))
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
