@@ -68,6 +68,25 @@ def test_selection_never_returns_gemv_cuda_where_it_cannot_run(monkeypatch):
         W._TUNED_CUDA.update(saved)
 
 
+def test_selection_order_with_and_without_the_cuda_rule(monkeypatch):
+    """Where the CUDA GEMV may run (the capability probe answers yes here): a table entry wins; an
+    untabled shape takes its rule, or with cuda_gemv_rule=False (a gate_up fused with its act·mul) the
+    half2 GEMV's rule; a tabled CUDA entry is kept either way."""
+    monkeypatch.setattr(W, "_gemv_cuda_ok", lambda device: True)
+    g = 128
+    untabled = (4104, 4096)
+    assert W.select_config(1, *untabled, g, torch.float16) == W.heuristic_gemv_cuda_config(*untabled, g)
+    assert W.select_config(1, *untabled, g, torch.float16, cuda_gemv_rule=False).kernel == "gemv_h2"
+    saved = dict(W._TUNED_CUDA)
+    try:
+        W.set_config(1, *untabled, g, torch.float16, _cfg(16, 4, 2))
+        for rule in (True, False):
+            assert W.select_config(1, *untabled, g, torch.float16, cuda_gemv_rule=rule) == _cfg(16, 4, 2)
+    finally:
+        W._TUNED_CUDA.clear()
+        W._TUNED_CUDA.update(saved)
+
+
 def test_gemv_cuda_is_on_unless_switched_off(monkeypatch):
     monkeypatch.delenv("VLMCTL_W4A16_GEMV_CUDA", raising=False)
     assert W.gemv_cuda_enabled()
