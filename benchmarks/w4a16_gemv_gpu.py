@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
@@ -66,13 +65,11 @@ def without_cuda_gemv(fn):  # what selection picks with the CUDA GEMV switched o
 
 
 def precompile(cfgs, gs):
-    exprs = sorted({W.gemv_cuda_kernel_name(c, g) for c in cfgs for g in gs})
-    src = W.mma_source()
     cap = torch.cuda.get_device_capability()
     t = time.perf_counter()
-    with ThreadPoolExecutor(16) as ex:
-        list(ex.map(lambda e: cuda_rtc.cached_cubin(src, e, f"sm_{cap[0]}{cap[1]}"), exprs))
-    log(f"compiled {len(exprs)} kernels in {time.perf_counter() - t:.1f}s")
+    n = cuda_rtc.precompile(W.mma_source(), [W.gemv_cuda_kernel_name(c, g) for c in cfgs for g in gs],
+                            f"sm_{cap[0]}{cap[1]}")
+    log(f"compiled {n} kernels in {time.perf_counter() - t:.1f}s")
 
 
 log("nvrtc", cuda_rtc.nvrtc_version(), torch.__version__, torch.cuda.get_device_name(), "PDL", pdl.enabled(dev))

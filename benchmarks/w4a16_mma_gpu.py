@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
@@ -51,13 +50,11 @@ def bm_for(m):
 
 
 def precompile(cfgs, gs=(128,)):
-    exprs = sorted({W.mma_kernel_name(c, G, DT) for c in cfgs for G in gs})
-    src = W.mma_source()
     cap = torch.cuda.get_device_capability()
     t = time.perf_counter()
-    with ThreadPoolExecutor(16) as ex:
-        list(ex.map(lambda e: cuda_rtc.cached_cubin(src, e, f"sm_{cap[0]}{cap[1]}"), exprs))
-    log(f"compiled {len(exprs)} kernels in {time.perf_counter() - t:.1f}s")
+    n = cuda_rtc.precompile(W.mma_source(), [W.mma_kernel_name(c, G, DT) for c in cfgs for G in gs],
+                            f"sm_{cap[0]}{cap[1]}")
+    log(f"compiled {n} kernels in {time.perf_counter() - t:.1f}s")
 
 
 log("nvrtc", cuda_rtc.nvrtc_version(), torch.__version__, torch.cuda.get_device_name(), DT)

@@ -105,6 +105,20 @@ def test_every_candidate_compiles_for_sm90():
     assert all(v.startswith("_Z10w4a16_gemv") for v in lowered.values())
 
 
+@pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
+def test_precompile_fills_the_cache_once_per_kernel(tmp_path, monkeypatch):
+    """`cuda_rtc.precompile` (the sweeps' parallel compile) writes one cached cubin per distinct kernel,
+    the one `cached_cubin` then reads back."""
+    monkeypatch.setenv("VLMCTL_CACHE_DIR", str(tmp_path))
+    names = [W.gemv_cuda_kernel_name(_cfg(16, 4, 2), 128), W.gemv_cuda_kernel_name(_cfg(8, 2, 1), 64)]
+    assert cuda_rtc.precompile(W.mma_source(), names + names[:1], "sm_90", workers=2) == 2
+    files = sorted((tmp_path / "cubin").glob("*.cubin"))
+    assert len(files) == 2
+    cubin, lowered = cuda_rtc.cached_cubin(W.mma_source(), names[0], "sm_90")
+    assert cubin[:4] == b"\x7fELF" and lowered.startswith("_Z10w4a16_gemv")
+    assert sorted((tmp_path / "cubin").glob("*.cubin")) == files  # read from the cache, nothing new written
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 

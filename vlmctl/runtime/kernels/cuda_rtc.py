@@ -122,6 +122,18 @@ def cached_cubin(source: str, name_expression: str, arch: str) -> tuple[bytes, s
     return cubin, lowered[name_expression]
 
 
+def precompile(source: str, name_expressions, arch: str, workers: int = 16) -> int:
+    """Fill the on-disk cache for these kernels, several NVRTC compilations at a time (NVRTC runs
+    outside the GIL), so that a sweep over many template instances does not compile them one by one;
+    returns how many distinct kernels there were."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = sorted(set(name_expressions))
+    with ThreadPoolExecutor(max(1, workers)) as ex:
+        list(ex.map(lambda e: cached_cubin(source, e, arch), names))
+    return len(names)
+
+
 def _driver() -> ctypes.CDLL:
     global _CUDA
     if _CUDA is None:
@@ -242,4 +254,4 @@ def available() -> bool:
 
 
 __all__ = ["Kernel", "RtcError", "available", "cache_dir", "cached_cubin", "compile_cubin", "load_kernel",
-           "nvrtc_library", "nvrtc_version"]
+           "nvrtc_library", "nvrtc_version", "precompile"]
