@@ -177,3 +177,67 @@ def test_gpu_gemv_cuda_is_selected_and_switchable(monkeypatch):
         assert W.select_config(1, n, k, 128, torch.bfloat16, dev).kernel != "gemv_cuda"
     y = W.w4a16_linear(x, p, 128)
     assert float((y.float() - ref).norm() / ref.norm()) <= TOL16
+
+
+# ------------------------------------------------------------ the tensor-core GEMV (gemv_tc, opt-in)
+
+
+def _tc(warps, stages=2):
+    return W.Config("gemv_tc", block_n=16, num_warps=warps, num_stages=stages)
+
+
+def test_gemv_tc_config_rules():
+    assert _tc(4).valid_for(4096, 4096, 128) and _tc(8, 4).valid_for(4096, 11008, 64) and _tc(1, 1).valid_for(16, 128, 32)
+    assert not _tc(4, 3).valid_for(4096, 4096, 128)
+    assert not _tc(4).valid_for(4096, 4160, 64)  # K must be whole 128-k chunks (the reordering unit)
+    assert not _tc(3).valid_for(4096, 4096, 128)
+    assert not W.Config("gemv_tc", block_n=32, num_warps=4).valid_for(4096, 4096, 128)
+    assert not W.Config("gemv_tc", block_n=16, num_warps=4, split_k=2).valid_for(4096, 4096, 128)
+
+
+def test_gemv_tc_is_opt_in(monkeypatch):
+    monkeypatch.delenv("VLMCTL_W4A16_GEMV_TC", raising=False)
+    assert not W.gemv_tc_enabled()
+    monkeypatch.setenv("VLMCTL_W4A16_GEMV_TC", "1")
+    assert W.gemv_tc_enabled()
+    # never on the CPU, whatever the switch says
+    assert W.select_config(1, 4096, 4096, 128, torch.float16, torch.device("cpu")).kernel != "gemv_tc"
+
+
+@pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
+def test_gemv_tc_compiles_for_sm90():
+    names = [f"w4a16_gemv_tc<{w}, {g}, {s}>" for w in (1, 4, 16) for g in (32, 64, 128) for s in (1, 2, 4)]
+    cubin, lowered = cuda_rtc.compile_cubin(W.mma_source(), names, "sm_90")
+    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(names)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("n,k,g", [(4096, 4096, 128), (4096, 11008, 128), (203, 4096, 64), (45, 128, 32),
+                                   (1000, 3584, 128), (17, 4224, 64), (12288, 4096, 128)])
+@pytest.mark.parametrize("warps,stages", [(1, 1), (4, 2), (8, 4), (16, 2)])
+def test_gpu_gemv_tc_matches_reference(n, k, g, warps, stages):
+    p = random_packed(n, k, g, seed=n + k)
+    for m in (1, 3):
+        x = torch.randn(m, k, device="cuda").half()
+        for bias in (None, torch.randn(n, device="cuda").half()):
+            ref = reference(x, p, g, bias)
+            y = W.launch(x, p, g, _tc(warps, stages), bias)
+            assert y.shape == (m, n) and y.dtype == torch.float16
+            assert float((y.float() - ref).norm() / ref.norm()) <= TOL16, (m, bias is not None)
+            assert torch.equal(W.launch(x, p, g, _tc(warps, stages), bias), y)  # deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_gemv_tc_dequantizes_exactly():
+    """One-hot activations: each output is one dequantized weight times 1.0, summed in fp32 with zeros,
+    so the K reordering and the A/B fragments must put every weight where its x is."""
+    n, k, g = 64, 256, 64
+    p = random_packed(n, k, g, seed=9)
+    p["q4scales"] = p["q4scales"] * 700
+    wd = W.dequantize(p, g, torch.float16)
+    for k0 in range(k):
+        x = torch.zeros(1, k, device="cuda", dtype=torch.float16)
+        x[0, k0] = 1
+        assert torch.equal(W.launch(x, p, g, _tc(2))[0], wd[:, k0]), f"column {k0}"

@@ -87,7 +87,7 @@ class Config:
     reading num_stages 16-byte chunks of every row per batch, the next batch loaded while one is
     computed; block_k and split_k unused), or "gemv_tc" (the batch-1 GEMV of the same source with its
     multiply-adds on the tensor cores, fp16 x: 16 weight rows per block (block_n 16), num_warps warps taking
-    the row tile's groups in turn; opt-in, `gemv_tc_enabled`).
+    the row tile's 128-k chunks in turn, num_stages chunks loaded ahead; opt-in, `gemv_tc_enabled`).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
     next K block into registers while computing the current one, 1 that it does not."""
 
@@ -122,8 +122,9 @@ class Config:
                     and self.num_stages in (1, 2, 4) and self.split_k == 1 and group_size % 32 == 0
                     and k % group_size == 0)
         if self.kernel == "gemv_tc":
-            return (self.block_n == 16 and self.num_warps in (1, 2, 4, 8, 16) and self.split_k == 1
-                    and group_size % 32 == 0 and k % group_size == 0)
+            return (self.block_n == 16 and self.num_warps in (1, 2, 4, 8, 16) and self.num_stages in (1, 2, 4)
+                    and self.split_k == 1
+                    and group_size % 32 == 0 and k % group_size == 0 and k % 128 == 0)
         if self.kernel not in ("gemv", "gemv_h2", "dot") or not _pow2(self.block_n) or self.split_k < 1:
             return False
         if self.kernel == "gemv_h2":
@@ -286,8 +287,8 @@ def heuristic_gemv_cuda_config(n: int, k: int, group_size: int) -> Config:
 
 
 def heuristic_gemv_tc_config(n: int, k: int, group_size: int) -> Config:
-    """The tensor-core GEMV's config: 4 warps per 16-row tile."""
-    return Config("gemv_tc", block_n=16, num_warps=4, num_stages=1)
+    """The tensor-core GEMV's config: 16 warps per 16-row tile where N is small, else 8; 2 chunks ahead."""
+    return Config("gemv_tc", block_n=16, num_warps=16 if n <= 4096 else 8, num_stages=2)
 
 
 def gemv_cuda_candidate_configs(n: int, k: int, group_size: int) -> list[Config]:
@@ -723,7 +724,7 @@ def _launch_gemv_tc(x2, packed: dict, group_size: int, config: Config, bias, y) 
     qw, s, z = (packed[key] for key in KEYS)
     m, k = x2.shape
     n = qw.shape[0]
-    kern = cuda_rtc.load_kernel(mma_source(), f"w4a16_gemv_tc<{config.num_warps}, {group_size}>", x2.device)
+    kern = cuda_rtc.load_kernel(mma_source(), f"w4a16_gemv_tc<{config.num_warps}, {group_size}, {config.num_stages}>", x2.device)
     smem = 4 * (k // 2 + 16 * config.num_warps)  # x, permuted, then the warps' partial sums
     kern.launch((triton_cdiv(n, 16), m, 1), (32 * config.num_warps, 1, 1), smem,
                 [x2, qw, s, z, bias, y, n, k, x2.stride(0), int(bias is not None)], x2.device,
@@ -903,7 +904,7 @@ def describe(config: Config) -> str:
     if config.kernel == "gemv_cuda":
         return f"gemv_cuda bn{config.block_n} w{config.num_warps} s{config.num_stages}"
     if config.kernel == "gemv_tc":
-        return f"gemv_tc w{config.num_warps}"
+        return f"gemv_tc w{config.num_warps} s{config.num_stages}"
     if config.kernel == "mma" and config.warps_m > 1:
         km += f" wm{config.warps_m}"
     return (f"{config.kernel} bn{config.block_n} bk{config.block_k}{bm} sk{config.split_k} "

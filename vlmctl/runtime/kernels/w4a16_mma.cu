@@ -582,92 +582,100 @@ w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc,
 // above: a kernel with its loads and no arithmetic streams a 7B decoder's int4 weights at ~4.2 TB/s, the
 // GEMV at ~2.2. Per pair of weights it spends LOP3 (+ a shift), HSUB2, HMUL2 and an HFMA2. Here the
 // HFMA2s go to mma.m16n8k16: a warp's A operand is a 16-row tile of W, dequantized into the A registers
-// exactly as the mma kernel does (each lane's pair of a word is (word >> 4t) & 0x000F000F, rounded once
-// to (code - zero) * scale), and B holds x in all 8 columns, so every column of C is y (7 of 8 columns
-// are waste on a pipe that is otherwise idle). Products are summed in fp32 by the tensor cores, more
-// exactly than the fp16 runs of the GEMV above.
+// (each pair rounded once to (code - zero) * scale, as dequantize(...).half()), and B holds x in all 8
+// columns, so every column of C is y (7 of 8 columns are waste on a pipe that is otherwise idle).
+// Products are summed in fp32 by the tensor cores, more exactly than the fp16 runs of the GEMV above.
 //
-// Block: 16 rows of W and KW warps that take the row tile's groups in turn (warp w: groups w, w + KW,
-// ...), each with one group (G / 8 words of both of its rows) loaded into registers ahead. x goes to
-// shared memory once per block, each 16-k step's eight pairs stored in the order (p0 p4 p1 p5 p2 p6 p3 p7)
-// so that lane t reads its B registers (pairs t and t + 4) with one 8-byte load. The warps' partial sums
-// are added in warp order through shared memory (deterministic), then the bias. One x row per blockIdx.y.
-// PDL: the first group's weights, scales and zero points are loaded before griddepcontrol.wait.
+// K is reordered inside every 128-k chunk so that each lane reads only its own 16 bytes of a row: a dot
+// product does not care in which order the tensor cores see the k, as long as A and B agree. Lane
+// (g = lane / 4, t = lane % 4) loads words 4t .. 4t+3 of the chunk for rows g and g + 8 (a warp's load is
+// 8 rows x 64 contiguous bytes) and uses word 4t + u in the chunk's 16-k steps 2u and 2u + 1: in step 2u
+// its pairs at bits 0/16 and 4/20 (k = 8w, 8w+1 and 8w+2, 8w+3 of word w) stand where the MMA's A layout
+// has columns 2t, 2t+1 and 2t+8, 2t+9; in step 2u + 1 those at bits 8/24 and 12/28. x is staged in shared
+// memory in that order, once per block, so that lane t reads its B registers for a step with one 8-byte
+// load. A lane's 32 k sit inside one quantization group (G is a multiple of 32), so it takes one scale
+// and zero point per chunk and row.
+//
+// Block: 16 rows of W and KW warps that take the row tile's 128-k chunks in turn (warp w: chunks w,
+// w + KW, ...), each with its next PF chunks loaded into registers ahead. The warps' partial sums are added
+// in warp order through shared memory (deterministic), then the bias. One x row per blockIdx.y.
+// PDL: the first PF chunks' weights, scales and zero points are loaded before griddepcontrol.wait.
 
-template <int G>
-struct TcGroup {
-    u32x4 a[G / 32];  // row g's words of the group, 16 bytes (two 16-k steps) each
-    u32x4 b[G / 32];  // row g + 8's
+struct TcChunk {
+    u32x4 a, b;  // rows g and g + 8: words 4t .. 4t+3 of the chunk
     u32 s2a, zfa, s2b, zfb;
 };
 
 template <int G>
-__device__ __forceinline__ void tc_load_group(TcGroup<G>& q, const u32* ra, const u32* rb, const u16* sa,
-                                              const u16* sb, const u8* za, const u8* zb, int grp) {
-#pragma unroll
-    for (int c = 0; c < G / 32; ++c) {
-        q.a[c] = *reinterpret_cast<const u32x4*>(ra + grp * (G / 8) + 4 * c);
-        q.b[c] = *reinterpret_cast<const u32x4*>(rb + grp * (G / 8) + 4 * c);
-    }
+__device__ __forceinline__ void tc_load_chunk(TcChunk& q, const u32* ra, const u32* rb, const u16* sa,
+                                              const u16* sb, const u8* za, const u8* zb, int chunk, int t) {
+    q.a = *reinterpret_cast<const u32x4*>(ra + 16 * chunk + 4 * t);
+    q.b = *reinterpret_cast<const u32x4*>(rb + 16 * chunk + 4 * t);
+    const int grp = (128 * chunk + 32 * t) / G;
     q.s2a = (u32)sa[grp] * 0x10001u;
     q.s2b = (u32)sb[grp] * 0x10001u;
     q.zfa = (0x6400u | za[grp]) * 0x10001u;
     q.zfb = (0x6400u | zb[grp]) * 0x10001u;
 }
 
-template <int G>
-__device__ __forceinline__ void tc_compute_group(const TcGroup<G>& q, float (&acc)[4], const u32* xs, int grp,
+__device__ __forceinline__ void tc_compute_chunk(const TcChunk& q, float (&acc)[4], const u32* xs, int chunk,
                                                  int t) {
+    const u32 wa[4] = {q.a.x, q.a.y, q.a.z, q.a.w};
+    const u32 wb[4] = {q.b.x, q.b.y, q.b.z, q.b.w};
 #pragma unroll
-    for (int c = 0; c < G / 32; ++c) {
-        const u32 wa[4] = {q.a[c].x, q.a[c].y, q.a[c].z, q.a[c].w};
-        const u32 wb[4] = {q.b[c].x, q.b[c].y, q.b[c].z, q.b[c].w};
+    for (int u = 0; u < 4; ++u) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // the two 16-k steps of the chunk
-            const int step = grp * (G / 16) + 2 * c + h;
-            const u32x2 bx = *reinterpret_cast<const u32x2*>(xs + 8 * step + 2 * t);
+        for (int h = 0; h < 2; ++h) {  // steps 2u and 2u + 1 of the chunk, from word u of the lane's four
+            const u32x2 bx = *reinterpret_cast<const u32x2*>(xs + 8 * (8 * chunk + 2 * u + h) + 2 * t);
             u32 a[4];
-            a[0] = dequant2(wa[2 * h], 4 * t, q.zfa, q.s2a);      // row g,     k 2t, 2t+1
-            a[1] = dequant2(wb[2 * h], 4 * t, q.zfb, q.s2b);      // row g + 8, k 2t, 2t+1
-            a[2] = dequant2(wa[2 * h + 1], 4 * t, q.zfa, q.s2a);  // row g,     k 2t+8, 2t+9
-            a[3] = dequant2(wb[2 * h + 1], 4 * t, q.zfb, q.s2b);  // row g + 8, k 2t+8, 2t+9
+            a[0] = dequant2(wa[u], 8 * h, q.zfa, q.s2a);      // row g
+            a[1] = dequant2(wb[u], 8 * h, q.zfb, q.s2b);      // row g + 8
+            a[2] = dequant2(wa[u], 8 * h + 4, q.zfa, q.s2a);
+            a[3] = dequant2(wb[u], 8 * h + 4, q.zfb, q.s2b);
             mma16816(acc, a, bx.x, bx.y);
         }
     }
 }
 
-template <int KW, int G>
+template <int KW, int G, int PF>
 __global__ void __launch_bounds__(KW * 32)
 w4a16_gemv_tc(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
               const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias) {
-    extern __shared__ __align__(16) u32 xs[];  // K / 2 pairs of x, permuted per 16-k step; then KW x 16 floats
+    extern __shared__ __align__(16) u32 xs[];  // K / 2 pairs of x in the lanes' order; then KW x 16 floats
     pdl_release();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16;
     const int na = min(n0 + g, N - 1), nb = min(n0 + g + 8, N - 1);  // rows past N read row N - 1, not stored
-    const int KG = K / G;
+    const int KG = K / G, KC = K >> 7;
     const u32* ra = qw + (size_t)na * (K >> 3);
     const u32* rb = qw + (size_t)nb * (K >> 3);
     const u16* sa = sc + (size_t)na * KG;
     const u16* sb = sc + (size_t)nb * KG;
     const u8* za = zp + (size_t)na * KG;
     const u8* zb = zp + (size_t)nb * KG;
-    TcGroup<G> cur, nxt;
-    if (warp < KG) tc_load_group<G>(cur, ra, rb, sa, sb, za, zb, warp);
+    TcChunk q[PF];  // a ring of the warp's next PF chunks
+#pragma unroll
+    for (int i = 0; i < PF; ++i)
+        if (warp + i * KW < KC) tc_load_chunk<G>(q[i], ra, rb, sa, sb, za, zb, warp + i * KW, t);
     pdl_wait();
     const u32* xr = reinterpret_cast<const u32*>(x + (size_t)blockIdx.y * ldx);
-    for (int p = threadIdx.x; p < (K >> 1); p += KW * 32) {  // pair i of step s goes to slot 2 (i % 4) + i / 4
-        const int i = p & 7;
-        xs[(p & ~7) + 2 * (i & 3) + (i >> 2)] = xr[p];
+    for (int p = threadIdx.x; p < (K >> 1); p += KW * 32) {
+        // pair e (k = 8w + 2e) of word w = 4t' + u of chunk c: step 8c + 2u + e / 2, lane t', register e % 2
+        const int c = p >> 6, w = (p >> 2) & 15, e = p & 3;
+        xs[8 * (8 * c + 2 * (w & 3) + (e >> 1)) + 2 * (w >> 2) + (e & 1)] = xr[p];
     }
     __syncthreads();
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int grp = warp; grp < KG; grp += KW) {
-        const bool more = grp + KW < KG;
-        if (more) tc_load_group<G>(nxt, ra, rb, sa, sb, za, zb, grp + KW);
-        tc_compute_group<G>(cur, acc, xs, grp, t);
-        if (more) cur = nxt;
+    for (int base = warp; base < KC; base += PF * KW) {
+#pragma unroll
+        for (int i = 0; i < PF; ++i) {  // compute a slot, then refill it with the chunk PF turns ahead
+            const int chunk = base + i * KW;
+            if (chunk < KC) {
+                tc_compute_chunk(q[i], acc, xs, chunk, t);
+                if (chunk + PF * KW < KC) tc_load_chunk<G>(q[i], ra, rb, sa, sb, za, zb, chunk + PF * KW, t);
+            }
+        }
     }
     float* red = reinterpret_cast<float*>(xs + (K >> 1));
     if (t == 0) {  // every column of C is y: lane (g, 0) holds rows g (acc[0]) and g + 8 (acc[2])
