@@ -725,8 +725,7 @@ def _launch_gemv_tc(x2, packed: dict, group_size: int, config: Config, bias, y) 
     m, k = x2.shape
     n = qw.shape[0]
     kern = cuda_rtc.load_kernel(mma_source(), f"w4a16_gemv_tc<{config.num_warps}, {group_size}, {config.num_stages}>", x2.device)
-    smem = 4 * (k // 2 + 16 * config.num_warps)  # x, permuted, then the warps' partial sums
-    kern.launch((triton_cdiv(n, 16), m, 1), (32 * config.num_warps, 1, 1), smem,
+    kern.launch((triton_cdiv(n, 16), m, 1), (32 * config.num_warps, 1, 1), 0,
                 [x2, qw, s, z, bias, y, n, k, x2.stride(0), int(bias is not None)], x2.device,
                 pdl=pdl.enabled(x2.device))
 

@@ -591,24 +591,25 @@ w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc,
 // (g = lane / 4, t = lane % 4) loads words 4t .. 4t+3 of the chunk for rows g and g + 8 (a warp's load is
 // 8 rows x 64 contiguous bytes) and uses word 4t + u in the chunk's 16-k steps 2u and 2u + 1: in step 2u
 // its pairs at bits 0/16 and 4/20 (k = 8w, 8w+1 and 8w+2, 8w+3 of word w) stand where the MMA's A layout
-// has columns 2t, 2t+1 and 2t+8, 2t+9; in step 2u + 1 those at bits 8/24 and 12/28. x is staged in shared
-// memory in that order, once per block, so that lane t reads its B registers for a step with one 8-byte
-// load. A lane's 32 k sit inside one quantization group (G is a multiple of 32), so it takes one scale
-// and zero point per chunk and row.
+// has columns 2t, 2t+1 and 2t+8, 2t+9; in step 2u + 1 those at bits 8/24 and 12/28. The x a lane needs
+// for its B registers are then the same 32 k, x[32t .. 32t+31] of the chunk: four 16-byte loads (L1 hits
+// after the first warp), no shared-memory staging. A lane's 32 k sit inside one quantization group (G is
+// a multiple of 32), so it takes one scale and zero point per chunk and row.
 //
 // Block: 16 rows of W and KW warps that take the row tile's 128-k chunks in turn (warp w: chunks w,
 // w + KW, ...), each with its next PF chunks loaded into registers ahead. The warps' partial sums are added
 // in warp order through shared memory (deterministic), then the bias. One x row per blockIdx.y.
-// PDL: the first PF chunks' weights, scales and zero points are loaded before griddepcontrol.wait.
+// PDL: the first PF chunks' weights, scales and zero points are loaded before griddepcontrol.wait, x after.
 
 struct TcChunk {
-    u32x4 a, b;  // rows g and g + 8: words 4t .. 4t+3 of the chunk
+    u32x4 a, b;   // rows g and g + 8: words 4t .. 4t+3 of the chunk
+    u32x4 x[4];   // x at the same 32 k (word u's 8 k in x[u])
     u32 s2a, zfa, s2b, zfb;
 };
 
 template <int G>
-__device__ __forceinline__ void tc_load_chunk(TcChunk& q, const u32* ra, const u32* rb, const u16* sa,
-                                              const u16* sb, const u8* za, const u8* zb, int chunk, int t) {
+__device__ __forceinline__ void tc_load_weights(TcChunk& q, const u32* ra, const u32* rb, const u16* sa,
+                                                const u16* sb, const u8* za, const u8* zb, int chunk, int t) {
     q.a = *reinterpret_cast<const u32x4*>(ra + 16 * chunk + 4 * t);
     q.b = *reinterpret_cast<const u32x4*>(rb + 16 * chunk + 4 * t);
     const int grp = (128 * chunk + 32 * t) / G;
@@ -618,21 +619,24 @@ __device__ __forceinline__ void tc_load_chunk(TcChunk& q, const u32* ra, const u
     q.zfb = (0x6400u | zb[grp]) * 0x10001u;
 }
 
-__device__ __forceinline__ void tc_compute_chunk(const TcChunk& q, float (&acc)[4], const u32* xs, int chunk,
-                                                 int t) {
+__device__ __forceinline__ void tc_load_x(TcChunk& q, const u16* xr, int chunk, int t) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) q.x[u] = ld_act16(xr + 128 * chunk + 32 * t + 8 * u);
+}
+
+__device__ __forceinline__ void tc_compute_chunk(const TcChunk& q, float (&acc)[4]) {
     const u32 wa[4] = {q.a.x, q.a.y, q.a.z, q.a.w};
     const u32 wb[4] = {q.b.x, q.b.y, q.b.z, q.b.w};
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // steps 2u and 2u + 1 of the chunk, from word u of the lane's four
-            const u32x2 bx = *reinterpret_cast<const u32x2*>(xs + 8 * (8 * chunk + 2 * u + h) + 2 * t);
             u32 a[4];
             a[0] = dequant2(wa[u], 8 * h, q.zfa, q.s2a);      // row g
             a[1] = dequant2(wb[u], 8 * h, q.zfb, q.s2b);      // row g + 8
             a[2] = dequant2(wa[u], 8 * h + 4, q.zfa, q.s2a);
             a[3] = dequant2(wb[u], 8 * h + 4, q.zfb, q.s2b);
-            mma16816(acc, a, bx.x, bx.y);
+            mma16816(acc, a, h ? q.x[u].z : q.x[u].x, h ? q.x[u].w : q.x[u].y);
         }
     }
 }
@@ -641,7 +645,7 @@ template <int KW, int G, int PF>
 __global__ void __launch_bounds__(KW * 32)
 w4a16_gemv_tc(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
               const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias) {
-    extern __shared__ __align__(16) u32 xs[];  // K / 2 pairs of x in the lanes' order; then KW x 16 floats
+    __shared__ float red[KW * 16];  // the warps' partial sums
     pdl_release();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -654,30 +658,29 @@ w4a16_gemv_tc(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ 
     const u16* sb = sc + (size_t)nb * KG;
     const u8* za = zp + (size_t)na * KG;
     const u8* zb = zp + (size_t)nb * KG;
+    const u16* xr = x + (size_t)blockIdx.y * ldx;
     TcChunk q[PF];  // a ring of the warp's next PF chunks
 #pragma unroll
     for (int i = 0; i < PF; ++i)
-        if (warp + i * KW < KC) tc_load_chunk<G>(q[i], ra, rb, sa, sb, za, zb, warp + i * KW, t);
+        if (warp + i * KW < KC) tc_load_weights<G>(q[i], ra, rb, sa, sb, za, zb, warp + i * KW, t);
     pdl_wait();
-    const u32* xr = reinterpret_cast<const u32*>(x + (size_t)blockIdx.y * ldx);
-    for (int p = threadIdx.x; p < (K >> 1); p += KW * 32) {
-        // pair e (k = 8w + 2e) of word w = 4t' + u of chunk c: step 8c + 2u + e / 2, lane t', register e % 2
-        const int c = p >> 6, w = (p >> 2) & 15, e = p & 3;
-        xs[8 * (8 * c + 2 * (w & 3) + (e >> 1)) + 2 * (w >> 2) + (e & 1)] = xr[p];
-    }
-    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < PF; ++i)
+        if (warp + i * KW < KC) tc_load_x(q[i], xr, warp + i * KW, t);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int base = warp; base < KC; base += PF * KW) {
 #pragma unroll
         for (int i = 0; i < PF; ++i) {  // compute a slot, then refill it with the chunk PF turns ahead
             const int chunk = base + i * KW;
             if (chunk < KC) {
-                tc_compute_chunk(q[i], acc, xs, chunk, t);
-                if (chunk + PF * KW < KC) tc_load_chunk<G>(q[i], ra, rb, sa, sb, za, zb, chunk + PF * KW, t);
+                tc_compute_chunk(q[i], acc);
+                if (chunk + PF * KW < KC) {
+                    tc_load_weights<G>(q[i], ra, rb, sa, sb, za, zb, chunk + PF * KW, t);
+                    tc_load_x(q[i], xr, chunk + PF * KW, t);
+                }
             }
         }
     }
-    float* red = reinterpret_cast<float*>(xs + (K >> 1));
     if (t == 0) {  // every column of C is y: lane (g, 0) holds rows g (acc[0]) and g + 8 (acc[2])
         red[warp * 16 + g] = acc[0];
         red[warp * 16 + g + 8] = acc[2];
