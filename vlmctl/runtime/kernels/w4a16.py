@@ -85,9 +85,7 @@ class Config:
     of block_k (64, 128 or 256) in a num_stages-deep cp.async ring), or "gemv_cuda" (the batch-1 GEMV of
     the same source, fp16 x: block_n weight rows per block, block_n // num_warps per warp, each lane
     reading num_stages 16-byte chunks of every row per batch, the next batch loaded while one is
-    computed; block_k and split_k unused), or "gemv_tc" (the batch-1 GEMV of the same source with its
-    multiply-adds on the tensor cores, fp16 x: 16 weight rows per block (block_n 16), num_warps warps taking
-    the row tile's 128-k chunks in turn, num_stages chunks loaded ahead; opt-in, `gemv_tc_enabled`).
+    computed; block_k and split_k unused).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
     next K block into registers while computing the current one, 1 that it does not."""
 
@@ -121,10 +119,6 @@ class Config:
             return (self.num_warps in (1, 2, 4, 8, 16) and rem == 0 and rpw in (1, 2, 4, 8)
                     and self.num_stages in (1, 2, 4) and self.split_k == 1 and group_size % 32 == 0
                     and k % group_size == 0)
-        if self.kernel == "gemv_tc":
-            return (self.block_n == 16 and self.num_warps in (1, 2, 4, 8, 16) and self.num_stages in (1, 2, 4)
-                    and self.split_k == 1
-                    and group_size % 32 == 0 and k % group_size == 0 and k % 128 == 0)
         if self.kernel not in ("gemv", "gemv_h2", "dot") or not _pow2(self.block_n) or self.split_k < 1:
             return False
         if self.kernel == "gemv_h2":
@@ -286,11 +280,6 @@ def heuristic_gemv_cuda_config(n: int, k: int, group_size: int) -> Config:
     return Config("gemv_cuda", block_n=16, num_warps=4, num_stages=2)
 
 
-def heuristic_gemv_tc_config(n: int, k: int, group_size: int) -> Config:
-    """The tensor-core GEMV's config: 16 warps per 16-row tile where N is small, else 8; 2 chunks ahead."""
-    return Config("gemv_tc", block_n=16, num_warps=16 if n <= 4096 else 8, num_stages=2)
-
-
 def gemv_cuda_candidate_configs(n: int, k: int, group_size: int) -> list[Config]:
     """What a sweep tries for the CUDA GEMV: rows per warp x warps x chunks in flight (at most 8 rows x
     chunks a lane, which keeps a lane's two batches of registers under the 255-register limit)."""
@@ -420,9 +409,6 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None, *
     key = (_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))
     half2 = bucket(m) == 1 and _dtype_name(dtype) == "float16" and gemv_mode() != "cublas"
     cuda_gemv = half2 and _gemv_cuda_ok(device)
-    if cuda_gemv and cuda_gemv_rule and gemv_tc_enabled() and (c := heuristic_gemv_tc_config(n, k, group_size)) \
-            .valid_for(n, k, group_size):
-        return c
     # measured entries first (the CUDA GEMV's, the half2 GEMV's, then any other kernel's), then the untuned rules
     measured = ((_TUNED_CUDA.get(key) if cuda_gemv else None), (_TUNED_H2.get(key) if half2 else None),
                 _TUNED.get(key))
@@ -547,11 +533,10 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
                              "and NVRTC")
         _launch_mma(x2, packed, group_size, config, bias, y)
         return y
-    if config.kernel in ("gemv_cuda", "gemv_tc"):
+    if config.kernel == "gemv_cuda":
         if not gemv_cuda_runs(x2, qw):
-            raise ValueError("the CUDA GEMVs need fp16 x on CUDA with 16-byte aligned rows and weights, and NVRTC")
-        (_launch_gemv_cuda if config.kernel == "gemv_cuda" else _launch_gemv_tc)(x2, packed, group_size, config,
-                                                                                  bias, y)
+            raise ValueError("the CUDA GEMV needs fp16 x on CUDA with 16-byte aligned rows and weights, and NVRTC")
+        _launch_gemv_cuda(x2, packed, group_size, config, bias, y)
         return y
     bk = config.block_k
     ngb, wpg = (bk // group_size, group_size // PACK) if bk >= group_size else (1, bk // PACK)
@@ -682,12 +667,6 @@ def gemv_cuda_enabled() -> bool:
     return os.environ.get("VLMCTL_W4A16_GEMV_CUDA", "1").strip().lower() not in ("0", "off", "false")
 
 
-def gemv_tc_enabled() -> bool:
-    """Whether batch-1 fp16 linears take the tensor-core GEMV ("gemv_tc") ahead of the tuned table
-    (`VLMCTL_W4A16_GEMV_TC=1`; off by default until measured in the decode step)."""
-    return os.environ.get("VLMCTL_W4A16_GEMV_TC", "0").strip().lower() in ("1", "on", "true")
-
-
 def gemv_cuda_runs(x2, qw) -> bool:
     """The CUDA GEMV's preconditions: fp16 x on CUDA with 16-byte aligned rows, aligned weights, NVRTC."""
     import torch
@@ -714,18 +693,6 @@ def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y
     kern = cuda_rtc.load_kernel(mma_source(), gemv_cuda_kernel_name(config, group_size), x2.device)
     # PDL as for the Triton GEMVs: the kernel reads only weights, scales and zero points before its wait
     kern.launch((triton_cdiv(n, config.block_n), m, 1), (32 * config.num_warps, 1, 1), 0,
-                [x2, qw, s, z, bias, y, n, k, x2.stride(0), int(bias is not None)], x2.device,
-                pdl=pdl.enabled(x2.device))
-
-
-def _launch_gemv_tc(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:
-    from . import cuda_rtc, pdl
-
-    qw, s, z = (packed[key] for key in KEYS)
-    m, k = x2.shape
-    n = qw.shape[0]
-    kern = cuda_rtc.load_kernel(mma_source(), f"w4a16_gemv_tc<{config.num_warps}, {group_size}, {config.num_stages}>", x2.device)
-    kern.launch((triton_cdiv(n, 16), m, 1), (32 * config.num_warps, 1, 1), 0,
                 [x2, qw, s, z, bias, y, n, k, x2.stride(0), int(bias is not None)], x2.device,
                 pdl=pdl.enabled(x2.device))
 
@@ -819,7 +786,7 @@ def w4a16_linear(x, packed: dict, group_size: int, bias=None):
         cfg = select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device)
         if cfg.kernel == "mma" and not mma_runs(x2, qw):  # no NVRTC here, or unaligned views: Triton instead
             cfg = heuristic_config(x2.shape[0], n, k, group_size, _sm_count(x2.device), mma=False)
-        elif cfg.kernel in ("gemv_cuda", "gemv_tc") and not gemv_cuda_runs(x2, qw):  # an unaligned view: the half2 GEMV
+        elif cfg.kernel == "gemv_cuda" and not gemv_cuda_runs(x2, qw):  # an unaligned view: the half2 GEMV
             cfg = (heuristic_h2_config(x2.shape[0], n, k, group_size, _sm_count(x2.device))
                    or heuristic_config(x2.shape[0], n, k, group_size, _sm_count(x2.device), mma=False))
         y = launch(x2, packed, group_size, cfg, bias)
@@ -902,8 +869,6 @@ def describe(config: Config) -> str:
     km = " kmajor" if config.k_major else ""
     if config.kernel == "gemv_cuda":
         return f"gemv_cuda bn{config.block_n} w{config.num_warps} s{config.num_stages}"
-    if config.kernel == "gemv_tc":
-        return f"gemv_tc w{config.num_warps} s{config.num_stages}"
     if config.kernel == "mma" and config.warps_m > 1:
         km += f" wm{config.warps_m}"
     return (f"{config.kernel} bn{config.block_n} bk{config.block_k}{bm} sk{config.split_k} "
@@ -912,7 +877,7 @@ def describe(config: Config) -> str:
 
 __all__ = ["FORMAT", "KEYS", "ORDER", "PACK", "PREFILL_DEQUANT_MIN_M", "Config", "bucket", "candidate_configs",
            "check_packed", "dequantize", "dequantize_into", "describe", "gemv_mode", "h2_candidate_configs",
-           "gemv_cuda_candidate_configs", "gemv_cuda_enabled", "gemv_tc_enabled", "heuristic_config",
-           "heuristic_gemv_cuda_config", "heuristic_gemv_tc_config", "heuristic_h2_config", "heuristic_mma_config", "launch", "load_tuned",
+           "gemv_cuda_candidate_configs", "gemv_cuda_enabled", "heuristic_config",
+           "heuristic_gemv_cuda_config", "heuristic_h2_config", "heuristic_mma_config", "launch", "load_tuned",
            "pack", "repack_awq_gemm", "repack_gemm_tensors", "save_tuned", "select_config", "set_config",
            "triton_available", "tune", "unpack", "w4a16_linear", "warmup", "weight_bytes"]
