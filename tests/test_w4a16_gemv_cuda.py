@@ -131,9 +131,9 @@ GPU_CFGS = [_cfg(16, 4, 2), _cfg(8, 8, 1), _cfg(32, 4, 1), _cfg(4, 2, 4), _cfg(6
                                    (1000, 3584, 128), (17, 4160, 64), (22016, 4096, 128)])
 @pytest.mark.parametrize("cfg", GPU_CFGS, ids=W.describe)
 def test_gpu_gemv_cuda_matches_reference(n, k, g, cfg):
-    # Seeded inputs: with 17 outputs the relative error of one row is a small sample of fp16 roundings; over
-    # 1,000 random x (N=17, K=4160, M=1) it reached 9.4e-4 of the 9.8e-4 tolerance, and one unseeded run in
-    # session 11 drew one over it (docs/benchmarks.md).
+    # Seeded inputs: with 17 outputs the relative error is a small sample of fp16 roundings; over 1,000
+    # random x (N=17, K=4160, M=1) it reached 9.4e-4 of the 9.8e-4 tolerance, and one unseeded run drew one
+    # over it (benchmarks/results/h200-2026-12-02d/README.md, r7-r9).
     gen = torch.Generator(device="cuda").manual_seed(n * k)
     p = random_packed(n, k, g, seed=n + k)
     for m in (1, 3):
