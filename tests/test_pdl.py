@@ -80,7 +80,8 @@ def test_switch(monkeypatch):
 
 
 def _chain(kind: str):
-    """RMSNorm -> GEMV, eight times, each GEMV's output the next norm's input (4096 x 4096 weights)."""
+    """RMSNorm -> GEMV, eight times, each GEMV's output the next norm's input (4096 x 4096 weights); one row,
+    or five for the tensor-core GEMV ("mma_gemv")."""
     from vlmctl.runtime.kernels import fused, gemv
     from vlmctl.runtime.kernels import w4a16 as W
 
@@ -101,13 +102,14 @@ def _chain(kind: str):
             zeros = torch.randint(0, 16, (n, k // g), generator=gen, device="cuda", dtype=torch.int32)
             scales = torch.rand(n, k // g, generator=gen, device="cuda") * 2 * k ** -0.5 / 4
             ws.append(W.pack(codes, zeros, scales, g))
-        cfg = {"h2": W.heuristic_h2_config(1, n, k, g), "cuda": W.heuristic_gemv_cuda_config(n, k, g)}.get(
+        cfg = {"h2": W.heuristic_h2_config(1, n, k, g), "cuda": W.heuristic_gemv_cuda_config(n, k, g),
+               "mma_gemv": W.Config("mma_gemv", block_n=16, block_m=8, num_warps=8, num_stages=3)}.get(
             kind, W.heuristic_config(1, n, k, g))
 
         def lin(x, p):
             return W.launch(x, p, g, cfg)
 
-    x0 = torch.randn(1, k, generator=gen, device="cuda").half()
+    x0 = torch.randn(5 if kind == "mma_gemv" else 1, k, generator=gen, device="cuda").half()  # 5 rows: batch 5
 
     def run():
         x = x0
@@ -120,7 +122,7 @@ def _chain(kind: str):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["fp16", "h2", "gemv", "cuda"])
+@pytest.mark.parametrize("kind", ["fp16", "h2", "gemv", "cuda", "mma_gemv"])
 def test_gpu_pdl_chain_equals_plain_launches(kind, monkeypatch):
     from vlmctl.runtime.kernels import pdl
 

@@ -11,7 +11,9 @@ activations, "gemv_h2", the fp16 default: `gemv_mode()`), a tensor-core kernel f
 batches up to 64 and for mid-size prefill, and dequantize-to-scratch + cuBLAS for large prefill,
 plus "mma", a CUDA kernel (`w4a16_mma.cu`, compiled at run time by NVRTC through `cuda_rtc`) for fp16
 and bf16 decode batches where the tuned table picks it (on an H200: batches 2-32, see the table;
-`VLMCTL_W4A16_MMA=0` turns it off),
+`VLMCTL_W4A16_MMA=0` turns it off), and from the same source a batch-1 GEMV ("gemv_cuda") and a GEMV
+on the tensor cores for 2-16 rows ("mma_gemv", where the table names it: on an H200 the 7B decoder's linears
+at batches 2-16; `VLMCTL_W4A16_MMA_GEMV=0` turns it off),
 with split-K reduced in-kernel (deterministic, no memset). Which runs is `select_config(M, N, K, G,
 dtype)`: a measured table (`w4a16_tuned.json` beside this file, per GPU name, written by
 `benchmarks/w4a16_gpu.py --table-out`) or else heuristics. Every launch is CUDA-graph capturable
@@ -45,8 +47,9 @@ _DEQ_CACHE: dict = {}  # id(q4weight) -> {(dtype, device): W}, dropped when q4we
 _TUNED: dict = {}  # (device name, bucket, N, K, G, dtype name) -> Config
 _TUNED_H2: dict = {}  # the same for the half2 GEMV ("variant": "h2" in the table), per gemv_mode()
 _TUNED_CUDA: dict = {}  # and for the CUDA GEMV ("variant": "cuda"), where it can run
+_TUNED_MMA_GEMV: dict = {}  # and for the tensor-core GEMV ("variant": "mma_gemv"), unless switched off
 _TUNED_LOADED = False
-_VARIANT_TABLES = {"h2": _TUNED_H2, "cuda": _TUNED_CUDA}
+_VARIANT_TABLES = {"h2": _TUNED_H2, "cuda": _TUNED_CUDA, "mma_gemv": _TUNED_MMA_GEMV}
 _SM_COUNT: dict = {}
 
 
@@ -85,7 +88,10 @@ class Config:
     of block_k (64, 128 or 256) in a num_stages-deep cp.async ring), or "gemv_cuda" (the batch-1 GEMV of
     the same source, fp16 x: block_n weight rows per block, block_n // num_warps per warp, each lane
     reading num_stages 16-byte chunks of every row per batch, the next batch loaded while one is
-    computed; block_k and split_k unused).
+    computed; block_k and split_k unused), or "mma_gemv" (the same source's GEMV on the tensor cores for
+    2-16 rows, fp16 or bf16 x: 16 weight rows per block (block_n 16), block_m = 8 or 16 batch rows per
+    block, num_warps warps taking the 128-k chunks in turn, each loading num_stages chunks ahead; needs
+    K % 128 == 0 and groups of a multiple of 32).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
     next K block into registers while computing the current one, 1 that it does not."""
 
@@ -114,6 +120,10 @@ class Config:
                     and self.num_warps in (1, 2, 4, 8, 16) and 2 <= self.num_stages <= 8 and self.split_k >= 1
                     and group_size % 64 == 0 and (group_size % bk == 0 or bk % group_size == 0)
                     and k % max(bk, group_size) == 0 and n % 8 == 0)
+        if self.kernel == "mma_gemv":
+            return (self.block_n == 16 and self.block_m in (8, 16) and self.num_warps in (1, 2, 4, 8, 16)
+                    and 1 <= self.num_stages <= 4 and self.split_k == 1 and group_size % 32 == 0
+                    and k % 128 == 0 and k % group_size == 0)
         if self.kernel == "gemv_cuda":
             rpw, rem = divmod(self.block_n, max(1, self.num_warps))
             return (self.num_warps in (1, 2, 4, 8, 16) and rem == 0 and rpw in (1, 2, 4, 8)
@@ -397,7 +407,7 @@ def set_config(m: int, n: int, k: int, group_size: int, dtype, config: Config, d
     """Pin the config used for (bucket(m), N, K, G, dtype) on this device's GPU model."""
     if not config.valid_for(n, k, group_size):
         raise ValueError(f"{config} does not fit N={n} K={k} G={group_size}")
-    table = _TUNED_H2 if config.kernel == "gemv_h2" else _TUNED_CUDA if config.kernel == "gemv_cuda" else _TUNED
+    table = {"gemv_h2": _TUNED_H2, "gemv_cuda": _TUNED_CUDA, "mma_gemv": _TUNED_MMA_GEMV}.get(config.kernel, _TUNED)
     table[(_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))] = config
 
 
@@ -409,9 +419,11 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None, *
     key = (_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))
     half2 = bucket(m) == 1 and _dtype_name(dtype) == "float16" and gemv_mode() != "cublas"
     cuda_gemv = half2 and _gemv_cuda_ok(device)
-    # measured entries first (the CUDA GEMV's, the half2 GEMV's, then any other kernel's), then the untuned rules
+    # measured entries first (the CUDA GEMV's, the half2 GEMV's, the tensor-core GEMV's, then any other
+    # kernel's), then the untuned rules
+    mma_gemv = _TUNED_MMA_GEMV.get(key) if _mma_gemv_ok(dtype, device) else None
     measured = ((_TUNED_CUDA.get(key) if cuda_gemv else None), (_TUNED_H2.get(key) if half2 else None),
-                _TUNED.get(key))
+                mma_gemv, _TUNED.get(key))
     for c in measured:
         if c is not None and c.valid_for(n, k, group_size):
             return c
@@ -441,6 +453,14 @@ def _capability(device) -> tuple[int, int]:
     if idx not in _CAPABILITY:
         _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
     return _CAPABILITY[idx]
+
+
+def _mma_gemv_ok(dtype, device) -> bool:
+    """Whether the tuned table's "mma_gemv" entries may be taken: `mma_gemv_enabled`, fp16/bf16 on a GPU with
+    mma.sync m16n8k16 (compute capability 8.0+) where NVRTC is found."""
+    if not mma_gemv_enabled() or _dtype_name(dtype) not in ("float16", "bfloat16"):
+        return False
+    return getattr(device, "type", None) == "cuda" and _capability(device) >= (8, 0) and mma_available()
 
 
 def _mma_heuristic_ok(dtype, device) -> bool:
@@ -527,11 +547,11 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     y = out if out is not None else torch.empty(m, n_out, dtype=x2.dtype, device=x2.device)
     if m == 0 or n == 0:
         return y
-    if config.kernel == "mma":
+    if config.kernel in ("mma", "mma_gemv"):
         if not mma_runs(x2, qw):
-            raise ValueError("the mma kernel needs fp16 or bf16 x on CUDA with 16-byte aligned rows and weights, "
-                             "and NVRTC")
-        _launch_mma(x2, packed, group_size, config, bias, y)
+            raise ValueError(f"the {config.kernel} kernel needs fp16 or bf16 x on CUDA with 16-byte aligned rows "
+                             "and weights, and NVRTC")
+        (_launch_mma if config.kernel == "mma" else _launch_mma_gemv)(x2, packed, group_size, config, bias, y)
         return y
     if config.kernel == "gemv_cuda":
         if not gemv_cuda_runs(x2, qw):
@@ -723,6 +743,32 @@ def _launch_mma(x2, packed: dict, group_size: int, config: Config, bias, y) -> N
                 x2.device, pdl=mma_pdl(x2.device))
 
 
+def mma_gemv_enabled() -> bool:
+    """Whether selection may take the tuned table's "mma_gemv" entries (default on;
+    `VLMCTL_W4A16_MMA_GEMV=0` falls back to the table's other entries for those batches)."""
+    return os.environ.get("VLMCTL_W4A16_MMA_GEMV", "1").strip().lower() not in ("0", "off", "false")
+
+
+def mma_gemv_kernel_name(config: Config, group_size: int, dtype="float16") -> str:
+    """The template instance of `w4a16_mma.cu`'s w4a16_mma_gemv that runs `config` on `dtype` activations."""
+    bf16 = {"float16": 0, "bfloat16": 1}[_dtype_name(dtype)]
+    return (f"w4a16_mma_gemv<{config.num_warps}, {config.block_m // 8}, {config.num_stages}, {group_size}, "
+            f"{bf16}>")
+
+
+def _launch_mma_gemv(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:
+    from . import cuda_rtc, pdl
+
+    qw, s, z = (packed[key] for key in KEYS)
+    m, k = x2.shape
+    n = qw.shape[0]
+    kern = cuda_rtc.load_kernel(mma_source(), mma_gemv_kernel_name(config, group_size, x2.dtype), x2.device)
+    # PDL as for the GEMVs: the kernel reads only weights, scales and zero points before its wait
+    kern.launch((triton_cdiv(n, 16), triton_cdiv(m, config.block_m), 1), (32 * config.num_warps, 1, 1), 0,
+                [x2, qw, s, z, bias, y, m, n, k, x2.stride(0), int(bias is not None)], x2.device,
+                pdl=pdl.enabled(x2.device))
+
+
 def mma_pdl(device) -> bool:
     """Whether "mma" launches use programmatic dependent launch: only with `VLMCTL_W4A16_MMA_PDL=1`, and
     where `pdl.enabled` (VLMCTL_PDL). Off by default because it was measured slower (H200, 7B decoder
@@ -784,7 +830,7 @@ def w4a16_linear(x, packed: dict, group_size: int, bias=None):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         cfg = select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device)
-        if cfg.kernel == "mma" and not mma_runs(x2, qw):  # no NVRTC here, or unaligned views: Triton instead
+        if cfg.kernel in ("mma", "mma_gemv") and not mma_runs(x2, qw):  # no NVRTC here, or unaligned views: Triton instead
             cfg = heuristic_config(x2.shape[0], n, k, group_size, _sm_count(x2.device), mma=False)
         elif cfg.kernel == "gemv_cuda" and not gemv_cuda_runs(x2, qw):  # an unaligned view: the half2 GEMV
             cfg = (heuristic_h2_config(x2.shape[0], n, k, group_size, _sm_count(x2.device))
@@ -864,7 +910,7 @@ def tune(packed: dict, group_size: int, m_values, dtype, *, configs=None, warmup
 def describe(config: Config) -> str:
     if config.kernel == "dequant_mm":
         return "dequant_mm"
-    bm = f" bm{config.block_m}" if config.kernel in ("dot", "mma") else ""
+    bm = f" bm{config.block_m}" if config.kernel in ("dot", "mma", "mma_gemv") else ""
     run = f" r{config.run_words}" if config.kernel == "gemv_h2" else ""
     km = " kmajor" if config.k_major else ""
     if config.kernel == "gemv_cuda":

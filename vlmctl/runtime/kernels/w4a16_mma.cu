@@ -129,6 +129,23 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
     return d;
 }
 
+// A group's constants for dequant2 / dequant2_bf16, twice each, from its fp16 scale bits and zero point:
+// fp16: zf2 = 1024 + zero, s2 = the scale; bf16: zf2 = -(128 + zero), s2 / sl2 the scale's bf16 head
+// and its exact tail (the file's header says why).
+template <int BF16>
+__device__ __forceinline__ void group_consts(u32 scale_bits, u32 zero, u32& zf2, u32& s2, u32& sl2) {
+    if constexpr (BF16) {
+        const float sc32 = half_to_float((u16)scale_bits);
+        const u32 head = bf16_bits(sc32);
+        zf2 = (0xC300u | zero) * 0x00010001u;
+        s2 = head * 0x00010001u;
+        sl2 = bf16_bits(sc32 - as_float(head << 16)) * 0x00010001u;
+    } else {
+        zf2 = (0x6400u | zero) * 0x00010001u;
+        s2 = scale_bits * 0x00010001u;
+    }
+}
+
 template <int BF16>
 __device__ __forceinline__ float act_to_float(u16 h) {  // an fp16 or bf16 value (the bias) as fp32
     return BF16 ? as_float((u32)h << 16) : half_to_float(h);
@@ -152,6 +169,69 @@ __device__ __forceinline__ f32x2 load_cg_f2(const float* p) {
     f32x2 v;
     asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
     return v;
+}
+
+// The C fragments out: fragment (i, j) holds rows row0 + 16i + g (+ 8), columns col0 + 8j + 2t (+1), of the
+// block's tile; y and M are the block's (m_base rows in), ws keeps global rows. With split-K each split writes
+// fp32 partials to ws, the last block of the tile to take a ticket sums them in split order (deterministic),
+// adds the bias, stores, and resets the ticket. Called by every thread of the block (it has barriers).
+template <int MT, int NT, int BF16>
+__device__ __forceinline__ void mma_epilogue(const float (&acc)[MT][NT][4], int row0, int col0, int g, int t,
+                                             int M, int N, int M_all, int m_base, int split, int splits,
+                                             float* __restrict__ ws, int* ticket, u16* __restrict__ y,
+                                             const u16* __restrict__ bias, int has_bias, int* is_last, int tid) {
+    if (splits > 1) {  // partials out; the last block of the tile to take a ticket reduces them below
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const int n = col0 + j * 8 + 2 * t;
+                if (n >= N) continue;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int m = row0 + i * 16 + g + 8 * h;
+                    if (m < M)
+                        *reinterpret_cast<f32x2*>(ws + ((long long)split * M_all + m_base + m) * N + n) =
+                            f32x2{acc[i][j][2 * h], acc[i][j][2 * h + 1]};
+                }
+            }
+        fence_gpu();
+        __syncthreads();
+        if (tid == 0) {
+            int got;
+            asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(got) : "l"(ticket));
+            *is_last = got == splits - 1;
+        }
+        __syncthreads();
+        if (!*is_last) return;
+        fence_gpu();
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int n = col0 + j * 8 + 2 * t;
+            if (n >= N) continue;
+            float b0 = 0.f, b1 = 0.f;
+            if (has_bias) { b0 = act_to_float<BF16>(bias[n]); b1 = act_to_float<BF16>(bias[n + 1]); }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int m = row0 + i * 16 + g + 8 * h;
+                if (m >= M) continue;
+                float s0 = acc[i][j][2 * h], s1 = acc[i][j][2 * h + 1];
+                if (splits > 1) {  // in split order, so the result does not depend on which block came last
+                    s0 = s1 = 0.f;
+                    for (int s = 0; s < splits; ++s) {
+                        const f32x2 v = load_cg_f2(ws + ((long long)s * M_all + m_base + m) * N + n);
+                        s0 += v.x;
+                        s1 += v.y;
+                    }
+                }
+                *reinterpret_cast<u32*>(y + (long long)m * N + n) =
+                    BF16 ? pack_bf16x2(s0 + b0, s1 + b1) : pack_half2(s0 + b0, s1 + b1);
+            }
+        }
+    if (splits > 1 && tid == 0) *ticket = 0;
 }
 
 template <int MT, int NT, int WM, int WN, int STAGES, int G, int KC, int BF16>
@@ -292,16 +372,7 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
                     const int gq = un * (UNIT / G) + k_in_unit / G;
 #pragma unroll
                     for (int j = 0; j < NT; ++j) {
-                        if constexpr (BF16) {
-                            const float sc32 = half_to_float(s_sm[row_sz[j] + gq]);
-                            const u32 head = bf16_bits(sc32);
-                            zf2[j] = (0xC300u | z_sm[row_sz[j] + gq]) * 0x00010001u;
-                            s2[j] = head * 0x00010001u;
-                            sl2[j] = bf16_bits(sc32 - as_float(head << 16)) * 0x00010001u;
-                        } else {
-                            zf2[j] = (0x6400u | z_sm[row_sz[j] + gq]) * 0x00010001u;
-                            s2[j] = (u32)s_sm[row_sz[j] + gq] * 0x00010001u;
-                        }
+                        group_consts<BF16>(s_sm[row_sz[j] + gq], z_sm[row_sz[j] + gq], zf2[j], s2[j], sl2[j]);
                     }
                 }
                 // software-pipelined: this piece's weight words for all NT rows up front (two 16-byte
@@ -350,59 +421,8 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     }
     cp_async_wait<0>();
 
-    // fragment (i, j): rows (warp_m*MT + i)*16 + g (+ 8), columns n_block + warp*NT*8 + j*8 + 2t (+1)
-    if (splits > 1) {  // partials out; the last block of the tile to take a ticket reduces them below
-#pragma unroll
-        for (int i = 0; i < MT; ++i)
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                const int n = n_block + warp * NT * 8 + j * 8 + 2 * t;
-                if (n >= N) continue;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int m = (warp_m * MT + i) * 16 + g + 8 * h;
-                    if (m < M)
-                        *reinterpret_cast<f32x2*>(ws + ((long long)split * M_all + m_base + m) * N + n) =
-                            f32x2{acc[i][j][2 * h], acc[i][j][2 * h + 1]};
-                }
-            }
-        fence_gpu();
-        __syncthreads();
-        if (tid == 0) {
-            int ticket;
-            asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(cnt + blockIdx.x));
-            is_last = ticket == splits - 1;
-        }
-        __syncthreads();
-        if (!is_last) return;
-        fence_gpu();
-    }
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            const int n = n_block + warp * NT * 8 + j * 8 + 2 * t;
-            if (n >= N) continue;
-            float b0 = 0.f, b1 = 0.f;
-            if (has_bias) { b0 = act_to_float<BF16>(bias[n]); b1 = act_to_float<BF16>(bias[n + 1]); }
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int m = (warp_m * MT + i) * 16 + g + 8 * h;
-                if (m >= M) continue;
-                float s0 = acc[i][j][2 * h], s1 = acc[i][j][2 * h + 1];
-                if (splits > 1) {  // in split order, so the result does not depend on which block came last
-                    s0 = s1 = 0.f;
-                    for (int s = 0; s < splits; ++s) {
-                        const f32x2 v = load_cg_f2(ws + ((long long)s * M_all + m_base + m) * N + n);
-                        s0 += v.x;
-                        s1 += v.y;
-                    }
-                }
-                *reinterpret_cast<u32*>(y + (long long)m * N + n) =
-                    BF16 ? pack_bf16x2(s0 + b0, s1 + b1) : pack_half2(s0 + b0, s1 + b1);
-            }
-        }
-    if (splits > 1 && tid == 0) cnt[blockIdx.x] = 0;
+    mma_epilogue<MT, NT, BF16>(acc, warp_m * MT * 16, n_block + warp * NT * 8, g, t, M, N, M_all, m_base, split,
+                               splits, ws, cnt + blockIdx.x, y, bias, has_bias, &is_last, tid);
 }
 
 
@@ -570,6 +590,165 @@ w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc,
                 asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
                 y[(size_t)blockIdx.y * N + n] = h;
             }
+        }
+    }
+}
+
+
+
+// ---------------------------------------------------------------------------------------------------
+// w4a16_mma_gemv: decode batches of up to 16 rows as a GEMV whose multiply-adds run on the tensor cores.
+//
+// For 2-16 rows the mma kernel above streams weights through a cp.async ring behind a block-wide barrier
+// per chunk; on an H200 it took ~20 us for a 7B decoder's qkv at every M from 2 to 16, against ~12 us for
+// the barrier-free batch-1 GEMV (docs/benchmarks.md, session 12). This kernel is shaped like that GEMV:
+// no shared-memory staging and no barrier in the K loop, each lane loading straight into registers the
+// weight bytes it uses and the x it multiplies them with. A warp's A operand is a 16-row tile of W,
+// dequantized into the A registers (each pair rounded once, as dequantize(...)); B holds x, batch row
+// 8 nb + g in column g of n8-tile nb (NB tiles: up to 8 NB rows); C is that tile of y, transposed. So 2-16
+// rows cost the tensor cores' time (idle otherwise) and the x loads, not more weight traffic.
+// K is summed in a permuted order inside each 128-k chunk (a dot product does not care, as long as A and
+// B agree), so that each lane reads only its own 16 bytes of a row: lane (g = lane / 4, t = lane % 4)
+// loads words 4t .. 4t+3 of the chunk for W rows g and g + 8 and uses word 4t + u in the chunk's 16-k
+// steps 2u and 2u + 1; in step 2u + h its pairs at bits 8h / 8h+16 and 8h+4 / 8h+20 (k = 32t + 8u + 4h +
+// {0, 1} and + {2, 3}) stand where the A layout has columns 2t, 2t+1 and 2t+8, 2t+9. The x a lane needs
+// for B are then x[row][32t .. 32t+31] of the chunk: four 16-byte loads per batch row, L1 hits after the
+// first warp. A lane's 32 k lie in one group (G % 32 == 0): one scale and zero point per chunk and row.
+// Block: 16 W rows; KW warps take the tile's chunks in turn (warp w: chunks w, w + KW, ...), each with
+// its next PF chunks loaded ahead into registers; the warps' sums are added in warp order through shared
+// memory (deterministic), then the bias. Batch rows past M read row M - 1 and are not stored; W rows past
+// N read row N - 1 and are not stored. PDL: the first PF chunks' weights, scales and zero points are
+// loaded before griddepcontrol.wait, x after it.
+
+template <int NB>
+struct MmaGemvChunk {
+    u32x4 wa, wb;      // W rows g and g + 8: words 4t .. 4t+3 of the chunk
+    u32x4 x[NB][4];    // batch row 8 nb + g at the same 32 k (word u's 8 k in x[nb][u])
+    u32 sa, za, sb, zb;  // the two rows' scale bits and zero points for those k
+};
+
+template <int NB, int G>
+__device__ __forceinline__ void mma_gemv_load_weights(MmaGemvChunk<NB>& q, const u32* ra, const u32* rb,
+                                                      const u16* sa, const u16* sb, const u8* za, const u8* zb,
+                                                      int chunk, int t) {
+    q.wa = ld_stream16(ra + 16 * chunk + 4 * t);
+    q.wb = ld_stream16(rb + 16 * chunk + 4 * t);
+    const int grp = (128 * chunk + 32 * t) / G;
+    q.sa = sa[grp];
+    q.sb = sb[grp];
+    q.za = za[grp];
+    q.zb = zb[grp];
+}
+
+template <int NB>
+__device__ __forceinline__ void mma_gemv_load_x(MmaGemvChunk<NB>& q, const u16* const (&xr)[NB], int chunk, int t) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int u = 0; u < 4; ++u) q.x[nb][u] = ld_act16(xr[nb] + 128 * chunk + 32 * t + 8 * u);
+}
+
+template <int NB, int BF16>
+__device__ __forceinline__ void mma_gemv_compute(const MmaGemvChunk<NB>& q, float (&acc)[NB][4]) {
+    u32 zfa, s2a, sla, zfb, s2b, slb;
+    group_consts<BF16>(q.sa, q.za, zfa, s2a, sla);
+    group_consts<BF16>(q.sb, q.zb, zfb, s2b, slb);
+    const u32 wa[4] = {q.wa.x, q.wa.y, q.wa.z, q.wa.w};
+    const u32 wb[4] = {q.wb.x, q.wb.y, q.wb.z, q.wb.w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // steps 2u and 2u + 1 of the chunk, from word u of the lane's four
+            u32 a[4];
+            if constexpr (BF16) {
+                a[0] = dequant2_bf16(wa[u], 8 * h, zfa, s2a, sla);      // row g, columns 2t, 2t+1
+                a[1] = dequant2_bf16(wb[u], 8 * h, zfb, s2b, slb);      // row g + 8
+                a[2] = dequant2_bf16(wa[u], 8 * h + 4, zfa, s2a, sla);  // row g, columns 2t+8, 2t+9
+                a[3] = dequant2_bf16(wb[u], 8 * h + 4, zfb, s2b, slb);
+            } else {
+                a[0] = dequant2(wa[u], 8 * h, zfa, s2a);
+                a[1] = dequant2(wb[u], 8 * h, zfb, s2b);
+                a[2] = dequant2(wa[u], 8 * h + 4, zfa, s2a);
+                a[3] = dequant2(wb[u], 8 * h + 4, zfb, s2b);
+            }
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                const u32 b0 = h ? q.x[nb][u].z : q.x[nb][u].x, b1 = h ? q.x[nb][u].w : q.x[nb][u].y;
+                if constexpr (BF16) mma16816_bf16(acc[nb], a, b0, b1);
+                else mma16816(acc[nb], a, b0, b1);
+            }
+        }
+    }
+}
+
+template <int KW, int NB, int PF, int G, int BF16>
+__global__ void __launch_bounds__(KW * 32)
+w4a16_mma_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
+               const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int K, int ldx, int has_bias) {
+    static_assert(G % 32 == 0, "a lane's 32 k of a chunk lie in one group");
+    __shared__ float red[KW][NB * 8][16];  // the warps' partial sums: [warp][batch row][W row]
+    pdl_release();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 16, m0 = blockIdx.y * NB * 8;
+    const int na = min(n0 + g, N - 1), nb8 = min(n0 + g + 8, N - 1);
+    const int KG = K / G, KC = K >> 7;
+    const u32* ra = qw + (size_t)na * (K >> 3);
+    const u32* rb = qw + (size_t)nb8 * (K >> 3);
+    const u16* sa = sc + (size_t)na * KG;
+    const u16* sb = sc + (size_t)nb8 * KG;
+    const u8* za = zp + (size_t)na * KG;
+    const u8* zb = zp + (size_t)nb8 * KG;
+    const u16* xr[NB];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) xr[nb] = x + (size_t)min(m0 + 8 * nb + g, M - 1) * ldx;
+    MmaGemvChunk<NB> q[PF];  // a ring of the warp's next PF chunks
+#pragma unroll
+    for (int i = 0; i < PF; ++i)
+        if (warp + i * KW < KC) mma_gemv_load_weights<NB, G>(q[i], ra, rb, sa, sb, za, zb, warp + i * KW, t);
+    pdl_wait();
+#pragma unroll
+    for (int i = 0; i < PF; ++i)
+        if (warp + i * KW < KC) mma_gemv_load_x<NB>(q[i], xr, warp + i * KW, t);
+    float acc[NB][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nb][e] = 0.f;
+    for (int base = warp; base < KC; base += PF * KW) {
+#pragma unroll
+        for (int i = 0; i < PF; ++i) {  // compute a slot, then refill it with the chunk PF turns ahead
+            const int chunk = base + i * KW;
+            if (chunk < KC) {
+                mma_gemv_compute<NB, BF16>(q[i], acc);
+                if (chunk + PF * KW < KC) {
+                    mma_gemv_load_weights<NB, G>(q[i], ra, rb, sa, sb, za, zb, chunk + PF * KW, t);
+                    mma_gemv_load_x<NB>(q[i], xr, chunk + PF * KW, t);
+                }
+            }
+        }
+    }
+    // C of tile nb: acc[nb][0 / 1] = (W row g, batch rows 8 nb + 2t / + 1), acc[nb][2 / 3] the same for row g + 8
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+        red[warp][8 * nb + 2 * t][g] = acc[nb][0];
+        red[warp][8 * nb + 2 * t + 1][g] = acc[nb][1];
+        red[warp][8 * nb + 2 * t][g + 8] = acc[nb][2];
+        red[warp][8 * nb + 2 * t + 1][g + 8] = acc[nb][3];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < NB * 8 * 16; i += KW * 32) {
+        const int r = i >> 4, c = i & 15;
+        const int m = m0 + r, n = n0 + c;
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < KW; ++w) v += red[w][r][c];
+        if (m < M && n < N) {
+            if (has_bias) v += act_to_float<BF16>(bias[n]);
+            u16 h;
+            if constexpr (BF16) h = (u16)bf16_bits(v);
+            else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+            y[(size_t)m * N + n] = h;
         }
     }
 }
