@@ -87,9 +87,9 @@ def test_table_round_trip_keeps_the_variant(tmp_path):
 
 
 def test_selection_order_and_switch(monkeypatch):
-    """Where it may run (the probe answers yes here): its entry wins over the main table's for the same key;
-    with VLMCTL_W4A16_MMA_GEMV=0 the main table's entry is taken; on the CPU (the real probe) never; at fp16
-    batch 1 the CUDA GEMV's entry still comes first."""
+    """Where it may run (the probe answers yes here): its entry wins over the main table's for the same key,
+    and untabled shapes take its rule at 2-8 rows (and one bf16 row); with VLMCTL_W4A16_MMA_GEMV=0 neither;
+    on the CPU (the real probe) never; at fp16 batch 1 the CUDA GEMV's entry still comes first."""
     n, k, g = 4104, 4096, 128  # a shape the shipped table does not hold
     mma = W.Config("mma", block_n=128, block_k=64, block_m=16, split_k=4, num_warps=8, num_stages=4)
     cu = W.Config("gemv_cuda", block_n=16, num_warps=4, num_stages=2)
@@ -108,8 +108,17 @@ def test_selection_order_and_switch(monkeypatch):
         assert W.select_config(5, n, k, g, torch.float16) == _cfg(8, 8, 3)  # same bucket
         assert W.select_config(1, n, k, g, torch.float16) == cu
         assert W.select_config(16, n, k, g, torch.float16).kernel != "mma_gemv"  # no entry for bucket 16
+        # untabled: the rule at 2-8 rows (fp16, bf16) and at one bf16 row; not at 16 rows, not for a K the
+        # kernel cannot take
+        rule = W.heuristic_mma_gemv_config(n, k, g)
+        for m, dt in ((2, torch.float16), (4, torch.bfloat16), (1, torch.bfloat16)):
+            assert W.select_config(m, n, 4224, g, dt) == W.heuristic_mma_gemv_config(n, 4224, g)
+        assert W.select_config(16, n, 4224, g, torch.float16).kernel != "mma_gemv"
+        assert W.select_config(4, n, 4160, 64, torch.float16).kernel != "mma_gemv"  # K % 128 != 0
+        assert (rule.num_stages, W.heuristic_mma_gemv_config(12288, k, g).num_stages) == (3, 1)
         monkeypatch.setenv("VLMCTL_W4A16_MMA_GEMV", "0")
         assert W.select_config(8, n, k, g, torch.float16) == mma
+        assert W.select_config(2, n, 4224, g, torch.float16).kernel != "mma_gemv"
     finally:
         for t, s in zip(tables, saved):
             t.clear()

@@ -225,6 +225,14 @@ def heuristic_config(m: int, n: int, k: int, group_size: int, sms: int = 132, mm
     return c if c.valid_for(n, k, group_size) else Config("dequant_mm")
 
 
+def heuristic_mma_gemv_config(n: int, k: int, group_size: int) -> Config:
+    """The "mma_gemv" config for 1-8 rows at shapes the tuned table does not hold (selection takes it there
+    for batches 2-8, and for batch 1 in bf16, where neither the CUDA nor the half2 GEMV runs): the H200 sweeps of
+    a 7B decoder's linears (docs/benchmarks.md, session 12) chose 8 batch rows and 8 warps everywhere,
+    one chunk in flight per warp for the large N (qkv, gate_up) and three for the small (o, down)."""
+    return Config("mma_gemv", block_n=16, block_m=8, num_warps=8, num_stages=1 if n >= 8192 else 3)
+
+
 def heuristic_mma_config(n: int, k: int, group_size: int, sms: int = 132, dtype="float16",
                          block_m: int = 16) -> Config:
     """The "mma" config for 2-16 rows at shapes the tuned table does not hold, from H200 sweeps over the
@@ -431,6 +439,10 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None, *
         return c
     if half2 and (c := heuristic_h2_config(m, n, k, group_size, _sm_count(device))) is not None \
             and c.valid_for(n, k, group_size):
+        return c
+    few_rows = 2 <= bucket(m) <= 8 or (bucket(m) == 1 and _dtype_name(dtype) == "bfloat16")
+    if few_rows and _mma_gemv_ok(dtype, device) \
+            and (c := heuristic_mma_gemv_config(n, k, group_size)).valid_for(n, k, group_size):
         return c
     return heuristic_config(m, n, k, group_size, _sm_count(device), mma=_mma_heuristic_ok(dtype, device),
                             dtype=dtype)
@@ -830,7 +842,7 @@ def w4a16_linear(x, packed: dict, group_size: int, bias=None):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         cfg = select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device)
-        if cfg.kernel in ("mma", "mma_gemv") and not mma_runs(x2, qw):  # no NVRTC here, or unaligned views: Triton instead
+        if cfg.kernel in ("mma", "mma_gemv") and not mma_runs(x2, qw):  # no NVRTC, or unaligned views: Triton
             cfg = heuristic_config(x2.shape[0], n, k, group_size, _sm_count(x2.device), mma=False)
         elif cfg.kernel == "gemv_cuda" and not gemv_cuda_runs(x2, qw):  # an unaligned view: the half2 GEMV
             cfg = (heuristic_h2_config(x2.shape[0], n, k, group_size, _sm_count(x2.device))
@@ -924,6 +936,7 @@ def describe(config: Config) -> str:
 __all__ = ["FORMAT", "KEYS", "ORDER", "PACK", "PREFILL_DEQUANT_MIN_M", "Config", "bucket", "candidate_configs",
            "check_packed", "dequantize", "dequantize_into", "describe", "gemv_mode", "h2_candidate_configs",
            "gemv_cuda_candidate_configs", "gemv_cuda_enabled", "heuristic_config",
-           "heuristic_gemv_cuda_config", "heuristic_h2_config", "heuristic_mma_config", "launch", "load_tuned",
+           "heuristic_gemv_cuda_config", "heuristic_h2_config", "heuristic_mma_config", "heuristic_mma_gemv_config",
+           "launch", "load_tuned",
            "pack", "repack_awq_gemm", "repack_gemm_tensors", "save_tuned", "select_config", "set_config",
            "triton_available", "tune", "unpack", "w4a16_linear", "warmup", "weight_bytes"]
