@@ -215,6 +215,31 @@ def test_pdl_steps_equal_plain_launches(fp16_engine, monkeypatch):
     assert with_pdl == plain and with_pdl4 == plain4
 
 
+def test_captured_graphs_keep_their_workspaces_alive(fp16_engine, monkeypatch):
+    """A CUDA graph holds raw pointers, not tensors: the decode attention's split workspaces, allocated
+    outside the graph's pool before capture, must stay referenced as long as the graph. Freed, their
+    memory goes to later tensors that every replay then overwrites (docs/benchmarks.md, session 12: an AWQ
+    Qwen2-VL-7B-shaped decoder's illegal memory access)."""
+    import gc
+    import weakref
+
+    from vlmctl.runtime.decoder import TorchDecoder
+
+    made = []
+    real = TorchDecoder._workspace
+
+    def recording(self, B, splits):
+        ws = real(self, B, splits)
+        made.extend(weakref.ref(t) for t in ws or ())
+        return ws
+
+    monkeypatch.setattr(TorchDecoder, "_workspace", recording)
+    eng, _ = run(fp16_engine, n=1, cuda_graphs=True)
+    gc.collect()
+    assert eng.decoder.use_graphs and made, "no captured step here uses split workspaces: nothing tested"
+    assert all(r() is not None for r in made)
+
+
 @pytest.fixture(scope="module")
 def awq_engine(tmp_path_factory):
     from vlmctl.pipeline import build

@@ -830,6 +830,11 @@ class TorchDecoder:
             return self._decode_body(d[0:B], d[B:2 * B], d[2 * B:3 * B], d[4 * B:4 * B + B * maxb].view(B, maxb),
                                      d[3 * B:4 * B], splits, ws, cross)
 
+        # A graph keeps raw pointers, not tensors: the attention's split workspaces, allocated here outside
+        # the graph's pool, must live as long as the graph does, or the allocator hands their memory to
+        # later tensors that the graph's replays then overwrite.
+        st["workspaces"] = (ws, cross)
+
         d[3 * B:4 * B].fill_(1)
         return st, body
 
