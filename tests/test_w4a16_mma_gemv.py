@@ -44,7 +44,7 @@ def test_mma_gemv_config_rules():
     assert not W.Config("mma_gemv", block_n=32, block_m=8, num_warps=8, num_stages=2).valid_for(4096, 4096, 128)
     assert not W.Config("mma_gemv", block_n=16, block_m=8, num_warps=8, num_stages=2,
                         split_k=2).valid_for(4096, 4096, 128)
-    assert W.describe(_cfg(8, 8, 3)) == "mma_gemv bn16 bk0 bm8 sk1 w8 s3"
+    assert W.describe(_cfg(8, 8, 3)) == "mma_gemv bm8 w8 s3"
     assert W.mma_gemv_kernel_name(_cfg(16, 4, 2), 64) == "w4a16_mma_gemv<4, 2, 2, 64, 0>"
     assert W.mma_gemv_kernel_name(_cfg(8, 8, 3), 128, torch.bfloat16) == "w4a16_mma_gemv<8, 1, 3, 128, 1>"
 

@@ -922,11 +922,13 @@ def tune(packed: dict, group_size: int, m_values, dtype, *, configs=None, warmup
 def describe(config: Config) -> str:
     if config.kernel == "dequant_mm":
         return "dequant_mm"
-    bm = f" bm{config.block_m}" if config.kernel in ("dot", "mma", "mma_gemv") else ""
+    bm = f" bm{config.block_m}" if config.kernel in ("dot", "mma") else ""
     run = f" r{config.run_words}" if config.kernel == "gemv_h2" else ""
     km = " kmajor" if config.k_major else ""
     if config.kernel == "gemv_cuda":
         return f"gemv_cuda bn{config.block_n} w{config.num_warps} s{config.num_stages}"
+    if config.kernel == "mma_gemv":  # 16 weight rows a block, no K blocking or split
+        return f"mma_gemv bm{config.block_m} w{config.num_warps} s{config.num_stages}"
     if config.kernel == "mma" and config.warps_m > 1:
         km += f" wm{config.warps_m}"
     return (f"{config.kernel} bn{config.block_n} bk{config.block_k}{bm} sk{config.split_k} "

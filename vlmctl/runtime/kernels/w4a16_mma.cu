@@ -1,5 +1,6 @@
 // W4A16 on tensor cores with the weights dequantized straight into mma.sync's B-operand registers;
-// at the end of the file, w4a16_gemv, a batch-1 GEMV that shares its dequantization and PDL helpers.
+// further down, w4a16_gemv, a batch-1 GEMV that shares its dequantization and PDL helpers, and at the end
+// w4a16_mma_gemv, that GEMV's shape on the tensor cores for 2-16 rows.
 //
 // Compiled at run time by NVRTC (cuda_rtc.py) for the GPU in use; no headers, so every half2 and
 // memory instruction below is inline PTX. It reads the engine's packed layout unchanged
