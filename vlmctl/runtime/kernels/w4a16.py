@@ -12,8 +12,8 @@ batches up to 64 and for mid-size prefill, and dequantize-to-scratch + cuBLAS fo
 plus "mma", a CUDA kernel (`w4a16_mma.cu`, compiled at run time by NVRTC through `cuda_rtc`) for fp16
 and bf16 decode batches where the tuned table picks it (on an H200: batches 2-32, see the table;
 `VLMCTL_W4A16_MMA=0` turns it off), and from the same source a batch-1 GEMV ("gemv_cuda") and a GEMV
-on the tensor cores for 2-16 rows ("mma_gemv", where the table names it: on an H200 the 7B decoder's linears
-at batches 2-16; `VLMCTL_W4A16_MMA_GEMV=0` turns it off),
+on the tensor cores for 2-16 rows ("mma_gemv": where the table names it, on an H200 the 7B decoder's linears
+at batches 2-16, and by a rule at 2-8 rows elsewhere; `VLMCTL_W4A16_MMA_GEMV=0` turns it off),
 with split-K reduced in-kernel (deterministic, no memset). Which runs is `select_config(M, N, K, G,
 dtype)`: a measured table (`w4a16_tuned.json` beside this file, per GPU name, written by
 `benchmarks/w4a16_gpu.py --table-out`) or else heuristics. Every launch is CUDA-graph capturable
@@ -468,8 +468,8 @@ def _capability(device) -> tuple[int, int]:
 
 
 def _mma_gemv_ok(dtype, device) -> bool:
-    """Whether the tuned table's "mma_gemv" entries may be taken: `mma_gemv_enabled`, fp16/bf16 on a GPU with
-    mma.sync m16n8k16 (compute capability 8.0+) where NVRTC is found."""
+    """Whether "mma_gemv" may be selected (table entries or rule): `mma_gemv_enabled`, fp16/bf16 on a GPU
+    with mma.sync m16n8k16 (compute capability 8.0+) where NVRTC is found."""
     if not mma_gemv_enabled() or _dtype_name(dtype) not in ("float16", "bfloat16"):
         return False
     return getattr(device, "type", None) == "cuda" and _capability(device) >= (8, 0) and mma_available()
@@ -756,8 +756,8 @@ def _launch_mma(x2, packed: dict, group_size: int, config: Config, bias, y) -> N
 
 
 def mma_gemv_enabled() -> bool:
-    """Whether selection may take the tuned table's "mma_gemv" entries (default on;
-    `VLMCTL_W4A16_MMA_GEMV=0` falls back to the table's other entries for those batches)."""
+    """Whether selection may take the tuned table's "mma_gemv" entries and its rule for untabled shapes
+    (default on; `VLMCTL_W4A16_MMA_GEMV=0` falls back to the table's other entries and rules)."""
     return os.environ.get("VLMCTL_W4A16_MMA_GEMV", "1").strip().lower() not in ("0", "off", "false")
 
 
