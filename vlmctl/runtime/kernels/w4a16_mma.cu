@@ -753,3 +753,222 @@ w4a16_mma_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__
         }
     }
 }
+
+
+
+// ---------------------------------------------------------------------------------------------------
+// w4a16_mma_stream: decode batches of 16-64 rows; the tensor-core GEMV above, with x shared by the warps.
+//
+// Past 8-16 rows the tensor-core GEMV's per-lane x loads outgrow its weight loads (each 16-row block reads
+// all of x once), and the mma kernel, which shares x through a cp.async ring, also streams the weights
+// through that ring behind a block-wide barrier per chunk (latency-bound on an H200 at 64 rows: session 7's
+// profile). Here the warps of a block share x through shared memory and each streams its own W rows
+// straight into registers, as the GEMV does: warp w owns MT 16-row tiles of W (the A operand, dequantized
+// into the A registers; the same permuted K order as w4a16_mma_gemv, so each lane loads only its own 16
+// bytes of a row) and walks every chunk of the block's K range with its next PF chunks' weights loaded
+// ahead; the block's 8 NB batch rows of x (B, 8 per n8 tile) come through shared memory in slices of SK
+// chunks, double-buffered by cp.async, two barriers a slice. Each B fragment read from shared memory
+// serves MT tiles of W, each dequantized A serves NB tiles of x.
+// Shared-memory layout of a slice row: 16-byte unit j (8 k) of the slice at unit j ^ ((j >> 3) & 1), rows
+// SK * 256 + 32 bytes apart: the 8 lanes of each quarter-warp (rows g, g + 1; t = 0..3) then hit distinct
+// banks with their 16-byte reads of units 4t + u.
+// Split-K over gridDim.y in whole chunks (a split's fp32 partials to ws; the tile's last block to take a
+// ticket sums them in split order, deterministic, and resets the ticket), batch-row tiles over gridDim.z.
+// Batch rows past M are zero-filled and not stored; W rows past N read row N - 1 and are not stored.
+// PDL: the first PF chunks' weights, scales and zero points are loaded before griddepcontrol.wait.
+
+template <int MT>
+struct MmaStreamChunk {
+    u32x4 wa[MT], wb[MT];          // W rows g and g + 8 of each tile: words 4t .. 4t+3 of the chunk
+    u32 sa[MT], za[MT], sb[MT], zb[MT];  // their scale bits and zero points for those k
+};
+
+__device__ __forceinline__ u32x4 lds128(u32 addr) {
+    u32x4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+
+template <int NW, int MT, int NB, int PF, int SK, int G, int BF16>
+__global__ void __launch_bounds__(NW * 32)
+w4a16_mma_stream(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
+                 const u16* __restrict__ bias, u16* __restrict__ y, float* __restrict__ ws, int* __restrict__ cnt,
+                 int M, int N, int K, int ldx, int has_bias) {
+    static_assert(G % 32 == 0, "a lane's 32 k of a chunk lie in one group");
+    constexpr int BN = NW * 16 * MT, BM = NB * 8, THREADS = NW * 32;
+    constexpr int XS = SK * 128 + 16;  // halfs per x row of a slice buffer
+    constexpr int PIECES = BM * SK * 16;  // 16-byte pieces of a slice
+    extern __shared__ __align__(16) u8 smem[];
+    __shared__ int is_last;
+    pdl_release();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int nw0 = blockIdx.x * BN + warp * 16 * MT;  // the warp's first W row
+    const int m0 = blockIdx.z * BM;
+    const int split = blockIdx.y, splits = gridDim.y;
+    const int KC = K >> 7, KG = K / G;
+    const int c_begin = (int)((long long)split * KC / splits), c_end = (int)((long long)(split + 1) * KC / splits);
+    const int nslices = (c_end - c_begin + SK - 1) / SK;
+    const u32* ra[MT];
+    const u32* rb[MT];
+    int na[MT], nb8[MT];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        na[i] = min(nw0 + 16 * i + g, N - 1);
+        nb8[i] = min(nw0 + 16 * i + g + 8, N - 1);
+        ra[i] = qw + (size_t)na[i] * (K >> 3);
+        rb[i] = qw + (size_t)nb8[i] * (K >> 3);
+    }
+    auto load_w = [&](MmaStreamChunk<MT>& q, int chunk) {
+        const int grp = (128 * chunk + 32 * t) / G;
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            q.wa[i] = ld_stream16(ra[i] + 16 * chunk + 4 * t);
+            q.wb[i] = ld_stream16(rb[i] + 16 * chunk + 4 * t);
+            q.sa[i] = sc[(size_t)na[i] * KG + grp];
+            q.sb[i] = sc[(size_t)nb8[i] * KG + grp];
+            q.za[i] = zp[(size_t)na[i] * KG + grp];
+            q.zb[i] = zp[(size_t)nb8[i] * KG + grp];
+        }
+    };
+    const u32 xs0 = smem_addr(smem);
+    auto load_slice = [&](int s) {  // cp.async slice s of x into buffer s & 1 (nothing past the split)
+        if (s < nslices) {
+            const int c0 = c_begin + s * SK, nc = min(SK, c_end - c0);
+            const u32 buf = xs0 + (s & 1) * (BM * XS * 2);
+#pragma unroll
+            for (int p0 = 0; p0 < PIECES; p0 += THREADS) {
+                const int p = p0 + tid;
+                if (PIECES % THREADS == 0 || p < PIECES) {
+                    const int r = p / (SK * 16), j = p % (SK * 16);
+                    if (j < nc * 16) {
+                        const bool ok = m0 + r < M;
+                        cp_async16_s(buf + (r * XS + 8 * (j ^ ((j >> 3) & 1))) * 2,
+                                     x + (size_t)(ok ? m0 + r : 0) * ldx + 128 * c0 + 8 * j, ok);
+                    }
+                }
+            }
+        }
+        cp_async_commit();  // one group per slice, empty or not: the waits below count on it
+    };
+    MmaStreamChunk<MT> q[PF];
+#pragma unroll
+    for (int i = 0; i < PF; ++i)
+        if (c_begin + i < c_end) load_w(q[i], c_begin + i);
+    pdl_wait();
+    load_slice(0);
+    load_slice(1);
+    float acc[MT][NB][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][nb][e] = 0.f;
+    // the B reads of lane (g, t): row 8 nb + g, units 4t + u of a chunk, swizzled as stored
+    const u32 xrow = (g * XS) * 2;
+    for (int base = c_begin; base < c_end; base += PF) {
+#pragma unroll
+        for (int slot = 0; slot < PF; ++slot) {
+            const int c = base + slot;
+            if (c < c_end) {
+                const int rel = c - c_begin, s = rel / SK, cc = rel - s * SK;
+                if (cc == 0) {  // a new slice: its copies done and seen by all; the buffer before it free
+                    if (s > 0) {
+                        __syncthreads();
+                        load_slice(s + 1);
+                    }
+                    cp_async_wait<1>();
+                    __syncthreads();
+                }
+                const u32 buf = xs0 + (s & 1) * (BM * XS * 2) + xrow;
+                u32 zfa[MT], s2a[MT], sla[MT], zfb[MT], s2b[MT], slb[MT];
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    group_consts<BF16>(q[slot].sa[i], q[slot].za[i], zfa[i], s2a[i], sla[i]);
+                    group_consts<BF16>(q[slot].sb[i], q[slot].zb[i], zfb[i], s2b[i], slb[i]);
+                }
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int j = 16 * cc + 4 * t + u;
+                    u32x4 xb[NB];
+#pragma unroll
+                    for (int nb = 0; nb < NB; ++nb) xb[nb] = lds128(buf + (8 * nb * XS + 8 * (j ^ ((j >> 3) & 1))) * 2);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                        for (int i = 0; i < MT; ++i) {
+                            const u32 wa = u == 0 ? q[slot].wa[i].x : u == 1 ? q[slot].wa[i].y : u == 2 ? q[slot].wa[i].z : q[slot].wa[i].w;
+                            const u32 wb = u == 0 ? q[slot].wb[i].x : u == 1 ? q[slot].wb[i].y : u == 2 ? q[slot].wb[i].z : q[slot].wb[i].w;
+                            u32 a[4];
+                            if constexpr (BF16) {
+                                a[0] = dequant2_bf16(wa, 8 * h, zfa[i], s2a[i], sla[i]);
+                                a[1] = dequant2_bf16(wb, 8 * h, zfb[i], s2b[i], slb[i]);
+                                a[2] = dequant2_bf16(wa, 8 * h + 4, zfa[i], s2a[i], sla[i]);
+                                a[3] = dequant2_bf16(wb, 8 * h + 4, zfb[i], s2b[i], slb[i]);
+                            } else {
+                                a[0] = dequant2(wa, 8 * h, zfa[i], s2a[i]);
+                                a[1] = dequant2(wb, 8 * h, zfb[i], s2b[i]);
+                                a[2] = dequant2(wa, 8 * h + 4, zfa[i], s2a[i]);
+                                a[3] = dequant2(wb, 8 * h + 4, zfb[i], s2b[i]);
+                            }
+#pragma unroll
+                            for (int nb = 0; nb < NB; ++nb) {
+                                const u32 b0 = h ? xb[nb].z : xb[nb].x, b1 = h ? xb[nb].w : xb[nb].y;
+                                if constexpr (BF16) mma16816_bf16(acc[i][nb], a, b0, b1);
+                                else mma16816(acc[i][nb], a, b0, b1);
+                            }
+                        }
+                    }
+                }
+                if (c + PF < c_end) load_w(q[slot], c + PF);
+            }
+        }
+    }
+    // C of (tile i, n8 tile nb): acc[i][nb][0 / 1] = (W row g, batch rows 8 nb + 2t / + 1), [2 / 3] row g + 8
+    if (splits > 1) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int n = nw0 + 16 * i + g + 8 * (e >> 1), m = m0 + 8 * nb + 2 * t + (e & 1);
+                    if (m < M && n < N) ws[((size_t)split * M + m) * N + n] = acc[i][nb][e];
+                }
+        fence_gpu();
+        __syncthreads();
+        int* ticket = cnt + blockIdx.z * gridDim.x + blockIdx.x;
+        if (tid == 0) {
+            int got;
+            asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(got) : "l"(ticket));
+            is_last = got == splits - 1;
+        }
+        __syncthreads();
+        if (!is_last) return;
+        fence_gpu();
+        if (tid == 0) *ticket = 0;
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int n = nw0 + 16 * i + g + 8 * (e >> 1), m = m0 + 8 * nb + 2 * t + (e & 1);
+                if (m >= M || n >= N) continue;
+                float v = acc[i][nb][e];
+                if (splits > 1) {  // in split order, so the result does not depend on which block came last
+                    v = 0.f;
+                    for (int s = 0; s < splits; ++s) {
+                        float p;
+                        asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(p) : "l"(ws + ((size_t)s * M + m) * N + n));
+                        v += p;
+                    }
+                }
+                if (has_bias) v += act_to_float<BF16>(bias[n]);
+                u16 h;
+                if constexpr (BF16) h = (u16)bf16_bits(v);
+                else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+                y[(size_t)m * N + n] = h;
+            }
+}
