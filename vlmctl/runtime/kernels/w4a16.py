@@ -48,12 +48,8 @@ _TUNED: dict = {}  # (device name, bucket, N, K, G, dtype name) -> Config
 _TUNED_H2: dict = {}  # the same for the half2 GEMV ("variant": "h2" in the table), per gemv_mode()
 _TUNED_CUDA: dict = {}  # and for the CUDA GEMV ("variant": "cuda"), where it can run
 _TUNED_MMA_GEMV: dict = {}  # and for the tensor-core GEMV ("variant": "mma_gemv"), unless switched off
-_TUNED_MMA_STREAM: dict = {}  # and for its shared-x form ("variant": "mma_stream"), unless switched off
 _TUNED_LOADED = False
-_VARIANT_TABLES = {"h2": _TUNED_H2, "cuda": _TUNED_CUDA, "mma_gemv": _TUNED_MMA_GEMV, "mma_stream": _TUNED_MMA_STREAM}
-# which variant table a config of each kernel is pinned in (`set_config`); other kernels: _TUNED
-_KERNEL_TABLES = {"gemv_h2": _TUNED_H2, "gemv_cuda": _TUNED_CUDA, "mma_gemv": _TUNED_MMA_GEMV,
-                  "mma_stream": _TUNED_MMA_STREAM}
+_VARIANT_TABLES = {"h2": _TUNED_H2, "cuda": _TUNED_CUDA, "mma_gemv": _TUNED_MMA_GEMV}
 _SM_COUNT: dict = {}
 
 
@@ -95,10 +91,7 @@ class Config:
     computed; block_k and split_k unused), or "mma_gemv" (the same source's GEMV on the tensor cores for
     2-16 rows, fp16 or bf16 x: 16 weight rows per block (block_n 16), block_m = 8 or 16 batch rows per
     block, num_warps warps taking the 128-k chunks in turn, each loading num_stages chunks ahead; needs
-    K % 128 == 0 and groups of a multiple of 32), or "mma_stream" (that GEMV with x shared by the warps
-    through shared memory, for 16-64 rows: num_warps warps each owning block_n // (16 * num_warps) 16-row
-    tiles of W, block_m = 8-64 batch rows per block, x staged in slices of block_k (128, 256 or 512) k,
-    num_stages chunks of weights loaded ahead, split_k slices of K; the same K and group conditions).
+    K % 128 == 0 and groups of a multiple of 32).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
     next K block into registers while computing the current one, 1 that it does not."""
 
@@ -131,14 +124,6 @@ class Config:
             return (self.block_n == 16 and self.block_m in (8, 16) and self.num_warps in (1, 2, 4, 8, 16)
                     and 1 <= self.num_stages <= 4 and self.split_k == 1 and group_size % 32 == 0
                     and k % 128 == 0 and k % group_size == 0)
-        if self.kernel == "mma_stream":
-            mt, rem = divmod(self.block_n, 16 * max(1, self.num_warps))
-            nb = self.block_m // 8
-            return (self.num_warps in (1, 2, 4, 8, 16) and rem == 0 and 1 <= mt <= 4 and self.block_m % 8 == 0
-                    and 1 <= nb <= 8 and mt * nb <= 16 and self.block_k in (128, 256, 512)
-                    and 1 <= self.num_stages <= 4 and 1 <= self.split_k <= max(1, k // 128)
-                    and mma_stream_shared_bytes(self) <= MMA_MAX_SHARED
-                    and group_size % 32 == 0 and k % 128 == 0 and k % group_size == 0)
         if self.kernel == "gemv_cuda":
             rpw, rem = divmod(self.block_n, max(1, self.num_warps))
             return (self.num_warps in (1, 2, 4, 8, 16) and rem == 0 and rpw in (1, 2, 4, 8)
@@ -430,7 +415,7 @@ def set_config(m: int, n: int, k: int, group_size: int, dtype, config: Config, d
     """Pin the config used for (bucket(m), N, K, G, dtype) on this device's GPU model."""
     if not config.valid_for(n, k, group_size):
         raise ValueError(f"{config} does not fit N={n} K={k} G={group_size}")
-    table = _KERNEL_TABLES.get(config.kernel, _TUNED)
+    table = {"gemv_h2": _TUNED_H2, "gemv_cuda": _TUNED_CUDA, "mma_gemv": _TUNED_MMA_GEMV}.get(config.kernel, _TUNED)
     table[(_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))] = config
 
 
@@ -445,9 +430,8 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None, *
     # measured entries first (the CUDA GEMV's, the half2 GEMV's, the tensor-core GEMV's, then any other
     # kernel's), then the untuned rules
     mma_gemv = _TUNED_MMA_GEMV.get(key) if _mma_gemv_ok(dtype, device) else None
-    mma_stream = _TUNED_MMA_STREAM.get(key) if _mma_gemv_ok(dtype, device, "stream") else None
     measured = ((_TUNED_CUDA.get(key) if cuda_gemv else None), (_TUNED_H2.get(key) if half2 else None),
-                mma_gemv, mma_stream, _TUNED.get(key))
+                mma_gemv, _TUNED.get(key))
     for c in measured:
         if c is not None and c.valid_for(n, k, group_size):
             return c
@@ -483,11 +467,10 @@ def _capability(device) -> tuple[int, int]:
     return _CAPABILITY[idx]
 
 
-def _mma_gemv_ok(dtype, device, form: str = "gemv") -> bool:
-    """Whether "mma_gemv" (form "gemv": table entries or rule) or "mma_stream" (form "stream": table
-    entries) may be selected: `mma_gemv_enabled(form)`, fp16/bf16 on a GPU with mma.sync m16n8k16
-    (compute capability 8.0+) where NVRTC is found."""
-    if not mma_gemv_enabled(form) or _dtype_name(dtype) not in ("float16", "bfloat16"):
+def _mma_gemv_ok(dtype, device) -> bool:
+    """Whether "mma_gemv" may be selected (table entries or rule): `mma_gemv_enabled`, fp16/bf16 on a GPU
+    with mma.sync m16n8k16 (compute capability 8.0+) where NVRTC is found."""
+    if not mma_gemv_enabled() or _dtype_name(dtype) not in ("float16", "bfloat16"):
         return False
     return getattr(device, "type", None) == "cuda" and _capability(device) >= (8, 0) and mma_available()
 
@@ -576,12 +559,11 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     y = out if out is not None else torch.empty(m, n_out, dtype=x2.dtype, device=x2.device)
     if m == 0 or n == 0:
         return y
-    if config.kernel in MMA_KERNELS:
+    if config.kernel in ("mma", "mma_gemv"):
         if not mma_runs(x2, qw):
             raise ValueError(f"the {config.kernel} kernel needs fp16 or bf16 x on CUDA with 16-byte aligned rows "
                              "and weights, and NVRTC")
-        {"mma": _launch_mma, "mma_gemv": _launch_mma_gemv, "mma_stream": _launch_mma_stream}[config.kernel](
-            x2, packed, group_size, config, bias, y)
+        (_launch_mma if config.kernel == "mma" else _launch_mma_gemv)(x2, packed, group_size, config, bias, y)
         return y
     if config.kernel == "gemv_cuda":
         if not gemv_cuda_runs(x2, qw):
@@ -638,7 +620,6 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
 
 
 ACT_MUL_KERNELS = ("gemv", "gemv_h2")  # the kernels whose epilogue can apply act(gate) * up
-MMA_KERNELS = ("mma", "mma_gemv", "mma_stream")  # the CUDA tensor-core kernels of w4a16_mma.cu
 
 
 def act_mul_fusion_enabled() -> bool:
@@ -774,12 +755,10 @@ def _launch_mma(x2, packed: dict, group_size: int, config: Config, bias, y) -> N
                 x2.device, pdl=mma_pdl(x2.device))
 
 
-def mma_gemv_enabled(form: str = "gemv") -> bool:
+def mma_gemv_enabled() -> bool:
     """Whether selection may take the tuned table's "mma_gemv" entries and its rule for untabled shapes
-    (form "gemv"; default on, `VLMCTL_W4A16_MMA_GEMV=0` falls back to the table's other entries and
-    rules), or its "mma_stream" entries (form "stream"; default on, `VLMCTL_W4A16_MMA_STREAM=0`)."""
-    var = {"gemv": "VLMCTL_W4A16_MMA_GEMV", "stream": "VLMCTL_W4A16_MMA_STREAM"}[form]
-    return os.environ.get(var, "1").strip().lower() not in ("0", "off", "false")
+    (default on; `VLMCTL_W4A16_MMA_GEMV=0` falls back to the table's other entries and rules)."""
+    return os.environ.get("VLMCTL_W4A16_MMA_GEMV", "1").strip().lower() not in ("0", "off", "false")
 
 
 def mma_gemv_kernel_name(config: Config, group_size: int, dtype="float16") -> str:
@@ -799,41 +778,6 @@ def _launch_mma_gemv(x2, packed: dict, group_size: int, config: Config, bias, y)
     # PDL as for the GEMVs: the kernel reads only weights, scales and zero points before its wait
     kern.launch((triton_cdiv(n, 16), triton_cdiv(m, config.block_m), 1), (32 * config.num_warps, 1, 1), 0,
                 [x2, qw, s, z, bias, y, m, n, k, x2.stride(0), int(bias is not None)], x2.device,
-                pdl=pdl.enabled(x2.device))
-
-
-def mma_stream_kernel_name(config: Config, group_size: int, dtype="float16") -> str:
-    """The template instance of `w4a16_mma.cu`'s w4a16_mma_stream that runs `config` on `dtype` activations."""
-    bf16 = {"float16": 0, "bfloat16": 1}[_dtype_name(dtype)]
-    mt = config.block_n // (16 * config.num_warps)
-    return (f"w4a16_mma_stream<{config.num_warps}, {mt}, {config.block_m // 8}, {config.num_stages}, "
-            f"{config.block_k // 128}, {group_size}, {bf16}>")
-
-
-def mma_stream_shared_bytes(config: Config) -> int:
-    """Dynamic shared memory of one "mma_stream" block: two x slice buffers of block_m rows, each row
-    block_k + 16 halfs (the .cu's XS)."""
-    return 2 * config.block_m * (config.block_k + 16) * 2
-
-
-def _launch_mma_stream(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:
-    import torch
-
-    from . import cuda_rtc, pdl
-
-    qw, s, z = (packed[key] for key in KEYS)
-    m, k = x2.shape
-    n = qw.shape[0]
-    kern = cuda_rtc.load_kernel(mma_source(), mma_stream_kernel_name(config, group_size, x2.dtype), x2.device)
-    split = max(1, min(config.split_k, k // 128))
-    grid = (triton_cdiv(n, config.block_n), split, triton_cdiv(m, config.block_m))
-    mb = max(m, bucket(m))
-    ws = _buffer(x2.device, "ws", split * mb * n if split > 1 else 1, torch.float32)
-    cnt = _buffer(x2.device, "cnt", grid[0] * triton_cdiv(mb, config.block_m) if split > 1 else 1, torch.int32,
-                  zero=True)
-    # PDL as for the GEMVs: the kernel reads only weights, scales and zero points before its wait
-    kern.launch(grid, (32 * config.num_warps, 1, 1), mma_stream_shared_bytes(config),
-                [x2, qw, s, z, bias, y, ws, cnt, m, n, k, x2.stride(0), int(bias is not None)], x2.device,
                 pdl=pdl.enabled(x2.device))
 
 
@@ -898,7 +842,7 @@ def w4a16_linear(x, packed: dict, group_size: int, bias=None):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         cfg = select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device)
-        if cfg.kernel in MMA_KERNELS and not mma_runs(x2, qw):  # no NVRTC, or unaligned views: Triton
+        if cfg.kernel in ("mma", "mma_gemv") and not mma_runs(x2, qw):  # no NVRTC, or unaligned views: Triton
             cfg = heuristic_config(x2.shape[0], n, k, group_size, _sm_count(x2.device), mma=False)
         elif cfg.kernel == "gemv_cuda" and not gemv_cuda_runs(x2, qw):  # an unaligned view: the half2 GEMV
             cfg = (heuristic_h2_config(x2.shape[0], n, k, group_size, _sm_count(x2.device))
@@ -985,9 +929,6 @@ def describe(config: Config) -> str:
         return f"gemv_cuda bn{config.block_n} w{config.num_warps} s{config.num_stages}"
     if config.kernel == "mma_gemv":  # 16 weight rows a block, no K blocking or split
         return f"mma_gemv bm{config.block_m} w{config.num_warps} s{config.num_stages}"
-    if config.kernel == "mma_stream":
-        return (f"mma_stream bn{config.block_n} bk{config.block_k} bm{config.block_m} sk{config.split_k} "
-                f"w{config.num_warps} s{config.num_stages}")
     if config.kernel == "mma" and config.warps_m > 1:
         km += f" wm{config.warps_m}"
     return (f"{config.kernel} bn{config.block_n} bk{config.block_k}{bm} sk{config.split_k} "
@@ -998,6 +939,6 @@ __all__ = ["FORMAT", "KEYS", "ORDER", "PACK", "PREFILL_DEQUANT_MIN_M", "Config",
            "check_packed", "dequantize", "dequantize_into", "describe", "gemv_mode", "h2_candidate_configs",
            "gemv_cuda_candidate_configs", "gemv_cuda_enabled", "heuristic_config",
            "heuristic_gemv_cuda_config", "heuristic_h2_config", "heuristic_mma_config", "heuristic_mma_gemv_config",
-           "launch", "mma_stream_kernel_name", "mma_stream_shared_bytes", "load_tuned",
+           "launch", "load_tuned",
            "pack", "repack_awq_gemm", "repack_gemm_tensors", "save_tuned", "select_config", "set_config",
            "triton_available", "tune", "unpack", "w4a16_linear", "warmup", "weight_bytes"]
