@@ -175,6 +175,7 @@ def test_sampling_params_validate_the_extras():
 def test_extras_on_cuda(tmp_path):
     """On the GPU: masks and penalties are applied to device logits, constrained outputs are valid,
     and the engine's extra state lives on the device."""
+    pytest.importorskip("llguidance", reason="structured outputs need the grammar engine (the dev extra)")
     from conftest import write_recipe
     from tiny_models import make_llava
 

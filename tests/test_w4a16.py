@@ -549,13 +549,19 @@ def test_w4a16_act_mul_declines_off_the_gpu_and_with_the_switch(monkeypatch):
 def test_gpu_act_mul_at_7b_gate_up_and_in_a_graph(dtype, activation, monkeypatch):
     """What the decoder runs at batch 1: `w4a16_act_mul` on LLaVA-1.5-7B's gate_up (the config
     select_config picks) equals w4a16_linear + the act·mul kernel bit for bit, eager and replayed
-    from a CUDA graph; with the switch off it declines."""
+    from a CUDA graph; with the switch off it declines. Where selection picks a kernel without the
+    fused epilogue (bf16 on an H200: the tensor-core GEMV's table entry), it declines, and the epilogue
+    is checked on the Triton GEMV that selection falls back to without that kernel."""
     from vlmctl.runtime.kernels.fused import act_mul
 
     n, k = LLAVA_7B["gate_up"]
     g = 128
     p = _case(n, k, g, seed=3, device="cuda")
     x = torch.randn(1, k, device="cuda", dtype=dtype)
+    if W.select_config(1, n, k, g, dtype, x.device, cuda_gemv_rule=False).kernel not in W.ACT_MUL_KERNELS:
+        assert W.w4a16_act_mul(x, p, g, activation) is None
+        monkeypatch.setenv("VLMCTL_W4A16_MMA_GEMV", "0")
+        assert W.select_config(1, n, k, g, dtype, x.device, cuda_gemv_rule=False).kernel in W.ACT_MUL_KERNELS
     W.warmup([p], g, [1], dtype, "cuda", act_mul=[p], activation=activation)
     want = act_mul(W.w4a16_linear(x, p, g), activation)
     got = W.w4a16_act_mul(x, p, g, activation)
