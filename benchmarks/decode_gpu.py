@@ -339,6 +339,7 @@ def main():
         for value in values:
             if var is not None:
                 os.environ[var] = value
+                dec._fused = False  # the fused batch-1 step is chosen again (VLMCTL_FUSED_STEP)
                 dec._graphs.clear()
                 dec._graph_pool = None  # a fresh pool: the old graphs' pool is released with them
                 sync()

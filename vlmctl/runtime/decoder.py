@@ -291,6 +291,8 @@ class TorchDecoder:
         self.use_graphs = self.device.type == "cuda" and cuda_graphs_allowed()
         self._graphs: dict[tuple[int, bool], tuple] = {}
         self._graph_pool = None
+        self._fused = False  # the fused batch-1 step: not built yet (see _fused_step)
+        self.fused_step_reason = None if self.device.type == "cuda" else "not on a GPU"
         self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if self.device.type == "cuda" else 1)
         # batch-1 float linears run the Triton GEMV where it was measured faster (kernels.gemv.preferred;
@@ -480,7 +482,8 @@ class TorchDecoder:
     def _final(self, residual: torch.Tensor, h_out: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         if rows is not None:
             residual, h_out = residual.index_select(0, rows), h_out.index_select(0, rows)
-        h = self._norm(h_out.contiguous(), self.norm, residual.contiguous())
+        h = (self._norm(residual, self.norm) if h_out is None else
+             self._norm(h_out.contiguous(), self.norm, residual.contiguous()))
         logits = F.linear(h, self.lm_head)
         if self.final_softcap is not None:  # in the model dtype, as transformers does
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
@@ -687,8 +690,20 @@ class TorchDecoder:
 
             xb.attend = cross_attend
         x = self._embed_tokens(ids)
+        fused = self._fused_step() if xb is None and x.shape[0] == 1 else None
+        if fused is not None:  # every layer in one persistent kernel (kernels/fused_step.py)
+            return self._final(fused.run(x, positions, slots, block_tables, context_lens), None, None)
         residual, h_out = self._layers(x, attend, xb)
         return self._final(residual, h_out, None)
+
+    def _fused_step(self):
+        """The fused batch-1 step where this decoder can run it (built on first use; None where not, with
+        the reason in `fused_step_reason`)."""
+        if self._fused is False:
+            from .kernels.fused_step import FusedStep
+
+            self._fused = FusedStep.build(self) if self.device.type == "cuda" else None
+        return self._fused
 
     @torch.inference_mode()
     def decode(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: list[list[int]],

@@ -160,14 +160,19 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h), for cuLaunchK
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
+_COOPERATIVE = 2  # CU_LAUNCH_ATTRIBUTE_COOPERATIVE
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
-def _pdl_attribute() -> _LaunchAttribute:
+def _flag_attribute(attr_id: int) -> _LaunchAttribute:
     a = _LaunchAttribute()
-    a.id = _PROGRAMMATIC_STREAM_SERIALIZATION
-    a.value[0] = 1  # the union's first int: programmaticStreamSerializationAllowed
+    a.id = attr_id
+    a.value[0] = 1  # the union's first int: programmaticStreamSerializationAllowed / cooperative
     return a
+
+
+def _pdl_attribute() -> _LaunchAttribute:
+    return _flag_attribute(_PROGRAMMATIC_STREAM_SERIALIZATION)
 
 
 class Kernel:
@@ -175,15 +180,18 @@ class Kernel:
 
     _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     _PDL = _pdl_attribute()
+    _COOPERATIVE = _flag_attribute(_COOPERATIVE)
 
     def __init__(self, func: ctypes.c_void_p, name: str):
         self.func = func
         self.name = name
         self._smem_limit = 0  # raised (once per size) for any dynamic size: static shared memory counts against 48 KB too
 
-    def launch(self, grid, block, shared_mem: int, args: list, device, pdl: bool = False) -> None:
+    def launch(self, grid, block, shared_mem: int, args: list, device, pdl: bool = False,
+               cooperative: bool = False) -> None:
         """pdl: launch with programmatic dependent launch (sm_90+; `kernels/pdl.py` has the contract the
-        kernel must keep: nothing but weights read before its griddepcontrol.wait)."""
+        kernel must keep: nothing but weights read before its griddepcontrol.wait). cooperative: all blocks
+        resident at once, or the launch fails (for kernels whose blocks wait for each other)."""
         import torch
 
         if shared_mem > self._smem_limit:
@@ -202,10 +210,11 @@ class Kernel:
                 raise TypeError(f"kernel argument of type {type(a).__name__}")
         params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
         stream = torch.cuda.current_stream(device).cuda_stream
-        if pdl:
-            cfg = _LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(stream), ctypes.pointer(self._PDL), 1)
+        if pdl or cooperative:
+            attr = self._PDL if pdl else self._COOPERATIVE
+            cfg = _LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
             _check_cuda(_driver().cuLaunchKernelEx(ctypes.byref(cfg), self.func, params, None),
-                        f"launch of {self.name} (PDL)")
+                        f"launch of {self.name} ({'PDL' if pdl else 'cooperative'})")
             return
         _check_cuda(_driver().cuLaunchKernel(self.func, *grid, *block, shared_mem, ctypes.c_void_p(stream),
                                              params, None), f"launch of {self.name}")
