@@ -178,7 +178,7 @@ __device__ __forceinline__ void grid_sync(u32* bar, u32& nsync, int ctid) {
 
 // The producer (one lane): every tile of the block's rows of every linear, in the consumers' order.
 template <int G>
-__device__ __forceinline__ void produce(const StepLinear* lins, int nlin, u32 ring, int nslot, int slot_bytes, u32 full0,
+__device__ void produce(const StepLinear* lins, int nlin, u32 ring, int nslot, int slot_bytes, u32 full0,
                         u32 empty0, int mode) {
     u32 it = 0;
     for (int L = 0; L < nlin; ++L) {
@@ -223,7 +223,7 @@ __device__ __forceinline__ void fill_copy(const u16* src, int K, u32 xs, int cti
 
 // RMSNorm of the residual stream into the x buffer: weight * fp16(x * rsqrt(mean(x^2) + eps)), as ops.rms_norm.
 template <int NC>
-__device__ __forceinline__ void fill_norm(const u16* resid, const u16* w, int D, float eps, u32 xs, float* bred, int ctid) {
+__device__ void fill_norm(const u16* resid, const u16* w, int D, float eps, u32 xs, float* bred, int ctid) {
     float ss = 0.f;
     for (int P = ctid; P < D / 8; P += NC * 32) {
         const u32x4 v = ld_cg16(resid + 8 * P);
@@ -294,20 +294,17 @@ __device__ __forceinline__ u32 lds_u8(u32 addr) {
 
 // One linear's phase: the block's tiles, as the producer sends them. kind: 0 qkv (out = qkv, + bias), 1 o and
 // 3 down (added to the residual stream), 2 gate_up (out = act(gate) * up).
-// A tile's K is split across the warps, which do not wait for each other: each writes its partial sums to the
-// slot's `red` rows and counts itself in; the last to arrive adds the partials (in warp order) and writes the
-// tile's outputs; every warp then releases the slot (the last after its epilogue, so that neither the slot nor
-// its `red` rows are reused before then).
+// A tile's K is split across the warps; they add their partial sums through shared memory (in warp order)
+// behind a consumer barrier, and threads 0-15 write the tile's outputs.
 // A tile of 8 long rows (TR 8) puts the second part of each row's K in A rows 8-15 ("split"): A row g + 8 is
 // row g's chunks from `first` on, multiplied by B columns 4-7, which hold x from there (lanes g >= 4 load it);
 // row g's result is C[g][g & 1] + C[g + 8][4 + (g & 1)].
 // The epilogue's residual values (or biases) of the block's rows are loaded when the phase starts and put in
-// shared memory with the first tile, so no epilogue waits on a global load.
+// shared memory with the first tile, so no tile waits on a global load.
 template <int NC, int G>
-__device__ __forceinline__ void gemv_phase(const StepLinear& l, int L, int kind, u32 ring, int nslot,
-                                           int slot_bytes, u32 full0, u32 empty0, u32& it, u32 xs, float* red,
-                                           int* cnt, u16* pre_s, u16* out, u16* resid, int act_kind, int ctid,
-                                           int mode) {
+__device__ void gemv_phase(const StepLinear& l, int L, int kind, u32 ring, int nslot, int slot_bytes, u32 full0,
+                           u32 empty0, u32& it, u32 xs, float* red, u16* pre_s, u32& rbuf, u16* out, u16* resid,
+                           int act_kind, int ctid, int mode) {
     const int warp = ctid >> 5, lane = ctid & 31, g = lane >> 2, t = lane & 3;
     const int K = (int)l.k, KG = K / G, TR = (int)l.tr, KCH = K >> 7;
     const bool pairs = kind == 2, split = TR == 8;
@@ -355,7 +352,7 @@ __device__ __forceinline__ void gemv_phase(const StepLinear& l, int L, int kind,
                 tile_chunk(wa, wb, sa, za, sb, zb, xv, acc);
             }
         }
-        float* rb = red + s * (NC * 16);
+        float* rb = red + rbuf * (NC * 16);
         float sum[4];  // C[g][2t], C[g][2t + 1], C[g + 8][2t], C[g + 8][2t + 1] over the four chains
 #pragma unroll
         for (int e = 0; e < 4; ++e) sum[e] = acc[0][e] + acc[1][e] + acc[2][e] + acc[3][e];
@@ -363,48 +360,38 @@ __device__ __forceinline__ void gemv_phase(const StepLinear& l, int L, int kind,
         if (t == 0) rb[warp * 16 + g] = odd ? sum[1] : sum[0];
         if (t == (split ? 2 : 0)) rb[warp * 16 + g + 8] = odd ? sum[3] : sum[2];
         if (r == r0 && use_pre && ctid < nrows) pre_s[ctid] = (u16)pre;
-        __syncwarp();
-        int last = 0;
-        if (lane == 0) {
-            __threadfence_block();
-            last = atomicAdd(cnt + s, 1) == NC - 1;
-        }
-        last = __shfl_sync(0xffffffffu, last, 0);
-        if (last) {
-            __threadfence_block();
-            if (lane < R) {
-                float v = 0.f;
+        consumers_sync<NC>();
+        if (ctid == 0) mbar_arrive(empty0 + 8 * s);
+        if (ctid < R) {
+            float v = 0.f;
 #pragma unroll
-                for (int w = 0; w < NC; ++w) v += rb[w * 16 + lane];
-                if (split) {
+            for (int w = 0; w < NC; ++w) v += rb[w * 16 + ctid];
+            if (split) {
 #pragma unroll
-                    for (int w = 0; w < NC; ++w) v += rb[w * 16 + 8 + lane];
-                }
-                const int row = r + lane;
-                const u16 pv = use_pre ? pre_s[row - r0] : 0;
-                if (kind == 0) {
-                    out[row] = f2h(v + (l.bias ? h2f(use_pre ? pv : l.bias[row]) : 0.f));
-                } else if (kind == 2) {
-                    float u = 0.f;
-#pragma unroll
-                    for (int w = 0; w < NC; ++w) u += rb[w * 16 + 8 + lane];
-                    const float gf = h2f(f2h(v));
-                    float a;
-                    if (act_kind == 0) {
-                        a = gf / (1.f + __expf(-gf));
-                    } else {
-                        const float inner = 0.7978845608028654f * (gf + 0.044715f * gf * gf * gf);
-                        a = 0.5f * gf * (1.f + tanhf(inner));
-                    }
-                    out[row] = f2h(h2f(f2h(a)) * h2f(f2h(u)));
-                } else {
-                    resid[row] = f2h(h2f(use_pre ? pv : ld_cg_u16(resid + row)) + h2f(f2h(v)));
-                }
+                for (int w = 0; w < NC; ++w) v += rb[w * 16 + 8 + ctid];
             }
-            if (lane == 0) cnt[s] = 0;
-            __syncwarp();
+            const int row = r + ctid;
+            const u16 pv = use_pre ? pre_s[row - r0] : 0;
+            if (kind == 0) {
+                out[row] = f2h(v + (l.bias ? h2f(use_pre ? pv : l.bias[row]) : 0.f));
+            } else if (kind == 2) {
+                float u = 0.f;
+#pragma unroll
+                for (int w = 0; w < NC; ++w) u += rb[w * 16 + 8 + ctid];
+                const float gf = h2f(f2h(v));
+                float a;
+                if (act_kind == 0) {
+                    a = gf / (1.f + __expf(-gf));
+                } else {
+                    const float inner = 0.7978845608028654f * (gf + 0.044715f * gf * gf * gf);
+                    a = 0.5f * gf * (1.f + tanhf(inner));
+                }
+                out[row] = f2h(h2f(f2h(a)) * h2f(f2h(u)));
+            } else {
+                resid[row] = f2h(h2f(use_pre ? pv : ld_cg_u16(resid + row)) + h2f(f2h(v)));
+            }
         }
-        if (lane == 0) mbar_arrive(empty0 + 8 * s);
+        rbuf ^= 1u;
         ++it;
     }
 }
@@ -421,7 +408,7 @@ __device__ __forceinline__ void rope_pair(float x1, float x2, float c, float s, 
 // (un-normalized output [128], max, sum), log2 domain. Per warp in the x buffer: the rotated q of its heads
 // (grp x 256 bytes), then the new token's K and V (256 bytes each).
 template <int NC>
-__device__ __forceinline__ void attention_phase(const StepLayer& ly, const u16* qkv, float* part, int pos, int slot, int ctx,
+__device__ void attention_phase(const StepLayer& ly, const u16* qkv, float* part, int pos, int slot, int ctx,
                                 const int* bt, const float* cos_sin, int n_heads, int n_kv, int block_size,
                                 int max_tiles, float scale_log2, u32 xs, int ctid) {
     const int warp = ctid >> 5, lane = ctid & 31;
@@ -530,7 +517,7 @@ __device__ __forceinline__ void attention_phase(const StepLayer& ly, const u16* 
 
 // The partials of each head combined (one warp per head, one pass with a running max) -> attn [n_heads * 128].
 template <int NC>
-__device__ __forceinline__ void combine_phase(const float* part, u16* attn, int ctx, int n_heads, int max_tiles, int ctid) {
+__device__ void combine_phase(const float* part, u16* attn, int ctx, int n_heads, int max_tiles, int ctid) {
     const int warp = ctid >> 5, lane = ctid & 31;
     const int ntiles = (ctx + 31) >> 5;
     for (int h = blockIdx.x * NC + warp; h < n_heads; h += gridDim.x * NC) {
@@ -567,18 +554,15 @@ decode_step(const StepLinear* lins, const StepLayer* layers, u16* resid, u16* qk
     extern __shared__ __align__(128) unsigned char smem[];
     const u32 base = smem_addr(smem);
     const u32 ring = base, xs = base + (u32)(nslot * slot_bytes);
-    float* red = (float*)(smem + nslot * slot_bytes + x_bytes);  // [nslot][NC][16]: the warps' sums of a tile
-    int* cnt = (int*)(red + nslot * NC * 16);                    // [nslot]: warps done with the slot's tile
-    float* bred = (float*)(cnt + nslot);                         // [NC]: a norm's partial sums
+    float* red = (float*)(smem + nslot * slot_bytes + x_bytes);  // [2][NC][16]: the warps' sums of a tile
+    float* bred = red + 2 * NC * 16;                             // [NC]: a norm's partial sums
     u16* pre_s = (u16*)(bred + NC);                              // [NC * 32]: a phase's residuals or biases
-    const u32 full0 = base + (u32)(nslot * slot_bytes + x_bytes + (nslot * NC * 16 + nslot + NC) * 4 + NC * 64 + 7)
-                      / 8 * 8;
+    const u32 full0 = base + (u32)(nslot * slot_bytes + x_bytes + (2 * NC * 16 + NC) * 4 + NC * 64 + 7) / 8 * 8;
     const u32 empty0 = full0 + 8u * (u32)nslot;
     if (threadIdx.x == 0) {
         for (int s = 0; s < nslot; ++s) {
             mbar_init(full0 + 8 * s, 1);
-            mbar_init(empty0 + 8 * s, NC);  // every consumer warp releases the slot
-            cnt[s] = 0;
+            mbar_init(empty0 + 8 * s, 1);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -591,7 +575,7 @@ decode_step(const StepLinear* lins, const StepLayer* layers, u16* resid, u16* qk
     const int ctid = threadIdx.x;
     const float scale_log2 = __int_as_float(scale_log2_bits), eps = __int_as_float(eps_bits);
     const int pos = pos_p[0], slot = slot_p[0], ctx = ctx_p[0];  // the step's inputs, copied before the launch
-    u32 it = 0, nsync = 0, ntr = 0;
+    u32 it = 0, rbuf = 0, nsync = 0, ntr = 0;
     const bool tracing = trace != nullptr && blockIdx.x == 0 && ctid == 0;
 #define MARK() do { if (tracing) { unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); trace[ntr++] = t_; } } while (0)
     for (int li = 0; li < n_layers; ++li) {
@@ -601,7 +585,7 @@ decode_step(const StepLinear* lins, const StepLayer* layers, u16* resid, u16* qk
         MARK();
         fill_norm<NC>(resid, ly.in_norm, D, eps, xs, bred, ctid);
         MARK();
-        gemv_phase<NC, G>(l4[0], 4 * li, 0, ring, nslot, slot_bytes, full0, empty0, it, xs, red, cnt, pre_s, qkv, resid,
+        gemv_phase<NC, G>(l4[0], 4 * li, 0, ring, nslot, slot_bytes, full0, empty0, it, xs, red, pre_s, rbuf, qkv, resid,
                           act_kind, ctid, mode);
         MARK();
         grid_sync<NC>(bar, nsync, ctid);
@@ -617,21 +601,21 @@ decode_step(const StepLinear* lins, const StepLayer* layers, u16* resid, u16* qk
         MARK();
         fill_copy<NC>(attn, n_heads * 128, xs, ctid);
         MARK();
-        gemv_phase<NC, G>(l4[1], 4 * li + 1, 1, ring, nslot, slot_bytes, full0, empty0, it, xs, red, cnt, pre_s, nullptr,
+        gemv_phase<NC, G>(l4[1], 4 * li + 1, 1, ring, nslot, slot_bytes, full0, empty0, it, xs, red, pre_s, rbuf, nullptr,
                           resid, act_kind, ctid, mode);
         MARK();
         grid_sync<NC>(bar, nsync, ctid);
         MARK();
         fill_norm<NC>(resid, ly.post_norm, D, eps, xs, bred, ctid);
         MARK();
-        gemv_phase<NC, G>(l4[2], 4 * li + 2, 2, ring, nslot, slot_bytes, full0, empty0, it, xs, red, cnt, pre_s, act, resid,
+        gemv_phase<NC, G>(l4[2], 4 * li + 2, 2, ring, nslot, slot_bytes, full0, empty0, it, xs, red, pre_s, rbuf, act, resid,
                           act_kind, ctid, mode);
         MARK();
         grid_sync<NC>(bar, nsync, ctid);
         MARK();
         fill_copy<NC>(act, (int)l4[3].k, xs, ctid);
         MARK();
-        gemv_phase<NC, G>(l4[3], 4 * li + 3, 3, ring, nslot, slot_bytes, full0, empty0, it, xs, red, cnt, pre_s, nullptr,
+        gemv_phase<NC, G>(l4[3], 4 * li + 3, 3, ring, nslot, slot_bytes, full0, empty0, it, xs, red, pre_s, rbuf, nullptr,
                           resid, act_kind, ctid, mode);
         MARK();
     }

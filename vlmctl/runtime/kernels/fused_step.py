@@ -10,7 +10,13 @@ has the measurements. The embedding before it and the final norm and lm_head aft
 cover: it needs an H100/H200-class GPU (sm_90: bulk copies and mbarrier transactions), fp16 activations,
 every layer's qkv / o / gate_up / down packed W4A16 with one group size, RMSNorm, SiLU or GELU-tanh,
 head size 128, no q/k norms, sandwich norms, sliding windows or cross-attention layers, and shapes whose
-K is a multiple of 256 and N of 8. `VLMCTL_FUSED_STEP=0` turns it off.
+K is a multiple of 256 and N of 8.
+
+It is off unless `VLMCTL_FUSED_STEP=1`: correct on an H200 (logits within 0.3 % of the kernel-by-kernel
+step, the same greedy tokens, graph replays equal to eager runs) but slower there, 2.83 against 2.04 ms a
+7B AWQ step, because the consumer warps compute the linears at ~17 GB/s per SM where the memory system
+delivers ~50 (benchmarks/fused_step_gpu.py's phase trace; docs/benchmarks.md, session 14).
+`VLMCTL_FUSED_STEP_SLOTS` caps the ring's slots (measurements).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("decode_step.cu")
-CONSUMER_WARPS = int(os.environ.get("VLMCTL_FUSED_STEP_WARPS", "8"))  # 8 or 16 (measurements)
+CONSUMER_WARPS = 8
 SLOT_CAP = 48 * 1024  # a tile of 16 rows if it fits in this, else 8 rows
 SMEM_MAX = 227 * 1024  # dynamic shared memory one block may opt into on sm_90
 _TEXT: list = []
@@ -67,7 +73,6 @@ def tile_rows(k: int, group_size: int) -> int:
 
 def unsupported_reason(decoder) -> str | None:
     """Why `decoder` cannot run its batch-1 step fused, or None if it can."""
-    from ..decoder import W4A16Linear
     from . import cuda_rtc
 
     if not enabled():
@@ -86,7 +91,8 @@ def unsupported_reason(decoder) -> str | None:
     groups = set()
     for layer in decoder.layers:
         lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
-        if not all(isinstance(lin, W4A16Linear) for lin in lins):
+        # a packed W4A16 linear (runtime.decoder.W4A16Linear; not imported: the decoder imports this module)
+        if not all(getattr(lin, "packed", None) is not None for lin in lins):
             return "every layer's linears must be W4A16"
         if (layer.q_norm is not None or layer.attn_out_norm is not None or layer.window is not None
                 or layer.cos_sin is not decoder.cos_sin):
@@ -124,14 +130,13 @@ class FusedStep:
                                  16 * _row_bytes(self.D, self.group)) // 128) * 128
         grp = dec.n_heads // dec.n_kv
         self.x_bytes = -(-max(2 * max(ks), CONSUMER_WARPS * (grp + 2) * 256) // 256) * 256
-        misc = CONSUMER_WARPS * 4 + CONSUMER_WARPS * 64 + 8  # norm sums, residual prefetch, alignment
-        per_slot = self.slot_bytes + CONSUMER_WARPS * 16 * 4 + 4 + 16  # tile, warps' sums, counter, 2 mbarriers
-        self.nslot = min(8, (SMEM_MAX - self.x_bytes - misc) // per_slot)
+        misc = (2 * CONSUMER_WARPS * 16 + CONSUMER_WARPS) * 4 + CONSUMER_WARPS * 64 + 8
+        self.nslot = min(8, (SMEM_MAX - self.x_bytes - misc - 16 * 8) // self.slot_bytes)
         if os.environ.get("VLMCTL_FUSED_STEP_SLOTS"):  # measurements: fewer slots, less of the step read ahead
             self.nslot = min(self.nslot, int(os.environ["VLMCTL_FUSED_STEP_SLOTS"]))
         if self.nslot < 1:
             raise ValueError(f"a {self.slot_bytes}-byte tile leaves room for fewer than two ring slots")
-        self.smem = self.nslot * per_slot + self.x_bytes + misc
+        self.smem = self.nslot * self.slot_bytes + self.x_bytes + misc + 16 * self.nslot
         lins = []
         for layer in dec.layers:
             for i, lin in enumerate((layer.qkv, layer.o, layer.gate_up, layer.down)):
