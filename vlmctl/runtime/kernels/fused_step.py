@@ -135,7 +135,7 @@ class FusedStep:
         if os.environ.get("VLMCTL_FUSED_STEP_SLOTS"):  # measurements: fewer slots, less of the step read ahead
             self.nslot = min(self.nslot, int(os.environ["VLMCTL_FUSED_STEP_SLOTS"]))
         if self.nslot < 1:
-            raise ValueError(f"a {self.slot_bytes}-byte tile leaves room for fewer than two ring slots")
+            raise ValueError(f"a {self.slot_bytes}-byte tile does not fit in shared memory beside the x buffer")
         self.smem = self.nslot * self.slot_bytes + self.x_bytes + misc + 16 * self.nslot
         lins = []
         for layer in dec.layers:
@@ -171,9 +171,20 @@ class FusedStep:
 
     @classmethod
     def build(cls, decoder) -> "FusedStep | None":
+        """The fused step, or None (the decoder then runs kernel by kernel) with the reason in
+        `decoder.fused_step_reason`: what it does not cover, no room for its ring, or a kernel that NVRTC or
+        the driver refused."""
+        from .cuda_rtc import RtcError
+
         reason = unsupported_reason(decoder)
+        step = None
+        if reason is None:
+            try:
+                step = cls(decoder)
+            except (ValueError, RtcError) as e:
+                reason = str(e)
         decoder.fused_step_reason = reason
-        return None if reason else cls(decoder)
+        return step
 
     def bind_cache(self) -> None:
         """The per-layer table: norm weights and this layer's K and V pools (after `allocate_cache`)."""
