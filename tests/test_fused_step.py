@@ -1,7 +1,8 @@
 """The fused batch-1 decode step (`vlmctl/runtime/kernels/fused_step.py`, `decode_step.cu`).
 
-On any machine with NVRTC (`pip install nvidia-cuda-nvrtc`): the kernel compiles for sm_90. On a GPU of compute capability 9.0 (marked `gpu`): a random AWQ
-decoder's decode steps fused and kernel by kernel, from the same cache, give logits within fp16 noise of
+On any machine with NVRTC (`pip install nvidia-cuda-nvrtc`): the kernel compiles for sm_90. On a GPU of
+compute capability 9.0 (marked `gpu`): a random AWQ decoder's decode steps fused and kernel by kernel, from
+the same cache, give logits within fp16 noise of
 each other and the same greedy argmax; the K/V rows the fused step appends match; a captured CUDA graph of
 the fused step equals its eager run; and decoders it does not cover say why.
 """

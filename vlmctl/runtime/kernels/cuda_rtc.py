@@ -194,6 +194,8 @@ class Kernel:
         resident at once, or the launch fails (for kernels whose blocks wait for each other)."""
         import torch
 
+        if pdl and cooperative:
+            raise ValueError(f"{self.name}: one launch attribute at a time (PDL or cooperative)")
         if shared_mem > self._smem_limit:
             _check_cuda(_driver().cuFuncSetAttribute(self.func, self._MAX_DYNAMIC_SHARED, shared_mem),
                         f"shared memory of {self.name} to {shared_mem} bytes")

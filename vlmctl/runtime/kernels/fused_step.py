@@ -204,6 +204,8 @@ class FusedStep:
         self.resid.copy_(x.reshape(-1))
         self.bar.zero_()
         bt = block_tables[0] if block_tables.dim() == 2 else block_tables
+        # the kernel reads int32 (a captured step's buffers already are; an eager step's may come as int64)
+        positions, slots, context_lens, bt = (t.to(torch.int32) for t in (positions, slots, context_lens, bt))
         self.kernel.launch((self.num_blocks, 1, 1), ((CONSUMER_WARPS + 1) * 32, 1, 1), self.smem,
                            [self.lins, self.layers, self.resid, self.qkv, self.attn, self.act, self.part, self.bar,
                             positions, slots, context_lens, bt, dec.cos_sin, dec.n_layers, self.D, dec.n_heads,
