@@ -225,20 +225,21 @@ class Kernel:
 _KERNELS: dict = {}
 
 
-def load_kernel(source: str, name_expression: str, device) -> Kernel:
-    """Compile (or take from the caches) and load `name_expression` of `source` on a CUDA device."""
+def load_kernel(source: str, name_expression: str, device, arch_suffix: str = "") -> Kernel:
+    """Compile (or take from the caches) and load `name_expression` of `source` on a CUDA device.
+    arch_suffix "a" compiles for the architecture-specific target (sm_90a: warpgroup MMA)."""
     import torch
 
     device = torch.device(device)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     # called on every launch: str hashes are cached on the object, so this key costs no pass over the source
-    key = (hash(source), len(source), name_expression, idx)
+    key = (hash(source), len(source), name_expression, idx, arch_suffix)
     k = _KERNELS.get(key)
     if k is not None:
         return k
     with _LOCK:
         major, minor = torch.cuda.get_device_capability(idx)
-        cubin, lowered = cached_cubin(source, name_expression, f"sm_{major}{minor}")
+        cubin, lowered = cached_cubin(source, name_expression, f"sm_{major}{minor}{arch_suffix}")
         with torch.cuda.device(idx):
             torch.cuda.current_stream()  # makes torch's primary context current on this thread
             module = ctypes.c_void_p()

@@ -91,7 +91,10 @@ class Config:
     computed; block_k and split_k unused), or "mma_gemv" (the same source's GEMV on the tensor cores for
     2-16 rows, fp16 or bf16 x: 16 weight rows per block (block_n 16), block_m = 8 or 16 batch rows per
     block, num_warps warps taking the 128-k chunks in turn, each loading num_stages chunks ahead; needs
-    K % 128 == 0 and groups of a multiple of 32).
+    K % 128 == 0 and groups of a multiple of 32), or "wgmma" (`w4a16_wgmma.cu`, sm_90 only, M <= block_m:
+    warpgroup MMA on block_n = 128 or 256 weight rows per block (num_warps = block_n // 16: a warpgroup per
+    64 rows) by block_m = 32 or 64 batch rows, K in units of block_k = 128 through a num_stages-deep ring; a
+    persistent grid of one block per SM (split_k = 1) cuts the (tile, K unit) space stream-K).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
     next K block into registers while computing the current one, 1 that it does not."""
 
@@ -120,6 +123,12 @@ class Config:
                     and self.num_warps in (1, 2, 4, 8, 16) and 2 <= self.num_stages <= 8 and self.split_k >= 1
                     and group_size % 64 == 0 and (group_size % bk == 0 or bk % group_size == 0)
                     and k % max(bk, group_size) == 0 and n % 8 == 0)
+        if self.kernel == "wgmma":
+            return (self.block_n in (128, 256) and self.num_warps == self.block_n // 16
+                    and self.block_m in (32, 64) and self.block_k == 128 and 4 <= self.num_stages <= 8
+                    and self.split_k == 1 and group_size % 64 == 0 and (group_size % 128 == 0 or group_size == 64)
+                    and k % 128 == 0 and k % group_size == 0
+                    and wgmma_shared_bytes(self, group_size) <= MMA_MAX_SHARED)
         if self.kernel == "mma_gemv":
             return (self.block_n == 16 and self.block_m in (8, 16) and self.num_warps in (1, 2, 4, 8, 16)
                     and 1 <= self.num_stages <= 4 and self.split_k == 1 and group_size % 32 == 0
@@ -429,6 +438,8 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None, *
     cuda_gemv = half2 and _gemv_cuda_ok(device)
     # measured entries first (the CUDA GEMV's, the half2 GEMV's, the tensor-core GEMV's, then any other
     # kernel's), then the untuned rules
+    if 17 <= m <= 64 and _wgmma_ok(dtype, device) and (c := heuristic_wgmma_config(m)).valid_for(n, k, group_size):
+        return c
     mma_gemv = _TUNED_MMA_GEMV.get(key) if _mma_gemv_ok(dtype, device) else None
     measured = ((_TUNED_CUDA.get(key) if cuda_gemv else None), (_TUNED_H2.get(key) if half2 else None),
                 mma_gemv, _TUNED.get(key))
@@ -473,6 +484,13 @@ def _mma_gemv_ok(dtype, device) -> bool:
     if not mma_gemv_enabled() or _dtype_name(dtype) not in ("float16", "bfloat16"):
         return False
     return getattr(device, "type", None) == "cuda" and _capability(device) >= (8, 0) and mma_available()
+
+
+def _wgmma_ok(dtype, device) -> bool:
+    """Whether "wgmma" may be selected: `wgmma_enabled`, fp16/bf16 on an sm_90 GPU where NVRTC is found."""
+    if not wgmma_enabled() or _dtype_name(dtype) not in ("float16", "bfloat16"):
+        return False
+    return getattr(device, "type", None) == "cuda" and _capability(device) == (9, 0) and mma_available()
 
 
 def _mma_heuristic_ok(dtype, device) -> bool:
@@ -558,6 +576,12 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     n_out, rows_per_tile = (n // 2, config.block_n // 2) if act is not None else (n, config.block_n)
     y = out if out is not None else torch.empty(m, n_out, dtype=x2.dtype, device=x2.device)
     if m == 0 or n == 0:
+        return y
+    if config.kernel == "wgmma":
+        if not wgmma_runs(x2, qw):
+            raise ValueError("the wgmma kernel needs fp16 or bf16 x on an sm_90 GPU with 16-byte aligned rows and "
+                             "weights, K a multiple of 128, and NVRTC")
+        _launch_wgmma(x2, packed, group_size, config, bias, y)
         return y
     if config.kernel in ("mma", "mma_gemv"):
         if not mma_runs(x2, qw):
@@ -794,6 +818,69 @@ def mma_pdl(device) -> bool:
     return pdl.enabled(device)
 
 
+WGMMA_SOURCE = Path(__file__).with_name("w4a16_wgmma.cu")
+_WGMMA_TEXT: list = []
+
+
+def wgmma_source() -> str:
+    """`w4a16_wgmma.cu` after the source of `w4a16_mma.cu`, whose helpers it uses."""
+    if not _WGMMA_TEXT:
+        _WGMMA_TEXT.append(mma_source() + "\n" + WGMMA_SOURCE.read_text())
+    return _WGMMA_TEXT[0]
+
+
+def wgmma_enabled() -> bool:
+    """Whether selection takes the "wgmma" kernel for 17-64 rows on sm_90: only with `VLMCTL_W4A16_WGMMA=1`,
+    off by default while it is slower than the shipped table there (docs/benchmarks.md, session 15)."""
+    return os.environ.get("VLMCTL_W4A16_WGMMA", "0").strip().lower() in ("1", "on", "true")
+
+
+def wgmma_runs(x2, qw) -> bool:
+    """The "wgmma" kernel's preconditions: those of "mma", an sm_90 GPU (warpgroup MMA), K % 128 == 0."""
+    return mma_runs(x2, qw) and _capability(x2.device) == (9, 0) and x2.shape[1] % 128 == 0
+
+
+def wgmma_kernel_name(config: Config, group_size: int, dtype="float16") -> str:
+    """The template instance of `w4a16_wgmma.cu` that runs `config` on `dtype` activations."""
+    bf16 = {"float16": 0, "bfloat16": 1}[_dtype_name(dtype)]
+    return (f"w4a16_wgmma<{config.block_n // 64}, {config.block_m}, {config.num_stages}, {group_size}, "
+            f"{bf16}>")
+
+
+def wgmma_shared_bytes(config: Config, group_size: int) -> int:
+    """Dynamic shared memory of one "wgmma" block: num_stages x (an x tile of block_m x 128 halfs, block_n
+    weight rows of 16 + 4 words, and a word of scale and zero point per row and group of the 128-k unit)."""
+    groups = max(1, 128 // group_size)
+    return config.num_stages * (config.block_m * 128 * 2 + config.block_n * 20 * 4 + config.block_n * groups * 4)
+
+
+def heuristic_wgmma_config(m: int) -> Config:
+    """The "wgmma" config for 17-64 rows: four warpgroups (256 weight rows) per block, one block per SM, a
+    4-deep ring (deeper rings were slower in the first H200 sweep, session 15)."""
+    bm = 32 if bucket(m) <= 32 else 64
+    return Config("wgmma", block_n=256, block_k=128, block_m=bm, split_k=1, num_warps=16, num_stages=4)
+
+
+def _launch_wgmma(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:
+    import torch
+
+    from . import cuda_rtc
+
+    qw, s, z = (packed[key] for key in KEYS)
+    m, k = x2.shape
+    n = qw.shape[0]
+    if m > config.block_m:
+        raise ValueError(f"{describe(config)} takes at most {config.block_m} rows, not {m}")
+    kern = cuda_rtc.load_kernel(wgmma_source(), wgmma_kernel_name(config, group_size, x2.dtype), x2.device,
+                                arch_suffix="a")
+    tiles = triton_cdiv(n, config.block_n)
+    blocks = min(tiles * (k // 128), config.split_k * _sm_count(x2.device))  # every block gets >= 1 unit
+    ws = _buffer(x2.device, "ws", blocks * 2 * config.block_n * config.block_m, torch.float32)
+    cnt = _buffer(x2.device, "cnt", tiles, torch.int32, zero=True)
+    kern.launch((blocks, 1, 1), (32 * config.num_warps, 1, 1), wgmma_shared_bytes(config, group_size),
+                [x2, qw, s, z, bias, y, ws, cnt, m, n, k, x2.stride(0), int(bias is not None)], x2.device)
+
+
 def mma_shared_bytes(config: Config, max_groups: int) -> int:
     """Dynamic shared memory of one "mma" block: the cp.async ring (x rows of block_k + 8 halfs, weight
     rows of block_k / 8 + 4 words), then the block's scales and zero points."""
@@ -842,7 +929,7 @@ def w4a16_linear(x, packed: dict, group_size: int, bias=None):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         cfg = select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device)
-        if cfg.kernel in ("mma", "mma_gemv") and not mma_runs(x2, qw):  # no NVRTC, or unaligned views: Triton
+        if cfg.kernel in ("mma", "mma_gemv", "wgmma") and not (wgmma_runs if cfg.kernel == "wgmma" else mma_runs)(x2, qw):  # no NVRTC, or unaligned views: Triton
             cfg = heuristic_config(x2.shape[0], n, k, group_size, _sm_count(x2.device), mma=False)
         elif cfg.kernel == "gemv_cuda" and not gemv_cuda_runs(x2, qw):  # an unaligned view: the half2 GEMV
             cfg = (heuristic_h2_config(x2.shape[0], n, k, group_size, _sm_count(x2.device))
@@ -927,6 +1014,8 @@ def describe(config: Config) -> str:
     km = " kmajor" if config.k_major else ""
     if config.kernel == "gemv_cuda":
         return f"gemv_cuda bn{config.block_n} w{config.num_warps} s{config.num_stages}"
+    if config.kernel == "wgmma":  # a persistent grid of one block per SM, stream-K
+        return f"wgmma bn{config.block_n} bm{config.block_m} s{config.num_stages}"
     if config.kernel == "mma_gemv":  # 16 weight rows a block, no K blocking or split
         return f"mma_gemv bm{config.block_m} w{config.num_warps} s{config.num_stages}"
     if config.kernel == "mma" and config.warps_m > 1:

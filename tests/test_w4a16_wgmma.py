@@ -1,0 +1,129 @@
+"""The Hopper W4A16 kernel for 17-64 rows ("wgmma": `vlmctl/runtime/kernels/w4a16_wgmma.cu`).
+
+On any machine with NVRTC: every config the selection rule or the benchmark uses compiles for sm_90a without
+register spills, and ptxas does not serialize its warpgroup MMAs (it does, silently but for a log line, when
+their accumulators are touched on a path it cannot prove uniform). Everywhere: the configs' geometry rules and
+that selection takes the kernel only on sm_90. On a GPU of compute capability 9.0 (marked `gpu`): results
+against x @ dequantize(W)^T in fp32 for fp16 and bf16, odd N, groups 64 / 128 / 256 and stream-K splits of
+one tile over many blocks; repeat launches bit-identical; a CUDA-graph replay equal to the eager result.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import pytest
+import torch
+
+from vlmctl.runtime.kernels import cuda_rtc
+from vlmctl.runtime.kernels import w4a16 as W
+
+GPU90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _bench_module(name):
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    return importlib.import_module(name)
+
+
+def _cfg(nwg, bm, stages):
+    return W.Config("wgmma", block_n=64 * nwg, block_k=128, block_m=bm, split_k=1, num_warps=4 * nwg,
+                    num_stages=stages)
+
+
+def _ptxas_log(name: str) -> str:
+    lib = cuda_rtc.nvrtc_library()
+    prog = ctypes.c_void_p()
+    src = W.wgmma_source().encode()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"w4a16_wgmma.cu", 0, None, None) == 0
+    assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
+    opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", b"--ptxas-options=-v"]
+    res = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    buf = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, buf)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    log = buf.value.decode(errors="replace")
+    assert res == 0, log
+    return log
+
+
+@pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
+@pytest.mark.parametrize("name", [
+    W.wgmma_kernel_name(W.heuristic_wgmma_config(64), 128, "float16"),
+    W.wgmma_kernel_name(W.heuristic_wgmma_config(32), 128, "float16"),
+    W.wgmma_kernel_name(W.heuristic_wgmma_config(64), 64, "bfloat16"),
+    W.wgmma_kernel_name(_cfg(2, 64, 4), 256, "float16"),
+])
+def test_compiles_for_sm90a_without_serialized_wgmma(name):
+    log = _ptxas_log(name)
+    assert "serialized" not in log, log  # ptxas: "wgmma.mma_async instructions are serialized due to ..."
+    assert "is injected" not in log, log  # ptxas: a wgmma.wait_group it inserted inside the unit loop
+    spills = [int(v) for v in re.findall(r"(\d+) bytes spill stores", log)]
+    assert spills and max(spills) <= 16, log  # at most a few words (the 128-register cap at 512 threads)
+
+
+def test_config_rules():
+    assert W.heuristic_wgmma_config(64).valid_for(12288, 4096, 128)
+    assert W.heuristic_wgmma_config(17).block_m == 32 and W.heuristic_wgmma_config(33).block_m == 64
+    assert W.heuristic_wgmma_config(64).valid_for(4096, 11008, 64)
+    assert not W.heuristic_wgmma_config(64).valid_for(4096, 4096 + 64, 64)  # K a multiple of 128
+    assert not W.heuristic_wgmma_config(64).valid_for(4096, 4096, 32)  # groups of 64 or a multiple of 128
+    assert not _cfg(4, 64, 7).valid_for(4096, 4096, 128)  # 7 stages of 37 KB exceed shared memory
+    assert not _cfg(4, 64, 6).valid_for(4096, 4096, 64)  # 6 do with two groups' scales a unit
+    assert not _cfg(4, 64, 3).valid_for(4096, 4096, 128)  # scales are stored a unit before the stage is read
+    assert W.wgmma_shared_bytes(_cfg(4, 64, 6), 128) == 6 * (64 * 256 + 256 * 80 + 256 * 4)
+
+
+def test_selection_takes_it_only_on_sm90():
+    # on the CPU (and any device that is not sm_90) selection never returns the kernel
+    for m in (17, 32, 64):
+        assert W.select_config(m, 12288, 4096, 128, torch.float16, torch.device("cpu")).kernel != "wgmma"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU90, reason="needs a GPU of compute capability 9.0 (warpgroup MMA)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_against_dequantized_reference(dtype):
+    random_packed = _bench_module("gpu_weights").random_packed
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    tol = 2e-3 if dtype == torch.float16 else 8e-3
+    # (N, K, G): odd N, each group size, one tile split over 86 blocks (256 x 11008)
+    for n, k, g in ((200, 384, 64), (1000, 1280, 256), (4096, 4096, 128), (256, 11008, 128)):
+        p = random_packed(n, k, g, n + k)
+        ref_w = W.dequantize(p, g, dtype).float()
+        for m in (1, 17, 33, 64):
+            x = torch.randn(m, k, generator=gen).to(dev, dtype)
+            bias = torch.randn(n, generator=gen).to(dev, dtype)
+            ref = x.float() @ ref_w.t() + bias.float()
+            for c in (W.heuristic_wgmma_config(m), _cfg(2, 64, 4)):
+                if m > c.block_m or not c.valid_for(n, k, g):
+                    continue
+                y = W.launch(x, p, g, c, bias)
+                assert torch.equal(y, W.launch(x, p, g, c, bias)), "repeat launches differ"
+                err = float((y.float() - ref).norm() / ref.norm())
+                assert err < tol, (n, k, g, m, W.describe(c), err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU90, reason="needs a GPU of compute capability 9.0 (warpgroup MMA)")
+def test_gpu_selected_and_graph_replay_equals_eager():
+    graph_median_ms = _bench_module("gpu_timing").graph_median_ms
+    random_packed = _bench_module("gpu_weights").random_packed
+    dev = torch.device("cuda")
+    p = random_packed(4096, 4096, 128, 1)
+    x = torch.randn(48, 4096, device=dev, dtype=torch.float16)
+    c = W.select_config(48, 4096, 4096, 128, torch.float16, dev)
+    assert c.kernel == "wgmma" or not W.wgmma_enabled()
+    y = W.w4a16_linear(x, p, 128)
+    yg = torch.empty_like(y)
+    graph_median_ms([lambda: W.launch(x, p, 128, c, out=yg)], replays=3)
+    torch.cuda.synchronize()
+    assert torch.equal(yg, y)

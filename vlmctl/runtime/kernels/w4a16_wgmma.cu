@@ -1,0 +1,323 @@
+// w4a16_wgmma: W4A16 for 17-64 batch rows on Hopper's warpgroup MMA (sm_90a), persistent and stream-K.
+//
+// Compiled after w4a16_mma.cu's source (its dequantization, cp.async and epilogue helpers), by NVRTC for
+// sm_90a. Reads the engine's packed layout unchanged and computes y[M, N] = x[M, K] W^T (+ bias) for
+// M <= BMX (32 or 64), fp16 or bf16 in and out (BF16), fp32 accumulation.
+//
+// y^T = W x^T: the weights are wgmma's A operand, dequantized into registers exactly as in w4a16_mma
+// (a lane's A fragment of a 16-k step is (word >> 4t) & 0x000F000F of two words of each of its two rows),
+// and x is the B operand, read by the tensor cores from shared memory in the K-major core-matrix layout
+// without swizzle (8 x 8 core matrices of 128 bytes: row group rg, 8-k column p at (p * BMX / 8 + rg) * 128).
+// One m64nBMXk16 instruction does the work of BMX / 2 mma.sync, so issue is left to the dequantization.
+//
+// Why this shape: at 32-64 batch rows the mma.sync and Triton kernels were bound by latency and issue,
+// not by the 4-bit bytes (docs/benchmarks.md, sessions 6, 7 and 13). Here
+// - a block is NWG warpgroups of 64 weight rows each (BN = 64 NWG rows) that share every x tile, so x is
+//   re-read from L2 once per BN rows;
+// - K is walked in units of 128 (an x tile of BMX x 128 and BN weight rows x 64 bytes) through a
+//   STAGES-deep cp.async ring, STAGES - 2 units ahead (~140 KB in flight per SM with 4 warpgroups);
+// - the grid is persistent and stream-K: the (tile, unit) space is cut into gridDim.x equal contiguous
+//   ranges, so every block has the same number of units whatever N is and there is no tail wave. A
+//   range's first and last tiles may be partial: those sums go to the workspace (ws: two BN x BMX fp32
+//   slots per block) and the last block to take the tile's ticket adds the parts in block order
+//   (deterministic), adds the bias, stores and resets the ticket. A tile a block covers whole is
+//   stored directly.
+// A warpgroup's wgmmas of one unit run while it waits at the next unit's barrier, issues that unit's
+// loads and reads its weight words; it waits for them only before overwriting its A registers, and the
+// other warpgroups keep the tensor cores busy meanwhile. A unit's group scales and zero points travel with
+// it: loaded by one thread per weight row when its copies are issued, stored into its stage a unit later.
+
+__device__ __forceinline__ unsigned long long wgmma_desc(u32 saddr, u32 lbo, u32 sbo) {
+    return (unsigned long long)((saddr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16)
+           | ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32);  // base offset 0, no swizzle
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+
+#define W4A16_WGMMA_N32(TY)                                                                                    \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                                 \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                     \
+                 "{%16, %17, %18, %19}, %20, 1, 1, 1, 0;"                                                       \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),         \
+                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),     \
+                   "+f"(d[14]), "+f"(d[15])                                                                     \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc))
+
+#define W4A16_WGMMA_N64(TY)                                                                                    \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                 \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+                 "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                                \
+                 "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;"                                                       \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),         \
+                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),     \
+                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),  \
+                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),  \
+                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                           \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc))
+
+// d[BMX / 2] += A (64 x 16, registers) * B (16 x BMX, shared memory at desc)
+template <int BMX, int BF16>
+__device__ __forceinline__ void wgmma_step(float* d, const u32 (&a)[4], unsigned long long desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (BMX == 32) {
+        if constexpr (BF16) W4A16_WGMMA_N32("bf16"); else W4A16_WGMMA_N32("f16");
+    } else {
+        if constexpr (BF16) W4A16_WGMMA_N64("bf16"); else W4A16_WGMMA_N64("f16");
+    }
+#else
+    __trap();  // compiled for a GPU without wgmma (the launcher only takes this kernel on sm_90)
+#endif
+}
+
+template <int BF16>
+__device__ __forceinline__ u32 dequant_pair(u32 w, int shift, u32 zf2, u32 s2, u32 sl2) {
+    if constexpr (BF16) return dequant2_bf16(w, shift, zf2, s2, sl2);
+    else return dequant2(w, shift, zf2, s2);
+}
+
+template <int BF16>
+__device__ __forceinline__ u16 to_act(float f) {  // fp32 to one fp16 or bf16 value, rounded to nearest
+    if constexpr (BF16) return (u16)bf16_bits(f);
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+template <int NWG, int BMX, int STAGES, int G, int BF16>
+__global__ void __launch_bounds__(NWG * 128, 1)
+w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __restrict__ sc,
+            const u8* __restrict__ zp, const u16* __restrict__ bias, u16* __restrict__ y,
+            float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int K, int ldx, int has_bias) {
+    constexpr int KC = 128, PF = STAGES - 2;
+    static_assert(BMX == 32 || BMX == 64, "wgmma N of 32 or 64 batch rows");
+    static_assert(NWG == 2 || NWG == 4, "two or four warpgroups");
+    static_assert(G % 64 == 0 && (G % KC == 0 || KC % G == 0), "a unit holds whole groups or a group whole units");
+    static_assert(STAGES >= 4, "scales are stored a unit after they are loaded, two units before they are read");
+    constexpr int BN = NWG * 64, THREADS = NWG * 128;
+    constexpr int WSW = KC / 8 + 4;  // words per weight row in shared memory (+4: conflict-free 16-byte reads)
+    constexpr int GPU = KC > G ? KC / G : 1;  // groups in a unit
+    // a stage: the x tile, the weight rows, then each row's scale bits | zero point << 16 per group of the unit
+    constexpr int X_BYTES = BMX * KC * 2, W_BYTES = BN * WSW * 4, STAGE_BYTES = X_BYTES + W_BYTES + BN * GPU * 4;
+    constexpr int XP = BMX * (KC / 8) / THREADS, WP = BN * (KC / 32) / THREADS;  // 16-byte pieces per thread
+    static_assert(XP * THREADS == BMX * (KC / 8) && WP * THREADS == BN * (KC / 32), "whole pieces per thread");
+    static_assert(STAGE_BYTES % 128 == 0, "stages keep the x tiles 128-byte aligned");
+    constexpr u32 LBO = BMX * 16, SBO = 128;  // K-adjacent and N-adjacent core matrices
+    extern __shared__ __align__(128) u8 smem[];
+    __shared__ int is_last;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = warp * 16 + g;  // this lane's weight rows in a tile: r0 and r0 + 8 (warp w%4 of its group: 16 rows)
+    const int kw = K >> 3, kg = K / G, cpt = K / KC;  // units per tile: cpt
+    const long long U = (long long)((N + BN - 1) / BN) * cpt;
+    const int P = gridDim.x, b = blockIdx.x;
+    const int u0 = (int)(U * b / P), u1 = (int)(U * (b + 1) / P);
+    const u32 smem0 = smem_addr(smem);
+
+    // unit (tile, c): its x tile and weight rows into stage st by cp.async
+    auto load_unit = [&](int tile, int c, u32 st) {
+        const int k0 = c * KC;
+#pragma unroll
+        for (int q = 0; q < XP; ++q) {  // x: 16 pieces a row, rows past M zero-filled
+            const int i = tid + q * THREADS, r = i >> 4, p = i & 15;
+            const bool ok = r < M;
+            cp_async16_s(st + (p * (BMX / 8) + (r >> 3)) * 128 + (r & 7) * 16,
+                         x + (ok ? (long long)r * ldx : 0) + k0 + p * 8, ok);
+        }
+#pragma unroll
+        for (int q = 0; q < WP; ++q) {  // weights: 4 pieces a row, rows past N zero-filled
+            const int i = tid + q * THREADS, r = i >> 2, p = i & 3;
+            const int n = tile * BN + r;
+            const bool ok = n < N;
+            cp_async16_s(st + X_BYTES + (r * WSW + p * 4) * 4, qw + (ok ? (long long)n * kw : 0) + k0 / 8 + p * 4, ok);
+        }
+    };
+    // unit (tile, c)'s scales and zero points: thread r < BN loads row r's (rows past N: row N - 1's) into sv,
+    // one coalesced pass, stored to its stage a unit later (no wait on the load in between)
+    u32 sv[GPU];
+    auto load_scales = [&](int tile, int c) {
+        if (tid < BN) {
+            const long long at = (long long)min(tile * BN + tid, N - 1) * kg + c * KC / G;
+#pragma unroll
+            for (int i = 0; i < GPU; ++i) sv[i] = (u32)sc[at + i] | ((u32)zp[at + i] << 16);
+        }
+    };
+    auto store_scales = [&](u32 st) {
+        if (tid < BN) {
+#pragma unroll
+            for (int i = 0; i < GPU; ++i)
+                asm volatile("st.shared.u32 [%0], %1;" :: "r"(st + X_BYTES + W_BYTES + (i * BN + tid) * 4), "r"(sv[i]));
+        }
+    };
+
+    float acc[BMX / 2];
+#pragma unroll
+    for (int e = 0; e < BMX / 2; ++e) acc[e] = 0.f;
+#pragma unroll
+    for (int s = 0; s < PF; ++s) {
+        if (u0 + s < u1) {
+            const int tile = (u0 + s) / cpt;
+            load_unit(tile, u0 + s - tile * cpt, smem0 + s * STAGE_BYTES);
+            load_scales(tile, u0 + s - tile * cpt);
+            store_scales(smem0 + s * STAGE_BYTES);
+        }
+        cp_async_commit();
+    }
+    // the unit PF ahead, whose loads the loop issues: (l_tile, l_c), counted on rather than divided out
+    int l_tile = (u0 + PF) / cpt, l_c = u0 + PF - l_tile * cpt;
+    u32 sv_st = 0;  // the stage whose scales sv holds, if sv_held
+    bool sv_held = false;
+
+    // a tile's sums out: e = 4j + 2h + c holds weight row r0 + 8h, batch row 8j + 2t + c
+    auto store_y = [&](const float (&o)[BMX / 2], int n0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int n = n0 + r0 + 8 * h;
+            if (n >= N) continue;
+            const float bv = has_bias ? act_to_float<BF16>(bias[n]) : 0.f;
+#pragma unroll
+            for (int j = 0; j < BMX / 8; ++j)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int m = 8 * j + 2 * t + c;
+                    if (m < M) y[(long long)m * N + n] = to_act<BF16>(o[4 * j + 2 * h + c] + bv);
+                }
+        }
+    };
+
+    // A segment out: this block's sums for `tile` (ends_tile: up to its last unit). A whole tile is stored; a
+    // partial one goes to the workspace, and the last of the tile's blocks to take its ticket adds the parts.
+    // Called where every thread of the block is (it has barriers).
+    auto flush = [&](int tile, bool ends_tile) {
+        wgmma_wait<0>();
+        // The sums move to o and acc restarts at zero on a path every thread takes, with every condition
+        // computed from u0 and the tile rather than from loop-carried state: where ptxas cannot prove the
+        // path uniform it serializes all of the kernel's wgmmas.
+        float o[BMX / 2];
+#pragma unroll
+        for (int e = 0; e < BMX / 2; ++e) {
+            asm volatile("" : "+f"(acc[e]) :: "memory");  // reads after the wait
+            o[e] = acc[e];
+            acc[e] = 0.f;
+        }
+        if (tile * cpt >= u0 && ends_tile) {
+            store_y(o, tile * BN);
+            return;
+        }
+        const int slot = tile == u0 / cpt ? 0 : 1;  // a block's first segment, or its last
+        float* part = ws + (long long)(b * 2 + slot) * BN * BMX;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < BMX / 8; ++j)
+                *reinterpret_cast<f32x2*>(part + (r0 + 8 * h) * BMX + 8 * j + 2 * t) =
+                    f32x2{o[4 * j + 2 * h], o[4 * j + 2 * h + 1]};
+        // the blocks whose ranges meet this tile: those holding its first and last units
+        const int b_first = (int)((((long long)tile * cpt + 1) * P - 1) / U);
+        const int b_last = (int)((((long long)tile + 1) * cpt * P - 1) / U);
+        fence_gpu();
+        __syncthreads();
+        if (tid == 0) {
+            int got;
+            asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(got) : "l"(cnt + tile));
+            is_last = got == b_last - b_first;
+        }
+        __syncthreads();
+        if (is_last) {
+            fence_gpu();
+#pragma unroll
+            for (int e = 0; e < BMX / 2; ++e) o[e] = 0.f;
+            for (int bb = b_first; bb <= b_last; ++bb) {  // in block order: the sum does not depend on timing
+                const int bu0 = (int)(U * bb / P);
+                const float* pp = ws + (long long)(bb * 2 + (bu0 / cpt == tile ? 0 : 1)) * BN * BMX;
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int j = 0; j < BMX / 8; ++j) {
+                        const f32x2 v = load_cg_f2(pp + (r0 + 8 * h) * BMX + 8 * j + 2 * t);
+                        o[4 * j + 2 * h] += v.x;
+                        o[4 * j + 2 * h + 1] += v.y;
+                    }
+            }
+            store_y(o, tile * BN);
+            if (tid == 0) cnt[tile] = 0;
+        }
+    };
+
+    u32 st = 0, ld_st = PF * STAGE_BYTES;
+    // A fragments per 16-k step, (row g, k 2t..), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..), in two
+    // halves of a unit: each half's wgmmas are one commit group and run while the next half is dequantized
+    u32 a[2][4][4];
+    // Per tile segment of the range, then its flush: the loop that issues wgmmas never touches their
+    // accumulators otherwise (a conditional flush inside it made ptxas wait for every unit's wgmmas).
+    // The ring runs on across segments.
+    for (int u = u0; u < u1;) {
+      const int tile = u / cpt, seg_end = min(u1, (tile + 1) * cpt);
+      for (; u < seg_end; ++u) {
+        cp_async_wait<PF - 1>();
+        if (sv_held) store_scales(sv_st);  // the scales loaded an iteration ago, for unit u - 1 + PF
+        fence_proxy_async();  // this thread's copies (generic proxy) visible to the wgmmas (async proxy)
+        __syncthreads();      // unit u landed; every warpgroup's wgmmas of unit u - 2 completed (waited below)
+        sv_held = u + PF < u1;
+        if (sv_held) {
+            load_unit(l_tile, l_c, smem0 + ld_st);
+            load_scales(l_tile, l_c);
+            sv_st = smem0 + ld_st;
+            if (++l_c == cpt) {
+                l_c = 0;
+                ++l_tile;
+            }
+        }
+        cp_async_commit();
+        ld_st = ld_st + STAGE_BYTES == STAGES * STAGE_BYTES ? 0 : ld_st + STAGE_BYTES;
+        const u32 xc = smem0 + st, wc = smem0 + st + X_BYTES + r0 * WSW * 4;
+        u32 zf2[GPU][2], s2[GPU][2], sl2[GPU][2];
+#pragma unroll
+        for (int i = 0; i < GPU; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                u32 v;
+                asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(smem0 + st + X_BYTES + W_BYTES + (i * BN + r0 + 8 * h) * 4));
+                group_consts<BF16>(v & 0xFFFFu, v >> 16, zf2[i][h], s2[i][h], sl2[i][h]);
+            }
+        st = st + STAGE_BYTES == STAGES * STAGE_BYTES ? 0 : st + STAGE_BYTES;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            wgmma_wait<1>();  // the group that last read a[half] (the same half of unit u - 1) is done
+#pragma unroll
+            for (int q = 2 * half; q < 2 * half + 2; ++q) {  // 16-byte reads: words 4q .. 4q + 3 of rows r0, r0 + 8
+                u32 w0[4], w1[4];
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(w0[0]), "=r"(w0[1]), "=r"(w0[2]), "=r"(w0[3]) : "r"(wc + q * 16));
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(w1[0]), "=r"(w1[1]), "=r"(w1[2]), "=r"(w1[3]) : "r"(wc + 8 * WSW * 4 + q * 16));
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int s = 2 * q + hh, gi = GPU == 1 ? 0 : s * 16 / G;
+                    u32 (&f)[4] = a[half][s - 4 * half];
+                    f[0] = dequant_pair<BF16>(w0[2 * hh], 4 * t, zf2[gi][0], s2[gi][0], sl2[gi][0]);
+                    f[1] = dequant_pair<BF16>(w1[2 * hh], 4 * t, zf2[gi][1], s2[gi][1], sl2[gi][1]);
+                    f[2] = dequant_pair<BF16>(w0[2 * hh + 1], 4 * t, zf2[gi][0], s2[gi][0], sl2[gi][0]);
+                    f[3] = dequant_pair<BF16>(w1[2 * hh + 1], 4 * t, zf2[gi][1], s2[gi][1], sl2[gi][1]);
+                }
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int s = 0; s < 4; ++s)
+                wgmma_step<BMX, BF16>(acc, a[half][s], wgmma_desc(xc + (4 * half + s) * 2 * (BMX / 8) * 128, LBO, SBO));
+            wgmma_commit();
+        }
+      }
+      flush(tile, seg_end == (tile + 1) * cpt);
+    }
+    cp_async_wait<0>();
+}
