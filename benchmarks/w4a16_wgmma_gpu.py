@@ -51,9 +51,9 @@ def configs(m):
         if m > bm:
             continue
         for nwg in (2, 4):
-            for st in range(4, 9):
+            for st in range(5, 9):
                 c = cfg(nwg, bm, st)
-                if c.valid_for(4096, 4096, 128) and not (QUICK and st not in (4, 5, 6)):
+                if c.valid_for(4096, 4096, 128) and not (QUICK and st not in (5, 6, 8)):
                     out.append(c)
     return out
 
@@ -86,7 +86,7 @@ if torch.cuda.get_device_capability() != (9, 0):
 cases = [(4096, 4096, 128), (12288, 4096, 128), (4096, 11008, 128), (200, 384, 64), (72, 128, 128),
          (4096, 4096, 64), (1000, 1280, 256), (256, 11008, 128)]
 ms = [1, 7, 17, 32, 33, 48, 64]
-corr_cfgs = [cfg(4, 64, 6), cfg(2, 64, 4), cfg(4, 64, 4), cfg(4, 32, 8), cfg(2, 32, 5)]
+corr_cfgs = [cfg(4, 64, 6), cfg(2, 64, 5), cfg(4, 64, 5), cfg(4, 32, 8), cfg(2, 32, 7)]
 precompile(corr_cfgs + [W.heuristic_wgmma_config(m) for m in (32, 64)], (64, 128, 256),
            (torch.float16, torch.bfloat16))
 worst = {torch.float16: 0.0, torch.bfloat16: 0.0}

@@ -5,6 +5,9 @@
 - one tile per block: N = 132 x 256 rows, K = 4096 (32 units a block, no stream-K parts), so time / 32 is the
   main loop's time per unit; the same with K = 1024 and 16384 gives the fixed cost per launch by difference;
 - the 7B qkv shape (12288 x 4096) at M = 64 for comparison (11.6 units a block, parts on every tile).
+- the one-tile-per-block shape again, built with W4A16_WGMMA_MODE 1 (no wgmma issued), 2 (no
+  dequantization), 3 (no proxy fence), 4 (no x copies) and 5 (no weight copies): what the loop costs
+  without each.
 --ncu: launches one qkv call for Nsight Compute to catch (kernel name w4a16_wgmma), and nothing else.
 """
 import os
@@ -29,12 +32,60 @@ def cfg(nwg, bm, stages):
 if "--ncu" in sys.argv:
     p = random_packed(12288, 4096, 128, 0)
     x = torch.randn(64, 4096, device=dev, dtype=torch.float16)
-    for c in (cfg(4, 64, 6), cfg(4, 64, 4), cfg(2, 64, 4)):
+    for c in (cfg(4, 64, 6), cfg(4, 64, 5), cfg(2, 64, 5)):
         W.launch(x, p, 128, c)
     torch.cuda.synchronize()
     sys.exit(0)
 
-for c in (cfg(4, 64, 4), cfg(4, 64, 5), cfg(2, 64, 4)):
+from vlmctl.runtime.kernels import cuda_rtc  # noqa: E402
+
+
+def launch_mode(mode, x, p, c, y, smem=None):
+    """`W.launch` of config c with the kernel built in measurement mode `mode` (wrong results)."""
+    m, k = x.shape
+    n = p["q4weight"].shape[0]
+    kern = cuda_rtc.load_kernel(f"#define W4A16_WGMMA_MODE {mode}\n" + W.wgmma_source(),
+                                W.wgmma_kernel_name(c, 128, x.dtype), dev, arch_suffix="a")
+    tiles = -(-n // c.block_n)
+    blocks = min(tiles * (k // 128), sms)
+    ws = torch.empty(blocks * 2 * c.block_n * c.block_m, device=dev)
+    cnt = torch.zeros(tiles, device=dev, dtype=torch.int32)
+    return kern, (blocks, 1, 1), (32 * c.num_warps, 1, 1), smem or W.wgmma_shared_bytes(c, 128), \
+        [x, p["q4weight"], p["q4scales"], p["q4zeros"], None, y, ws, cnt, m, n, k, x.stride(0), 0]
+
+
+c = cfg(4, 64, 5)
+for mode in (0, 1, 2, 3, 4, 5):
+    n, k = sms * c.block_n, 16384
+    ps = [random_packed(n, k, 128, i) for i in range(4)]
+    x = torch.randn(64, k, device=dev, dtype=torch.float16)
+    y = torch.empty(64, n, device=dev, dtype=torch.float16)
+    calls = [launch_mode(mode, x, p, c, y) for p in ps]
+    t = time_graph([lambda a=a: a[0].launch(*a[1:], dev) for a in calls]) * 1e3 / 4
+    print(f"mode {mode} ({['full', 'no wgmma', 'no dequantization', 'no proxy fence', 'no x copies', 'no weight copies'][mode]}) {W.describe(c)} N {n} K {k}: "
+          f"{t:7.1f} us, {t / 128:5.2f} us a unit", flush=True)
+
+# the same kernel with more dynamic shared memory than it uses: does the L1 left beside it matter?
+for c, smem in ((cfg(4, 64, 5), None), (cfg(4, 64, 5), 227 * 1024), (cfg(2, 64, 5), None), (cfg(2, 64, 5), 110 * 1024),
+                (cfg(2, 64, 5), 227 * 1024)):
+    n, k = sms * c.block_n, 16384
+    ps = [random_packed(n, k, 128, i) for i in range(4)]
+    x = torch.randn(64, k, device=dev, dtype=torch.float16)
+    y = torch.empty(64, n, device=dev, dtype=torch.float16)
+    calls = [launch_mode(0, x, p, c, y, smem) for p in ps]
+    t = time_graph([lambda a=a: a[0].launch(*a[1:], dev) for a in calls]) * 1e3 / 4
+    print(f"{W.describe(c)} shared memory {calls[0][3] // 1024} KB: {t:7.1f} us, {t / 128:5.2f} us a unit", flush=True)
+
+# the same weights every launch, small enough for L2 (17 MB int4): the loop without DRAM's access pattern
+c = cfg(4, 64, 5)
+n, k = sms * c.block_n, 1024
+p = random_packed(n, k, 128, 0)
+x = torch.randn(64, k, device=dev, dtype=torch.float16)
+y = torch.empty(64, n, device=dev, dtype=torch.float16)
+t = time_graph([lambda: W.launch(x, p, 128, c, out=y)] * 4) * 1e3 / 4
+print(f"L2-resident weights {W.describe(c)} N {n} K {k}: {t:7.1f} us, {t / 8:5.2f} us a unit", flush=True)
+
+for c in (cfg(4, 64, 5), cfg(4, 64, 6), cfg(2, 64, 5)):
     bn = c.block_n
     for n, k in ((sms * bn, 1024), (sms * bn, 4096), (sms * bn, 16384), (12288, 4096)):
         ps = [random_packed(n, k, 128, i) for i in range(4)]

@@ -59,7 +59,7 @@ def _ptxas_log(name: str) -> str:
     W.wgmma_kernel_name(W.heuristic_wgmma_config(64), 128, "float16"),
     W.wgmma_kernel_name(W.heuristic_wgmma_config(32), 128, "float16"),
     W.wgmma_kernel_name(W.heuristic_wgmma_config(64), 64, "bfloat16"),
-    W.wgmma_kernel_name(_cfg(2, 64, 4), 256, "float16"),
+    W.wgmma_kernel_name(_cfg(2, 64, 5), 256, "float16"),
 ])
 def test_compiles_for_sm90a_without_serialized_wgmma(name):
     log = _ptxas_log(name)
@@ -77,7 +77,7 @@ def test_config_rules():
     assert not W.heuristic_wgmma_config(64).valid_for(4096, 4096, 32)  # groups of 64 or a multiple of 128
     assert not _cfg(4, 64, 7).valid_for(4096, 4096, 128)  # 7 stages of 37 KB exceed shared memory
     assert not _cfg(4, 64, 6).valid_for(4096, 4096, 64)  # 6 do with two groups' scales a unit
-    assert not _cfg(4, 64, 3).valid_for(4096, 4096, 128)  # scales are stored a unit before the stage is read
+    assert not _cfg(4, 64, 4).valid_for(4096, 4096, 128)  # scales are stored a unit before the stage is read
     assert W.wgmma_shared_bytes(_cfg(4, 64, 6), 128) == 6 * (64 * 256 + 256 * 80 + 256 * 4)
 
 
@@ -103,7 +103,7 @@ def test_gpu_against_dequantized_reference(dtype):
             x = torch.randn(m, k, generator=gen).to(dev, dtype)
             bias = torch.randn(n, generator=gen).to(dev, dtype)
             ref = x.float() @ ref_w.t() + bias.float()
-            for c in (W.heuristic_wgmma_config(m), _cfg(2, 64, 4)):
+            for c in (W.heuristic_wgmma_config(m), _cfg(2, 64, 5)):
                 if m > c.block_m or not c.valid_for(n, k, g):
                     continue
                 y = W.launch(x, p, g, c, bias)

@@ -92,6 +92,14 @@ __device__ __forceinline__ u16 to_act(float f) {  // fp32 to one fp16 or bf16 va
     return h;
 }
 
+// W4A16_WGMMA_MODE (measurement builds only, benchmarks/w4a16_wgmma_probe.py; results are wrong there):
+// 1 issues no wgmma, 2 skips the dequantization (the raw words are the A fragments), 3 leaves out the
+// generic-to-async proxy fence before each unit's barrier (so wgmma may read stale x), 4 copies no x tiles,
+// 5 no weight tiles.
+#ifndef W4A16_WGMMA_MODE
+#define W4A16_WGMMA_MODE 0
+#endif
+
 template <int NWG, int BMX, int STAGES, int G, int BF16>
 __global__ void __launch_bounds__(NWG * 128, 1)
 w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __restrict__ sc,
@@ -101,7 +109,7 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
     static_assert(BMX == 32 || BMX == 64, "wgmma N of 32 or 64 batch rows");
     static_assert(NWG == 2 || NWG == 4, "two or four warpgroups");
     static_assert(G % 64 == 0 && (G % KC == 0 || KC % G == 0), "a unit holds whole groups or a group whole units");
-    static_assert(STAGES >= 4, "scales are stored a unit after they are loaded, two units before they are read");
+    static_assert(STAGES >= 5, "scales are stored two units after they are loaded, a unit before they are read");
     constexpr int BN = NWG * 64, THREADS = NWG * 128;
     constexpr int WSW = KC / 8 + 4;  // words per weight row in shared memory (+4: conflict-free 16-byte reads)
     constexpr int GPU = KC > G ? KC / G : 1;  // groups in a unit
@@ -127,31 +135,36 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
     auto load_unit = [&](int tile, int c, u32 st) {
         const int k0 = c * KC;
 #pragma unroll
-        for (int q = 0; q < XP; ++q) {  // x: 16 pieces a row, rows past M zero-filled
-            const int i = tid + q * THREADS, r = i >> 4, p = i & 15;
+        for (int q = 0; q < (W4A16_WGMMA_MODE == 4 ? 0 : XP); ++q) {  // x: 16 pieces a row, rows past M zero-filled
+            // a warp's 32 pieces: 8 rows (one core matrix, 128 contiguous bytes) x 4 pieces of 16 k, so that
+            // its shared-memory writes cover each bank once per core matrix (whole rows a warp: 16-way conflicts)
+            const int i = tid + q * THREADS, l = i & 31, wi = i >> 5;
+            const int r = (l & 7) + 8 * (wi % (BMX / 8)), p = (l >> 3) + 4 * (wi / (BMX / 8));
             const bool ok = r < M;
             cp_async16_s(st + (p * (BMX / 8) + (r >> 3)) * 128 + (r & 7) * 16,
                          x + (ok ? (long long)r * ldx : 0) + k0 + p * 8, ok);
         }
 #pragma unroll
-        for (int q = 0; q < WP; ++q) {  // weights: 4 pieces a row, rows past N zero-filled
+        for (int q = 0; q < (W4A16_WGMMA_MODE == 5 ? 0 : WP); ++q) {  // weights: 4 pieces a row, rows past N zero-filled
             const int i = tid + q * THREADS, r = i >> 2, p = i & 3;
             const int n = tile * BN + r;
             const bool ok = n < N;
             cp_async16_s(st + X_BYTES + (r * WSW + p * 4) * 4, qw + (ok ? (long long)n * kw : 0) + k0 / 8 + p * 4, ok);
         }
     };
-    // unit (tile, c)'s scales and zero points: thread r < BN loads row r's (rows past N: row N - 1's) into sv,
-    // one coalesced pass, stored to its stage a unit later (no wait on the load in between)
-    u32 sv[GPU];
-    auto load_scales = [&](int tile, int c) {
+    // unit (tile, c)'s scales and zero points: thread r < BN loads row r's (rows past N: row N - 1's), one
+    // coalesced pass, into one of two register sets, and stores them into the unit's stage two units later,
+    // the last iteration before the stage is read: the store waits for the load, and one unit of work did
+    // not cover its latency (every unit then took one load's round trip, H200, session 15).
+    u32 sv0[GPU], sv1[GPU];
+    auto load_scales = [&](int tile, int c, u32 (&sv)[GPU]) {
         if (tid < BN) {
             const long long at = (long long)min(tile * BN + tid, N - 1) * kg + c * KC / G;
 #pragma unroll
             for (int i = 0; i < GPU; ++i) sv[i] = (u32)sc[at + i] | ((u32)zp[at + i] << 16);
         }
     };
-    auto store_scales = [&](u32 st) {
+    auto store_scales = [&](u32 st, const u32 (&sv)[GPU]) {
         if (tid < BN) {
 #pragma unroll
             for (int i = 0; i < GPU; ++i)
@@ -167,15 +180,15 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
         if (u0 + s < u1) {
             const int tile = (u0 + s) / cpt;
             load_unit(tile, u0 + s - tile * cpt, smem0 + s * STAGE_BYTES);
-            load_scales(tile, u0 + s - tile * cpt);
-            store_scales(smem0 + s * STAGE_BYTES);
+            load_scales(tile, u0 + s - tile * cpt, sv0);
+            store_scales(smem0 + s * STAGE_BYTES, sv0);
         }
         cp_async_commit();
     }
     // the unit PF ahead, whose loads the loop issues: (l_tile, l_c), counted on rather than divided out
     int l_tile = (u0 + PF) / cpt, l_c = u0 + PF - l_tile * cpt;
-    u32 sv_st = 0;  // the stage whose scales sv holds, if sv_held
-    bool sv_held = false;
+    u32 st0 = 0, st1 = 0;  // the stages whose scales sv0 / sv1 hold, if held0 / held1
+    bool held0 = false, held1 = false;
 
     // a tile's sums out: e = 4j + 2h + c holds weight row r0 + 8h, batch row 8j + 2t + c
     auto store_y = [&](const float (&o)[BMX / 2], int n0) {
@@ -264,19 +277,31 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
       const int tile = u / cpt, seg_end = min(u1, (tile + 1) * cpt);
       for (; u < seg_end; ++u) {
         cp_async_wait<PF - 1>();
-        if (sv_held) store_scales(sv_st);  // the scales loaded an iteration ago, for unit u - 1 + PF
-        fence_proxy_async();  // this thread's copies (generic proxy) visible to the wgmmas (async proxy)
+        // the scales loaded two iterations ago (for unit u - 2 + PF) into their stage, in the set this
+        // iteration loads into next (u is the same for every thread: no divergence)
+        if (u & 1) {
+            if (held1) store_scales(st1, sv1);
+        } else {
+            if (held0) store_scales(st0, sv0);
+        }
+        if (W4A16_WGMMA_MODE != 3) fence_proxy_async();  // this thread's copies (generic proxy) visible to the wgmmas (async proxy)
         __syncthreads();      // unit u landed; every warpgroup's wgmmas of unit u - 2 completed (waited below)
-        sv_held = u + PF < u1;
-        if (sv_held) {
+        const bool more = u + PF < u1;
+        if (more) {
             load_unit(l_tile, l_c, smem0 + ld_st);
-            load_scales(l_tile, l_c);
-            sv_st = smem0 + ld_st;
+            if (u & 1) {
+                load_scales(l_tile, l_c, sv1);
+                st1 = smem0 + ld_st;
+            } else {
+                load_scales(l_tile, l_c, sv0);
+                st0 = smem0 + ld_st;
+            }
             if (++l_c == cpt) {
                 l_c = 0;
                 ++l_tile;
             }
         }
+        if (u & 1) held1 = more; else held0 = more;
         cp_async_commit();
         ld_st = ld_st + STAGE_BYTES == STAGES * STAGE_BYTES ? 0 : ld_st + STAGE_BYTES;
         const u32 xc = smem0 + st, wc = smem0 + st + X_BYTES + r0 * WSW * 4;
@@ -304,11 +329,20 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
                 for (int hh = 0; hh < 2; ++hh) {
                     const int s = 2 * q + hh, gi = GPU == 1 ? 0 : s * 16 / G;
                     u32 (&f)[4] = a[half][s - 4 * half];
+                    if (W4A16_WGMMA_MODE == 2) {
+                        f[0] = w0[2 * hh]; f[1] = w1[2 * hh]; f[2] = w0[2 * hh + 1]; f[3] = w1[2 * hh + 1];
+                        continue;
+                    }
                     f[0] = dequant_pair<BF16>(w0[2 * hh], 4 * t, zf2[gi][0], s2[gi][0], sl2[gi][0]);
                     f[1] = dequant_pair<BF16>(w1[2 * hh], 4 * t, zf2[gi][1], s2[gi][1], sl2[gi][1]);
                     f[2] = dequant_pair<BF16>(w0[2 * hh + 1], 4 * t, zf2[gi][0], s2[gi][0], sl2[gi][0]);
                     f[3] = dequant_pair<BF16>(w1[2 * hh + 1], 4 * t, zf2[gi][1], s2[gi][1], sl2[gi][1]);
                 }
+            }
+            if (W4A16_WGMMA_MODE == 1) {  // keep the dequantized values live without the tensor cores
+#pragma unroll
+                for (int s = 0; s < 4; ++s) acc[s] += __int_as_float(a[half][s][0] ^ a[half][s][1] ^ a[half][s][2] ^ a[half][s][3]);
+                continue;
             }
             wgmma_fence();
 #pragma unroll
