@@ -136,10 +136,7 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
         const int k0 = c * KC;
 #pragma unroll
         for (int q = 0; q < (W4A16_WGMMA_MODE == 4 ? 0 : XP); ++q) {  // x: 16 pieces a row, rows past M zero-filled
-            // a warp's 32 pieces: 8 rows (one core matrix, 128 contiguous bytes) x 4 pieces of 16 k, so that
-            // its shared-memory writes cover each bank once per core matrix (whole rows a warp: 16-way conflicts)
-            const int i = tid + q * THREADS, l = i & 31, wi = i >> 5;
-            const int r = (l & 7) + 8 * (wi % (BMX / 8)), p = (l >> 3) + 4 * (wi / (BMX / 8));
+            const int i = tid + q * THREADS, r = i >> 4, p = i & 15;
             const bool ok = r < M;
             cp_async16_s(st + (p * (BMX / 8) + (r >> 3)) * 128 + (r & 7) * 16,
                          x + (ok ? (long long)r * ldx : 0) + k0 + p * 8, ok);
