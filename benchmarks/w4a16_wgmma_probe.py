@@ -40,11 +40,12 @@ if "--ncu" in sys.argv:
 from vlmctl.runtime.kernels import cuda_rtc  # noqa: E402
 
 
-def launch_mode(mode, x, p, c, y, smem=None):
-    """`W.launch` of config c with the kernel built in measurement mode `mode` (wrong results)."""
+def launch_mode(mode, x, p, c, y, smem=None, xmap=0):
+    """`W.launch` of config c with the kernel built in measurement mode `mode` (wrong results but for 6 on a
+    unit-contiguous tensor) and x-copy mapping `xmap`."""
     m, k = x.shape
     n = p["q4weight"].shape[0]
-    kern = cuda_rtc.load_kernel(f"#define W4A16_WGMMA_MODE {mode}\n" + W.wgmma_source(),
+    kern = cuda_rtc.load_kernel(f"#define W4A16_WGMMA_MODE {mode}\n#define W4A16_WGMMA_XMAP {xmap}\n" + W.wgmma_source(),
                                 W.wgmma_kernel_name(c, 128, x.dtype), dev, arch_suffix="a")
     tiles = -(-n // c.block_n)
     blocks = min(tiles * (k // 128), sms)
@@ -53,6 +54,47 @@ def launch_mode(mode, x, p, c, y, smem=None):
     return kern, (blocks, 1, 1), (32 * c.num_warps, 1, 1), smem or W.wgmma_shared_bytes(c, 128), \
         [x, p["q4weight"], p["q4scales"], p["q4zeros"], None, y, ws, cnt, m, n, k, x.stride(0), 0]
 
+
+def unit_contiguous(p, bn):
+    """p's packed weights as qw[tile][unit][bn rows][16 words] (mode 6's layout); N a multiple of bn."""
+    q = p["q4weight"]
+    n, kw = q.shape
+    return dict(p, q4weight=q.view(n // bn, bn, kw // 16, 16).permute(0, 2, 1, 3).contiguous().view(n, kw))
+
+
+if "--layout" in sys.argv:
+    # Does the weights' access pattern (64 bytes of each of 256 rows a unit, rows K / 2 bytes apart) bound the loop?
+    # Mode 6 reads the same weights repacked unit-contiguous (16 KB a unit); mode 8 reads tile 0's in every block;
+    # mode 7 copies nothing; xmap 1 remaps the x pieces to conflict-free shared-memory writes.
+    c = cfg(4, 64, 5)
+    n = sms * c.block_n
+    for k in (4096, 16384):
+        ps = [random_packed(n, k, 128, i) for i in range(4)]
+        pu = [unit_contiguous(p, c.block_n) for p in ps]
+        x = torch.randn(64, k, device=dev, dtype=torch.float16)
+        units = k // 128
+        ref = None
+        for name, mode, xmap, pp in (("full", 0, 0, ps), ("unit-contiguous weights", 6, 0, pu),
+                                     ("no copies", 7, 0, ps), ("tile 0's weights (L2)", 8, 0, ps),
+                                     ("x remapped", 0, 1, ps), ("unit-contiguous + x remapped", 6, 1, pu),
+                                     ("full again", 0, 0, ps)):
+            y = torch.empty(64, n, device=dev, dtype=torch.float16)
+            calls = [launch_mode(mode, x, p, c, y, xmap=xmap) for p in pp]
+            calls[0][0].launch(*calls[0][1:], dev)
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = y.clone()
+            same = "" if mode in (7, 8) else f", equal to full: {bool(torch.equal(y, ref))}"
+            t = time_graph([lambda a=a: a[0].launch(*a[1:], dev) for a in calls]) * 1e3 / 4
+            print(f"K {k:6d} {name:30s}: {t:7.1f} us, {t / units:5.2f} us a unit, "
+                  f"{n * k / 2 / t / 1e6:.2f} TB/s int4{same}", flush=True)
+    if "--ncu-source" in sys.argv:  # one launch of each of full and unit-contiguous for Nsight Compute
+        for mode, pp in ((0, ps), (6, pu)):
+            y = torch.empty(64, n, device=dev, dtype=torch.float16)
+            a = launch_mode(mode, x, pp[0], c, y)
+            a[0].launch(*a[1:], dev)
+        torch.cuda.synchronize()
+    sys.exit(0)
 
 c = cfg(4, 64, 5)
 for mode in (0, 1, 2, 3, 4, 5):

@@ -95,9 +95,15 @@ __device__ __forceinline__ u16 to_act(float f) {  // fp32 to one fp16 or bf16 va
 // W4A16_WGMMA_MODE (measurement builds only, benchmarks/w4a16_wgmma_probe.py; results are wrong there):
 // 1 issues no wgmma, 2 skips the dequantization (the raw words are the A fragments), 3 leaves out the
 // generic-to-async proxy fence before each unit's barrier (so wgmma may read stale x), 4 copies no x tiles,
-// 5 no weight tiles.
+// 5 no weight tiles, 6 reads the weights from a unit-contiguous layout (qw[tile][unit][BN rows][64 bytes]: correct
+// results for such a repacked tensor), 7 copies neither x nor weights, 8 reads tile 0's weights in every block
+// (L2-resident weights at any K).
 #ifndef W4A16_WGMMA_MODE
 #define W4A16_WGMMA_MODE 0
+#endif
+// W4A16_WGMMA_XMAP 1 (measurement): x pieces mapped so a warp's 16-byte shared-memory writes hit distinct bank quads
+#ifndef W4A16_WGMMA_XMAP
+#define W4A16_WGMMA_XMAP 0
 #endif
 
 template <int NWG, int BMX, int STAGES, int G, int BF16>
@@ -135,37 +141,48 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
     auto load_unit = [&](int tile, int c, u32 st) {
         const int k0 = c * KC;
 #pragma unroll
-        for (int q = 0; q < (W4A16_WGMMA_MODE == 4 ? 0 : XP); ++q) {  // x: 16 pieces a row, rows past M zero-filled
-            const int i = tid + q * THREADS, r = i >> 4, p = i & 15;
+        for (int q = 0; q < (W4A16_WGMMA_MODE == 4 || W4A16_WGMMA_MODE == 7 ? 0 : XP); ++q) {  // x: 16 pieces a row, rows past M zero-filled
+            const int i = tid + q * THREADS;
+            // XMAP: a warp's 32 pieces are 8 rows x 4 columns (each lane's 16 bytes in its own bank quad)
+            const int r = W4A16_WGMMA_XMAP ? ((i >> 5) & (BMX / 8 - 1)) * 8 + (i & 7) : i >> 4;
+            const int p = W4A16_WGMMA_XMAP ? (i >> 5) / (BMX / 8) * 4 + ((i >> 3) & 3) : i & 15;
             const bool ok = r < M;
             cp_async16_s(st + (p * (BMX / 8) + (r >> 3)) * 128 + (r & 7) * 16,
                          x + (ok ? (long long)r * ldx : 0) + k0 + p * 8, ok);
         }
 #pragma unroll
-        for (int q = 0; q < (W4A16_WGMMA_MODE == 5 ? 0 : WP); ++q) {  // weights: 4 pieces a row, rows past N zero-filled
+        for (int q = 0; q < (W4A16_WGMMA_MODE == 5 || W4A16_WGMMA_MODE == 7 ? 0 : WP); ++q) {  // weights: 4 pieces a row, rows past N zero-filled
             const int i = tid + q * THREADS, r = i >> 2, p = i & 3;
-            const int n = tile * BN + r;
+            const int n = (W4A16_WGMMA_MODE == 8 ? 0 : tile) * BN + r;
             const bool ok = n < N;
-            cp_async16_s(st + X_BYTES + (r * WSW + p * 4) * 4, qw + (ok ? (long long)n * kw : 0) + k0 / 8 + p * 4, ok);
+            const u32* src = W4A16_WGMMA_MODE == 6 ? qw + ((long long)(tile * cpt + c) * BN + r) * 16 + p * 4
+                                                   : qw + (ok ? (long long)n * kw : 0) + k0 / 8 + p * 4;
+            cp_async16_s(st + X_BYTES + (r * WSW + p * 4) * 4, src, ok);
         }
     };
     // unit (tile, c)'s scales and zero points: thread r < BN loads row r's (rows past N: row N - 1's), one
     // coalesced pass, into one of two register sets, and stores them into the unit's stage two units later,
     // the last iteration before the stage is read: the store waits for the load, and one unit of work did
     // not cover its latency (every unit then took one load's round trip, H200, session 15).
-    u32 sv0[GPU], sv1[GPU];
-    auto load_scales = [&](int tile, int c, u32 (&sv)[GPU]) {
+    // The scale and the zero point stay in separate registers until the store: combined at the load, the
+    // combining instruction waited there for the load's whole round trip, every unit (SASS, session 16).
+    u32 sv0[2][GPU], sv1[2][GPU];
+    auto load_scales = [&](int tile, int c, u32 (&sv)[2][GPU]) {
         if (tid < BN) {
             const long long at = (long long)min(tile * BN + tid, N - 1) * kg + c * KC / G;
 #pragma unroll
-            for (int i = 0; i < GPU; ++i) sv[i] = (u32)sc[at + i] | ((u32)zp[at + i] << 16);
+            for (int i = 0; i < GPU; ++i) {
+                sv[0][i] = sc[at + i];
+                sv[1][i] = zp[at + i];
+            }
         }
     };
-    auto store_scales = [&](u32 st, const u32 (&sv)[GPU]) {
+    auto store_scales = [&](u32 st, const u32 (&sv)[2][GPU]) {
         if (tid < BN) {
 #pragma unroll
             for (int i = 0; i < GPU; ++i)
-                asm volatile("st.shared.u32 [%0], %1;" :: "r"(st + X_BYTES + W_BYTES + (i * BN + tid) * 4), "r"(sv[i]));
+                asm volatile("st.shared.u32 [%0], %1;" :: "r"(st + X_BYTES + W_BYTES + (i * BN + tid) * 4),
+                             "r"(sv[0][i] | (sv[1][i] << 16)));
         }
     };
 
