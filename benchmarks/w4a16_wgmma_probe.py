@@ -40,12 +40,12 @@ if "--ncu" in sys.argv:
 from vlmctl.runtime.kernels import cuda_rtc  # noqa: E402
 
 
-def launch_mode(mode, x, p, c, y, smem=None, xmap=0):
+def launch_mode(mode, x, p, c, y, smem=None):
     """`W.launch` of config c with the kernel built in measurement mode `mode` (wrong results but for 6 on a
-    unit-contiguous tensor) and x-copy mapping `xmap`."""
+    unit-contiguous tensor)."""
     m, k = x.shape
     n = p["q4weight"].shape[0]
-    kern = cuda_rtc.load_kernel(f"#define W4A16_WGMMA_MODE {mode}\n#define W4A16_WGMMA_XMAP {xmap}\n" + W.wgmma_source(),
+    kern = cuda_rtc.load_kernel(f"#define W4A16_WGMMA_MODE {mode}\n" + W.wgmma_source(),
                                 W.wgmma_kernel_name(c, 128, x.dtype), dev, arch_suffix="a")
     tiles = -(-n // c.block_n)
     blocks = min(tiles * (k // 128), sms)
@@ -65,7 +65,8 @@ def unit_contiguous(p, bn):
 if "--layout" in sys.argv:
     # Does the weights' access pattern (64 bytes of each of 256 rows a unit, rows K / 2 bytes apart) bound the loop?
     # Mode 6 reads the same weights repacked unit-contiguous (16 KB a unit); mode 8 reads tile 0's in every block;
-    # mode 7 copies nothing; xmap 1 remaps the x pieces to conflict-free shared-memory writes.
+    # mode 7 copies nothing. (Session 16 also remapped the x pieces to conflict-free shared-memory writes, commit
+    # f109b2c: no change, 2.32 vs 2.31-2.33 us a unit; not kept.)
     c = cfg(4, 64, 5)
     n = sms * c.block_n
     for k in (4096, 16384):
@@ -74,20 +75,35 @@ if "--layout" in sys.argv:
         x = torch.randn(64, k, device=dev, dtype=torch.float16)
         units = k // 128
         ref = None
-        for name, mode, xmap, pp in (("full", 0, 0, ps), ("unit-contiguous weights", 6, 0, pu),
-                                     ("no copies", 7, 0, ps), ("tile 0's weights (L2)", 8, 0, ps),
-                                     ("x remapped", 0, 1, ps), ("unit-contiguous + x remapped", 6, 1, pu),
-                                     ("full again", 0, 0, ps)):
+        for name, mode, pp in (("full", 0, ps), ("unit-contiguous weights", 6, pu), ("no copies", 7, ps),
+                               ("tile 0's weights (L2)", 8, ps), ("no copies, no wgmma", 10, ps),
+                               ("no copies, no dequantization", 11, ps), ("full again", 0, ps)):
             y = torch.empty(64, n, device=dev, dtype=torch.float16)
-            calls = [launch_mode(mode, x, p, c, y, xmap=xmap) for p in pp]
+            calls = [launch_mode(mode, x, p, c, y) for p in pp]
             calls[0][0].launch(*calls[0][1:], dev)
             torch.cuda.synchronize()
             if ref is None:
                 ref = y.clone()
-            same = "" if mode in (7, 8) else f", equal to full: {bool(torch.equal(y, ref))}"
+            same = "" if mode in (7, 8, 10, 11) else f", equal to full: {bool(torch.equal(y, ref))}"
             t = time_graph([lambda a=a: a[0].launch(*a[1:], dev) for a in calls]) * 1e3 / 4
             print(f"K {k:6d} {name:30s}: {t:7.1f} us, {t / units:5.2f} us a unit, "
                   f"{n * k / 2 / t / 1e6:.2f} TB/s int4{same}", flush=True)
+    # the decoder's four linears at M = 64 (stream-K parts on most tiles): as built, without the parts' fix-up
+    # (mode 9), without copies (7); the units a block runs say what the loop alone would take
+    for name, n, k in (("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096), ("down", 4096, 11008)):
+        ps4 = [random_packed(n, k, 128, i) for i in range(8)]
+        x4 = torch.randn(64, k, device=dev, dtype=torch.float16)
+        wd = W.dequantize(ps4[0], 128, torch.float16)
+        y = torch.empty(64, n, device=dev, dtype=torch.float16)
+        tc = time_graph([lambda: torch.mm(x4, wd.t(), out=y)]) * 1e3
+        for c4 in (cfg(4, 64, 5), cfg(2, 64, 5)):
+            units = -(-n // c4.block_n) * (k // 128) / min(sms, -(-n // c4.block_n) * (k // 128))
+            row = []
+            for mode in (0, 9, 7):
+                calls = [launch_mode(mode, x4, p, c4, y) for p in ps4]
+                row.append(time_graph([lambda a=a: a[0].launch(*a[1:], dev) for a in calls]) * 1e3 / len(calls))
+            print(f"{name:8s} {W.describe(c4):22s} {units:5.1f} units a block: as built {row[0]:6.1f} us, "
+                  f"no fix-up {row[1]:6.1f}, no copies {row[2]:6.1f} | cuBLAS dense {tc:6.1f}", flush=True)
     if "--ncu-source" in sys.argv:  # one launch of each of full and unit-contiguous for Nsight Compute
         for mode, pp in ((0, ps), (6, pu)):
             y = torch.empty(64, n, device=dev, dtype=torch.float16)

@@ -97,13 +97,13 @@ __device__ __forceinline__ u16 to_act(float f) {  // fp32 to one fp16 or bf16 va
 // generic-to-async proxy fence before each unit's barrier (so wgmma may read stale x), 4 copies no x tiles,
 // 5 no weight tiles, 6 reads the weights from a unit-contiguous layout (qw[tile][unit][BN rows][64 bytes]: correct
 // results for such a repacked tensor), 7 copies neither x nor weights, 8 reads tile 0's weights in every block
-// (L2-resident weights at any K).
+// (L2-resident weights at any K), 9 stores every segment's sums as if it were a whole tile (no workspace, tickets
+// or fix-up: what the stream-K parts cost), 10 copies nothing and issues no wgmma (the loop's issue alone), 11
+// copies nothing and skips the dequantization (the wgmmas and the loop's frame).
+#define W4A16_WGMMA_NO_X (W4A16_WGMMA_MODE == 4 || W4A16_WGMMA_MODE == 7 || W4A16_WGMMA_MODE >= 10)
+#define W4A16_WGMMA_NO_W (W4A16_WGMMA_MODE == 5 || W4A16_WGMMA_MODE == 7 || W4A16_WGMMA_MODE >= 10)
 #ifndef W4A16_WGMMA_MODE
 #define W4A16_WGMMA_MODE 0
-#endif
-// W4A16_WGMMA_XMAP 1 (measurement): x pieces mapped so a warp's 16-byte shared-memory writes hit distinct bank quads
-#ifndef W4A16_WGMMA_XMAP
-#define W4A16_WGMMA_XMAP 0
 #endif
 
 template <int NWG, int BMX, int STAGES, int G, int BF16>
@@ -141,17 +141,14 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
     auto load_unit = [&](int tile, int c, u32 st) {
         const int k0 = c * KC;
 #pragma unroll
-        for (int q = 0; q < (W4A16_WGMMA_MODE == 4 || W4A16_WGMMA_MODE == 7 ? 0 : XP); ++q) {  // x: 16 pieces a row, rows past M zero-filled
-            const int i = tid + q * THREADS;
-            // XMAP: a warp's 32 pieces are 8 rows x 4 columns (each lane's 16 bytes in its own bank quad)
-            const int r = W4A16_WGMMA_XMAP ? ((i >> 5) & (BMX / 8 - 1)) * 8 + (i & 7) : i >> 4;
-            const int p = W4A16_WGMMA_XMAP ? (i >> 5) / (BMX / 8) * 4 + ((i >> 3) & 3) : i & 15;
+        for (int q = 0; q < (W4A16_WGMMA_NO_X ? 0 : XP); ++q) {  // x: 16 pieces a row, rows past M zero-filled
+            const int i = tid + q * THREADS, r = i >> 4, p = i & 15;
             const bool ok = r < M;
             cp_async16_s(st + (p * (BMX / 8) + (r >> 3)) * 128 + (r & 7) * 16,
                          x + (ok ? (long long)r * ldx : 0) + k0 + p * 8, ok);
         }
 #pragma unroll
-        for (int q = 0; q < (W4A16_WGMMA_MODE == 5 || W4A16_WGMMA_MODE == 7 ? 0 : WP); ++q) {  // weights: 4 pieces a row, rows past N zero-filled
+        for (int q = 0; q < (W4A16_WGMMA_NO_W ? 0 : WP); ++q) {  // weights: 4 pieces a row, rows past N zero-filled
             const int i = tid + q * THREADS, r = i >> 2, p = i & 3;
             const int n = (W4A16_WGMMA_MODE == 8 ? 0 : tile) * BN + r;
             const bool ok = n < N;
@@ -236,7 +233,7 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
             o[e] = acc[e];
             acc[e] = 0.f;
         }
-        if (tile * cpt >= u0 && ends_tile) {
+        if ((tile * cpt >= u0 && ends_tile) || W4A16_WGMMA_MODE == 9) {
             store_y(o, tile * BN);
             return;
         }
@@ -343,7 +340,7 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
                 for (int hh = 0; hh < 2; ++hh) {
                     const int s = 2 * q + hh, gi = GPU == 1 ? 0 : s * 16 / G;
                     u32 (&f)[4] = a[half][s - 4 * half];
-                    if (W4A16_WGMMA_MODE == 2) {
+                    if (W4A16_WGMMA_MODE == 2 || W4A16_WGMMA_MODE == 11) {
                         f[0] = w0[2 * hh]; f[1] = w1[2 * hh]; f[2] = w0[2 * hh + 1]; f[3] = w1[2 * hh + 1];
                         continue;
                     }
@@ -353,7 +350,7 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
                     f[3] = dequant_pair<BF16>(w1[2 * hh + 1], 4 * t, zf2[gi][1], s2[gi][1], sl2[gi][1]);
                 }
             }
-            if (W4A16_WGMMA_MODE == 1) {  // keep the dequantized values live without the tensor cores
+            if (W4A16_WGMMA_MODE == 1 || W4A16_WGMMA_MODE == 10) {  // keep the dequantized values live without the tensor cores
 #pragma unroll
                 for (int s = 0; s < 4; ++s) acc[s] += __int_as_float(a[half][s][0] ^ a[half][s][1] ^ a[half][s][2] ^ a[half][s][3]);
                 continue;
