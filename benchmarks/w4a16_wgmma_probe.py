@@ -40,12 +40,12 @@ if "--ncu" in sys.argv:
 from vlmctl.runtime.kernels import cuda_rtc  # noqa: E402
 
 
-def launch_mode(mode, x, p, c, y, smem=None):
+def launch_mode(mode, x, p, c, y, smem=None, late=0):
     """`W.launch` of config c with the kernel built in measurement mode `mode` (wrong results but for 6 on a
     unit-contiguous tensor)."""
     m, k = x.shape
     n = p["q4weight"].shape[0]
-    kern = cuda_rtc.load_kernel(f"#define W4A16_WGMMA_MODE {mode}\n" + W.wgmma_source(),
+    kern = cuda_rtc.load_kernel(f"#define W4A16_WGMMA_MODE {mode}\n#define W4A16_WGMMA_LATE_LOADS {late}\n" + W.wgmma_source(),
                                 W.wgmma_kernel_name(c, 128, x.dtype), dev, arch_suffix="a")
     tiles = -(-n // c.block_n)
     blocks = min(tiles * (k // 128), sms)
@@ -61,6 +61,35 @@ def unit_contiguous(p, bn):
     n, kw = q.shape
     return dict(p, q4weight=q.view(n // bn, bn, kw // 16, 16).permute(0, 2, 1, 3).contiguous().view(n, kw))
 
+
+if "--ncu-unit" in sys.argv:  # one launch of the one-tile-per-block shape (K = 16384) for Nsight Compute's source view
+    c = cfg(4, 64, 5)
+    p = random_packed(sms * c.block_n, 16384, 128, 0)
+    x = torch.randn(64, 16384, device=dev, dtype=torch.float16)
+    W.launch(x, p, 128, c)
+    torch.cuda.synchronize()
+    sys.exit(0)
+
+if "--late" in sys.argv:
+    # copies issued after the unit's wgmmas (W4A16_WGMMA_LATE_LOADS 1) against before its dequantization: results
+    # must be bit-identical (same arithmetic), times per call at M = 32 and 64
+    for name, n, k in (("one tile a block", sms * 256, 16384), ("qkv", 12288, 4096), ("o", 4096, 4096),
+                       ("gate_up", 22016, 4096), ("down", 4096, 11008)):
+        ps4 = [random_packed(n, k, 128, i) for i in range(8)]
+        for m in (64, 32):
+            c4 = W.heuristic_wgmma_config(m)
+            x4 = torch.randn(m, k, device=dev, dtype=torch.float16)
+            row, outs = [], []
+            for late in (0, 1, 0, 1):
+                y = torch.empty(m, n, device=dev, dtype=torch.float16)
+                calls = [launch_mode(0, x4, p, c4, y, late=late) for p in ps4]
+                calls[0][0].launch(*calls[0][1:], dev)
+                torch.cuda.synchronize()
+                outs.append(y.clone())
+                row.append(time_graph([lambda a=a: a[0].launch(*a[1:], dev) for a in calls]) * 1e3 / len(calls))
+            print(f"{name:16s} M {m}: early {row[0]:6.1f} / {row[2]:6.1f} us, late {row[1]:6.1f} / {row[3]:6.1f} us, "
+                  f"equal {bool(torch.equal(outs[0], outs[1]))}", flush=True)
+    sys.exit(0)
 
 if "--layout" in sys.argv:
     # Does the weights' access pattern (64 bytes of each of 256 rows a unit, rows K / 2 bytes apart) bound the loop?
@@ -104,12 +133,6 @@ if "--layout" in sys.argv:
                 row.append(time_graph([lambda a=a: a[0].launch(*a[1:], dev) for a in calls]) * 1e3 / len(calls))
             print(f"{name:8s} {W.describe(c4):22s} {units:5.1f} units a block: as built {row[0]:6.1f} us, "
                   f"no fix-up {row[1]:6.1f}, no copies {row[2]:6.1f} | cuBLAS dense {tc:6.1f}", flush=True)
-    if "--ncu-source" in sys.argv:  # one launch of each of full and unit-contiguous for Nsight Compute
-        for mode, pp in ((0, ps), (6, pu)):
-            y = torch.empty(64, n, device=dev, dtype=torch.float16)
-            a = launch_mode(mode, x, pp[0], c, y)
-            a[0].launch(*a[1:], dev)
-        torch.cuda.synchronize()
     sys.exit(0)
 
 c = cfg(4, 64, 5)
