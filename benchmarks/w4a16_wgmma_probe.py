@@ -1,14 +1,20 @@
 """Where the "wgmma" W4A16 kernel's time goes (one sm_90 GPU): per-call times of shapes that isolate its parts.
 
-    python benchmarks/w4a16_wgmma_probe.py [--ncu]
+    python benchmarks/w4a16_wgmma_probe.py [--layout | --ncu | --ncu-unit]
 
+Default (session 15):
 - one tile per block: N = 132 x 256 rows, K = 4096 (32 units a block, no stream-K parts), so time / 32 is the
   main loop's time per unit; the same with K = 1024 and 16384 gives the fixed cost per launch by difference;
 - the 7B qkv shape (12288 x 4096) at M = 64 for comparison (11.6 units a block, parts on every tile).
 - the one-tile-per-block shape again, built with W4A16_WGMMA_MODE 1 (no wgmma issued), 2 (no
   dequantization), 3 (no proxy fence), 4 (no x copies) and 5 (no weight copies): what the loop costs
   without each.
+--layout (session 16): the one-tile-per-block shape at K = 4096 and 16384 as built, with the weights repacked
+  unit-contiguous (mode 6, results checked equal), without copies (7), with L2-resident weights (8), without
+  copies or wgmma (10), without copies or dequantization (11); then the decoder's four linears at M = 64 as
+  built, without the stream-K fix-up (9) and without copies (7), against cuBLAS on the dense weight.
 --ncu: launches one qkv call for Nsight Compute to catch (kernel name w4a16_wgmma), and nothing else.
+--ncu-unit: one launch of the one-tile-per-block shape (K = 16384), for Nsight Compute's source view.
 """
 import os
 import sys
@@ -40,12 +46,12 @@ if "--ncu" in sys.argv:
 from vlmctl.runtime.kernels import cuda_rtc  # noqa: E402
 
 
-def launch_mode(mode, x, p, c, y, smem=None, late=0):
+def launch_mode(mode, x, p, c, y, smem=None):
     """`W.launch` of config c with the kernel built in measurement mode `mode` (wrong results but for 6 on a
     unit-contiguous tensor)."""
     m, k = x.shape
     n = p["q4weight"].shape[0]
-    kern = cuda_rtc.load_kernel(f"#define W4A16_WGMMA_MODE {mode}\n#define W4A16_WGMMA_LATE_LOADS {late}\n" + W.wgmma_source(),
+    kern = cuda_rtc.load_kernel(f"#define W4A16_WGMMA_MODE {mode}\n" + W.wgmma_source(),
                                 W.wgmma_kernel_name(c, 128, x.dtype), dev, arch_suffix="a")
     tiles = -(-n // c.block_n)
     blocks = min(tiles * (k // 128), sms)
@@ -68,27 +74,6 @@ if "--ncu-unit" in sys.argv:  # one launch of the one-tile-per-block shape (K = 
     x = torch.randn(64, 16384, device=dev, dtype=torch.float16)
     W.launch(x, p, 128, c)
     torch.cuda.synchronize()
-    sys.exit(0)
-
-if "--late" in sys.argv:
-    # copies issued after the unit's wgmmas (W4A16_WGMMA_LATE_LOADS 1) against before its dequantization: results
-    # must be bit-identical (same arithmetic), times per call at M = 32 and 64
-    for name, n, k in (("one tile a block", sms * 256, 16384), ("qkv", 12288, 4096), ("o", 4096, 4096),
-                       ("gate_up", 22016, 4096), ("down", 4096, 11008)):
-        ps4 = [random_packed(n, k, 128, i) for i in range(8)]
-        for m in (64, 32):
-            c4 = W.heuristic_wgmma_config(m)
-            x4 = torch.randn(m, k, device=dev, dtype=torch.float16)
-            row, outs = [], []
-            for late in (0, 1, 0, 1):
-                y = torch.empty(m, n, device=dev, dtype=torch.float16)
-                calls = [launch_mode(0, x4, p, c4, y, late=late) for p in ps4]
-                calls[0][0].launch(*calls[0][1:], dev)
-                torch.cuda.synchronize()
-                outs.append(y.clone())
-                row.append(time_graph([lambda a=a: a[0].launch(*a[1:], dev) for a in calls]) * 1e3 / len(calls))
-            print(f"{name:16s} M {m}: early {row[0]:6.1f} / {row[2]:6.1f} us, late {row[1]:6.1f} / {row[3]:6.1f} us, "
-                  f"equal {bool(torch.equal(outs[0], outs[1]))}", flush=True)
     sys.exit(0)
 
 if "--layout" in sys.argv:

@@ -100,11 +100,6 @@ __device__ __forceinline__ u16 to_act(float f) {  // fp32 to one fp16 or bf16 va
 // (L2-resident weights at any K), 9 stores every segment's sums as if it were a whole tile (no workspace, tickets
 // or fix-up: what the stream-K parts cost), 10 copies nothing and issues no wgmma (the loop's issue alone), 11
 // copies nothing and skips the dequantization (the wgmmas and the loop's frame).
-// W4A16_WGMMA_LATE_LOADS 1: a unit's copies are issued after its wgmmas rather than before its dequantization (a
-// warp that waits for the copy unit to take its addresses then waits while the tensor cores work)
-#ifndef W4A16_WGMMA_LATE_LOADS
-#define W4A16_WGMMA_LATE_LOADS 0
-#endif
 #define W4A16_WGMMA_NO_X (W4A16_WGMMA_MODE == 4 || W4A16_WGMMA_MODE == 7 || W4A16_WGMMA_MODE >= 10)
 #define W4A16_WGMMA_NO_W (W4A16_WGMMA_MODE == 5 || W4A16_WGMMA_MODE == 7 || W4A16_WGMMA_MODE >= 10)
 #ifndef W4A16_WGMMA_MODE
@@ -302,7 +297,8 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
         }
         if (W4A16_WGMMA_MODE != 3) fence_proxy_async();  // this thread's copies (generic proxy) visible to the wgmmas (async proxy)
         __syncthreads();      // unit u landed; every warpgroup's wgmmas of unit u - 2 completed (waited below)
-        // the unit PF ahead into the stage unit u - 2 used (every warpgroup's wgmmas of it completed: the barrier)
+        // the unit PF ahead into the stage unit u - 2 used (every warpgroup's wgmmas of it completed: the barrier);
+        // issued here, before the dequantization (issuing it after the unit's wgmmas was slower or equal, session 16)
         auto issue_next = [&]() {
             const bool more = u + PF < u1;
             if (more) {
@@ -323,7 +319,7 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
             cp_async_commit();
             ld_st = ld_st + STAGE_BYTES == STAGES * STAGE_BYTES ? 0 : ld_st + STAGE_BYTES;
         };
-        if (!W4A16_WGMMA_LATE_LOADS) issue_next();
+        issue_next();
         const u32 xc = smem0 + st, wc = smem0 + st + X_BYTES + r0 * WSW * 4;
         u32 zf2[GPU][2], s2[GPU][2], sl2[GPU][2];
 #pragma unroll
@@ -370,7 +366,6 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
                 wgmma_step<BMX, BF16>(acc, a[half][s], wgmma_desc(xc + (4 * half + s) * 2 * (BMX / 8) * 128, LBO, SBO));
             wgmma_commit();
         }
-        if (W4A16_WGMMA_LATE_LOADS) issue_next();
       }
       flush(tile, seg_end == (tile + 1) * cpt);
     }
