@@ -1,6 +1,6 @@
 """Where the "wgmma" W4A16 kernel's time goes (one sm_90 GPU): per-call times of shapes that isolate its parts.
 
-    python benchmarks/w4a16_wgmma_probe.py [--layout | --ncu | --ncu-unit]
+    python benchmarks/w4a16_wgmma_probe.py [--layout | --tma | --ncu | --ncu-unit]
 
 Default (session 15):
 - one tile per block: N = 132 x 256 rows, K = 4096 (32 units a block, no stream-K parts), so time / 32 is the
@@ -13,6 +13,8 @@ Default (session 15):
   unit-contiguous (mode 6, results checked equal), without copies (7), with L2-resident weights (8), without
   copies or wgmma (10), without copies or dequantization (11); then the decoder's four linears at M = 64 as
   built, without the stream-K fix-up (9) and without copies (7), against cuBLAS on the dense weight.
+--tma (session 16): the TMA measurement build (W4A16_WGMMA_TMA 1) against the cp.async build and the shipped
+  selection: correctness, per call, and the 128 linears of a step as one graph at M = 64 and 32.
 --ncu: launches one qkv call for Nsight Compute to catch (kernel name w4a16_wgmma), and nothing else.
 --ncu-unit: one launch of the one-tile-per-block shape (K = 16384), for Nsight Compute's source view.
 """
@@ -74,6 +76,86 @@ if "--ncu-unit" in sys.argv:  # one launch of the one-tile-per-block shape (K = 
     x = torch.randn(64, 16384, device=dev, dtype=torch.float16)
     W.launch(x, p, 128, c)
     torch.cuda.synchronize()
+    sys.exit(0)
+
+def tma_call(x, p, c, g, y, kern=None):
+    """(kernel, grid, block, shared bytes, args) of the TMA measurement build (W4A16_WGMMA_TMA 1) for config c."""
+    m, k = x.shape
+    n = p["q4weight"].shape[0]
+    kern = kern or cuda_rtc.load_kernel("#define W4A16_WGMMA_TMA 1\n" + W.wgmma_source(),
+                                        W.wgmma_kernel_name(c, g, x.dtype), dev, arch_suffix="a")
+    tiles = -(-n // c.block_n)
+    blocks = min(tiles * (k // 128), sms)
+    ws = torch.empty(blocks * 2 * c.block_n * c.block_m, device=dev)
+    cnt = torch.zeros(tiles, device=dev, dtype=torch.int32)
+    tmx = cuda_rtc.tensor_map_2d(x.data_ptr(), cuda_rtc.TMAP_UINT16, k, m, x.stride(0) * 2, 64, c.block_m,
+                                 cuda_rtc.TMAP_SWIZZLE_128B)
+    tmw = cuda_rtc.tensor_map_2d(p["q4weight"].data_ptr(), cuda_rtc.TMAP_UINT32, k // 8, n, k // 2, 16, c.block_n,
+                                 cuda_rtc.TMAP_SWIZZLE_64B)
+    smem = c.num_stages * (c.block_m * 256 + c.block_n * 64 + c.block_n * max(1, 128 // g) * 4) + 1024
+    return kern, (blocks, 1, 1), (32 * c.num_warps, 1, 1), smem, \
+        [x, p["q4weight"], p["q4scales"], p["q4zeros"], None, y, ws, cnt, m, n, k, x.stride(0), 0, tmx, tmw]
+
+
+if "--tma" in sys.argv:
+    # x and weights by the tensor memory accelerator (W4A16_WGMMA_TMA 1) against the shipped cp.async build:
+    # correctness against the fp32 reference and the cp.async build, per-call times, the step graph at M = 64.
+    shapes = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
+    bad = 0
+    for (n, k), g, dt in (((sms * 256, 4096), 128, torch.float16), ((12288, 4096), 128, torch.float16),
+                          ((4096, 11008), 128, torch.float16), ((1000, 384), 128, torch.float16),
+                          ((12288, 4096), 64, torch.bfloat16), ((4096, 11008), 128, torch.bfloat16)):
+        p = random_packed(n, k, g, 7)
+        ref_w = W.dequantize(p, g, torch.float32)
+        for m in (64, 37, 32, 17):
+            c = W.heuristic_wgmma_config(m)
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            y = torch.empty(m, n, device=dev, dtype=dt)
+            a = tma_call(x, p, c, g, y)
+            a[0].launch(*a[1:], dev)
+            y2 = W.launch(x, p, g, c)
+            torch.cuda.synchronize()
+            ref = x.float() @ ref_w.t()
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            same = bool(torch.equal(y, y2))
+            ok = err < (2e-3 if dt == torch.float16 else 8e-3)
+            bad += not ok
+            print(f"check N {n:6d} K {k:6d} g {g:3d} {str(dt)[6:]:8s} M {m:2d}: rel err {err:.2e}, "
+                  f"equal to cp.async build {same}{'' if ok else '  BAD'}", flush=True)
+    print(f"correctness: {bad} bad", flush=True)
+    for name, (n, k) in [("one tile a block", (sms * 256, 16384))] + list(shapes.items()):
+        ps8 = [random_packed(n, k, 128, i) for i in range(8)]
+        for m in (64, 32):
+            c = W.heuristic_wgmma_config(m)
+            x = torch.randn(m, k, device=dev, dtype=torch.float16)
+            y = torch.empty(m, n, device=dev, dtype=torch.float16)
+            calls = [tma_call(x, p, c, 128, y) for p in ps8]
+            t_tma = time_graph([lambda a=a: a[0].launch(*a[1:], dev) for a in calls]) * 1e3 / 8
+            t_cpa = time_graph([lambda p=p: W.launch(x, p, 128, c, out=y) for p in ps8]) * 1e3 / 8
+            shipped = W.select_config(m, n, k, 128, torch.float16, dev)
+            t_ship = time_graph([lambda p=p: W.launch(x, p, 128, shipped, out=y) for p in ps8]) * 1e3 / 8
+            print(f"{name:16s} M {m}: TMA {t_tma:6.1f} us, cp.async {t_cpa:6.1f}, shipped {t_ship:6.1f} "
+                  f"({W.describe(shipped)})", flush=True)
+    for m in (64, 32):
+        layers = [{nm: random_packed(n, k, 128, 1000 * i + j) for j, (nm, (n, k)) in enumerate(shapes.items())}
+                  for i in range(32)]
+        xs = {nm: torch.randn(m, k, device=dev, dtype=torch.float16) for nm, (n, k) in shapes.items()}
+        ys = {nm: torch.empty(m, n, device=dev, dtype=torch.float16) for nm, (n, k) in shapes.items()}
+        c = W.heuristic_wgmma_config(m)
+        ft, fs, fc = [], [], []
+        kern = None
+        for L in layers:
+            for nm, (n, k) in shapes.items():
+                a = tma_call(xs[nm], L[nm], c, 128, ys[nm], kern)
+                kern = a[0]
+                ft.append(lambda a=a: a[0].launch(*a[1:], dev))
+                cs = W.select_config(m, n, k, 128, torch.float16, dev)
+                fs.append(lambda L=L, nm=nm, cs=cs: W.launch(xs[nm], L[nm], 128, cs, out=ys[nm]))
+        dense = {nm: torch.randn(n, k, device=dev, dtype=torch.float16) * 0.02 for nm, (n, k) in shapes.items()}
+        fc = [lambda nm=nm: torch.mm(xs[nm], dense[nm].t(), out=ys[nm]) for _ in range(32) for nm in shapes]
+        print(f"step graph M {m}: TMA {time_graph(ft):.3f} ms, shipped {time_graph(fs):.3f}, "
+              f"cuBLAS fp16 dense (one weight set) {time_graph(fc):.3f}", flush=True)
+        del layers
     sys.exit(0)
 
 if "--layout" in sys.argv:

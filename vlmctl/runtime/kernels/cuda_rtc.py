@@ -149,6 +149,28 @@ def _check_cuda(res: int, what: str) -> None:
         raise RtcError(f"CUDA driver {what}: {(name.value or b'?').decode()} ({res})")
 
 
+# CUtensorMapDataType / CUtensorMapSwizzle values (cuda.h) for `tensor_map_2d`
+TMAP_UINT16, TMAP_UINT32 = 1, 2
+TMAP_SWIZZLE_NONE, TMAP_SWIZZLE_64B, TMAP_SWIZZLE_128B = 0, 2, 3
+
+
+def tensor_map_2d(ptr: int, dtype: int, cols: int, rows: int, row_bytes: int, box_cols: int, box_rows: int,
+                  swizzle: int) -> bytes:
+    """A CUtensorMap (128 bytes, a kernel parameter) for the TMA: a row-major [rows, cols] tensor of `dtype`
+    elements at device address ptr, rows row_bytes apart, copied in boxes of box_rows x box_cols; elements
+    outside the tensor read as zero. L2 promotion 128 bytes, no interleave."""
+    buf = (ctypes.c_uint64 * 16)()
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(row_bytes)
+    box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    _check_cuda(_driver().cuTensorMapEncodeTiled(buf, ctypes.c_int(dtype), ctypes.c_uint32(2), ctypes.c_void_p(ptr),
+                                                  dims, strides, box, elem, ctypes.c_int(0), ctypes.c_int(swizzle),
+                                                  ctypes.c_int(2), ctypes.c_int(0)),
+                f"tensor map of [{rows}, {cols}] in boxes of [{box_rows}, {box_cols}]")
+    return bytes(buf)
+
+
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte union
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int * 16)]
 
@@ -208,6 +230,8 @@ class Kernel:
                 holders.append(ctypes.c_int(a))
             elif a is None:
                 holders.append(ctypes.c_void_p(0))
+            elif isinstance(a, bytes):  # a by-value struct parameter, e.g. a tensor map
+                holders.append((ctypes.c_ubyte * len(a)).from_buffer_copy(a))
             else:
                 raise TypeError(f"kernel argument of type {type(a).__name__}")
         params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])

@@ -105,19 +105,52 @@ __device__ __forceinline__ u16 to_act(float f) {  // fp32 to one fp16 or bf16 va
 #ifndef W4A16_WGMMA_MODE
 #define W4A16_WGMMA_MODE 0
 #endif
+// W4A16_WGMMA_TMA 1 (measurement build, session 16): x and the weight tile of a unit come by the tensor memory
+// accelerator (two tensor maps, kernel parameters tmx and tmw, completion on one mbarrier a stage) instead of
+// 16-byte cp.async from every thread: x as two 64-k boxes in the 128-byte swizzled K-major layout wgmma reads,
+// the weights as one box of BN rows x 64 bytes, 64-byte swizzled (conflict-free 16-byte reads).
+#ifndef W4A16_WGMMA_TMA
+#define W4A16_WGMMA_TMA 0
+#endif
+
+struct __align__(64) TensorMap { unsigned long long v[16]; };  // a CUtensorMap, opaque
+
+__device__ __forceinline__ void tma_mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void tma_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void tma_wait(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
 
 template <int NWG, int BMX, int STAGES, int G, int BF16>
 __global__ void __launch_bounds__(NWG * 128, 1)
 w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __restrict__ sc,
             const u8* __restrict__ zp, const u16* __restrict__ bias, u16* __restrict__ y,
-            float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int K, int ldx, int has_bias) {
+            float* __restrict__ ws, int* __restrict__ cnt, int M, int N, int K, int ldx, int has_bias
+#if W4A16_WGMMA_TMA
+            , const __grid_constant__ TensorMap tmx, const __grid_constant__ TensorMap tmw
+#endif
+            ) {
     constexpr int KC = 128, PF = STAGES - 2;
     static_assert(BMX == 32 || BMX == 64, "wgmma N of 32 or 64 batch rows");
     static_assert(NWG == 2 || NWG == 4, "two or four warpgroups");
     static_assert(G % 64 == 0 && (G % KC == 0 || KC % G == 0), "a unit holds whole groups or a group whole units");
     static_assert(STAGES >= 5, "scales are stored two units after they are loaded, a unit before they are read");
     constexpr int BN = NWG * 64, THREADS = NWG * 128;
-    constexpr int WSW = KC / 8 + 4;  // words per weight row in shared memory (+4: conflict-free 16-byte reads)
+    constexpr int WSW = W4A16_WGMMA_TMA ? KC / 8 : KC / 8 + 4;  // words per weight row in shared memory (+4: conflict-free 16-byte reads; TMA: swizzled)
     constexpr int GPU = KC > G ? KC / G : 1;  // groups in a unit
     // a stage: the x tile, the weight rows, then each row's scale bits | zero point << 16 per group of the unit
     constexpr int X_BYTES = BMX * KC * 2, W_BYTES = BN * WSW * 4, STAGE_BYTES = X_BYTES + W_BYTES + BN * GPU * 4;
@@ -125,7 +158,12 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
     static_assert(XP * THREADS == BMX * (KC / 8) && WP * THREADS == BN * (KC / 32), "whole pieces per thread");
     static_assert(STAGE_BYTES % 128 == 0, "stages keep the x tiles 128-byte aligned");
     constexpr u32 LBO = BMX * 16, SBO = 128;  // K-adjacent and N-adjacent core matrices
+    static_assert(!W4A16_WGMMA_TMA || STAGE_BYTES % 1024 == 0, "TMA: stages keep the 128-byte swizzle atoms aligned");
     extern __shared__ __align__(128) u8 smem[];
+#if W4A16_WGMMA_TMA
+    __shared__ __align__(8) unsigned long long full_bar[STAGES];
+    const u32 bar0 = smem_addr(full_bar);
+#endif
     __shared__ int is_last;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -135,11 +173,23 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
     const long long U = (long long)((N + BN - 1) / BN) * cpt;
     const int P = gridDim.x, b = blockIdx.x;
     const int u0 = (int)(U * b / P), u1 = (int)(U * (b + 1) / P);
-    const u32 smem0 = smem_addr(smem);
+    // TMA: the ring from the first 1024-byte boundary (the launcher adds 1 KB): swizzle atoms are 1024-aligned
+    const u32 smem0 = W4A16_WGMMA_TMA ? (smem_addr(smem) + 1023u) & ~1023u : smem_addr(smem);
 
     // unit (tile, c): its x tile and weight rows into stage st by cp.async
     auto load_unit = [&](int tile, int c, u32 st) {
         const int k0 = c * KC;
+#if W4A16_WGMMA_TMA
+        if (tid == 0) {  // st is smem0 + stage * STAGE_BYTES
+            const u32 bar = bar0 + (st - smem0) / STAGE_BYTES * 8;
+            fence_proxy_async();  // the stage's earlier generic-proxy reads before the async-proxy writes
+            tma_expect_tx(bar, X_BYTES + W_BYTES);
+            tma_load_2d(st, &tmx, k0, 0, bar);
+            tma_load_2d(st + X_BYTES / 2, &tmx, k0 + 64, 0, bar);
+            tma_load_2d(st + X_BYTES, &tmw, k0 / 8, tile * BN, bar);
+        }
+        return;
+#endif
 #pragma unroll
         for (int q = 0; q < (W4A16_WGMMA_NO_X ? 0 : XP); ++q) {  // x: 16 pieces a row, rows past M zero-filled
             const int i = tid + q * THREADS, r = i >> 4, p = i & 15;
@@ -183,6 +233,13 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
         }
     };
 
+#if W4A16_WGMMA_TMA
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) tma_mbar_init(bar0 + s * 8, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+#endif
     float acc[BMX / 2];
 #pragma unroll
     for (int e = 0; e < BMX / 2; ++e) acc[e] = 0.f;
@@ -287,7 +344,14 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
     for (int u = u0; u < u1;) {
       const int tile = u / cpt, seg_end = min(u1, (tile + 1) * cpt);
       for (; u < seg_end; ++u) {
+#if W4A16_WGMMA_TMA
+        {
+            const u32 i = (u32)(u - u0);
+            tma_wait(bar0 + (i % STAGES) * 8, (i / STAGES) & 1);
+        }
+#else
         cp_async_wait<PF - 1>();
+#endif
         // the scales loaded two iterations ago (for unit u - 2 + PF) into their stage, in the set this
         // iteration loads into next (u is the same for every thread: no divergence)
         if (u & 1) {
@@ -321,6 +385,8 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
         };
         issue_next();
         const u32 xc = smem0 + st, wc = smem0 + st + X_BYTES + r0 * WSW * 4;
+        // TMA: 16-byte piece q of weight row r sits at piece q ^ ((r >> 1) & 3) (64-byte swizzle); r0 + 8 alike
+        const u32 wsz = W4A16_WGMMA_TMA ? (u32)((r0 >> 1) & 3) : 0u;
         u32 zf2[GPU][2], s2[GPU][2], sl2[GPU][2];
 #pragma unroll
         for (int i = 0; i < GPU; ++i)
@@ -338,9 +404,9 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
             for (int q = 2 * half; q < 2 * half + 2; ++q) {  // 16-byte reads: words 4q .. 4q + 3 of rows r0, r0 + 8
                 u32 w0[4], w1[4];
                 asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(w0[0]), "=r"(w0[1]), "=r"(w0[2]), "=r"(w0[3]) : "r"(wc + q * 16));
+                             : "=r"(w0[0]), "=r"(w0[1]), "=r"(w0[2]), "=r"(w0[3]) : "r"(wc + (q ^ wsz) * 16));
                 asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(w1[0]), "=r"(w1[1]), "=r"(w1[2]), "=r"(w1[3]) : "r"(wc + 8 * WSW * 4 + q * 16));
+                             : "=r"(w1[0]), "=r"(w1[1]), "=r"(w1[2]), "=r"(w1[3]) : "r"(wc + 8 * WSW * 4 + (q ^ wsz) * 16));
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const int s = 2 * q + hh, gi = GPU == 1 ? 0 : s * 16 / G;
@@ -363,7 +429,11 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
             wgmma_fence();
 #pragma unroll
             for (int s = 0; s < 4; ++s)
+#if W4A16_WGMMA_TMA  // box `half` (64 k), k16 step s: 32 bytes into each 128-byte swizzled row; 8-row groups 1024 apart
+                wgmma_step<BMX, BF16>(acc, a[half][s], wgmma_desc(xc + half * (X_BYTES / 2) + s * 32, 16, 1024) | (1ull << 62));
+#else
                 wgmma_step<BMX, BF16>(acc, a[half][s], wgmma_desc(xc + (4 * half + s) * 2 * (BMX / 8) * 128, LBO, SBO));
+#endif
             wgmma_commit();
         }
       }
