@@ -13,8 +13,8 @@ Default (session 15):
   unit-contiguous (mode 6, results checked equal), without copies (7), with L2-resident weights (8), without
   copies or wgmma (10), without copies or dequantization (11); then the decoder's four linears at M = 64 as
   built, without the stream-K fix-up (9) and without copies (7), against cuBLAS on the dense weight.
---tma (session 16): the TMA measurement build (W4A16_WGMMA_TMA 1) against the cp.async build and the shipped
-  selection: correctness, per call, and the 128 linears of a step as one graph at M = 64 and 32.
+--tma (session 16): the kernel as built (W4A16_WGMMA_TMA 1: TMA copies, parallel fix-up) against the cp.async
+  build and the shipped selection: correctness, per call, and the 128 linears of a step as one graph at M = 64, 32.
 --ncu: launches one qkv call for Nsight Compute to catch (kernel name w4a16_wgmma), and nothing else.
 --ncu-unit: one launch of the one-tile-per-block shape (K = 16384), for Nsight Compute's source view.
 """
@@ -48,18 +48,23 @@ if "--ncu" in sys.argv:
 from vlmctl.runtime.kernels import cuda_rtc  # noqa: E402
 
 
+def cp_async_shared_bytes(c, g=128):
+    """Dynamic shared memory of the cp.async build (W4A16_WGMMA_TMA 0): padded 20-word weight rows."""
+    return c.num_stages * (c.block_m * 256 + c.block_n * 80 + c.block_n * max(1, 128 // g) * 4)
+
+
 def launch_mode(mode, x, p, c, y, smem=None):
-    """`W.launch` of config c with the kernel built in measurement mode `mode` (wrong results but for 6 on a
-    unit-contiguous tensor)."""
+    """(kernel, grid, block, shared bytes, args) of config c in the cp.async build (W4A16_WGMMA_TMA 0, the
+    session-15 kernel) in measurement mode `mode` (wrong results but for 0, and 6 on a unit-contiguous tensor)."""
     m, k = x.shape
     n = p["q4weight"].shape[0]
-    kern = cuda_rtc.load_kernel(f"#define W4A16_WGMMA_MODE {mode}\n" + W.wgmma_source(),
+    kern = cuda_rtc.load_kernel(f"#define W4A16_WGMMA_TMA 0\n#define W4A16_WGMMA_MODE {mode}\n" + W.wgmma_source(),
                                 W.wgmma_kernel_name(c, 128, x.dtype), dev, arch_suffix="a")
     tiles = -(-n // c.block_n)
     blocks = min(tiles * (k // 128), sms)
     ws = torch.empty(blocks * 2 * c.block_n * c.block_m, device=dev)
     cnt = torch.zeros(tiles, device=dev, dtype=torch.int32)
-    return kern, (blocks, 1, 1), (32 * c.num_warps, 1, 1), smem or W.wgmma_shared_bytes(c, 128), \
+    return kern, (blocks, 1, 1), (32 * c.num_warps, 1, 1), smem or cp_async_shared_bytes(c), \
         [x, p["q4weight"], p["q4scales"], p["q4zeros"], None, y, ws, cnt, m, n, k, x.stride(0), 0]
 
 
@@ -78,27 +83,8 @@ if "--ncu-unit" in sys.argv:  # one launch of the one-tile-per-block shape (K = 
     torch.cuda.synchronize()
     sys.exit(0)
 
-def tma_call(x, p, c, g, y, kern=None):
-    """(kernel, grid, block, shared bytes, args) of the TMA measurement build (W4A16_WGMMA_TMA 1) for config c."""
-    m, k = x.shape
-    n = p["q4weight"].shape[0]
-    kern = kern or cuda_rtc.load_kernel("#define W4A16_WGMMA_TMA 1\n" + W.wgmma_source(),
-                                        W.wgmma_kernel_name(c, g, x.dtype), dev, arch_suffix="a")
-    tiles = -(-n // c.block_n)
-    blocks = min(tiles * (k // 128), sms)
-    ws = torch.empty(blocks * 2 * c.block_n * c.block_m, device=dev)
-    cnt = torch.zeros(tiles, device=dev, dtype=torch.int32)
-    tmx = cuda_rtc.tensor_map_2d(x.data_ptr(), cuda_rtc.TMAP_UINT16, k, m, x.stride(0) * 2, 64, c.block_m,
-                                 cuda_rtc.TMAP_SWIZZLE_128B)
-    tmw = cuda_rtc.tensor_map_2d(p["q4weight"].data_ptr(), cuda_rtc.TMAP_UINT32, k // 8, n, k // 2, 16, c.block_n,
-                                 cuda_rtc.TMAP_SWIZZLE_64B)
-    smem = c.num_stages * (c.block_m * 256 + c.block_n * 64 + c.block_n * max(1, 128 // g) * 4) + 1024
-    return kern, (blocks, 1, 1), (32 * c.num_warps, 1, 1), smem, \
-        [x, p["q4weight"], p["q4scales"], p["q4zeros"], None, y, ws, cnt, m, n, k, x.stride(0), 0, tmx, tmw]
-
-
 if "--tma" in sys.argv:
-    # x and weights by the tensor memory accelerator (W4A16_WGMMA_TMA 1) against the shipped cp.async build:
+    # the kernel as built (TMA, parallel fix-up) against the session-15 cp.async build and the shipped selection:
     # correctness against the fp32 reference and the cp.async build, per-call times, the step graph at M = 64.
     shapes = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
     bad = 0
@@ -111,9 +97,13 @@ if "--tma" in sys.argv:
             c = W.heuristic_wgmma_config(m)
             x = torch.randn(m, k, device=dev, dtype=dt)
             y = torch.empty(m, n, device=dev, dtype=dt)
-            a = tma_call(x, p, c, g, y)
-            a[0].launch(*a[1:], dev)
-            y2 = W.launch(x, p, g, c)
+            W.launch(x, p, g, c, out=y)
+            y2 = torch.empty_like(y)
+            if g == 128:  # the cp.async build's launch here takes group 128
+                a = launch_mode(0, x, p, c, y2)
+                a[0].launch(*a[1:], dev)
+            else:
+                y2.copy_(y)
             torch.cuda.synchronize()
             ref = x.float() @ ref_w.t()
             err = ((y.float() - ref).norm() / ref.norm()).item()
@@ -129,13 +119,15 @@ if "--tma" in sys.argv:
             c = W.heuristic_wgmma_config(m)
             x = torch.randn(m, k, device=dev, dtype=torch.float16)
             y = torch.empty(m, n, device=dev, dtype=torch.float16)
-            calls = [tma_call(x, p, c, 128, y) for p in ps8]
-            t_tma = time_graph([lambda a=a: a[0].launch(*a[1:], dev) for a in calls]) * 1e3 / 8
-            t_cpa = time_graph([lambda p=p: W.launch(x, p, 128, c, out=y) for p in ps8]) * 1e3 / 8
+            calls = [launch_mode(0, x, p, c, y) for p in ps8]
+            t_tma = time_graph([lambda p=p: W.launch(x, p, 128, c, out=y) for p in ps8]) * 1e3 / 8
+            t_cpa = time_graph([lambda a=a: a[0].launch(*a[1:], dev) for a in calls]) * 1e3 / 8
             shipped = W.select_config(m, n, k, 128, torch.float16, dev)
             t_ship = time_graph([lambda p=p: W.launch(x, p, 128, shipped, out=y) for p in ps8]) * 1e3 / 8
+            cut = (", no fix-up (cp.async build, mode 9) "
+                   f"{time_graph([lambda a=a: a[0].launch(*a[1:], dev) for a in [launch_mode(9, x, p, c, y) for p in ps8]]) * 1e3 / 8:6.1f}")
             print(f"{name:16s} M {m}: TMA {t_tma:6.1f} us, cp.async {t_cpa:6.1f}, shipped {t_ship:6.1f} "
-                  f"({W.describe(shipped)})", flush=True)
+                  f"({W.describe(shipped)}){cut}", flush=True)
     for m in (64, 32):
         layers = [{nm: random_packed(n, k, 128, 1000 * i + j) for j, (nm, (n, k)) in enumerate(shapes.items())}
                   for i in range(32)]
@@ -143,12 +135,9 @@ if "--tma" in sys.argv:
         ys = {nm: torch.empty(m, n, device=dev, dtype=torch.float16) for nm, (n, k) in shapes.items()}
         c = W.heuristic_wgmma_config(m)
         ft, fs, fc = [], [], []
-        kern = None
         for L in layers:
             for nm, (n, k) in shapes.items():
-                a = tma_call(xs[nm], L[nm], c, 128, ys[nm], kern)
-                kern = a[0]
-                ft.append(lambda a=a: a[0].launch(*a[1:], dev))
+                ft.append(lambda L=L, nm=nm: W.launch(xs[nm], L[nm], 128, c, out=ys[nm]))
                 cs = W.select_config(m, n, k, 128, torch.float16, dev)
                 fs.append(lambda L=L, nm=nm, cs=cs: W.launch(xs[nm], L[nm], 128, cs, out=ys[nm]))
         dense = {nm: torch.randn(n, k, device=dev, dtype=torch.float16) * 0.02 for nm, (n, k) in shapes.items()}

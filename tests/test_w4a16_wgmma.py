@@ -75,10 +75,13 @@ def test_config_rules():
     assert W.heuristic_wgmma_config(64).valid_for(4096, 11008, 64)
     assert not W.heuristic_wgmma_config(64).valid_for(4096, 4096 + 64, 64)  # K a multiple of 128
     assert not W.heuristic_wgmma_config(64).valid_for(4096, 4096, 32)  # groups of 64 or a multiple of 128
-    assert not _cfg(4, 64, 7).valid_for(4096, 4096, 128)  # 7 stages of 37 KB exceed shared memory
-    assert not _cfg(4, 64, 6).valid_for(4096, 4096, 64)  # 6 do with two groups' scales a unit
+    assert not _cfg(4, 64, 7).valid_for(4096, 4096, 128)  # 7 stages of 33 KB (+1 KB) exceed shared memory
+    assert _cfg(4, 64, 6).valid_for(4096, 4096, 64)  # 6 of 34 KB (two groups' scales a unit) fit
     assert not _cfg(4, 64, 4).valid_for(4096, 4096, 128)  # scales are stored a unit before the stage is read
-    assert W.wgmma_shared_bytes(_cfg(4, 64, 6), 128) == 6 * (64 * 256 + 256 * 80 + 256 * 4)
+    # x 64 x 128 halfs, 256 rows of 16 words, a scale word per row: 33 KB a stage, and 1 KB for alignment
+    assert W.wgmma_shared_bytes(_cfg(4, 64, 6), 128) == 6 * (64 * 256 + 256 * 64 + 256 * 4) + 1024
+    # two warpgroups: 16 + 8 + 0.5 KB, rounded up to 25 KB a stage (swizzle atoms stay 1024-byte aligned)
+    assert W.wgmma_shared_bytes(_cfg(2, 64, 5), 128) == 5 * 25 * 1024 + 1024
 
 
 def test_selection_takes_it_only_on_sm90():

@@ -438,7 +438,8 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None, *
     cuda_gemv = half2 and _gemv_cuda_ok(device)
     # measured entries first (the CUDA GEMV's, the half2 GEMV's, the tensor-core GEMV's, then any other
     # kernel's), then the untuned rules
-    if 17 <= m <= 64 and _wgmma_ok(dtype, device) and (c := heuristic_wgmma_config(m)).valid_for(n, k, group_size):
+    if (17 <= m <= 64 and _wgmma_ok(dtype, device) and (c := heuristic_wgmma_config(m)).valid_for(n, k, group_size)
+            and (wgmma_mode() == "1" or triton_cdiv(n, c.block_n) >= 32)):
         return c
     mma_gemv = _TUNED_MMA_GEMV.get(key) if _mma_gemv_ok(dtype, device) else None
     measured = ((_TUNED_CUDA.get(key) if cuda_gemv else None), (_TUNED_H2.get(key) if half2 else None),
@@ -829,10 +830,17 @@ def wgmma_source() -> str:
     return _WGMMA_TEXT[0]
 
 
+def wgmma_mode() -> str:
+    """`VLMCTL_W4A16_WGMMA`: "1" (selection takes the "wgmma" kernel for 17-64 rows on sm_90), "wide" (only
+    where N has 32 or more tiles of 256 rows: few tiles split over many blocks pay most for the stream-K
+    fix-up), or "0" (never; the default)."""
+    v = os.environ.get("VLMCTL_W4A16_WGMMA", "0").strip().lower()
+    return "1" if v in ("1", "on", "true") else "wide" if v == "wide" else "0"
+
+
 def wgmma_enabled() -> bool:
-    """Whether selection takes the "wgmma" kernel for 17-64 rows on sm_90: only with `VLMCTL_W4A16_WGMMA=1`,
-    off by default while it is slower than the shipped table there (docs/benchmarks.md, session 15)."""
-    return os.environ.get("VLMCTL_W4A16_WGMMA", "0").strip().lower() in ("1", "on", "true")
+    """Whether selection may take the "wgmma" kernel (`wgmma_mode`)."""
+    return wgmma_mode() != "0"
 
 
 def wgmma_runs(x2, qw) -> bool:
@@ -849,9 +857,11 @@ def wgmma_kernel_name(config: Config, group_size: int, dtype="float16") -> str:
 
 def wgmma_shared_bytes(config: Config, group_size: int) -> int:
     """Dynamic shared memory of one "wgmma" block: num_stages x (an x tile of block_m x 128 halfs, block_n
-    weight rows of 16 + 4 words, and a word of scale and zero point per row and group of the 128-k unit)."""
+    weight rows of 16 words, and a word of scale and zero point per row and group of the 128-k unit, rounded
+    up to 1 KB), and 1 KB to start the ring on a 1024-byte boundary (the TMA's swizzle atoms)."""
     groups = max(1, 128 // group_size)
-    return config.num_stages * (config.block_m * 128 * 2 + config.block_n * 20 * 4 + config.block_n * groups * 4)
+    stage = config.block_m * 128 * 2 + config.block_n * 16 * 4 + config.block_n * groups * 4
+    return config.num_stages * (-(-stage // 1024) * 1024) + 1024
 
 
 def heuristic_wgmma_config(m: int) -> Config:
@@ -876,9 +886,17 @@ def _launch_wgmma(x2, packed: dict, group_size: int, config: Config, bias, y) ->
     tiles = triton_cdiv(n, config.block_n)
     blocks = min(tiles * (k // 128), config.split_k * _sm_count(x2.device))  # every block gets >= 1 unit
     ws = _buffer(x2.device, "ws", blocks * 2 * config.block_n * config.block_m, torch.float32)
-    cnt = _buffer(x2.device, "cnt", tiles, torch.int32, zero=True)
+    cnt = _buffer(x2.device, "cnt", 2 * tiles, torch.int32, zero=True)  # per tile: arrivals, then summers done
+    # the TMA's views of x (boxes of block_m rows x 64 halfs, 128-byte swizzle: the layout wgmma reads) and of
+    # the packed weights (block_n rows x 16 words, 64-byte swizzle); rows past M or N read as zero
+    tmx = cuda_rtc.tensor_map_2d(x2.data_ptr(), cuda_rtc.TMAP_UINT16, k, m, x2.stride(0) * 2, 64, config.block_m,
+                                 cuda_rtc.TMAP_SWIZZLE_128B)
+    tmw = cuda_rtc.tensor_map_2d(qw.data_ptr(), cuda_rtc.TMAP_UINT32, k // 8, n, k // 2, 16, config.block_n,
+                                 cuda_rtc.TMAP_SWIZZLE_64B)
+    # cooperative: the stream-K fix-up has blocks wait for each other, so all must be resident
     kern.launch((blocks, 1, 1), (32 * config.num_warps, 1, 1), wgmma_shared_bytes(config, group_size),
-                [x2, qw, s, z, bias, y, ws, cnt, m, n, k, x2.stride(0), int(bias is not None)], x2.device)
+                [x2, qw, s, z, bias, y, ws, cnt, m, n, k, x2.stride(0), int(bias is not None), tmx, tmw], x2.device,
+                cooperative=True)
 
 
 def mma_shared_bytes(config: Config, max_groups: int) -> int:

@@ -105,12 +105,18 @@ __device__ __forceinline__ u16 to_act(float f) {  // fp32 to one fp16 or bf16 va
 #ifndef W4A16_WGMMA_MODE
 #define W4A16_WGMMA_MODE 0
 #endif
-// W4A16_WGMMA_TMA 1 (measurement build, session 16): x and the weight tile of a unit come by the tensor memory
-// accelerator (two tensor maps, kernel parameters tmx and tmw, completion on one mbarrier a stage) instead of
-// 16-byte cp.async from every thread: x as two 64-k boxes in the 128-byte swizzled K-major layout wgmma reads,
-// the weights as one box of BN rows x 64 bytes, 64-byte swizzled (conflict-free 16-byte reads).
+// W4A16_WGMMA_TMA 1 (the build that ships, session 16): x and the weight tile of a unit come by the tensor memory
+// accelerator (two tensor maps, kernel parameters tmx and tmw, completion on one mbarrier a stage): x as two
+// 64-k boxes in the 128-byte swizzled K-major layout wgmma reads, the weights as one box of BN rows x 64 bytes,
+// 64-byte swizzled (conflict-free 16-byte reads); the stream-K parts are summed in parallel by the blocks that
+// end in the tile (a cooperative launch). 0: the session-15 build (16-byte cp.async from every thread, padded
+// rows, one block sums a tile's parts), kept for the measurement modes: on an H200 its warps waited for the
+// copy unit to take their cp.async addresses (Nsight source view), ~1.6x the TMA build's time a unit.
 #ifndef W4A16_WGMMA_TMA
-#define W4A16_WGMMA_TMA 0
+#define W4A16_WGMMA_TMA 1
+#endif
+#ifndef W4A16_WGMMA_FX
+#define W4A16_WGMMA_FX 4  // parts in flight per thread in the parallel fix-up (8 made ptxas spill in the unit loop)
 #endif
 
 struct __align__(64) TensorMap { unsigned long long v[16]; };  // a CUtensorMap, opaque
@@ -153,7 +159,9 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
     constexpr int WSW = W4A16_WGMMA_TMA ? KC / 8 : KC / 8 + 4;  // words per weight row in shared memory (+4: conflict-free 16-byte reads; TMA: swizzled)
     constexpr int GPU = KC > G ? KC / G : 1;  // groups in a unit
     // a stage: the x tile, the weight rows, then each row's scale bits | zero point << 16 per group of the unit
-    constexpr int X_BYTES = BMX * KC * 2, W_BYTES = BN * WSW * 4, STAGE_BYTES = X_BYTES + W_BYTES + BN * GPU * 4;
+    // (TMA: a stage rounded up to 1024 bytes, so every stage's swizzle atoms stay aligned)
+    constexpr int X_BYTES = BMX * KC * 2, W_BYTES = BN * WSW * 4,
+                  STAGE_BYTES = (X_BYTES + W_BYTES + BN * GPU * 4 + (W4A16_WGMMA_TMA ? 1023 : 0)) / (W4A16_WGMMA_TMA ? 1024 : 1) * (W4A16_WGMMA_TMA ? 1024 : 1);
     constexpr int XP = BMX * (KC / 8) / THREADS, WP = BN * (KC / 32) / THREADS;  // 16-byte pieces per thread
     static_assert(XP * THREADS == BMX * (KC / 8) && WP * THREADS == BN * (KC / 32), "whole pieces per thread");
     static_assert(STAGE_BYTES % 128 == 0, "stages keep the x tiles 128-byte aligned");
@@ -296,15 +304,89 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
         }
         const int slot = tile == u0 / cpt ? 0 : 1;  // a block's first segment, or its last
         float* part = ws + (long long)(b * 2 + slot) * BN * BMX;
+        // the blocks whose ranges meet this tile: those holding its first and last units
+        const int b_first = (int)((((long long)tile * cpt + 1) * P - 1) / U);
+        const int b_last = (int)((((long long)tile + 1) * cpt * P - 1) / U);
+#if W4A16_WGMMA_TMA
+        // Parallel fix-up (the launch is cooperative: every block is resident). The parts are stored batch row
+        // major ([BMX][BN]); every block arrives on the tile's ticket; the blocks whose ranges end in this tile
+        // (all but a last holder that runs on) wait for every arrival, then each sums a slice of the tile's rows
+        // over all parts in block order (deterministic) and stores it. One block summing every part alone took
+        // 7-14 us a call on an H200 (session 16).
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < BMX / 8; ++j)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) part[(8 * j + 2 * t + c) * BN + r0 + 8 * h] = o[4 * j + 2 * h + c];
+        fence_gpu();
+        __syncthreads();
+        if (tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(cnt + tile) : "memory");
+        if ((u1 - 1) / cpt != tile) return;  // this block runs on into later tiles: the others sum this one
+        const int r_last = (int)(U * (b_last + 1) / P - 1) / cpt == tile ? b_last : b_last - 1;
+        const int R = r_last - b_first + 1, ri = b - b_first;
+        if (tid == 0) {
+            const u32 want = (u32)(b_last - b_first + 1);
+            for (;;) {
+                u32 got;
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(got) : "l"(cnt + tile) : "memory");
+                if (got >= want) break;
+                __nanosleep(64);
+            }
+        }
+        __syncthreads();
+        fence_gpu();
+        constexpr int FX = W4A16_WGMMA_FX;
+        const int lo4 = (BN / 4) * ri / R, n4 = (BN / 4) * (ri + 1) / R - lo4, mm = min(M, BMX);
+        for (int e = tid; e < n4 * mm; e += THREADS) {
+            const int m = e / n4, r = (lo4 + e % n4) * 4;
+            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int c0 = b_first; c0 <= b_last; c0 += FX) {  // FX parts' loads in flight, summed in order
+                float4 v[FX];
+#pragma unroll
+                for (int i = 0; i < FX; ++i) {
+                    const int bb = c0 + i;
+                    if (bb <= b_last) {
+                        const int bu0 = (int)(U * bb / P);
+                        const float* pp = ws + (long long)(bb * 2 + (bu0 / cpt == tile ? 0 : 1)) * BN * BMX + m * BN + r;
+                        asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                                     : "=f"(v[i].x), "=f"(v[i].y), "=f"(v[i].z), "=f"(v[i].w) : "l"(pp));
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < FX; ++i)
+                    if (c0 + i <= b_last) {
+                        sum.x += v[i].x;
+                        sum.y += v[i].y;
+                        sum.z += v[i].z;
+                        sum.w += v[i].w;
+                    }
+            }
+            const float sv[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int n = tile * BN + r + i;
+                if (n < N) y[(long long)m * N + n] = to_act<BF16>(sv[i] + (has_bias ? act_to_float<BF16>(bias[n]) : 0.f));
+            }
+        }
+        __syncthreads();
+        if (tid == 0) {  // the last of the tile's summing blocks resets its two counters for the next launch
+            int* done = cnt + (N + BN - 1) / BN + tile;
+            int got;
+            asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(got) : "l"(done));
+            if (got == R - 1) {
+                cnt[tile] = 0;
+                *done = 0;
+            }
+        }
+        return;
+#endif
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int j = 0; j < BMX / 8; ++j)
                 *reinterpret_cast<f32x2*>(part + (r0 + 8 * h) * BMX + 8 * j + 2 * t) =
                     f32x2{o[4 * j + 2 * h], o[4 * j + 2 * h + 1]};
-        // the blocks whose ranges meet this tile: those holding its first and last units
-        const int b_first = (int)((((long long)tile * cpt + 1) * P - 1) / U);
-        const int b_last = (int)((((long long)tile + 1) * cpt * P - 1) / U);
         fence_gpu();
         __syncthreads();
         if (tid == 0) {
