@@ -13,8 +13,9 @@ Default (session 15):
   unit-contiguous (mode 6, results checked equal), without copies (7), with L2-resident weights (8), without
   copies or wgmma (10), without copies or dequantization (11); then the decoder's four linears at M = 64 as
   built, without the stream-K fix-up (9) and without copies (7), against cuBLAS on the dense weight.
---tma (session 16): the kernel as built (W4A16_WGMMA_TMA 1: TMA copies, parallel fix-up) against the cp.async
-  build and the shipped selection: correctness, per call, and the 128 linears of a step as one graph at M = 64, 32.
+--tma (session 16): the kernel as built (W4A16_WGMMA_TMA 1: TMA copies) against the cp.async build and the
+  shipped selection: correctness, per call, and the 128 linears of a step as one graph at M = 64 and 32;
+  with --pfix also the build with the parallel stream-K fix-up (W4A16_WGMMA_PFIX 1, not yet run on a GPU).
 --ncu: launches one qkv call for Nsight Compute to catch (kernel name w4a16_wgmma), and nothing else.
 --ncu-unit: one launch of the one-tile-per-block shape (K = 16384), for Nsight Compute's source view.
 """
@@ -83,8 +84,29 @@ if "--ncu-unit" in sys.argv:  # one launch of the one-tile-per-block shape (K = 
     torch.cuda.synchronize()
     sys.exit(0)
 
+def pfix_call(x, p, c, g, y):
+    """A launch (a callable) of config c built with W4A16_WGMMA_PFIX 1: the TMA build with the parallel stream-K
+    fix-up, launched cooperatively with two counters a tile (written in session 16, not yet run on a GPU)."""
+    m, k = x.shape
+    n = p["q4weight"].shape[0]
+    kern = cuda_rtc.load_kernel("#define W4A16_WGMMA_PFIX 1\n" + W.wgmma_source(), W.wgmma_kernel_name(c, g, x.dtype),
+                                dev, arch_suffix="a")
+    tiles = -(-n // c.block_n)
+    blocks = min(tiles * (k // 128), sms)
+    ws = torch.empty(blocks * 2 * c.block_n * c.block_m, device=dev)
+    cnt = torch.zeros(2 * tiles, device=dev, dtype=torch.int32)
+    tmx = cuda_rtc.tensor_map_2d(x.data_ptr(), cuda_rtc.TMAP_UINT16, k, m, x.stride(0) * 2, 64, c.block_m,
+                                 cuda_rtc.TMAP_SWIZZLE_128B)
+    tmw = cuda_rtc.tensor_map_2d(p["q4weight"].data_ptr(), cuda_rtc.TMAP_UINT32, k // 8, n, k // 2, 16, c.block_n,
+                                 cuda_rtc.TMAP_SWIZZLE_64B)
+    args = [x, p["q4weight"], p["q4scales"], p["q4zeros"], None, y, ws, cnt, m, n, k, x.stride(0), 0, tmx, tmw]
+    return lambda: kern.launch((blocks, 1, 1), (32 * c.num_warps, 1, 1), W.wgmma_shared_bytes(c, g), args, dev,
+                               cooperative=True)
+
+
 if "--tma" in sys.argv:
-    # the kernel as built (TMA, parallel fix-up) against the session-15 cp.async build and the shipped selection:
+    # the kernel as built (TMA) against the session-15 cp.async build and the shipped selection (--pfix: and the
+    # parallel fix-up build):
     # correctness against the fp32 reference and the cp.async build, per-call times, the step graph at M = 64.
     shapes = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
     bad = 0
@@ -104,14 +126,19 @@ if "--tma" in sys.argv:
                 a[0].launch(*a[1:], dev)
             else:
                 y2.copy_(y)
+            yp = torch.empty_like(y)
+            if "--pfix" in sys.argv:
+                pfix_call(x, p, c, g, yp)()
             torch.cuda.synchronize()
             ref = x.float() @ ref_w.t()
             err = ((y.float() - ref).norm() / ref.norm()).item()
             same = bool(torch.equal(y, y2))
             ok = err < (2e-3 if dt == torch.float16 else 8e-3)
             bad += not ok
+            pf = f", parallel fix-up equal {bool(torch.equal(yp, y))}" if "--pfix" in sys.argv else ""
+            bad += "--pfix" in sys.argv and not torch.equal(yp, y)
             print(f"check N {n:6d} K {k:6d} g {g:3d} {str(dt)[6:]:8s} M {m:2d}: rel err {err:.2e}, "
-                  f"equal to cp.async build {same}{'' if ok else '  BAD'}", flush=True)
+                  f"equal to cp.async build {same}{pf}{'' if ok else '  BAD'}", flush=True)
     print(f"correctness: {bad} bad", flush=True)
     for name, (n, k) in [("one tile a block", (sms * 256, 16384))] + list(shapes.items()):
         ps8 = [random_packed(n, k, 128, i) for i in range(8)]
@@ -124,9 +151,14 @@ if "--tma" in sys.argv:
             t_cpa = time_graph([lambda a=a: a[0].launch(*a[1:], dev) for a in calls]) * 1e3 / 8
             shipped = W.select_config(m, n, k, 128, torch.float16, dev)
             t_ship = time_graph([lambda p=p: W.launch(x, p, 128, shipped, out=y) for p in ps8]) * 1e3 / 8
+            if "--pfix" in sys.argv:
+                t_pf = time_graph([pfix_call(x, p, c, 128, y) for p in ps8]) * 1e3 / 8
+                t_ship = f"{t_ship:6.1f}, TMA + parallel fix-up {t_pf:6.1f}"
+            else:
+                t_ship = f"{t_ship:6.1f}"
             cut = (", no fix-up (cp.async build, mode 9) "
                    f"{time_graph([lambda a=a: a[0].launch(*a[1:], dev) for a in [launch_mode(9, x, p, c, y) for p in ps8]]) * 1e3 / 8:6.1f}")
-            print(f"{name:16s} M {m}: TMA {t_tma:6.1f} us, cp.async {t_cpa:6.1f}, shipped {t_ship:6.1f} "
+            print(f"{name:16s} M {m}: TMA {t_tma:6.1f} us, cp.async {t_cpa:6.1f}, shipped {t_ship} "
                   f"({W.describe(shipped)}){cut}", flush=True)
     for m in (64, 32):
         layers = [{nm: random_packed(n, k, 128, 1000 * i + j) for j, (nm, (n, k)) in enumerate(shapes.items())}
@@ -134,15 +166,18 @@ if "--tma" in sys.argv:
         xs = {nm: torch.randn(m, k, device=dev, dtype=torch.float16) for nm, (n, k) in shapes.items()}
         ys = {nm: torch.empty(m, n, device=dev, dtype=torch.float16) for nm, (n, k) in shapes.items()}
         c = W.heuristic_wgmma_config(m)
-        ft, fs, fc = [], [], []
+        ft, fs, fc, fp = [], [], [], []
         for L in layers:
             for nm, (n, k) in shapes.items():
                 ft.append(lambda L=L, nm=nm: W.launch(xs[nm], L[nm], 128, c, out=ys[nm]))
+                if "--pfix" in sys.argv:
+                    fp.append(pfix_call(xs[nm], L[nm], c, 128, ys[nm]))
                 cs = W.select_config(m, n, k, 128, torch.float16, dev)
                 fs.append(lambda L=L, nm=nm, cs=cs: W.launch(xs[nm], L[nm], 128, cs, out=ys[nm]))
         dense = {nm: torch.randn(n, k, device=dev, dtype=torch.float16) * 0.02 for nm, (n, k) in shapes.items()}
         fc = [lambda nm=nm: torch.mm(xs[nm], dense[nm].t(), out=ys[nm]) for _ in range(32) for nm in shapes]
-        print(f"step graph M {m}: TMA {time_graph(ft):.3f} ms, shipped {time_graph(fs):.3f}, "
+        pf = f", TMA + parallel fix-up {time_graph(fp):.3f}" if fp else ""
+        print(f"step graph M {m}: TMA {time_graph(ft):.3f} ms{pf}, shipped {time_graph(fs):.3f}, "
               f"cuBLAS fp16 dense (one weight set) {time_graph(fc):.3f}", flush=True)
         del layers
     sys.exit(0)

@@ -1,7 +1,8 @@
 """The Hopper W4A16 kernel for 17-64 rows ("wgmma": `vlmctl/runtime/kernels/w4a16_wgmma.cu`).
 
-On any machine with NVRTC: every config the selection rule or the benchmark uses compiles for sm_90a without
-register spills, and ptxas does not serialize its warpgroup MMAs (it does, silently but for a log line, when
+On any machine with NVRTC: every config the selection rule or the benchmark uses compiles for sm_90a (as shipped,
+and with the parallel stream-K fix-up that has not run on a GPU yet) without register spills, and ptxas does not
+serialize its warpgroup MMAs (it does, silently but for a log line, when
 their accumulators are touched on a path it cannot prove uniform). Everywhere: the configs' geometry rules and
 that selection takes the kernel only on sm_90. On a GPU of compute capability 9.0 (marked `gpu`): results
 against x @ dequantize(W)^T in fp32 for fp16 and bf16, odd N, groups 64 / 128 / 256 and stream-K splits of
@@ -36,10 +37,10 @@ def _cfg(nwg, bm, stages):
                     num_stages=stages)
 
 
-def _ptxas_log(name: str) -> str:
+def _ptxas_log(name: str, defines: str = "") -> str:
     lib = cuda_rtc.nvrtc_library()
     prog = ctypes.c_void_p()
-    src = W.wgmma_source().encode()
+    src = (defines + W.wgmma_source()).encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"w4a16_wgmma.cu", 0, None, None) == 0
     assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
     opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", b"--ptxas-options=-v"]
@@ -61,8 +62,9 @@ def _ptxas_log(name: str) -> str:
     W.wgmma_kernel_name(W.heuristic_wgmma_config(64), 64, "bfloat16"),
     W.wgmma_kernel_name(_cfg(2, 64, 5), 256, "float16"),
 ])
-def test_compiles_for_sm90a_without_serialized_wgmma(name):
-    log = _ptxas_log(name)
+@pytest.mark.parametrize("defines", ["", "#define W4A16_WGMMA_PFIX 1\n"], ids=["shipped", "parallel-fixup"])
+def test_compiles_for_sm90a_without_serialized_wgmma(name, defines):
+    log = _ptxas_log(name, defines)
     assert "serialized" not in log, log  # ptxas: "wgmma.mma_async instructions are serialized due to ..."
     assert "is injected" not in log, log  # ptxas: a wgmma.wait_group it inserted inside the unit loop
     spills = [int(v) for v in re.findall(r"(\d+) bytes spill stores", log)]
@@ -130,3 +132,11 @@ def test_gpu_selected_and_graph_replay_equals_eager():
     graph_median_ms([lambda: W.launch(x, p, 128, c, out=yg)], replays=3)
     torch.cuda.synchronize()
     assert torch.equal(yg, y)
+
+
+def test_switch_values(monkeypatch):
+    for value, mode in (("0", "0"), ("1", "1"), ("on", "1"), ("wide", "wide"), ("WIDE", "wide"), ("", "0")):
+        monkeypatch.setenv("VLMCTL_W4A16_WGMMA", value)
+        assert W.wgmma_mode() == mode and W.wgmma_enabled() == (mode != "0")
+    monkeypatch.delenv("VLMCTL_W4A16_WGMMA")
+    assert W.wgmma_mode() == "0"  # off unless asked for

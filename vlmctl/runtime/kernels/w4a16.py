@@ -886,17 +886,15 @@ def _launch_wgmma(x2, packed: dict, group_size: int, config: Config, bias, y) ->
     tiles = triton_cdiv(n, config.block_n)
     blocks = min(tiles * (k // 128), config.split_k * _sm_count(x2.device))  # every block gets >= 1 unit
     ws = _buffer(x2.device, "ws", blocks * 2 * config.block_n * config.block_m, torch.float32)
-    cnt = _buffer(x2.device, "cnt", 2 * tiles, torch.int32, zero=True)  # per tile: arrivals, then summers done
+    cnt = _buffer(x2.device, "cnt", tiles, torch.int32, zero=True)  # a ticket per tile (stream-K fix-up)
     # the TMA's views of x (boxes of block_m rows x 64 halfs, 128-byte swizzle: the layout wgmma reads) and of
     # the packed weights (block_n rows x 16 words, 64-byte swizzle); rows past M or N read as zero
     tmx = cuda_rtc.tensor_map_2d(x2.data_ptr(), cuda_rtc.TMAP_UINT16, k, m, x2.stride(0) * 2, 64, config.block_m,
                                  cuda_rtc.TMAP_SWIZZLE_128B)
     tmw = cuda_rtc.tensor_map_2d(qw.data_ptr(), cuda_rtc.TMAP_UINT32, k // 8, n, k // 2, 16, config.block_n,
                                  cuda_rtc.TMAP_SWIZZLE_64B)
-    # cooperative: the stream-K fix-up has blocks wait for each other, so all must be resident
     kern.launch((blocks, 1, 1), (32 * config.num_warps, 1, 1), wgmma_shared_bytes(config, group_size),
-                [x2, qw, s, z, bias, y, ws, cnt, m, n, k, x2.stride(0), int(bias is not None), tmx, tmw], x2.device,
-                cooperative=True)
+                [x2, qw, s, z, bias, y, ws, cnt, m, n, k, x2.stride(0), int(bias is not None), tmx, tmw], x2.device)
 
 
 def mma_shared_bytes(config: Config, max_groups: int) -> int:

@@ -108,12 +108,16 @@ __device__ __forceinline__ u16 to_act(float f) {  // fp32 to one fp16 or bf16 va
 // W4A16_WGMMA_TMA 1 (the build that ships, session 16): x and the weight tile of a unit come by the tensor memory
 // accelerator (two tensor maps, kernel parameters tmx and tmw, completion on one mbarrier a stage): x as two
 // 64-k boxes in the 128-byte swizzled K-major layout wgmma reads, the weights as one box of BN rows x 64 bytes,
-// 64-byte swizzled (conflict-free 16-byte reads); the stream-K parts are summed in parallel by the blocks that
-// end in the tile (a cooperative launch). 0: the session-15 build (16-byte cp.async from every thread, padded
-// rows, one block sums a tile's parts), kept for the measurement modes: on an H200 its warps waited for the
-// copy unit to take their cp.async addresses (Nsight source view), ~1.6x the TMA build's time a unit.
+// 64-byte swizzled (conflict-free 16-byte reads). 0: the session-15 build (16-byte cp.async from every thread,
+// padded rows), kept for the measurement modes: on an H200 its warps waited for the copy unit to take their
+// cp.async addresses (Nsight source view), ~1.6x the TMA build's time a unit.
 #ifndef W4A16_WGMMA_TMA
 #define W4A16_WGMMA_TMA 1
+#endif
+// W4A16_WGMMA_PFIX 1 (TMA build only; written and compiled in session 16, NOT yet run on a GPU): the stream-K
+// parts summed in parallel (see flush); needs a cooperative launch and 2 x tiles counters
+#ifndef W4A16_WGMMA_PFIX
+#define W4A16_WGMMA_PFIX 0
 #endif
 #ifndef W4A16_WGMMA_FX
 #define W4A16_WGMMA_FX 4  // parts in flight per thread in the parallel fix-up (8 made ptxas spill in the unit loop)
@@ -304,15 +308,16 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
         }
         const int slot = tile == u0 / cpt ? 0 : 1;  // a block's first segment, or its last
         float* part = ws + (long long)(b * 2 + slot) * BN * BMX;
+#if W4A16_WGMMA_TMA && W4A16_WGMMA_PFIX
         // the blocks whose ranges meet this tile: those holding its first and last units
         const int b_first = (int)((((long long)tile * cpt + 1) * P - 1) / U);
         const int b_last = (int)((((long long)tile + 1) * cpt * P - 1) / U);
-#if W4A16_WGMMA_TMA
-        // Parallel fix-up (the launch is cooperative: every block is resident). The parts are stored batch row
-        // major ([BMX][BN]); every block arrives on the tile's ticket; the blocks whose ranges end in this tile
-        // (all but a last holder that runs on) wait for every arrival, then each sums a slice of the tile's rows
-        // over all parts in block order (deterministic) and stores it. One block summing every part alone took
-        // 7-14 us a call on an H200 (session 16).
+        // Parallel fix-up (W4A16_WGMMA_PFIX; the launch must be cooperative: every block resident). The parts are
+        // stored batch row major ([BMX][BN]); every block arrives on the tile's ticket; the blocks whose ranges end
+        // in this tile (all but a last holder that runs on) wait for every arrival, then each sums a slice of the
+        // tile's rows over all parts in block order (deterministic) and stores it; a second counter per tile
+        // (cnt[tiles + tile]) counts them done. One block summing every part alone costs 7-14 us a call on an
+        // H200 (session 16, the cp.async build without its fix-up).
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -379,14 +384,16 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
                 *done = 0;
             }
         }
-        return;
-#endif
+#else
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int j = 0; j < BMX / 8; ++j)
                 *reinterpret_cast<f32x2*>(part + (r0 + 8 * h) * BMX + 8 * j + 2 * t) =
                     f32x2{o[4 * j + 2 * h], o[4 * j + 2 * h + 1]};
+        // the blocks whose ranges meet this tile: those holding its first and last units
+        const int b_first = (int)((((long long)tile * cpt + 1) * P - 1) / U);
+        const int b_last = (int)((((long long)tile + 1) * cpt * P - 1) / U);
         fence_gpu();
         __syncthreads();
         if (tid == 0) {
@@ -414,6 +421,7 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
             store_y(o, tile * BN);
             if (tid == 0) cnt[tile] = 0;
         }
+#endif
     };
 
     u32 st = 0, ld_st = PF * STAGE_BYTES;
