@@ -126,7 +126,7 @@ def test_gpu_selected_and_graph_replay_equals_eager():
     p = random_packed(4096, 4096, 128, 1)
     x = torch.randn(48, 4096, device=dev, dtype=torch.float16)
     c = W.select_config(48, 4096, 4096, 128, torch.float16, dev)
-    assert c.kernel == "wgmma" or not W.wgmma_enabled()
+    assert c.kernel == "wgmma" or W.wgmma_mode() != "1"  # "wide" leaves this 16-tile N to the table
     y = W.w4a16_linear(x, p, 128)
     yg = torch.empty_like(y)
     graph_median_ms([lambda: W.launch(x, p, 128, c, out=yg)], replays=3)
