@@ -10,6 +10,7 @@ $VLMCTL_CACHE_DIR or ~/.cache/vlmctl/cubin, so a process compiles each kernel on
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import hashlib
 import os
@@ -154,6 +155,7 @@ TMAP_UINT16, TMAP_UINT32 = 1, 2
 TMAP_SWIZZLE_NONE, TMAP_SWIZZLE_64B, TMAP_SWIZZLE_128B = 0, 2, 3
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function of its arguments; eager launches then encode each map once
 def tensor_map_2d(ptr: int, dtype: int, cols: int, rows: int, row_bytes: int, box_cols: int, box_rows: int,
                   swizzle: int) -> bytes:
     """A CUtensorMap (128 bytes, a kernel parameter) for the TMA: a row-major [rows, cols] tensor of `dtype`
