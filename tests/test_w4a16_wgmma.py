@@ -140,3 +140,75 @@ def test_switch_values(monkeypatch):
         assert W.wgmma_mode() == mode and W.wgmma_enabled() == (mode != "0")
     monkeypatch.delenv("VLMCTL_W4A16_WGMMA")
     assert W.wgmma_mode() == "0"  # off unless asked for
+
+
+def _stream_k_model(n, k, bn, sms):
+    """The kernel's stream-K split, recomputed from its closed forms (w4a16_wgmma.cu), with the brute-force view
+    of which blocks touch which tile. Returns (U, P, cpt, tiles, u0, u1, touching)."""
+    cpt, tiles = k // 128, -(-n // bn)
+    U = tiles * cpt
+    P = min(U, sms)
+    u0 = [U * b // P for b in range(P)]
+    u1 = [U * (b + 1) // P for b in range(P)]
+    touching = {t: [b for b in range(P) if u0[b] < (t + 1) * cpt and u1[b] > t * cpt] for t in range(tiles)}
+    return U, P, cpt, tiles, u0, u1, touching
+
+
+@pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (1000, 1280),
+                                 (256, 11008), (200, 384), (132 * 256, 4096)])
+@pytest.mark.parametrize("sms", [132, 114, 78])
+def test_stream_k_fixup_bookkeeping(n, k, sms):
+    # The parallel fix-up (W4A16_WGMMA_PFIX) has not run on a GPU; its index arithmetic is checked here against
+    # brute force: the blocks it expects on a tile's ticket, the blocks that sum it, their row slices, the
+    # workspace slots, and that no block can wait for one that is itself waiting (all blocks are resident).
+    bn = 256
+    U, P, cpt, tiles, u0, u1, touching = _stream_k_model(n, k, bn, sms)
+    arrivals, waits, slots = {}, {}, {}
+    for t in range(tiles):
+        blocks = touching[t]
+        b_first = ((t * cpt + 1) * P - 1) // U  # the kernel's closed forms
+        b_last = ((t + 1) * cpt * P - 1) // U
+        assert blocks == list(range(b_first, b_last + 1))
+        if len(blocks) == 1:  # stored whole by its one block, no fix-up
+            b = blocks[0]
+            assert t * cpt >= u0[b] and u1[b] >= (t + 1) * cpt
+            continue
+        summers = [b for b in blocks if (u1[b] - 1) // cpt == t]  # blocks whose range ends in this tile
+        r_last = b_last if (U * (b_last + 1) // P - 1) // cpt == t else b_last - 1
+        assert summers == list(range(b_first, r_last + 1)) and summers
+        R = len(summers)
+        rows = []
+        for ri in range(R):
+            lo4, hi4 = (bn // 4) * ri // R, (bn // 4) * (ri + 1) // R
+            rows += range(4 * lo4, 4 * hi4)
+        assert rows == list(range(bn))  # every row of the tile summed once
+        for b in blocks:  # a part is a block's first or last segment, in workspace slot 0 or 1 (kernel: flush)
+            assert t in (u0[b] // cpt, (u1[b] - 1) // cpt)
+            slots.setdefault(b, []).append(0 if t == u0[b] // cpt else 1)
+        arrivals[t] = set(blocks)
+        waits.update({b: t for b in summers})
+    assert all(len(v) == len(set(v)) for v in slots.values())  # a block's two parts never share a slot
+    # Deadlock-free: play the blocks' segments in order; a block waits only at its last segment, for every
+    # block on that tile to have arrived; every block finishes.
+    pos = [u0[b] // cpt for b in range(P)]
+    arrived = {t: set() for t in arrivals}
+    done = [False] * P
+    for _ in range(4 * (tiles + P)):
+        moved = False
+        for b in range(P):
+            if done[b]:
+                continue
+            t = pos[b]
+            if t in arrivals and b not in arrived[t]:
+                arrived[t].add(b)
+                moved = True
+            if waits.get(b) == t and arrived[t] != arrivals[t]:
+                continue
+            if t >= (u1[b] - 1) // cpt:
+                done[b] = True
+            else:
+                pos[b] += 1
+            moved = True
+        if not moved:
+            break
+    assert all(done), "a block would wait forever"
