@@ -95,10 +95,7 @@ def pfix_call(x, p, c, g, y):
     blocks = min(tiles * (k // 128), sms)
     ws = torch.empty(blocks * 2 * c.block_n * c.block_m, device=dev)
     cnt = torch.zeros(2 * tiles, device=dev, dtype=torch.int32)
-    tmx = cuda_rtc.tensor_map_2d(x.data_ptr(), cuda_rtc.TMAP_UINT16, k, m, x.stride(0) * 2, 64, c.block_m,
-                                 cuda_rtc.TMAP_SWIZZLE_128B)
-    tmw = cuda_rtc.tensor_map_2d(p["q4weight"].data_ptr(), cuda_rtc.TMAP_UINT32, k // 8, n, k // 2, 16, c.block_n,
-                                 cuda_rtc.TMAP_SWIZZLE_64B)
+    tmx, tmw = W.wgmma_tensor_maps(x, p["q4weight"], c)
     args = [x, p["q4weight"], p["q4scales"], p["q4zeros"], None, y, ws, cnt, m, n, k, x.stride(0), 0, tmx, tmw]
     return lambda: kern.launch((blocks, 1, 1), (32 * c.num_warps, 1, 1), W.wgmma_shared_bytes(c, g), args, dev,
                                cooperative=True)

@@ -871,6 +871,20 @@ def heuristic_wgmma_config(m: int) -> Config:
     return Config("wgmma", block_n=256, block_k=128, block_m=bm, split_k=1, num_warps=16, num_stages=5)
 
 
+def wgmma_tensor_maps(x2, qw, config: Config) -> tuple[bytes, bytes]:
+    """The "wgmma" kernel's two TMA descriptors (its last parameters): x [M, K] in boxes of block_m rows x 64
+    halfs, 128-byte swizzled (the layout wgmma's B operand reads), and the packed weights [N, K / 8] in boxes of
+    block_n rows x 16 words, 64-byte swizzled; rows past M or N read as zero."""
+    from . import cuda_rtc
+
+    m, k = x2.shape
+    tmx = cuda_rtc.tensor_map_2d(x2.data_ptr(), cuda_rtc.TMAP_UINT16, k, m, x2.stride(0) * 2, 64, config.block_m,
+                                 cuda_rtc.TMAP_SWIZZLE_128B)
+    tmw = cuda_rtc.tensor_map_2d(qw.data_ptr(), cuda_rtc.TMAP_UINT32, k // 8, qw.shape[0], k // 2, 16,
+                                 config.block_n, cuda_rtc.TMAP_SWIZZLE_64B)
+    return tmx, tmw
+
+
 def _launch_wgmma(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:
     import torch
 
@@ -887,12 +901,7 @@ def _launch_wgmma(x2, packed: dict, group_size: int, config: Config, bias, y) ->
     blocks = min(tiles * (k // 128), config.split_k * _sm_count(x2.device))  # every block gets >= 1 unit
     ws = _buffer(x2.device, "ws", blocks * 2 * config.block_n * config.block_m, torch.float32)
     cnt = _buffer(x2.device, "cnt", tiles, torch.int32, zero=True)  # a ticket per tile (stream-K fix-up)
-    # the TMA's views of x (boxes of block_m rows x 64 halfs, 128-byte swizzle: the layout wgmma reads) and of
-    # the packed weights (block_n rows x 16 words, 64-byte swizzle); rows past M or N read as zero
-    tmx = cuda_rtc.tensor_map_2d(x2.data_ptr(), cuda_rtc.TMAP_UINT16, k, m, x2.stride(0) * 2, 64, config.block_m,
-                                 cuda_rtc.TMAP_SWIZZLE_128B)
-    tmw = cuda_rtc.tensor_map_2d(qw.data_ptr(), cuda_rtc.TMAP_UINT32, k // 8, n, k // 2, 16, config.block_n,
-                                 cuda_rtc.TMAP_SWIZZLE_64B)
+    tmx, tmw = wgmma_tensor_maps(x2, qw, config)
     kern.launch((blocks, 1, 1), (32 * config.num_warps, 1, 1), wgmma_shared_bytes(config, group_size),
                 [x2, qw, s, z, bias, y, ws, cnt, m, n, k, x2.stride(0), int(bias is not None), tmx, tmw], x2.device)
 
