@@ -346,3 +346,15 @@ def test_rejects_an_already_quantized_checkpoint(quantized, tmp_path):
     _, out, _ = quantized
     with pytest.raises(CheckpointError, match="already quantized"):
         quantize_causal_lm(out, tmp_path / "again", settings())
+
+
+def test_cpu_delta_dtype_is_measured_once_and_exact_overrides(monkeypatch):
+    from vlmctl.quant import awq_layer
+
+    monkeypatch.setattr(awq_layer, "_CPU_BF16", {})
+    calls = []
+    monkeypatch.setattr(awq_layer, "_cpu_bf16_is_fast", lambda: calls.append(1) or True)
+    assert awq_layer.fast_delta_dtype("cpu") == torch.bfloat16
+    assert awq_layer.fast_delta_dtype("cpu") == torch.bfloat16 and len(calls) == 1  # once a process
+    monkeypatch.setenv("VLMCTL_AWQ_EXACT", "1")
+    assert awq_layer.fast_delta_dtype("cpu") is None
