@@ -100,23 +100,18 @@ def _cpu_bf16_is_fast() -> bool:
 
     a, b = torch.randn(512, 512), torch.randn(512, 512)
 
-    def best(dt, reps):
-        x, y = a.to(dt), b.to(dt)
+    def timed(x, y):
         t = time.perf_counter()
-        x @ y  # warm-up: the first call picks kernels
-        first = time.perf_counter() - t
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            x @ y
-            times.append(time.perf_counter() - t)
-        return first, min(times) if times else first
+        x @ y
+        return time.perf_counter() - t
 
-    _, f32 = best(torch.float32, 3)
-    first, _ = best(torch.bfloat16, 0)
-    if first > 20 * f32:  # emulated: no need to time it further
+    x, y = a.float(), b.float()
+    timed(x, y)  # warm-up: the first call picks kernels
+    f32 = min(timed(x, y) for _ in range(3))
+    x, y = a.bfloat16(), b.bfloat16()
+    if timed(x, y) > 20 * f32:  # the warm-up already shows an emulated bf16: no need to time it further
         return False
-    return best(torch.bfloat16, 3)[1] * 1.5 < f32
+    return min(timed(x, y) for _ in range(3)) * 1.5 < f32
 
 
 class LayerQuantizer:
