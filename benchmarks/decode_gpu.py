@@ -304,6 +304,12 @@ def main():
                     help="batch sizes whose graphed steps to profile (kernel table)")
     ap.add_argument("--env-ab", metavar="VAR=V1,V2", help="time each decoder once per value of an environment "
                     "switch (e.g. VLMCTL_PDL=0,auto), recapturing the graphs for each")
+    ap.add_argument("--env-cases", nargs="+", metavar="'VAR=V [VAR2=V2]'",
+                    help="like --env-ab, one run per case, a case setting one or more variables "
+                    "(e.g. 'VLMCTL_W4A16_WGMMA=0' 'VLMCTL_W4A16_WGMMA=1 VLMCTL_W4A16_WGMMA_FIXUP=parallel')")
+    ap.add_argument("--env-variants", nargs="+", metavar="NAME",
+                    help="the decoders (fp16/bf16, awq) that --env-ab/--env-cases apply to (default: all); the "
+                    "others run once, under the environment as given")
     ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16",
                     help="activations and dense weights (AWQ scales stay fp16, as in the engine)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
@@ -334,17 +340,28 @@ def main():
               f"({blocks * 16 * dec.kv_bytes_per_token() / 1e9:.1f} GB)", flush=True)
         print(f"{'impl':<14}{'batch':>6}{'ms/step':>9}{'gpu ms':>8}{'tok/s':>9}{'bound ms':>10}{'% bound':>9}"
               f"{'prefill tok/s':>14}", flush=True)
-        var, values = (args.env_ab.split("=", 1)[0], args.env_ab.split("=", 1)[1].split(",")) if args.env_ab \
-            else (None, [None])
-        for value in values:
-            if var is not None:
-                os.environ[var] = value
+        if args.env_variants and name not in args.env_variants:
+            cases = [None]
+        elif args.env_ab:
+            var, values = args.env_ab.split("=", 1)
+            cases = [{var: v} for v in values.split(",")]
+        else:
+            cases = [dict(a.split("=", 1) for a in case.split()) for case in args.env_cases or []] or [None]
+        saved = {k: os.environ.get(k) for case in cases if case for k in case}
+        for case in cases:
+            if case is not None:
+                for k, v in saved.items():  # what an earlier case set does not carry over
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+                os.environ.update(case)
                 dec._fused = False  # the fused batch-1 step is chosen again (VLMCTL_FUSED_STEP)
                 dec._graphs.clear()
                 dec._graph_pool = None  # a fresh pool: the old graphs' pool is released with them
                 sync()
                 dec.capture_graphs(max(args.batches))
-                print(f"-- {var}={value}", flush=True)
+                print("-- " + " ".join(f"{k}={v}" for k, v in case.items()), flush=True)
             for b in args.batches:
                 runs = [True] + ([False] if args.eager else [])
                 for graphs in runs:
@@ -352,8 +369,8 @@ def main():
                     kv = b * r["context"] * dec.kv_bytes_per_token()
                     r.update(variant=name, weight_bytes=weight_bytes, bound_ms=1000 * (weight_bytes + kv) / bw)
                     r["pct_bound"] = 100 * r["bound_ms"] / r["ms_per_step"]
-                    if var is not None:
-                        r["env"] = {var: value}
+                    if case is not None:
+                        r["env"] = dict(case)
                     rows.append(r)
                     print(f"{r['impl'] + '-' + name:<14}{b:>6}{r['ms_per_step']:>9.2f}"
                           f"{r['gpu_ms_per_step'] or 0:>8.2f}{r['tok_s']:>9.0f}{r['bound_ms']:>10.2f}"

@@ -94,8 +94,9 @@ def test_selection_takes_it_only_on_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU90, reason="needs a GPU of compute capability 9.0 (warpgroup MMA)")
+@pytest.mark.parametrize("fixup", ["serial", "parallel"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_against_dequantized_reference(dtype):
+def test_gpu_against_dequantized_reference(dtype, fixup, monkeypatch):
     random_packed = _bench_module("gpu_weights").random_packed
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -111,22 +112,29 @@ def test_gpu_against_dequantized_reference(dtype):
             for c in (W.heuristic_wgmma_config(m), _cfg(2, 64, 5)):
                 if m > c.block_m or not c.valid_for(n, k, g):
                     continue
+                monkeypatch.setenv("VLMCTL_W4A16_WGMMA_FIXUP", fixup)
                 y = W.launch(x, p, g, c, bias)
                 assert torch.equal(y, W.launch(x, p, g, c, bias)), "repeat launches differ"
                 err = float((y.float() - ref).norm() / ref.norm())
                 assert err < tol, (n, k, g, m, W.describe(c), err)
+                if fixup == "parallel":  # both sum the parts in block order from zero: the same bits
+                    monkeypatch.setenv("VLMCTL_W4A16_WGMMA_FIXUP", "serial")
+                    assert torch.equal(y, W.launch(x, p, g, c, bias)), (n, k, g, m, W.describe(c))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU90, reason="needs a GPU of compute capability 9.0 (warpgroup MMA)")
-def test_gpu_selected_and_graph_replay_equals_eager():
+@pytest.mark.parametrize("fixup", ["serial", "parallel"])
+def test_gpu_selected_and_graph_replay_equals_eager(fixup, monkeypatch):
+    monkeypatch.setenv("VLMCTL_W4A16_WGMMA_FIXUP", fixup)
+    monkeypatch.setenv("VLMCTL_W4A16_WGMMA", "1")
     graph_median_ms = _bench_module("gpu_timing").graph_median_ms
     random_packed = _bench_module("gpu_weights").random_packed
     dev = torch.device("cuda")
     p = random_packed(4096, 4096, 128, 1)
     x = torch.randn(48, 4096, device=dev, dtype=torch.float16)
     c = W.select_config(48, 4096, 4096, 128, torch.float16, dev)
-    assert c.kernel == "wgmma" or W.wgmma_mode() != "1"  # "wide" leaves this 16-tile N to the table
+    assert c.kernel == "wgmma"
     y = W.w4a16_linear(x, p, 128)
     yg = torch.empty_like(y)
     graph_median_ms([lambda: W.launch(x, p, 128, c, out=yg)], replays=3)
@@ -140,6 +148,9 @@ def test_switch_values(monkeypatch):
         assert W.wgmma_mode() == mode and W.wgmma_enabled() == (mode != "0")
     monkeypatch.delenv("VLMCTL_W4A16_WGMMA")
     assert W.wgmma_mode() == "0"  # off unless asked for
+    for value, parallel in (("parallel", True), ("PARALLEL", True), ("serial", False), ("", False)):
+        monkeypatch.setenv("VLMCTL_W4A16_WGMMA_FIXUP", value)
+        assert W.wgmma_parallel_fixup() == parallel
 
 
 def _stream_k_model(n, k, bn, sms):

@@ -838,6 +838,13 @@ def wgmma_mode() -> str:
     return "1" if v in ("1", "on", "true") else "wide" if v == "wide" else "0"
 
 
+def wgmma_parallel_fixup() -> bool:
+    """`VLMCTL_W4A16_WGMMA_FIXUP`: "parallel" builds the "wgmma" kernel with W4A16_WGMMA_PFIX (the blocks that end
+    in a tile sum slices of its stream-K parts together; a cooperative launch), "serial" (the default) lets the
+    tile's last block sum every part alone."""
+    return os.environ.get("VLMCTL_W4A16_WGMMA_FIXUP", "serial").strip().lower() == "parallel"
+
+
 def wgmma_enabled() -> bool:
     """Whether selection may take the "wgmma" kernel (`wgmma_mode`)."""
     return wgmma_mode() != "0"
@@ -895,15 +902,21 @@ def _launch_wgmma(x2, packed: dict, group_size: int, config: Config, bias, y) ->
     n = qw.shape[0]
     if m > config.block_m:
         raise ValueError(f"{describe(config)} takes at most {config.block_m} rows, not {m}")
-    kern = cuda_rtc.load_kernel(wgmma_source(), wgmma_kernel_name(config, group_size, x2.dtype), x2.device,
-                                arch_suffix="a")
+    parallel = wgmma_parallel_fixup()
+    kern = cuda_rtc.load_kernel(("#define W4A16_WGMMA_PFIX 1\n" if parallel else "") + wgmma_source(),
+                                wgmma_kernel_name(config, group_size, x2.dtype), x2.device, arch_suffix="a")
     tiles = triton_cdiv(n, config.block_n)
-    blocks = min(tiles * (k // 128), config.split_k * _sm_count(x2.device))  # every block gets >= 1 unit
+    # every block gets >= 1 unit; the parallel fix-up's blocks wait for each other, so all must be resident
+    # (one block per SM: split_k 1)
+    blocks = min(tiles * (k // 128), (1 if parallel else config.split_k) * _sm_count(x2.device))
     ws = _buffer(x2.device, "ws", blocks * 2 * config.block_n * config.block_m, torch.float32)
-    cnt = _buffer(x2.device, "cnt", tiles, torch.int32, zero=True)  # a ticket per tile (stream-K fix-up)
+    # a ticket per tile for the stream-K fix-up (the parallel one: and a done count per tile); each launch
+    # leaves them zero
+    cnt = _buffer(x2.device, "cnt2" if parallel else "cnt", (2 if parallel else 1) * tiles, torch.int32, zero=True)
     tmx, tmw = wgmma_tensor_maps(x2, qw, config)
     kern.launch((blocks, 1, 1), (32 * config.num_warps, 1, 1), wgmma_shared_bytes(config, group_size),
-                [x2, qw, s, z, bias, y, ws, cnt, m, n, k, x2.stride(0), int(bias is not None), tmx, tmw], x2.device)
+                [x2, qw, s, z, bias, y, ws, cnt, m, n, k, x2.stride(0), int(bias is not None), tmx, tmw], x2.device,
+                cooperative=parallel)
 
 
 def mma_shared_bytes(config: Config, max_groups: int) -> int:
