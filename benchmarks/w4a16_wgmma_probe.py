@@ -1,6 +1,6 @@
 """Where the "wgmma" W4A16 kernel's time goes (one sm_90 GPU): per-call times of shapes that isolate its parts.
 
-    python benchmarks/w4a16_wgmma_probe.py [--layout | --tma | --ncu | --ncu-unit]
+    python benchmarks/w4a16_wgmma_probe.py [--layout | --tma [--pfix] | --modes | --ncu | --ncu-unit]
 
 Default (session 15):
 - one tile per block: N = 132 x 256 rows, K = 4096 (32 units a block, no stream-K parts), so time / 32 is the
@@ -15,7 +15,9 @@ Default (session 15):
   built, without the stream-K fix-up (9) and without copies (7), against cuBLAS on the dense weight.
 --tma (session 16): the kernel as built (W4A16_WGMMA_TMA 1: TMA copies) against the cp.async build and the
   shipped selection: correctness, per call, and the 128 linears of a step as one graph at M = 64 and 32;
-  with --pfix also the build with the parallel stream-K fix-up (W4A16_WGMMA_PFIX 1, not yet run on a GPU).
+  with --pfix also the build with the parallel stream-K fix-up (W4A16_WGMMA_PFIX 1).
+--modes (session 17): the TMA build's loop on the one-tile-a-block shape without its block barrier, its scale loads
+  and stores, and the wgmmas or the dequantization (W4A16_WGMMA_MODE 12-16), and with a 6-deep ring.
 --ncu: launches one qkv call for Nsight Compute to catch (kernel name w4a16_wgmma), and nothing else.
 --ncu-unit: one launch of the one-tile-per-block shape (K = 16384), for Nsight Compute's source view.
 """
@@ -84,13 +86,13 @@ if "--ncu-unit" in sys.argv:  # one launch of the one-tile-per-block shape (K = 
     torch.cuda.synchronize()
     sys.exit(0)
 
-def pfix_call(x, p, c, g, y):
-    """A launch (a callable) of config c built with W4A16_WGMMA_PFIX 1: the TMA build with the parallel stream-K
-    fix-up, launched cooperatively with two counters a tile (written in session 16, not yet run on a GPU)."""
+def pfix_call(x, p, c, g, y, mode=0, pfix=1):
+    """A launch (a callable) of config c in the TMA build: with the parallel stream-K fix-up (W4A16_WGMMA_PFIX 1,
+    launched cooperatively with two counters a tile) unless pfix=0, in measurement mode `mode`."""
     m, k = x.shape
     n = p["q4weight"].shape[0]
-    kern = cuda_rtc.load_kernel("#define W4A16_WGMMA_PFIX 1\n" + W.wgmma_source(), W.wgmma_kernel_name(c, g, x.dtype),
-                                dev, arch_suffix="a")
+    kern = cuda_rtc.load_kernel(f"#define W4A16_WGMMA_PFIX {pfix}\n#define W4A16_WGMMA_MODE {mode}\n"
+                                + W.wgmma_source(), W.wgmma_kernel_name(c, g, x.dtype), dev, arch_suffix="a")
     tiles = -(-n // c.block_n)
     blocks = min(tiles * (k // 128), sms)
     ws = torch.empty(blocks * 2 * c.block_n * c.block_m, device=dev)
@@ -98,7 +100,28 @@ def pfix_call(x, p, c, g, y):
     tmx, tmw = W.wgmma_tensor_maps(x, p["q4weight"], c)
     args = [x, p["q4weight"], p["q4scales"], p["q4zeros"], None, y, ws, cnt, m, n, k, x.stride(0), 0, tmx, tmw]
     return lambda: kern.launch((blocks, 1, 1), (32 * c.num_warps, 1, 1), W.wgmma_shared_bytes(c, g), args, dev,
-                               cooperative=True)
+                               cooperative=bool(pfix))
+
+
+if "--modes" in sys.argv:
+    # session 17: the TMA build's loop without its parts (results wrong but in mode 0): one tile a block, K = 16384
+    # (128 units a block), so time / 128 is the loop's time a unit
+    names = {0: "as built", 1: "no wgmma", 2: "no dequantization", 12: "no block barrier a unit",
+             13: "no scale loads/stores in the loop", 14: "neither barrier nor scales",
+             15: "neither, and no wgmma", 16: "neither, and no dequantization"}
+    k = 16384
+    for m in (64, 32):
+        for c in (cfg(4, m, 5), cfg(4, m, 6)):
+            n = sms * c.block_n
+            ps = [random_packed(n, k, 128, i) for i in range(4)]
+            x = torch.randn(m, k, device=dev, dtype=torch.float16)
+            y = torch.empty(m, n, device=dev, dtype=torch.float16)
+            for mode in names if c.num_stages == 5 else (0,):
+                for pfix in (0, 1) if mode == 0 else (0,):
+                    t = time_graph([pfix_call(x, p, c, 128, y, mode, pfix) for p in ps]) * 1e3 / 4
+                    print(f"M {m} {W.describe(c)} mode {mode:2d} ({names[mode]}{', parallel fix-up build' if pfix else ''}):"
+                          f" {t:7.1f} us, {t / 128:5.3f} us a unit", flush=True)
+    sys.exit(0)
 
 
 if "--tma" in sys.argv:

@@ -99,9 +99,15 @@ __device__ __forceinline__ u16 to_act(float f) {  // fp32 to one fp16 or bf16 va
 // results for such a repacked tensor), 7 copies neither x nor weights, 8 reads tile 0's weights in every block
 // (L2-resident weights at any K), 9 stores every segment's sums as if it were a whole tile (no workspace, tickets
 // or fix-up: what the stream-K parts cost), 10 copies nothing and issues no wgmma (the loop's issue alone), 11
-// copies nothing and skips the dequantization (the wgmmas and the loop's frame).
-#define W4A16_WGMMA_NO_X (W4A16_WGMMA_MODE == 4 || W4A16_WGMMA_MODE == 7 || W4A16_WGMMA_MODE >= 10)
-#define W4A16_WGMMA_NO_W (W4A16_WGMMA_MODE == 5 || W4A16_WGMMA_MODE == 7 || W4A16_WGMMA_MODE >= 10)
+// copies nothing and skips the dequantization (the wgmmas and the loop's frame). TMA build (session 17): 12 leaves
+// out the block barrier of every unit, 13 the scales' loads and stores in the loop, 14 both, 15 both and issues
+// no wgmma, 16 both and skips the dequantization.
+#define W4A16_WGMMA_NO_X (W4A16_WGMMA_MODE == 4 || W4A16_WGMMA_MODE == 7 || W4A16_WGMMA_MODE == 10 || W4A16_WGMMA_MODE == 11)
+#define W4A16_WGMMA_NO_W (W4A16_WGMMA_MODE == 5 || W4A16_WGMMA_MODE == 7 || W4A16_WGMMA_MODE == 10 || W4A16_WGMMA_MODE == 11)
+#define W4A16_WGMMA_NO_BAR (W4A16_WGMMA_MODE == 12 || W4A16_WGMMA_MODE >= 14)
+#define W4A16_WGMMA_NO_SC (W4A16_WGMMA_MODE >= 13)
+#define W4A16_WGMMA_NO_MMA (W4A16_WGMMA_MODE == 1 || W4A16_WGMMA_MODE == 10 || W4A16_WGMMA_MODE == 15)
+#define W4A16_WGMMA_NO_DEQ (W4A16_WGMMA_MODE == 2 || W4A16_WGMMA_MODE == 11 || W4A16_WGMMA_MODE == 16)
 #ifndef W4A16_WGMMA_MODE
 #define W4A16_WGMMA_MODE 0
 #endif
@@ -114,8 +120,9 @@ __device__ __forceinline__ u16 to_act(float f) {  // fp32 to one fp16 or bf16 va
 #ifndef W4A16_WGMMA_TMA
 #define W4A16_WGMMA_TMA 1
 #endif
-// W4A16_WGMMA_PFIX 1 (TMA build only; written and compiled in session 16, NOT yet run on a GPU): the stream-K
-// parts summed in parallel (see flush); needs a cooperative launch and 2 x tiles counters
+// W4A16_WGMMA_PFIX 1 (TMA build only; VLMCTL_W4A16_WGMMA_FIXUP=parallel): the stream-K parts summed in parallel by
+// the blocks that end in a tile (pfix_sum); needs a cooperative launch and 2 x tiles counters. Bit-equal to the
+// serial fix-up (H200, session 17 r8).
 #ifndef W4A16_WGMMA_PFIX
 #define W4A16_WGMMA_PFIX 0
 #endif
@@ -143,6 +150,76 @@ __device__ __forceinline__ void tma_wait(u32 bar, u32 parity) {
 __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
                  :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+
+// The parallel fix-up's sum (W4A16_WGMMA_PFIX) for a block whose range ends in `tile`: wait until every block of
+// the tile has arrived, then sum this block's slice of the tile's rows over all parts in block order. Run after
+// the main loop: reached from inside it (inlined or called), it cost the loop its uniform-register address
+// arithmetic (~26 more vector instructions a unit in the SASS), and the one-tile-a-block shape, where it never
+// runs, took ~10 % longer (H200, session 17 r8).
+template <int BN, int BMX, int THREADS, int BF16>
+__device__ __forceinline__ void pfix_sum(const float* __restrict__ ws, int* __restrict__ cnt, u16* __restrict__ y,
+                                      const u16* __restrict__ bias, int has_bias, int M, int N, int tile, int cpt,
+                                      int P, long long U, int b_first, int b_last, int b, int tid) {
+    const int r_last = (int)(U * (b_last + 1) / P - 1) / cpt == tile ? b_last : b_last - 1;
+    const int R = r_last - b_first + 1, ri = b - b_first;
+    if (tid == 0) {
+        const u32 want = (u32)(b_last - b_first + 1);
+        for (;;) {
+            u32 got;
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(got) : "l"(cnt + tile) : "memory");
+            if (got >= want) break;
+            __nanosleep(64);
+        }
+    }
+    __syncthreads();
+    fence_gpu();
+    // the part of block bb in the tile: its first segment's slot (0), but for b_first when it started in an
+    // earlier tile (its last segment's, 1); computed once: a 64-bit division in the loop below cost the kernel's
+    // main loop its uniform registers (SASS, session 17)
+    const int first_slot = (int)(U * b_first / P) / cpt == tile ? 0 : 1;
+    constexpr int FX = W4A16_WGMMA_FX;
+    const int lo4 = (BN / 4) * ri / R, n4 = (BN / 4) * (ri + 1) / R - lo4, mm = min(M, BMX);
+    for (int e = tid; e < n4 * mm; e += THREADS) {
+        const int m = e / n4, r = (lo4 + e % n4) * 4;
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int c0 = b_first; c0 <= b_last; c0 += FX) {  // FX parts' loads in flight, summed in order
+            float4 v[FX];
+#pragma unroll
+            for (int i = 0; i < FX; ++i) {
+                const int bb = c0 + i;
+                if (bb <= b_last) {
+                    const float* pp = ws + (long long)(bb * 2 + (bb == b_first ? first_slot : 0)) * BN * BMX + m * BN + r;
+                    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                                 : "=f"(v[i].x), "=f"(v[i].y), "=f"(v[i].z), "=f"(v[i].w) : "l"(pp));
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < FX; ++i)
+                if (c0 + i <= b_last) {
+                    sum.x += v[i].x;
+                    sum.y += v[i].y;
+                    sum.z += v[i].z;
+                    sum.w += v[i].w;
+                }
+        }
+        const float sv[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int n = tile * BN + r + i;
+            if (n < N) y[(long long)m * N + n] = to_act<BF16>(sv[i] + (has_bias ? act_to_float<BF16>(bias[n]) : 0.f));
+        }
+    }
+    __syncthreads();
+    if (tid == 0) {  // the last of the tile's summing blocks resets its two counters for the next launch
+        int* done = cnt + (N + BN - 1) / BN + tile;
+        int got;
+        asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(got) : "l"(done));
+        if (got == R - 1) {
+            cnt[tile] = 0;
+            *done = 0;
+        }
+    }
 }
 
 template <int NWG, int BMX, int STAGES, int G, int BF16>
@@ -327,63 +404,8 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
         fence_gpu();
         __syncthreads();
         if (tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(cnt + tile) : "memory");
-        if ((u1 - 1) / cpt != tile) return;  // this block runs on into later tiles: the others sum this one
-        const int r_last = (int)(U * (b_last + 1) / P - 1) / cpt == tile ? b_last : b_last - 1;
-        const int R = r_last - b_first + 1, ri = b - b_first;
-        if (tid == 0) {
-            const u32 want = (u32)(b_last - b_first + 1);
-            for (;;) {
-                u32 got;
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(got) : "l"(cnt + tile) : "memory");
-                if (got >= want) break;
-                __nanosleep(64);
-            }
-        }
-        __syncthreads();
-        fence_gpu();
-        constexpr int FX = W4A16_WGMMA_FX;
-        const int lo4 = (BN / 4) * ri / R, n4 = (BN / 4) * (ri + 1) / R - lo4, mm = min(M, BMX);
-        for (int e = tid; e < n4 * mm; e += THREADS) {
-            const int m = e / n4, r = (lo4 + e % n4) * 4;
-            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (int c0 = b_first; c0 <= b_last; c0 += FX) {  // FX parts' loads in flight, summed in order
-                float4 v[FX];
-#pragma unroll
-                for (int i = 0; i < FX; ++i) {
-                    const int bb = c0 + i;
-                    if (bb <= b_last) {
-                        const int bu0 = (int)(U * bb / P);
-                        const float* pp = ws + (long long)(bb * 2 + (bu0 / cpt == tile ? 0 : 1)) * BN * BMX + m * BN + r;
-                        asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
-                                     : "=f"(v[i].x), "=f"(v[i].y), "=f"(v[i].z), "=f"(v[i].w) : "l"(pp));
-                    }
-                }
-#pragma unroll
-                for (int i = 0; i < FX; ++i)
-                    if (c0 + i <= b_last) {
-                        sum.x += v[i].x;
-                        sum.y += v[i].y;
-                        sum.z += v[i].z;
-                        sum.w += v[i].w;
-                    }
-            }
-            const float sv[4] = {sum.x, sum.y, sum.z, sum.w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int n = tile * BN + r + i;
-                if (n < N) y[(long long)m * N + n] = to_act<BF16>(sv[i] + (has_bias ? act_to_float<BF16>(bias[n]) : 0.f));
-            }
-        }
-        __syncthreads();
-        if (tid == 0) {  // the last of the tile's summing blocks resets its two counters for the next launch
-            int* done = cnt + (N + BN - 1) / BN + tile;
-            int got;
-            asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(got) : "l"(done));
-            if (got == R - 1) {
-                cnt[tile] = 0;
-                *done = 0;
-            }
-        }
+        // the blocks whose ranges end in this tile sum it after the loop (it is their last segment); a block that
+        // runs on into later tiles leaves it to them
 #else
 #pragma unroll
         for (int h = 0; h < 2; ++h)
@@ -406,9 +428,11 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
             fence_gpu();
 #pragma unroll
             for (int e = 0; e < BMX / 2; ++e) o[e] = 0.f;
+            // b_first's part is its last segment's (slot 1) unless it started in this tile; every later block's is
+            // its first segment's (slot 0)
+            const int first_slot = (int)(U * b_first / P) / cpt == tile ? 0 : 1;
             for (int bb = b_first; bb <= b_last; ++bb) {  // in block order: the sum does not depend on timing
-                const int bu0 = (int)(U * bb / P);
-                const float* pp = ws + (long long)(bb * 2 + (bu0 / cpt == tile ? 0 : 1)) * BN * BMX;
+                const float* pp = ws + (long long)(bb * 2 + (bb == b_first ? first_slot : 0)) * BN * BMX;
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -444,20 +468,22 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
 #endif
         // the scales loaded two iterations ago (for unit u - 2 + PF) into their stage, in the set this
         // iteration loads into next (u is the same for every thread: no divergence)
-        if (u & 1) {
+        if (W4A16_WGMMA_NO_SC) {
+        } else if (u & 1) {
             if (held1) store_scales(st1, sv1);
         } else {
             if (held0) store_scales(st0, sv0);
         }
         if (W4A16_WGMMA_MODE != 3) fence_proxy_async();  // this thread's copies (generic proxy) visible to the wgmmas (async proxy)
-        __syncthreads();      // unit u landed; every warpgroup's wgmmas of unit u - 2 completed (waited below)
+        if (!W4A16_WGMMA_NO_BAR) __syncthreads();  // unit u landed; every warpgroup's wgmmas of unit u - 2 completed (waited below)
         // the unit PF ahead into the stage unit u - 2 used (every warpgroup's wgmmas of it completed: the barrier);
         // issued here, before the dequantization (issuing it after the unit's wgmmas was slower or equal, session 16)
         auto issue_next = [&]() {
             const bool more = u + PF < u1;
             if (more) {
                 load_unit(l_tile, l_c, smem0 + ld_st);
-                if (u & 1) {
+                if (W4A16_WGMMA_NO_SC) {
+                } else if (u & 1) {
                     load_scales(l_tile, l_c, sv1);
                     st1 = smem0 + ld_st;
                 } else {
@@ -501,7 +527,7 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
                 for (int hh = 0; hh < 2; ++hh) {
                     const int s = 2 * q + hh, gi = GPU == 1 ? 0 : s * 16 / G;
                     u32 (&f)[4] = a[half][s - 4 * half];
-                    if (W4A16_WGMMA_MODE == 2 || W4A16_WGMMA_MODE == 11) {
+                    if (W4A16_WGMMA_NO_DEQ) {
                         f[0] = w0[2 * hh]; f[1] = w1[2 * hh]; f[2] = w0[2 * hh + 1]; f[3] = w1[2 * hh + 1];
                         continue;
                     }
@@ -511,7 +537,7 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
                     f[3] = dequant_pair<BF16>(w1[2 * hh + 1], 4 * t, zf2[gi][1], s2[gi][1], sl2[gi][1]);
                 }
             }
-            if (W4A16_WGMMA_MODE == 1 || W4A16_WGMMA_MODE == 10) {  // keep the dequantized values live without the tensor cores
+            if (W4A16_WGMMA_NO_MMA) {  // keep the dequantized values live without the tensor cores
 #pragma unroll
                 for (int s = 0; s < 4; ++s) acc[s] += __int_as_float(a[half][s][0] ^ a[half][s][1] ^ a[half][s][2] ^ a[half][s][3]);
                 continue;
@@ -530,4 +556,14 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
       flush(tile, seg_end == (tile + 1) * cpt);
     }
     cp_async_wait<0>();
+#if W4A16_WGMMA_TMA && W4A16_WGMMA_PFIX
+    // the range's last segment, unless flush stored it whole (computed from u0 and u1 alone: a flag set in the loop
+    // also cost the loop its uniform registers)
+    const int last_tile = (u1 - 1) / cpt;
+    if (W4A16_WGMMA_MODE != 9 && !(last_tile * cpt >= u0 && u1 == (last_tile + 1) * cpt)) {
+        const int b_first = (int)((((long long)last_tile * cpt + 1) * P - 1) / U);
+        const int b_last = (int)((((long long)last_tile + 1) * cpt * P - 1) / U);
+        pfix_sum<BN, BMX, THREADS, BF16>(ws, cnt, y, bias, has_bias, M, N, last_tile, cpt, P, U, b_first, b_last, b, tid);
+    }
+#endif
 }
