@@ -174,8 +174,7 @@ def _stream_k_model(n, k, bn, sms):
                                  (256, 11008), (200, 384), (132 * 256, 4096)])
 @pytest.mark.parametrize("sms", [132, 114, 78])
 def test_stream_k_fixup_bookkeeping(n, k, sms):
-    # The parallel fix-up (W4A16_WGMMA_PFIX) has not run on a GPU; its index arithmetic is checked here against
-    # brute force: the blocks it expects on a tile's ticket, the blocks that sum it, their row slices, the
+    # The fix-ups' index arithmetic (the parallel one's, W4A16_WGMMA_PFIX, above all) against brute force: the blocks it expects on a tile's ticket, the blocks that sum it, their row slices, the
     # workspace slots, and that no block can wait for one that is itself waiting (all blocks are resident).
     bn = 256
     U, P, cpt, tiles, u0, u1, touching = _stream_k_model(n, k, bn, sms)
@@ -198,12 +197,19 @@ def test_stream_k_fixup_bookkeeping(n, k, sms):
             lo4, hi4 = (bn // 4) * ri // R, (bn // 4) * (ri + 1) // R
             rows += range(4 * lo4, 4 * hi4)
         assert rows == list(range(bn))  # every row of the tile summed once
+        # the summing loops' slot rule (both fix-ups): b_first's slot from its start, 0 for every later block
+        first_slot = 0 if (U * b_first // P) // cpt == t else 1
         for b in blocks:  # a part is a block's first or last segment, in workspace slot 0 or 1 (kernel: flush)
             assert t in (u0[b] // cpt, (u1[b] - 1) // cpt)
-            slots.setdefault(b, []).append(0 if t == u0[b] // cpt else 1)
+            slot = 0 if t == u0[b] // cpt else 1
+            assert slot == (first_slot if b == b_first else 0), (t, b)
+            slots.setdefault(b, []).append(slot)
         arrivals[t] = set(blocks)
         waits.update({b: t for b in summers})
     assert all(len(v) == len(set(v)) for v in slots.values())  # a block's two parts never share a slot
+    for b in range(P):  # the parallel fix-up's test after the main loop: sum the range's last tile unless stored whole
+        last = (u1[b] - 1) // cpt
+        assert (not (last * cpt >= u0[b] and u1[b] == (last + 1) * cpt)) == (waits.get(b) == last), b
     # Deadlock-free: play the blocks' segments in order; a block waits only at its last segment, for every
     # block on that tile to have arrived; every block finishes.
     pos = [u0[b] // cpt for b in range(P)]
