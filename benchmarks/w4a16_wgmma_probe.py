@@ -17,7 +17,9 @@ Default (session 15):
   shipped selection: correctness, per call, and the 128 linears of a step as one graph at M = 64 and 32;
   with --pfix also the build with the parallel stream-K fix-up (W4A16_WGMMA_PFIX 1).
 --modes (session 17): the TMA build's loop on the one-tile-a-block shape without its block barrier, its scale loads
-  and stores, and the wgmmas or the dequantization (W4A16_WGMMA_MODE 12-16), and with a 6-deep ring.
+  and stores, and the wgmmas or the dequantization (W4A16_WGMMA_MODE 12-16), and with a 6-deep ring; the
+  barrier-free pipeline build (W4A16_WGMMA_PIPE 1): checked bit-equal to the default build, per call and a step's
+  128 linears as one graph, each with the serial and the parallel fix-up.
 --ncu: launches one qkv call for Nsight Compute to catch (kernel name w4a16_wgmma), and nothing else.
 --ncu-unit: one launch of the one-tile-per-block shape (K = 16384), for Nsight Compute's source view.
 """
@@ -86,13 +88,15 @@ if "--ncu-unit" in sys.argv:  # one launch of the one-tile-per-block shape (K = 
     torch.cuda.synchronize()
     sys.exit(0)
 
-def pfix_call(x, p, c, g, y, mode=0, pfix=1):
+def pfix_call(x, p, c, g, y, mode=0, pfix=1, pipe=0):
     """A launch (a callable) of config c in the TMA build: with the parallel stream-K fix-up (W4A16_WGMMA_PFIX 1,
-    launched cooperatively with two counters a tile) unless pfix=0, in measurement mode `mode`."""
+    launched cooperatively with two counters a tile) unless pfix=0, in measurement mode `mode`, with the
+    barrier-free pipeline (W4A16_WGMMA_PIPE) if pipe=1."""
     m, k = x.shape
     n = p["q4weight"].shape[0]
     kern = cuda_rtc.load_kernel(f"#define W4A16_WGMMA_PFIX {pfix}\n#define W4A16_WGMMA_MODE {mode}\n"
-                                + W.wgmma_source(), W.wgmma_kernel_name(c, g, x.dtype), dev, arch_suffix="a")
+                                f"#define W4A16_WGMMA_PIPE {pipe}\n" + W.wgmma_source(),
+                                W.wgmma_kernel_name(c, g, x.dtype), dev, arch_suffix="a")
     tiles = -(-n // c.block_n)
     blocks = min(tiles * (k // 128), sms)
     ws = torch.empty(blocks * 2 * c.block_n * c.block_m, device=dev)
@@ -121,6 +125,66 @@ if "--modes" in sys.argv:
                     t = time_graph([pfix_call(x, p, c, 128, y, mode, pfix) for p in ps]) * 1e3 / 4
                     print(f"M {m} {W.describe(c)} mode {mode:2d} ({names[mode]}{', parallel fix-up build' if pfix else ''}):"
                           f" {t:7.1f} us, {t / 128:5.3f} us a unit", flush=True)
+            if c.num_stages == 5:  # the barrier-free pipeline (W4A16_WGMMA_PIPE 1), serial and parallel fix-up
+                for pfix in (0, 1):
+                    t = time_graph([pfix_call(x, p, c, 128, y, 0, pfix, 1) for p in ps]) * 1e3 / 4
+                    print(f"M {m} {W.describe(c)} pipeline build{', parallel fix-up' if pfix else ''}: {t:7.1f} us, "
+                          f"{t / 128:5.3f} us a unit", flush=True)
+    # the pipeline build: bit-equal to the default build (same sums in the same order), per call and the step graph
+    bad = 0
+    for (n, k), g, dt in (((12288, 4096), 128, torch.float16), ((4096, 11008), 128, torch.float16),
+                          ((1000, 384), 128, torch.float16), ((4096, 4096), 64, torch.bfloat16),
+                          ((22016, 4096), 128, torch.bfloat16)):
+        p = random_packed(n, k, g, 3)
+        ref_w = W.dequantize(p, g, torch.float32)
+        for m in (64, 37, 17):
+            c = W.heuristic_wgmma_config(m)
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            ys = []
+            for pfix, pipe in ((0, 0), (0, 1), (1, 1)):
+                y = torch.empty(m, n, device=dev, dtype=dt)
+                f = pfix_call(x, p, c, g, y, 0, pfix, pipe)
+                f()
+                f()  # twice: the counters must be left zero
+                ys.append(y)
+            torch.cuda.synchronize()
+            ref = x.float() @ ref_w.t()
+            err = ((ys[1].float() - ref).norm() / ref.norm()).item()
+            same = [bool(torch.equal(ys[0], v)) for v in ys[1:]]
+            bad += not all(same)
+            print(f"pipeline check N {n:5d} K {k:5d} g {g} {str(dt)[6:]} M {m}: rel err {err:.2e}, equal to the "
+                  f"default build (serial / parallel fix-up) {same}", flush=True)
+    print(f"pipeline correctness: {bad} bad", flush=True)
+    shapes = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
+    for m in (64, 32):
+        c = W.heuristic_wgmma_config(m)
+        for name, (n, k) in shapes.items():
+            ps8 = [random_packed(n, k, 128, i) for i in range(8)]
+            x = torch.randn(m, k, device=dev, dtype=torch.float16)
+            y = torch.empty(m, n, device=dev, dtype=torch.float16)
+            row = [time_graph([pfix_call(x, p, c, 128, y, 0, pfix, pipe) for p in ps8]) * 1e3 / 8
+                   for pfix, pipe in ((0, 0), (1, 0), (0, 1), (1, 1))]
+            shipped = W.select_config(m, n, k, 128, torch.float16, dev)
+            t_ship = time_graph([lambda p=p: W.launch(x, p, 128, shipped, out=y) for p in ps8]) * 1e3 / 8
+            print(f"{name:8s} M {m}: default build {row[0]:6.1f} us, parallel fix-up {row[1]:6.1f}, pipeline "
+                  f"{row[2]:6.1f}, pipeline + parallel fix-up {row[3]:6.1f} | selection {t_ship:6.1f} "
+                  f"({W.describe(shipped)})", flush=True)
+        layers = [{nm: random_packed(n, k, 128, 1000 * i + j) for j, (nm, (n, k)) in enumerate(shapes.items())}
+                  for i in range(32)]
+        xs = {nm: torch.randn(m, k, device=dev, dtype=torch.float16) for nm, (n, k) in shapes.items()}
+        ys = {nm: torch.empty(m, n, device=dev, dtype=torch.float16) for nm, (n, k) in shapes.items()}
+        res = []
+        for pfix, pipe in ((0, 0), (1, 0), (0, 1), (1, 1)):
+            res.append(time_graph([pfix_call(xs[nm], L[nm], c, 128, ys[nm], 0, pfix, pipe)
+                                   for L in layers for nm in shapes]))
+        fs = [lambda L=L, nm=nm, cs=W.select_config(m, *shapes[nm], 128, torch.float16, dev):
+              W.launch(xs[nm], L[nm], 128, cs, out=ys[nm]) for L in layers for nm in shapes]
+        dense = {nm: torch.randn(n, k, device=dev, dtype=torch.float16) * 0.02 for nm, (n, k) in shapes.items()}
+        fc = [lambda nm=nm: torch.mm(xs[nm], dense[nm].t(), out=ys[nm]) for _ in range(32) for nm in shapes]
+        print(f"step graph M {m}: default build {res[0]:.3f} ms, parallel fix-up {res[1]:.3f}, pipeline {res[2]:.3f}, "
+              f"pipeline + parallel fix-up {res[3]:.3f} | selection {time_graph(fs):.3f}, cuBLAS fp16 dense (one "
+              f"weight set) {time_graph(fc):.3f}", flush=True)
+        del layers
     sys.exit(0)
 
 

@@ -62,7 +62,8 @@ def _ptxas_log(name: str, defines: str = "") -> str:
     W.wgmma_kernel_name(W.heuristic_wgmma_config(64), 64, "bfloat16"),
     W.wgmma_kernel_name(_cfg(2, 64, 5), 256, "float16"),
 ])
-@pytest.mark.parametrize("defines", ["", "#define W4A16_WGMMA_PFIX 1\n"], ids=["shipped", "parallel-fixup"])
+@pytest.mark.parametrize("defines", ["", "#define W4A16_WGMMA_PFIX 1\n", "#define W4A16_WGMMA_PIPE 1\n"],
+                         ids=["shipped", "parallel-fixup", "pipeline"])
 def test_compiles_for_sm90a_without_serialized_wgmma(name, defines):
     log = _ptxas_log(name, defines)
     assert "serialized" not in log, log  # ptxas: "wgmma.mma_async instructions are serialized due to ..."
@@ -94,9 +95,9 @@ def test_selection_takes_it_only_on_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU90, reason="needs a GPU of compute capability 9.0 (warpgroup MMA)")
-@pytest.mark.parametrize("fixup", ["serial", "parallel"])
+@pytest.mark.parametrize("fixup,pipe", [("serial", "0"), ("parallel", "0"), ("serial", "1"), ("parallel", "1")])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_against_dequantized_reference(dtype, fixup, monkeypatch):
+def test_gpu_against_dequantized_reference(dtype, fixup, pipe, monkeypatch):
     random_packed = _bench_module("gpu_weights").random_packed
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -113,20 +114,23 @@ def test_gpu_against_dequantized_reference(dtype, fixup, monkeypatch):
                 if m > c.block_m or not c.valid_for(n, k, g):
                     continue
                 monkeypatch.setenv("VLMCTL_W4A16_WGMMA_FIXUP", fixup)
+                monkeypatch.setenv("VLMCTL_W4A16_WGMMA_PIPE", pipe)
                 y = W.launch(x, p, g, c, bias)
                 assert torch.equal(y, W.launch(x, p, g, c, bias)), "repeat launches differ"
                 err = float((y.float() - ref).norm() / ref.norm())
                 assert err < tol, (n, k, g, m, W.describe(c), err)
-                if fixup == "parallel":  # both sum the parts in block order from zero: the same bits
+                if (fixup, pipe) != ("serial", "0"):  # every build sums the same terms in the same order
                     monkeypatch.setenv("VLMCTL_W4A16_WGMMA_FIXUP", "serial")
+                    monkeypatch.setenv("VLMCTL_W4A16_WGMMA_PIPE", "0")
                     assert torch.equal(y, W.launch(x, p, g, c, bias)), (n, k, g, m, W.describe(c))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU90, reason="needs a GPU of compute capability 9.0 (warpgroup MMA)")
-@pytest.mark.parametrize("fixup", ["serial", "parallel"])
-def test_gpu_selected_and_graph_replay_equals_eager(fixup, monkeypatch):
+@pytest.mark.parametrize("fixup,pipe", [("serial", "0"), ("parallel", "0"), ("serial", "1")])
+def test_gpu_selected_and_graph_replay_equals_eager(fixup, pipe, monkeypatch):
     monkeypatch.setenv("VLMCTL_W4A16_WGMMA_FIXUP", fixup)
+    monkeypatch.setenv("VLMCTL_W4A16_WGMMA_PIPE", pipe)
     monkeypatch.setenv("VLMCTL_W4A16_WGMMA", "1")
     graph_median_ms = _bench_module("gpu_timing").graph_median_ms
     random_packed = _bench_module("gpu_weights").random_packed

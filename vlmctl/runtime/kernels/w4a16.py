@@ -848,6 +848,12 @@ def wgmma_parallel_fixup() -> bool:
     return os.environ.get("VLMCTL_W4A16_WGMMA_FIXUP", "serial").strip().lower() == "parallel"
 
 
+def wgmma_pipeline() -> bool:
+    """`VLMCTL_W4A16_WGMMA_PIPE=1`: the "wgmma" kernel built with W4A16_WGMMA_PIPE (no block barrier a unit:
+    stages released per warp on mbarriers, scales loaded per thread; being measured, off by default)."""
+    return os.environ.get("VLMCTL_W4A16_WGMMA_PIPE", "0").strip().lower() in ("1", "on", "true")
+
+
 def wgmma_enabled(dtype="float16") -> bool:
     """Whether selection may take the "wgmma" kernel for `dtype` activations (`wgmma_mode`)."""
     return wgmma_mode(dtype) != "0"
@@ -906,8 +912,9 @@ def _launch_wgmma(x2, packed: dict, group_size: int, config: Config, bias, y) ->
     if m > config.block_m:
         raise ValueError(f"{describe(config)} takes at most {config.block_m} rows, not {m}")
     parallel = wgmma_parallel_fixup()
-    kern = cuda_rtc.load_kernel(("#define W4A16_WGMMA_PFIX 1\n" if parallel else "") + wgmma_source(),
-                                wgmma_kernel_name(config, group_size, x2.dtype), x2.device, arch_suffix="a")
+    defines = ("#define W4A16_WGMMA_PFIX 1\n" if parallel else "") + ("#define W4A16_WGMMA_PIPE 1\n" if wgmma_pipeline() else "")
+    kern = cuda_rtc.load_kernel(defines + wgmma_source(), wgmma_kernel_name(config, group_size, x2.dtype), x2.device,
+                                arch_suffix="a")
     tiles = triton_cdiv(n, config.block_n)
     # every block gets >= 1 unit; the parallel fix-up's blocks wait for each other, so all must be resident
     # (one block per SM: split_k 1)

@@ -126,6 +126,13 @@ __device__ __forceinline__ u16 to_act(float f) {  // fp32 to one fp16 or bf16 va
 #ifndef W4A16_WGMMA_PFIX
 #define W4A16_WGMMA_PFIX 0
 #endif
+// W4A16_WGMMA_PIPE 1 (TMA build only; session 17, measured against the default build): no block barrier a unit.
+// Each warp releases a stage on an "empty" mbarrier once its wgmmas of that unit completed, and the thread that
+// issues the TMA copies waits for that before refilling it; each thread loads its own rows' scales and zero
+// points from global memory (L1-cached) two units ahead into registers instead of staging them in the ring.
+#ifndef W4A16_WGMMA_PIPE
+#define W4A16_WGMMA_PIPE 0
+#endif
 #ifndef W4A16_WGMMA_FX
 #define W4A16_WGMMA_FX 4  // parts in flight per thread in the parallel fix-up (8 made ptxas spill in the unit loop)
 #endif
@@ -253,6 +260,11 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
     __shared__ __align__(8) unsigned long long full_bar[STAGES];
     const u32 bar0 = smem_addr(full_bar);
 #endif
+    constexpr bool PIPE = W4A16_WGMMA_TMA && W4A16_WGMMA_PIPE;
+#if W4A16_WGMMA_TMA && W4A16_WGMMA_PIPE
+    __shared__ __align__(8) unsigned long long empty_bar[STAGES];  // a stage's warps done with it (NWG * 4 arrivals)
+    const u32 ebar0 = smem_addr(empty_bar);
+#endif
     __shared__ int is_last;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -325,6 +337,9 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
 #if W4A16_WGMMA_TMA
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) tma_mbar_init(bar0 + s * 8, 1);
+#if W4A16_WGMMA_PIPE
+        for (int s = 0; s < STAGES; ++s) tma_mbar_init(ebar0 + s * 8, NWG * 4);
+#endif
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -337,8 +352,10 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
         if (u0 + s < u1) {
             const int tile = (u0 + s) / cpt;
             load_unit(tile, u0 + s - tile * cpt, smem0 + s * STAGE_BYTES);
-            load_scales(tile, u0 + s - tile * cpt, sv0);
-            store_scales(smem0 + s * STAGE_BYTES, sv0);
+            if (!PIPE) {
+                load_scales(tile, u0 + s - tile * cpt, sv0);
+                store_scales(smem0 + s * STAGE_BYTES, sv0);
+            }
         }
         cp_async_commit();
     }
@@ -346,6 +363,29 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
     int l_tile = (u0 + PF) / cpt, l_c = u0 + PF - l_tile * cpt;
     u32 st0 = 0, st1 = 0;  // the stages whose scales sv0 / sv1 hold, if held0 / held1
     bool held0 = false, held1 = false;
+    // PIPE: this thread's rows' raw scale bits and zero points (rows r0, r0 + 8) of units u (set u & 1) and u + 1,
+    // and the unit two ahead whose set the loop loads next: (s_tile, s_c)
+    u32 ps0[2][2][GPU], ps1[2][2][GPU];
+    auto load_own_scales = [&](int tile, int c, u32 (&ps)[2][2][GPU]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const long long at = (long long)min(tile * BN + r0 + 8 * h, N - 1) * kg + c * KC / G;
+#pragma unroll
+            for (int i = 0; i < GPU; ++i) {
+                ps[h][0][i] = sc[at + i];
+                ps[h][1][i] = zp[at + i];
+            }
+        }
+    };
+    int s_tile = (u0 + 2) / cpt, s_c = u0 + 2 - s_tile * cpt;
+    if (PIPE) {  // unit v's in set v & 1 (branches, not a selected reference: the sets stay in registers)
+        if (u0 & 1) load_own_scales(u0 / cpt, u0 - u0 / cpt * cpt, ps1);
+        else load_own_scales(u0 / cpt, u0 - u0 / cpt * cpt, ps0);
+        if (u0 + 1 < u1) {
+            if (u0 & 1) load_own_scales((u0 + 1) / cpt, u0 + 1 - (u0 + 1) / cpt * cpt, ps0);
+            else load_own_scales((u0 + 1) / cpt, u0 + 1 - (u0 + 1) / cpt * cpt, ps1);
+        }
+    }
 
     // a tile's sums out: e = 4j + 2h + c holds weight row r0 + 8h, batch row 8j + 2t + c
     auto store_y = [&](const float (&o)[BMX / 2], int n0) {
@@ -468,21 +508,25 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
 #endif
         // the scales loaded two iterations ago (for unit u - 2 + PF) into their stage, in the set this
         // iteration loads into next (u is the same for every thread: no divergence)
-        if (W4A16_WGMMA_NO_SC) {
+        if (W4A16_WGMMA_NO_SC || PIPE) {
         } else if (u & 1) {
             if (held1) store_scales(st1, sv1);
         } else {
             if (held0) store_scales(st0, sv0);
         }
-        if (W4A16_WGMMA_MODE != 3) fence_proxy_async();  // this thread's copies (generic proxy) visible to the wgmmas (async proxy)
-        if (!W4A16_WGMMA_NO_BAR) __syncthreads();  // unit u landed; every warpgroup's wgmmas of unit u - 2 completed (waited below)
+        if (W4A16_WGMMA_MODE != 3 && !PIPE) fence_proxy_async();  // this thread's copies (generic proxy) visible to the wgmmas (async proxy)
+        if (!W4A16_WGMMA_NO_BAR && !PIPE) __syncthreads();  // unit u landed; every warpgroup's wgmmas of unit u - 2 completed (waited below)
         // the unit PF ahead into the stage unit u - 2 used (every warpgroup's wgmmas of it completed: the barrier);
         // issued here, before the dequantization (issuing it after the unit's wgmmas was slower or equal, session 16)
         auto issue_next = [&]() {
             const bool more = u + PF < u1;
             if (more) {
+#if W4A16_WGMMA_TMA && W4A16_WGMMA_PIPE
+                // the stage held unit u - 2: wait until every warp released it (from the third unit on)
+                if (tid == 0 && u - u0 >= 2) tma_wait(ebar0 + (ld_st / STAGE_BYTES) * 8, ((u - u0 - 2) / STAGES) & 1);
+#endif
                 load_unit(l_tile, l_c, smem0 + ld_st);
-                if (W4A16_WGMMA_NO_SC) {
+                if (W4A16_WGMMA_NO_SC || PIPE) {
                 } else if (u & 1) {
                     load_scales(l_tile, l_c, sv1);
                     st1 = smem0 + ld_st;
@@ -504,6 +548,21 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
         // TMA: 16-byte piece q of weight row r sits at piece q ^ ((r >> 1) & 3) (64-byte swizzle); r0 + 8 alike
         const u32 wsz = W4A16_WGMMA_TMA ? (u32)((r0 >> 1) & 3) : 0u;
         u32 zf2[GPU][2], s2[GPU][2], sl2[GPU][2];
+        if (PIPE) {
+            // unit u's scales, loaded two units ago; then the set takes unit u + 2's
+            auto take = [&](u32 (&ps)[2][2][GPU]) {
+#pragma unroll
+                for (int i = 0; i < GPU; ++i)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) group_consts<BF16>(ps[h][0][i], ps[h][1][i], zf2[i][h], s2[i][h], sl2[i][h]);
+                if (u + 2 < u1) load_own_scales(s_tile, s_c, ps);
+            };
+            if (u & 1) take(ps1); else take(ps0);
+            if (u + 2 < u1 && ++s_c == cpt) {
+                s_c = 0;
+                ++s_tile;
+            }
+        } else {
 #pragma unroll
         for (int i = 0; i < GPU; ++i)
 #pragma unroll
@@ -512,10 +571,16 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
                 asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(smem0 + st + X_BYTES + W_BYTES + (i * BN + r0 + 8 * h) * 4));
                 group_consts<BF16>(v & 0xFFFFu, v >> 16, zf2[i][h], s2[i][h], sl2[i][h]);
             }
+        }
         st = st + STAGE_BYTES == STAGES * STAGE_BYTES ? 0 : st + STAGE_BYTES;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             wgmma_wait<1>();  // the group that last read a[half] (the same half of unit u - 1) is done
+#if W4A16_WGMMA_TMA && W4A16_WGMMA_PIPE
+            if (half == 1 && u > u0 && lane == 0)  // all of unit u - 1's wgmmas are done: its stage is free
+                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];"
+                             :: "r"(ebar0 + ((u - 1 - u0) % STAGES) * 8) : "memory");
+#endif
 #pragma unroll
             for (int q = 2 * half; q < 2 * half + 2; ++q) {  // 16-byte reads: words 4q .. 4q + 3 of rows r0, r0 + 8
                 u32 w0[4], w1[4];
