@@ -19,9 +19,9 @@
 // - the grid is persistent and stream-K: the (tile, unit) space is cut into gridDim.x equal contiguous
 //   ranges, so every block has the same number of units whatever N is and there is no tail wave. A
 //   range's first and last tiles may be partial: those sums go to the workspace (ws: two BN x BMX fp32
-//   slots per block) and the last block to take the tile's ticket adds the parts in block order
-//   (deterministic), adds the bias, stores and resets the ticket. A tile a block covers whole is
-//   stored directly.
+//   slots per block) and the parts are added in block order (deterministic) with the bias: by the blocks
+//   whose ranges end in the tile, each a slice of its rows (W4A16_WGMMA_PFIX, the launcher's default), or by
+//   the last block to take the tile's ticket alone. A tile a block covers whole is stored directly.
 // A warpgroup's wgmmas of one unit run while it waits at the next unit's barrier, issues that unit's
 // loads and reads its weight words; it waits for them only before overwriting its A registers, and the
 // other warpgroups keep the tensor cores busy meanwhile. A unit's group scales and zero points travel with
@@ -120,13 +120,16 @@ __device__ __forceinline__ u16 to_act(float f) {  // fp32 to one fp16 or bf16 va
 #ifndef W4A16_WGMMA_TMA
 #define W4A16_WGMMA_TMA 1
 #endif
-// W4A16_WGMMA_PFIX 1 (TMA build only; VLMCTL_W4A16_WGMMA_FIXUP=parallel): the stream-K parts summed in parallel by
-// the blocks that end in a tile (pfix_sum); needs a cooperative launch and 2 x tiles counters. Bit-equal to the
-// serial fix-up (H200, session 17 r8).
+// W4A16_WGMMA_PFIX 1 (TMA build only; the launcher's default, VLMCTL_W4A16_WGMMA_FIXUP=serial builds 0): the
+// stream-K parts summed in parallel by the blocks that end in a tile (pfix_sum); needs a cooperative launch and
+// 2 x tiles counters. Bit-equal to the serial fix-up (H200, session 17 r8-r11); the 7B AWQ decode step at 64 rows
+// 10.47-10.50 ms with it, 10.73-10.91 with the serial one on the wide shapes only (r9-r10).
 #ifndef W4A16_WGMMA_PFIX
 #define W4A16_WGMMA_PFIX 0
 #endif
-// W4A16_WGMMA_PIPE 1 (TMA build only; session 17, measured against the default build): no block barrier a unit.
+// W4A16_WGMMA_PIPE 1 (TMA build only; opt-in, VLMCTL_W4A16_WGMMA_PIPE=1): no block barrier a unit. Correct (bit-equal)
+// but no faster: 1.51 us a unit on the one-tile-a-block shape as the default build's 1.50, the decode step level
+// (H200, session 17 r9-r10), although leaving out the barrier and the scale traffic (modes 12-14) saved up to 0.3.
 // Each warp releases a stage on an "empty" mbarrier once its wgmmas of that unit completed, and the thread that
 // issues the TMA copies waits for that before refilling it; each thread loads its own rows' scales and zero
 // points from global memory (L1-cached) two units ahead into registers instead of staging them in the ring.
