@@ -833,8 +833,8 @@ def wgmma_source() -> str:
 def wgmma_mode(dtype="float16") -> str:
     """`VLMCTL_W4A16_WGMMA`: "1" (the default: selection takes the "wgmma" kernel for 17-64 rows on sm_90),
     "wide" (only where N has 32 or more tiles of 256 rows, the shapes that gain even with the serial stream-K
-    fix-up), or "0" (never). With the parallel fix-up the 7B AWQ decode step was 2-8 % faster than fp16 or
-    bf16 weights at batches 32-64 and 6-12 % faster than without the kernel (H200, docs/benchmarks.md,
+    fix-up), or "0" (never). With the parallel fix-up the 7B AWQ decode step was 1.5-11 % faster than fp16 or
+    bf16 weights at batches 32-64 and 5-12 % faster than without the kernel (H200, docs/benchmarks.md,
     session 17). `dtype` is kept for rules that differ by activation type (none today)."""
     v = os.environ.get("VLMCTL_W4A16_WGMMA", "1").strip().lower()
     return "0" if v in ("0", "off", "false") else "wide" if v == "wide" else "1"
