@@ -439,7 +439,7 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None, *
     # measured entries first (the CUDA GEMV's, the half2 GEMV's, the tensor-core GEMV's, then any other
     # kernel's), then the untuned rules
     if (17 <= m <= 64 and _wgmma_ok(dtype, device) and (c := heuristic_wgmma_config(m)).valid_for(n, k, group_size)
-            and (wgmma_mode(dtype) == "1" or triton_cdiv(n, c.block_n) >= 32)):
+            and (wgmma_mode() == "1" or triton_cdiv(n, c.block_n) >= 32)):
         return c
     mma_gemv = _TUNED_MMA_GEMV.get(key) if _mma_gemv_ok(dtype, device) else None
     measured = ((_TUNED_CUDA.get(key) if cuda_gemv else None), (_TUNED_H2.get(key) if half2 else None),
@@ -489,7 +489,7 @@ def _mma_gemv_ok(dtype, device) -> bool:
 
 def _wgmma_ok(dtype, device) -> bool:
     """Whether "wgmma" may be selected: `wgmma_enabled`, fp16/bf16 on an sm_90 GPU where NVRTC is found."""
-    if _dtype_name(dtype) not in ("float16", "bfloat16") or not wgmma_enabled(dtype):
+    if not wgmma_enabled() or _dtype_name(dtype) not in ("float16", "bfloat16"):
         return False
     return getattr(device, "type", None) == "cuda" and _capability(device) == (9, 0) and mma_available()
 
@@ -830,12 +830,12 @@ def wgmma_source() -> str:
     return _WGMMA_TEXT[0]
 
 
-def wgmma_mode(dtype="float16") -> str:
+def wgmma_mode() -> str:
     """`VLMCTL_W4A16_WGMMA`: "1" (the default: selection takes the "wgmma" kernel for 17-64 rows on sm_90),
     "wide" (only where N has 32 or more tiles of 256 rows, the shapes that gain even with the serial stream-K
     fix-up), or "0" (never). With the parallel fix-up the 7B AWQ decode step was 1.5-11 % faster than fp16 or
     bf16 weights at batches 32-64 and 5-12 % faster than without the kernel (H200, docs/benchmarks.md,
-    session 17). `dtype` is kept for rules that differ by activation type (none today)."""
+    session 17)."""
     v = os.environ.get("VLMCTL_W4A16_WGMMA", "1").strip().lower()
     return "0" if v in ("0", "off", "false") else "wide" if v == "wide" else "1"
 
@@ -855,9 +855,9 @@ def wgmma_pipeline() -> bool:
     return os.environ.get("VLMCTL_W4A16_WGMMA_PIPE", "0").strip().lower() in ("1", "on", "true")
 
 
-def wgmma_enabled(dtype="float16") -> bool:
-    """Whether selection may take the "wgmma" kernel for `dtype` activations (`wgmma_mode`)."""
-    return wgmma_mode(dtype) != "0"
+def wgmma_enabled() -> bool:
+    """Whether selection may take the "wgmma" kernel (`wgmma_mode`)."""
+    return wgmma_mode() != "0"
 
 
 def wgmma_runs(x2, qw) -> bool:
