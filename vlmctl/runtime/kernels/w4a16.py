@@ -820,14 +820,18 @@ def mma_pdl(device) -> bool:
 
 
 WGMMA_SOURCE = Path(__file__).with_name("w4a16_wgmma.cu")
-_WGMMA_TEXT: list = []
+_WGMMA_TEXT: dict = {}
 
 
-def wgmma_source() -> str:
-    """`w4a16_wgmma.cu` after the source of `w4a16_mma.cu`, whose helpers it uses."""
-    if not _WGMMA_TEXT:
-        _WGMMA_TEXT.append(mma_source() + "\n" + WGMMA_SOURCE.read_text())
-    return _WGMMA_TEXT[0]
+def wgmma_source(defines: str = "") -> str:
+    """`w4a16_wgmma.cu` after the source of `w4a16_mma.cu`, whose helpers it uses, after `defines` (its build
+    options). One string object per build: the kernel cache hashes it on every launch, and a str caches its hash."""
+    text = _WGMMA_TEXT.get(defines)
+    if text is None:
+        base = _WGMMA_TEXT.get("") or mma_source() + "\n" + WGMMA_SOURCE.read_text()
+        _WGMMA_TEXT[""] = base
+        text = _WGMMA_TEXT.setdefault(defines, defines + base)
+    return text
 
 
 def wgmma_mode() -> str:
@@ -914,7 +918,7 @@ def _launch_wgmma(x2, packed: dict, group_size: int, config: Config, bias, y) ->
         raise ValueError(f"{describe(config)} takes at most {config.block_m} rows, not {m}")
     parallel = wgmma_parallel_fixup()
     defines = ("#define W4A16_WGMMA_PFIX 1\n" if parallel else "") + ("#define W4A16_WGMMA_PIPE 1\n" if wgmma_pipeline() else "")
-    kern = cuda_rtc.load_kernel(defines + wgmma_source(), wgmma_kernel_name(config, group_size, x2.dtype), x2.device,
+    kern = cuda_rtc.load_kernel(wgmma_source(defines), wgmma_kernel_name(config, group_size, x2.dtype), x2.device,
                                 arch_suffix="a")
     tiles = triton_cdiv(n, config.block_n)
     # every block gets >= 1 unit; the parallel fix-up's blocks wait for each other, so all must be resident
