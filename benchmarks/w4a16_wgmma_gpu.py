@@ -73,7 +73,7 @@ def with_env(var, value, fn):
 def precompile(cfgs, groups, dtypes):
     t = time.perf_counter()
     names = sorted({W.wgmma_kernel_name(c, g, d) for c in cfgs for g in groups for d in dtypes})
-    n = cuda_rtc.precompile(W.wgmma_source(), names, "sm_90a")
+    n = cuda_rtc.precompile(W.wgmma_source(W.wgmma_build_defines()), names, "sm_90a")  # the build W.launch runs
     log(f"compiled {n} kernels in {time.perf_counter() - t:.1f}s")
 
 

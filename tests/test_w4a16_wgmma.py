@@ -158,8 +158,12 @@ def test_switch_values(monkeypatch):
         assert W.wgmma_parallel_fixup() == parallel
     monkeypatch.delenv("VLMCTL_W4A16_WGMMA_FIXUP")
     assert W.wgmma_parallel_fixup()  # the parallel fix-up by default
+    assert W.wgmma_build_defines() == "#define W4A16_WGMMA_PFIX 1\n"
+    assert W.wgmma_source(W.wgmma_build_defines()) is W.wgmma_source(W.wgmma_build_defines())  # one cached string
     monkeypatch.setenv("VLMCTL_W4A16_WGMMA_PIPE", "1")
-    assert W.wgmma_pipeline()
+    monkeypatch.setenv("VLMCTL_W4A16_WGMMA_FIXUP", "serial")
+    assert W.wgmma_pipeline() and W.wgmma_build_defines() == "#define W4A16_WGMMA_PIPE 1\n"
+    monkeypatch.delenv("VLMCTL_W4A16_WGMMA_FIXUP")
     monkeypatch.delenv("VLMCTL_W4A16_WGMMA_PIPE")
     assert not W.wgmma_pipeline()  # measured no faster: opt-in
 

@@ -859,6 +859,12 @@ def wgmma_pipeline() -> bool:
     return os.environ.get("VLMCTL_W4A16_WGMMA_PIPE", "0").strip().lower() in ("1", "on", "true")
 
 
+def wgmma_build_defines() -> str:
+    """The build options (#defines before `wgmma_source`) the launcher compiles the "wgmma" kernel with."""
+    return (("#define W4A16_WGMMA_PFIX 1\n" if wgmma_parallel_fixup() else "")
+            + ("#define W4A16_WGMMA_PIPE 1\n" if wgmma_pipeline() else ""))
+
+
 def wgmma_enabled() -> bool:
     """Whether selection may take the "wgmma" kernel (`wgmma_mode`)."""
     return wgmma_mode() != "0"
@@ -917,9 +923,8 @@ def _launch_wgmma(x2, packed: dict, group_size: int, config: Config, bias, y) ->
     if m > config.block_m:
         raise ValueError(f"{describe(config)} takes at most {config.block_m} rows, not {m}")
     parallel = wgmma_parallel_fixup()
-    defines = ("#define W4A16_WGMMA_PFIX 1\n" if parallel else "") + ("#define W4A16_WGMMA_PIPE 1\n" if wgmma_pipeline() else "")
-    kern = cuda_rtc.load_kernel(wgmma_source(defines), wgmma_kernel_name(config, group_size, x2.dtype), x2.device,
-                                arch_suffix="a")
+    kern = cuda_rtc.load_kernel(wgmma_source(wgmma_build_defines()), wgmma_kernel_name(config, group_size, x2.dtype),
+                                x2.device, arch_suffix="a")
     tiles = triton_cdiv(n, config.block_n)
     # every block gets >= 1 unit; the parallel fix-up's blocks wait for each other, so all must be resident
     # (one block per SM: split_k 1)
