@@ -302,9 +302,10 @@ def main():
     ap.add_argument("--profile", type=int, nargs="*", default=[], help="batch sizes to profile (kernel table)")
     ap.add_argument("--graph-profile", type=int, nargs="*", default=[],
                     help="batch sizes whose graphed steps to profile (kernel table)")
-    ap.add_argument("--env-ab", metavar="VAR=V1,V2", help="time each decoder once per value of an environment "
+    ab = ap.add_mutually_exclusive_group()
+    ab.add_argument("--env-ab", metavar="VAR=V1,V2", help="time each decoder once per value of an environment "
                     "switch (e.g. VLMCTL_PDL=0,auto), recapturing the graphs for each")
-    ap.add_argument("--env-cases", nargs="+", metavar="'VAR=V [VAR2=V2]'",
+    ab.add_argument("--env-cases", nargs="+", metavar="'VAR=V [VAR2=V2]'",
                     help="like --env-ab, one run per case, a case setting one or more variables "
                     "(e.g. 'VLMCTL_W4A16_WGMMA=0' 'VLMCTL_W4A16_WGMMA=1 VLMCTL_W4A16_WGMMA_FIXUP=parallel')")
     ap.add_argument("--env-variants", nargs="+", metavar="NAME",
@@ -315,6 +316,9 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    for text in ([args.env_ab] if args.env_ab else []) + [a for case in args.env_cases or [] for a in case.split()]:
+        if "=" not in text or not text.split("=", 1)[0]:
+            ap.error(f"an environment setting is VAR=VALUE, not {text!r}")
     global DEV, ACT
     ACT = getattr(torch, args.dtype)
     if args.smoke:

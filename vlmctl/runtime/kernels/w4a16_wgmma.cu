@@ -164,9 +164,10 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int c
 
 // The parallel fix-up's sum (W4A16_WGMMA_PFIX) for a block whose range ends in `tile`: wait until every block of
 // the tile has arrived, then sum this block's slice of the tile's rows over all parts in block order. Run after
-// the main loop: reached from inside it (inlined or called), it cost the loop its uniform-register address
-// arithmetic (~26 more vector instructions a unit in the SASS), and the one-tile-a-block shape, where it never
-// runs, took ~10 % longer (H200, session 17 r8).
+// the main loop (a block's last segment is the only one it may sum). Its part loop must not divide in 64 bits:
+// with such a division here ptxas moved the main loop's address arithmetic out of uniform registers (~26 more
+// vector instructions a unit in the SASS), and the one-tile-a-block shape, where this never runs, took ~10 %
+// longer (H200, session 17 r8).
 template <int BN, int BMX, int THREADS, int BF16>
 __device__ __forceinline__ void pfix_sum(const float* __restrict__ ws, int* __restrict__ cnt, u16* __restrict__ y,
                                       const u16* __restrict__ bias, int has_bias, int M, int N, int tile, int cpt,
