@@ -699,3 +699,69 @@ def test_h2_heuristic_reproduces_the_measured_block_and_splits():
             if k % g == 0:
                 c = W.heuristic_h2_config(1, n, k, g, 132)
                 assert c is not None and c.valid_for(n, k, g), (n, k, g)
+
+
+# ------------------------------------------------------------------------------------------ warm-up
+
+
+def test_prefill_buckets_cover_what_the_decode_buckets_leave():
+    decode = [1, 2, 4, 8, 16, 32, 48, 64]  # TorchDecoder.buckets(64)
+    assert W.PREFILL_DEQUANT_MIN_M == 1024  # the default threshold these cases assume
+    # every larger step takes the one dequantize-and-cuBLAS path, so 1024 stands for 1024-2048
+    assert W.prefill_buckets(2048, decode) == [128, 256, 512, 1024]
+    assert W.prefill_buckets(100, decode) == [128]
+    assert W.prefill_buckets(64, decode) == []
+    assert W.prefill_buckets(512, [1, 2, 4, 8, 16]) == [32, 64, 128, 256, 512]
+    # 48 rows select through bucket 64: 64 itself is covered
+    assert W.prefill_buckets(64, [1, 48]) == [2, 4, 8, 16, 32]
+    # each warmed count stands for its bucket's whole range
+    for max_rows in (70, 300, 2048, 5000):
+        warmed = {W.bucket(m) for m in decode + W.prefill_buckets(max_rows, decode)}
+        assert all(W.bucket(m) in warmed for m in range(1, min(max_rows, W.PREFILL_DEQUANT_MIN_M) + 1))
+
+
+def test_cuda_build_names_every_nvrtc_kernel(monkeypatch):
+    """`precompile_selected` compiles what `launch` will load: a build for each NVRTC kernel kind, none for the
+    Triton kinds and cuBLAS."""
+    monkeypatch.delenv("VLMCTL_W4A16_WGMMA_FIXUP", raising=False)
+    monkeypatch.setattr(W, "_COOPERATIVE_REFUSED", set())
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(W, "_device_index", lambda device: 0)
+    cases = {"gemv_cuda": W.heuristic_gemv_cuda_config(4096, 4096, 128),
+             "mma_gemv": W.heuristic_mma_gemv_config(4096, 4096, 128),
+             "wgmma": W.heuristic_wgmma_config(48)}
+    for kind, c in cases.items():
+        assert c.kernel == kind
+        src, name, suffix = W.cuda_build(c, 128, torch.float16, cpu)
+        assert name.startswith(f"w4a16_{kind.replace('_cuda', '')}<") and suffix == ("a" if kind == "wgmma" else "")
+        assert src == (W.wgmma_source(W.wgmma_build_defines()) if kind == "wgmma" else W.mma_source())
+    mma = W.heuristic_mma_config(4096, 4096, 128, 132, "float16")
+    assert mma.kernel == "mma" and W.cuda_build(mma, 128, torch.float16, cpu)[1].startswith("w4a16_mma<")
+    # after a refused cooperative launch the serial fix-up's build is the one loaded
+    assert "W4A16_WGMMA_PFIX" in W.cuda_build(cases["wgmma"], 128, torch.float16, cpu)[0][:200]
+    W._COOPERATIVE_REFUSED.add(0)
+    assert "W4A16_WGMMA_PFIX" not in W.cuda_build(cases["wgmma"], 128, torch.float16, cpu)[0][:200]
+    for c in (W.heuristic_config(1, 4096, 4096, 128), W.heuristic_config(256, 4096, 4096, 128),
+              W.heuristic_config(2048, 4096, 4096, 128), W.heuristic_h2_config(1, 4096, 4096, 128)):
+        assert c.kernel in ("gemv", "dot", "dequant_mm", "gemv_h2") and W.cuda_build(c, 128, torch.float16, cpu) is None
+    assert W.precompile_selected([(4096, 4096)], 128, [1, 256], torch.float16, cpu) == 0  # nothing to compile off the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_warmup_loads_every_selected_nvrtc_kernel():
+    """After `warmup` over the decode and prefill buckets, no call at any row count up to the budget loads
+    (or compiles) a kernel: the step that first meets a row count must not stall on NVRTC."""
+    from vlmctl.runtime.kernels import cuda_rtc
+
+    g = 128
+    dev = torch.device("cuda")
+    ps = [_case(n, k, g, seed=n, device="cuda") for n, k in LLAVA_7B.values()]
+    decode = [1, 2, 4, 8, 16, 32, 48, 64]
+    W.warmup(ps, g, decode + W.prefill_buckets(2048, decode), torch.float16, dev)
+    loaded = len(cuda_rtc._KERNELS)
+    for p in ps:
+        for m in (1, 3, 17, 40, 64, 65, 205, 700, 1023, 1500):
+            W.w4a16_linear(torch.randn(m, p["q4weight"].shape[1] * 8, device=dev).half(), p, g)
+    torch.cuda.synchronize()
+    assert len(cuda_rtc._KERNELS) == loaded

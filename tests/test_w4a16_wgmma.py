@@ -146,6 +146,33 @@ def test_gpu_selected_and_graph_replay_equals_eager(fixup, pipe, monkeypatch):
     assert torch.equal(yg, y)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU90, reason="needs a GPU of compute capability 9.0 (warpgroup MMA)")
+def test_gpu_refused_cooperative_launch_falls_back_to_serial(monkeypatch, caplog):
+    """A process that owns fewer SMs than the device reports (an MPS client's share) gets its cooperative
+    launches refused by the driver; the launcher then runs the serial fix-up, same bits, and stays there."""
+    monkeypatch.delenv("VLMCTL_W4A16_WGMMA_FIXUP", raising=False)
+    monkeypatch.setattr(W, "_COOPERATIVE_REFUSED", set())
+    random_packed = _bench_module("gpu_weights").random_packed
+    dev = torch.device("cuda")
+    p = random_packed(4096, 4096, 128, 3)
+    x = torch.randn(48, 4096, device=dev, dtype=torch.float16)
+    c = W.heuristic_wgmma_config(48)
+    assert W.wgmma_shared_bytes(c, 128) > 228 * 1024 // 2  # one block per SM, so 2 x SMs cannot all be resident
+    idx = torch.cuda.current_device()
+    # The launcher sizes its grid from the SM count: claim twice the real one, a grid the driver cannot make resident
+    monkeypatch.setitem(W._SM_COUNT, idx, 2 * torch.cuda.get_device_properties(idx).multi_processor_count)
+    with caplog.at_level("WARNING", logger="vlmctl.runtime"):
+        y = W.launch(x, p, 128, c)
+    assert W.wgmma_cooperative_refused(dev)
+    assert "refused a cooperative launch" in caplog.text
+    assert torch.equal(y, W.launch(x, p, 128, c))  # the fallback sticks: no second refusal needed
+    monkeypatch.setenv("VLMCTL_W4A16_WGMMA_FIXUP", "serial")
+    assert torch.equal(y, W.launch(x, p, 128, c))  # what the serial fix-up gives on the same grid
+    ref = x.float() @ W.dequantize(p, 128, torch.float16).float().t()
+    assert float((y.float() - ref).norm() / ref.norm()) < 2e-3
+
+
 def test_switch_values(monkeypatch):
     for value, mode in (("0", "0"), ("off", "0"), ("1", "1"), ("on", "1"), ("wide", "wide"), ("WIDE", "wide"),
                         ("", "1")):

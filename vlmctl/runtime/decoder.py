@@ -784,22 +784,44 @@ class TorchDecoder:
                 return s
         raise EngineError(f"decode batch {b} exceeds the captured maximum {self._bucket_sizes[-1]}")
 
+    def _packed_per_shape(self):
+        """(one packed weight per distinct shape, one gate_up per shape, group size) of the packed linears;
+        None without any."""
+        packed = [lin for layer in self.layers for lin in self._linears(layer) if isinstance(lin, W4A16Linear)]
+        if not packed:
+            return None
+        shapes = {}
+        for lin in packed:
+            shapes.setdefault(tuple(lin.packed["q4weight"].shape), lin.packed)
+        gate_up = {tuple(lyr.gate_up.packed["q4weight"].shape): lyr.gate_up.packed for lyr in self.layers
+                   if isinstance(lyr.gate_up, W4A16Linear)}
+        return list(shapes.values()), list(gate_up.values()), packed[0].group_size
+
+    def warm_prefill(self, max_rows: int) -> None:
+        """Compile the packed linears' kernels for the row counts a step with prompt rows (up to max_rows, the
+        step's token budget) can select beyond the decode buckets, at load rather than at a first request of
+        that size: on a cold kernel cache a 7B AWQ engine's bench stalled 0.94 s in one such step (H200,
+        docs/benchmarks.md, session 18). Call after `capture_graphs`."""
+        packed = self._packed_per_shape()
+        if not packed or self.device.type != "cuda":
+            return
+        from .kernels.w4a16 import prefill_buckets, warmup
+
+        shapes, _, group_size = packed
+        warmup(shapes, group_size, prefill_buckets(max_rows, self._bucket_sizes), self.dtype, self.device)
+
     def capture_graphs(self, max_batch: int) -> None:
         """Capture the decode step for every batch bucket up to `max_batch` (CUDA only); a decoder with
         cross-attention layers gets a second graph per bucket that runs them."""
         self._bucket_sizes = self.buckets(max_batch)
-        packed = [lin for layer in self.layers for lin in self._linears(layer) if isinstance(lin, W4A16Linear)]
+        packed = self._packed_per_shape()
         if packed and self.device.type == "cuda":
             from .kernels.w4a16 import warmup
 
             # compile the kernels and size their buffers outside the graphs (one weight per shape)
-            shapes = {}
-            for lin in packed:
-                shapes.setdefault(tuple(lin.packed["q4weight"].shape), lin.packed)
-            gate_up = {tuple(lyr.gate_up.packed["q4weight"].shape): lyr.gate_up.packed for lyr in self.layers
-                       if isinstance(lyr.gate_up, W4A16Linear)}
-            warmup(list(shapes.values()), packed[0].group_size, self._bucket_sizes, self.dtype, self.device,
-                   act_mul=list(gate_up.values()), activation=self.activation)
+            shapes, gate_up, group_size = packed
+            warmup(shapes, group_size, self._bucket_sizes, self.dtype, self.device, act_mul=gate_up,
+                   activation=self.activation)
         dense = [lin for layer in self.layers for lin in self._linears(layer) if isinstance(lin, Linear) and lin.gemv]
         if dense:
             from .kernels import gemv

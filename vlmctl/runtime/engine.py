@@ -257,6 +257,7 @@ class Engine:
         self.limits = EngineLimits(**lim, max_seq_len=max_seq, max_num_batched_tokens=budget,
                                    kv_cache_tokens=self.pool.capacity * opts.block_size, block_size=opts.block_size)
         self.decoder.capture_graphs(lim["max_batch_size"])
+        self.decoder.warm_prefill(budget + overshoot)
 
     # ---- loading -------------------------------------------------------------------------------
     def _load_vision(self, built_runner: str, opts: EngineOptions):

@@ -26,7 +26,17 @@ _MODULES: dict = {}  # (cubin digest, device index) -> CUmodule handle
 
 
 class RtcError(RuntimeError):
-    """NVRTC or the CUDA driver refused: the message carries the compiler log or the driver's error name."""
+    """NVRTC or the CUDA driver refused: the message carries the compiler log or the driver's error name;
+    `code` the driver's CUresult (None for NVRTC)."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+# CUresult of a cooperative launch whose blocks cannot all be resident at once (fewer SMs than the grid
+# needs: e.g. an MPS client limited to a share of them)
+COOPERATIVE_LAUNCH_TOO_LARGE = 720
 
 
 def nvrtc_library() -> ctypes.CDLL:
@@ -147,7 +157,7 @@ def _check_cuda(res: int, what: str) -> None:
     if res != 0:
         name = ctypes.c_char_p()
         _driver().cuGetErrorName(res, ctypes.byref(name))
-        raise RtcError(f"CUDA driver {what}: {(name.value or b'?').decode()} ({res})")
+        raise RtcError(f"CUDA driver {what}: {(name.value or b'?').decode()} ({res})", code=res)
 
 
 # CUtensorMapDataType / CUtensorMapSwizzle values (cuda.h) for `tensor_map_2d`

@@ -23,6 +23,7 @@ once `warmup()` has compiled the kernels and sized the split-K workspace for the
 from __future__ import annotations
 
 import json
+import logging
 import os
 import weakref
 from dataclasses import asdict, dataclass
@@ -31,6 +32,7 @@ from pathlib import Path
 from ...formats.w4a16 import (FORMAT, KEYS, ORDER, PACK, check_packed, dequantize, pack, repack_awq_gemm,
                               repack_gemm_tensors, unpack, weight_bytes)
 
+log = logging.getLogger("vlmctl.runtime")
 MAGIC = 0x4B000000  # float32 2**23: OR a code into its mantissa to read it as 2**23 + code
 MAGIC16 = 0x64006400  # two fp16 1024.0: OR a code into each half to read 1024 + code
 # Prefill batches with at least this many rows dequantize to a scratch weight and call cuBLAS
@@ -859,10 +861,28 @@ def wgmma_pipeline() -> bool:
     return os.environ.get("VLMCTL_W4A16_WGMMA_PIPE", "0").strip().lower() in ("1", "on", "true")
 
 
-def wgmma_build_defines() -> str:
-    """The build options (#defines before `wgmma_source`) the launcher compiles the "wgmma" kernel with."""
-    return (("#define W4A16_WGMMA_PFIX 1\n" if wgmma_parallel_fixup() else "")
+def wgmma_build_defines(parallel: bool | None = None) -> str:
+    """The build options (#defines before `wgmma_source`) the launcher compiles the "wgmma" kernel with;
+    parallel: the fix-up to build (default: `wgmma_parallel_fixup`)."""
+    parallel = wgmma_parallel_fixup() if parallel is None else parallel
+    return (("#define W4A16_WGMMA_PFIX 1\n" if parallel else "")
             + ("#define W4A16_WGMMA_PIPE 1\n" if wgmma_pipeline() else ""))
+
+
+# devices (indices) whose driver refused the parallel fix-up's cooperative launch: they run the serial one
+_COOPERATIVE_REFUSED: set = set()
+
+
+def wgmma_cooperative_refused(device) -> bool:
+    """Whether the parallel fix-up fell back to the serial one on this device (see `_launch_wgmma`)."""
+    return _device_index(device) in _COOPERATIVE_REFUSED
+
+
+def _device_index(device) -> int:
+    import torch
+
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def wgmma_enabled() -> bool:
@@ -922,9 +942,9 @@ def _launch_wgmma(x2, packed: dict, group_size: int, config: Config, bias, y) ->
     n = qw.shape[0]
     if m > config.block_m:
         raise ValueError(f"{describe(config)} takes at most {config.block_m} rows, not {m}")
-    parallel = wgmma_parallel_fixup()
-    kern = cuda_rtc.load_kernel(wgmma_source(wgmma_build_defines()), wgmma_kernel_name(config, group_size, x2.dtype),
-                                x2.device, arch_suffix="a")
+    parallel = wgmma_parallel_fixup() and _device_index(x2.device) not in _COOPERATIVE_REFUSED
+    kern = cuda_rtc.load_kernel(wgmma_source(wgmma_build_defines(parallel)),
+                                wgmma_kernel_name(config, group_size, x2.dtype), x2.device, arch_suffix="a")
     tiles = triton_cdiv(n, config.block_n)
     # every block gets >= 1 unit; the parallel fix-up's blocks wait for each other, so all must be resident
     # (one block per SM: split_k 1)
@@ -934,9 +954,21 @@ def _launch_wgmma(x2, packed: dict, group_size: int, config: Config, bias, y) ->
     # leaves them zero
     cnt = _buffer(x2.device, "cnt2" if parallel else "cnt", (2 if parallel else 1) * tiles, torch.int32, zero=True)
     tmx, tmw = wgmma_tensor_maps(x2, qw, config)
-    kern.launch((blocks, 1, 1), (32 * config.num_warps, 1, 1), wgmma_shared_bytes(config, group_size),
-                [x2, qw, s, z, bias, y, ws, cnt, m, n, k, x2.stride(0), int(bias is not None), tmx, tmw], x2.device,
-                cooperative=parallel)
+    try:
+        kern.launch((blocks, 1, 1), (32 * config.num_warps, 1, 1), wgmma_shared_bytes(config, group_size),
+                    [x2, qw, s, z, bias, y, ws, cnt, m, n, k, x2.stride(0), int(bias is not None), tmx, tmw],
+                    x2.device, cooperative=parallel)
+    except cuda_rtc.RtcError as e:
+        if not parallel or e.code != cuda_rtc.COOPERATIVE_LAUNCH_TOO_LARGE:
+            raise
+        # Fewer SMs than the device reports are ours (an MPS client's share, a partitioned GPU): the serial
+        # fix-up needs no block resident with another and gives the same bits. The engine's warm-up launches
+        # run eagerly before any graph is captured, so this happens outside a capture.
+        _COOPERATIVE_REFUSED.add(_device_index(x2.device))
+        log.warning("W4A16 kernel: the driver refused a cooperative launch of %d blocks (%s); using the serial "
+                    "stream-K fix-up on this device from now on (VLMCTL_W4A16_WGMMA_FIXUP=serial does so from "
+                    "the start)", blocks, e)
+        _launch_wgmma(x2, packed, group_size, config, bias, y)
 
 
 def mma_shared_bytes(config: Config, max_groups: int) -> int:
@@ -996,6 +1028,55 @@ def w4a16_linear(x, packed: dict, group_size: int, bias=None):
     return y.reshape(*x.shape[:-1], n)
 
 
+def prefill_buckets(max_rows: int, decode_buckets=()) -> list[int]:
+    """Row counts whose kernels a step of up to max_rows rows (prompt chunks beside decode rows) can select
+    and the decode buckets do not cover: one per M bucket up to the dequantize-and-cuBLAS threshold, where
+    every larger step takes that one path."""
+    covered = {bucket(d) for d in decode_buckets}  # selection depends on M only through its bucket
+    out, b = [], 1
+    while b <= min(bucket(max_rows), PREFILL_DEQUANT_MIN_M):
+        if b not in covered:
+            out.append(b)
+        b *= 2
+    return out
+
+
+def cuda_build(config: Config, group_size: int, dtype, device) -> tuple[str, str, str] | None:
+    """(source, template instance, arch suffix) of the NVRTC kernel that runs `config`, or None where a Triton
+    kernel or cuBLAS does."""
+    if config.kernel == "gemv_cuda":
+        return mma_source(), gemv_cuda_kernel_name(config, group_size), ""
+    if config.kernel == "mma":
+        return mma_source(), mma_kernel_name(config, group_size, dtype), ""
+    if config.kernel == "mma_gemv":
+        return mma_source(), mma_gemv_kernel_name(config, group_size, dtype), ""
+    if config.kernel == "wgmma":
+        parallel = wgmma_parallel_fixup() and _device_index(device) not in _COOPERATIVE_REFUSED
+        return wgmma_source(wgmma_build_defines(parallel)), wgmma_kernel_name(config, group_size, dtype), "a"
+    return None
+
+
+def precompile_selected(shapes, group_size: int, m_values, dtype, device) -> int:
+    """Compile (into the on-disk cache, several NVRTC compilations at a time) the CUDA kernels that selection
+    picks for these (N, K) shapes and row counts; returns how many there were. On a cold cache a 7B decoder's
+    kernels compiled one by one at their first calls (serially, ~0.2-1 s each)."""
+    import torch
+
+    from . import cuda_rtc
+
+    device = torch.device(device)
+    if device.type != "cuda" or not cuda_rtc.available():
+        return 0
+    major, minor = _capability(device)
+    builds: dict = {}
+    for n, k in shapes:
+        for m in m_values:
+            b = cuda_build(select_config(m, n, k, group_size, dtype, device), group_size, dtype, device)
+            if b is not None:
+                builds.setdefault((b[0], f"sm_{major}{minor}{b[2]}"), set()).add(b[1])
+    return sum(cuda_rtc.precompile(src, names, arch) for (src, arch), names in builds.items())
+
+
 def warmup(packed_list, group_size: int, m_values, dtype, device=None, *, act_mul=(), activation="silu") -> None:
     """Compile every kernel the given batch sizes select (with and without a bias) and size the shared
     buffers, so that later calls (and CUDA-graph capture) neither compile nor allocate beyond their
@@ -1005,6 +1086,10 @@ def warmup(packed_list, group_size: int, m_values, dtype, device=None, *, act_mu
     (or views starting at such an offset), as the warm-up's are."""
     import torch
 
+    if packed_list:
+        dev0 = torch.device(device) if device is not None else packed_list[0]["q4weight"].device
+        precompile_selected({(p["q4weight"].shape[0], p["q4weight"].shape[1] * PACK) for p in packed_list},
+                            group_size, m_values, dtype, dev0)
     seen = set()
     for packed in packed_list:
         qw = packed["q4weight"]
@@ -1083,6 +1168,7 @@ def describe(config: Config) -> str:
 
 
 __all__ = ["FORMAT", "KEYS", "ORDER", "PACK", "PREFILL_DEQUANT_MIN_M", "Config", "bucket", "candidate_configs",
+           "cuda_build", "precompile_selected", "prefill_buckets",
            "check_packed", "dequantize", "dequantize_into", "describe", "gemv_mode", "h2_candidate_configs",
            "gemv_cuda_candidate_configs", "gemv_cuda_enabled", "heuristic_config",
            "heuristic_gemv_cuda_config", "heuristic_h2_config", "heuristic_mma_config", "heuristic_mma_gemv_config",
