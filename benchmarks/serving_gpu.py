@@ -253,7 +253,13 @@ class StepLog:
         delta = {k: mem.get(k, 0) - self._mem0.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc",
                                                                      "num_device_free", "num_ooms")}
         top = sorted(self.rows, reverse=True)[:8]
-        return {"steps": len(self.rows), "total_s": float(dts.sum()), "median_ms": 1000 * med,
+        pre = [r for r in self.rows if r[1] > 0]  # steps that prefilled (chunks, with the decode rows beside them)
+        dec = [r for r in self.rows if r[1] == 0]
+        split = {"prefill_steps": len(pre), "prefill_steps_s": float(sum(r[0] for r in pre)),
+                 "prefill_tokens": int(sum(r[1] for r in pre)), "decode_steps": len(dec),
+                 "decode_steps_s": float(sum(r[0] for r in dec)),
+                 "decode_step_median_ms": 1000 * float(np.median([r[0] for r in dec])) if dec else None}
+        return {"steps": len(self.rows), "total_s": float(dts.sum()), "median_ms": 1000 * med, **split,
                 "slow_steps": len(slow), "slow_total_s": float(sum(r[0] for r in slow)),
                 "slow_vision_s": float(sum(r[3] for r in slow)), "slow_forward_s": float(sum(r[4] for r in slow)),
                 "top_ms_prefill_running_vision_forward": [(round(1000 * a, 1), b, c, round(1000 * v, 1),
@@ -492,10 +498,12 @@ def main():
     if args.awq and "awq" not in args.skip:
         awq_dir = make_awq_engine(engine_dir, args.work, 64 if args.smoke else 128)
         aeng, aload, _ = load_engine(awq_dir)
-        r = bench_engine(aeng, BenchConfig(num_requests=n, concurrency=64, run=5, **req))
+        # timed as the fp16 engine's bench is (its steps logged, which syncs each phase), on the same requests
+        with StepLog(aeng, args.kernel_profile, min_tokens) as steps:
+            r = bench_engine(aeng, BenchConfig(num_requests=n, concurrency=64, run=1, **req))
         r1 = bench_engine(aeng, BenchConfig(num_requests=4, concurrency=1, run=6, **req))
         res["awq"] = {"load_s": aload, "weights_gib": weight_gib(aeng), "bench_c64_tok_s": r["output_throughput"],
-                      "bench_c1_tpot_ms": r1["tpot_ms"]["median"]}
+                      "bench_c64": r, "bench_c64_steps": steps.summary(), "bench_c1_tpot_ms": r1["tpot_ms"]["median"]}
         log("awq:", json.dumps(res["awq"]))
         del aeng
         gc.collect()

@@ -540,10 +540,27 @@ __device__ __forceinline__ void gemv_compute(const GemvBatch<RPW, KS>& b, float 
     }
 }
 
+#ifdef W4A16_GEMV_L2_NEXT
+// Measurement build (benchmarks/w4a16_gemv_chain_gpu.py): the GEMV also asks L2 for the first `pre` bytes of
+// each of `rows` rows (`row_bytes` apart) of the NEXT linear's weights, so that DRAM keeps streaming across
+// the boundary between two dependent kernels. when: 1 before the PDL wait, 2 after the main loop.
+__device__ __forceinline__ void l2_prefetch_rows(const char* nxt, int rows, int row_bytes, int pre) {
+    const int threads = gridDim.x * gridDim.y * blockDim.x;
+    for (int r = (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x; r < rows; r += threads)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(nxt + (size_t)r * row_bytes), "r"(pre)
+                     : "memory");
+}
+#define GEMV_NEXT_PARAMS , const char* nxt, int nxt_rows, int nxt_row_bytes, int nxt_pre, int nxt_when
+#define GEMV_NEXT_AT(w) if (nxt_when == (w)) l2_prefetch_rows(nxt, nxt_rows, nxt_row_bytes, nxt_pre)
+#else
+#define GEMV_NEXT_PARAMS
+#define GEMV_NEXT_AT(w)
+#endif
+
 template <int RPW, int NW, int KS, int G>
 __global__ void __launch_bounds__(NW * 32)
 w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
-           const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias) {
+           const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias GEMV_NEXT_PARAMS) {
     pdl_release();
     const int lane = threadIdx.x & 31;
     const int row0 = (blockIdx.x * NW + (threadIdx.x >> 5)) * RPW;
@@ -565,6 +582,7 @@ w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc,
     for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
     GemvBatch<RPW, KS> a, b;
     gemv_load_weights<RPW, KS, G>(a, rows, srow, zrow, lane, KC);
+    GEMV_NEXT_AT(1);
     pdl_wait();
     gemv_load_x(a, xr, lane, KC);
     for (int c0 = lane; c0 < KC; c0 += 64 * KS) {  // two batches per trip: a and b take turns
@@ -576,6 +594,7 @@ w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc,
         gemv_load_x(a, xr, c0 + 64 * KS, KC);
         gemv_compute(b, acc, c0 + 32 * KS, KC);
     }
+    GEMV_NEXT_AT(2);
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
 #pragma unroll
