@@ -878,6 +878,11 @@ def wgmma_cooperative_refused(device) -> bool:
     return _device_index(device) in _COOPERATIVE_REFUSED
 
 
+def _wgmma_parallel(device) -> bool:
+    """Whether the "wgmma" kernel runs the parallel fix-up on this device: asked for, and not refused there."""
+    return wgmma_parallel_fixup() and _device_index(device) not in _COOPERATIVE_REFUSED
+
+
 def _device_index(device) -> int:
     import torch
 
@@ -942,7 +947,7 @@ def _launch_wgmma(x2, packed: dict, group_size: int, config: Config, bias, y) ->
     n = qw.shape[0]
     if m > config.block_m:
         raise ValueError(f"{describe(config)} takes at most {config.block_m} rows, not {m}")
-    parallel = wgmma_parallel_fixup() and _device_index(x2.device) not in _COOPERATIVE_REFUSED
+    parallel = _wgmma_parallel(x2.device)
     kern = cuda_rtc.load_kernel(wgmma_source(wgmma_build_defines(parallel)),
                                 wgmma_kernel_name(config, group_size, x2.dtype), x2.device, arch_suffix="a")
     tiles = triton_cdiv(n, config.block_n)
@@ -1051,8 +1056,8 @@ def cuda_build(config: Config, group_size: int, dtype, device) -> tuple[str, str
     if config.kernel == "mma_gemv":
         return mma_source(), mma_gemv_kernel_name(config, group_size, dtype), ""
     if config.kernel == "wgmma":
-        parallel = wgmma_parallel_fixup() and _device_index(device) not in _COOPERATIVE_REFUSED
-        return wgmma_source(wgmma_build_defines(parallel)), wgmma_kernel_name(config, group_size, dtype), "a"
+        return (wgmma_source(wgmma_build_defines(_wgmma_parallel(device))), wgmma_kernel_name(config, group_size, dtype),
+                "a")
     return None
 
 
