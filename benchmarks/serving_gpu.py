@@ -424,37 +424,10 @@ def profile_bench(eng, cfg, profile_prefills: int = 0, profile_min_tokens: int =
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work", type=Path, default=Path("/var/tmp/vlmctl-bench"))
-    ap.add_argument("--awq", action="store_true")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--skip", nargs="*", default=[], help="parts to skip: ttft bench burst running hf awq")
-    ap.add_argument("--profile", action="store_true",
-                    help="after the bench, run it twice more with other requests: plain (does the first run of a "
-                         "process pay one-off costs?) and under cProfile (where the engine thread's time goes)")
-    ap.add_argument("--vision-overlap", choices=("auto", "on", "off"), default="auto",
-                    help="the fp16 engine's vision_overlap (images of waiting requests encoded ahead; auto: the "
-                         "engine's default, on with a GPU)")
-    ap.add_argument("--kernel-profile", type=int, default=0, metavar="K",
-                    help="profile (torch.profiler, CPU + CUDA) the first K forwards of >= 1,500 prompt tokens in "
-                         "the bench and in its plain repeat: kernel time against wall time, top kernels and host ops")
-    ap.add_argument("--out")
-    args = ap.parse_args()
-    shape = SMOKE if args.smoke else SEVEN_B
-    dev = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    args.work.mkdir(parents=True, exist_ok=True)
-    res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__}
-    t0 = time.perf_counter()
-    ckpt = make_checkpoint(args.work / "ckpt", shape, dev)
-    res["checkpoint_s"] = time.perf_counter() - t0
-    engine_dir, res["build_s"] = build_engine(ckpt, args.work, "float16" if dev == "cuda" else "float32")
-    log(f"checkpoint {res['checkpoint_s']:.1f} s, vlmctl build {res['build_s']:.1f} s")
-    size = (shape["image"], shape["image"])
-    req = dict(image_size=size, prompt_len=9, output_len=128, warmup=2)
-    n = 16 if args.smoke else args.num_requests
-    min_tokens = 8 if args.smoke else 1500  # a profiled forward's prompt tokens, at least
+def fp16_parts(engine_dir: Path, args, res: dict, dev: str, size: tuple, req: dict, n: int, min_tokens: int) -> None:
+    """The fp16 engine's parts (load, TTFT, bench, burst, running + burst) into res; frees the engine."""
+    from vlmctl.measure.bench import BenchConfig, bench_engine
+
     overlap = {"auto": None, "on": True, "off": False}[args.vision_overlap]
     eng, load_s, _ = load_engine(engine_dir, vision_overlap=overlap)
     res["engine"] = {"load_s": load_s, "weights_gib": weight_gib(eng), "vision": eng.vision_summary,
@@ -462,8 +435,6 @@ def main():
     if dev == "cuda":
         res["engine"]["gpu_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
     log("engine:", json.dumps(res["engine"]))
-    from vlmctl.measure.bench import BenchConfig, bench_engine
-
     if "ttft" not in args.skip:
         res["ttft_single"] = ttft_single(eng, {"image_size": size, "prompt_len": 9})
         log("ttft single:", json.dumps(res["ttft_single"]))
@@ -495,6 +466,45 @@ def main():
         log("warning: the fp16 engine is still referenced; its GPU memory is not free for the next parts")
     if dev == "cuda":
         torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, default=Path("/var/tmp/vlmctl-bench"))
+    ap.add_argument("--awq", action="store_true")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--skip", nargs="*", default=[],
+                    help="parts to skip: ttft bench burst running hf awq, or fp16 (the fp16 engine is built but not "
+                         "loaded: the AWQ engine then meets its first-use costs alone)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the bench, run it twice more with other requests: plain (does the first run of a "
+                         "process pay one-off costs?) and under cProfile (where the engine thread's time goes)")
+    ap.add_argument("--vision-overlap", choices=("auto", "on", "off"), default="auto",
+                    help="the fp16 engine's vision_overlap (images of waiting requests encoded ahead; auto: the "
+                         "engine's default, on with a GPU)")
+    ap.add_argument("--kernel-profile", type=int, default=0, metavar="K",
+                    help="profile (torch.profiler, CPU + CUDA) the first K forwards of >= 1,500 prompt tokens in "
+                         "the bench and in its plain repeat: kernel time against wall time, top kernels and host ops")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    shape = SMOKE if args.smoke else SEVEN_B
+    dev = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    args.work.mkdir(parents=True, exist_ok=True)
+    res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__}
+    t0 = time.perf_counter()
+    ckpt = make_checkpoint(args.work / "ckpt", shape, dev)
+    res["checkpoint_s"] = time.perf_counter() - t0
+    engine_dir, res["build_s"] = build_engine(ckpt, args.work, "float16" if dev == "cuda" else "float32")
+    log(f"checkpoint {res['checkpoint_s']:.1f} s, vlmctl build {res['build_s']:.1f} s")
+    size = (shape["image"], shape["image"])
+    req = dict(image_size=size, prompt_len=9, output_len=128, warmup=2)
+    n = 16 if args.smoke else args.num_requests
+    min_tokens = 8 if args.smoke else 1500  # a profiled forward's prompt tokens, at least
+    if "fp16" not in args.skip:
+        fp16_parts(engine_dir, args, res, dev, size, req, n, min_tokens)
+    from vlmctl.measure.bench import BenchConfig, bench_engine
+
     if args.awq and "awq" not in args.skip:
         awq_dir = make_awq_engine(engine_dir, args.work, 64 if args.smoke else 128)
         aeng, aload, _ = load_engine(awq_dir)
