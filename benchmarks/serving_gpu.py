@@ -177,6 +177,7 @@ class StepLog:
 
     def __init__(self, eng, profile_prefills: int = 0, profile_min_tokens: int = 1500):
         self.eng, self.rows, self._orig = eng, [], None
+        self.compiles, self._watch = [], None  # (step index, Triton kernel compiled in it)
         self.profile_prefills, self.profile_min_tokens, self.profiles = profile_prefills, profile_min_tokens, []
         self._gc = {"collections": 0, "s": 0.0}
 
@@ -217,14 +218,22 @@ class StepLog:
 
         self._on_gc = on_gc
         gc.callbacks.append(on_gc)
+        from vlmctl.runtime.kernels import triton_watch
+
+        seen = []
+        if triton_watch.available():  # a step that compiles a Triton kernel stalls 0.1-0.5 s
+            self._watch = triton_watch.triton_compiles()
+            seen = self._watch.__enter__()
 
         def timed():
             sched = eng.scheduler
             before = {id(r): r.num_computed for r in sched.running} if sched is not None else {}
             phase.clear()
+            n_seen = len(seen)
             t = time.perf_counter()
             out = self._orig["step"]()
             dt = time.perf_counter() - t
+            self.compiles += [(len(self.rows), name) for name in seen[n_seen:]]
             if sched is not None:
                 prefill = sum(r.num_computed - before.get(id(r), 0) for r in sched.running
                               if r.num_computed <= r.prompt_len)
@@ -239,6 +248,8 @@ class StepLog:
 
     def __exit__(self, *exc):
         gc.callbacks.remove(self._on_gc)
+        if self._watch is not None:
+            self._watch.__exit__(None, None, None)
         for name in self._orig:
             delattr(self.eng, name)  # back to the class's methods (a bound method kept on the instance is a cycle)
         self.eng, self._orig = None, None  # the engine must be freeable once the caller drops it
@@ -265,7 +276,9 @@ class StepLog:
                 "top_ms_prefill_running_vision_forward": [(round(1000 * a, 1), b, c, round(1000 * v, 1),
                                                            round(1000 * f, 1)) for a, b, c, v, f in top],
                 "allocator": delta, "gc": {"collections": self._gc["collections"], "s": round(self._gc["s"], 4)},
-                "profiled_prefill_forwards": self.profiles}
+                "profiled_prefill_forwards": self.profiles,
+                "triton_compiles": [(i, round(1000 * self.rows[i][0], 1), name[:160]) for i, name in self.compiles
+                                    if i < len(self.rows)]}
 
 
 def load_engine(path: Path, **opts):

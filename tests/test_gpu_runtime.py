@@ -272,3 +272,31 @@ def test_awq_act_mul_in_the_gemv_equals_the_separate_kernel(awq_engine, monkeypa
     _, plain = run(awq_engine, n=1, cuda_graphs=True)
     _, plain4 = run(awq_engine, n=4, cuda_graphs=True)
     assert fused == plain and fused4 == plain4
+
+
+@pytest.mark.parametrize("which", ["fp16_engine", "awq_engine"])
+def test_serving_compiles_no_triton_kernel_after_load(which, request):
+    """Every Triton kernel a serving engine runs is compiled while it loads: steps with prompt rows beside
+    1-4 decode rows (odd counts too), continuation chunks and graphed decode steps compile nothing more.
+    In a fresh process one such step had compiled the eager decode attention and took 447 ms on an H200
+    (docs/benchmarks.md, session 19)."""
+    from vlmctl.runtime.engine import Engine
+    from vlmctl.runtime.kernels import triton_watch
+    from vlmctl.runtime.sampling import SamplingParams
+
+    if not triton_watch.available():
+        pytest.skip("this Triton does not report compilations")
+    eng = Engine(request.getfixturevalue(which), device="cuda", kv_cache_tokens=4096, max_num_batched_tokens=12)
+    decode_rows = []
+    forward = eng.decoder.forward
+
+    def recording(chunks):
+        if any(not c.is_decode for c in chunks):
+            decode_rows.append(sum(c.is_decode for c in chunks))
+        return forward(chunks)
+
+    eng.decoder.forward = recording
+    with triton_watch.triton_compiles() as compiled:
+        eng.generate(prompts(eng, 5), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert {1, 3} <= set(decode_rows), f"no step mixed prompt rows with an odd count of decode rows: {decode_rows}"
+    assert compiled == [], compiled

@@ -810,6 +810,31 @@ class TorchDecoder:
         shapes, _, group_size = packed
         warmup(shapes, group_size, prefill_buckets(max_rows, self._bucket_sizes), self.dtype, self.device)
 
+    def warm_forward(self, max_batch: int) -> None:
+        """Run, at load, the steps whose kernels no captured graph compiles: prompt rows (their rotary and
+        KV append), a continuation chunk, and decode rows beside them (eager decode attention, with and
+        without context splits: one row and `max_batch` rows). Everything reads and writes block 0, which
+        the pools never hand out. Without this, the first step with prompt rows beside decode rows compiled
+        the eager decode kernel mid-serving: one step of a fresh process's bench took 447 ms on an H200
+        (docs/benchmarks.md, session 19). CUDA only; call after `capture_graphs`."""
+        if self.device.type != "cuda" or self.k_cache is None:
+            return
+        with torch.inference_mode():
+            for chunks in self.warm_steps(max_batch):
+                self.forward(chunks)
+        torch.cuda.synchronize(self.device)
+
+    def warm_steps(self, max_batch: int) -> list[list[Chunk]]:
+        """`warm_forward`'s steps: 1 and `max_batch` decode rows, each beside a prompt chunk and a continuation
+        chunk, all on block 0."""
+        bs = self.block_size
+        zeros = [0] * (max(bs, 4) // bs + 1)  # positions 0..max(bs, 4), every one in block 0
+        token = np.array([min(1, self.table_base - 1)], np.int64)
+        prompt = [Chunk(ids=np.repeat(token, 3), positions=np.arange(3), start=0, block_table=zeros),
+                  Chunk(ids=np.repeat(token, 2), positions=np.arange(3, 5), start=3, block_table=zeros)]
+        return [[Chunk(ids=token, positions=np.array([bs]), start=bs, block_table=zeros, want_logits=False)
+                 for _ in range(n)] + prompt for n in sorted({1, max(1, max_batch)})]
+
     def capture_graphs(self, max_batch: int) -> None:
         """Capture the decode step for every batch bucket up to `max_batch` (CUDA only); a decoder with
         cross-attention layers gets a second graph per bucket that runs them."""

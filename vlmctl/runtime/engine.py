@@ -258,6 +258,7 @@ class Engine:
                                    kv_cache_tokens=self.pool.capacity * opts.block_size, block_size=opts.block_size)
         self.decoder.capture_graphs(lim["max_batch_size"])
         self.decoder.warm_prefill(budget + overshoot)
+        self.decoder.warm_forward(lim["max_batch_size"])
 
     # ---- loading -------------------------------------------------------------------------------
     def _load_vision(self, built_runner: str, opts: EngineOptions):

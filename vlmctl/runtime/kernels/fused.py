@@ -91,7 +91,9 @@ def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n
                                                  **pdl.launch_kwargs(qkv.device))
 
 
-@triton.jit
+# positions and slots are often views that start past a step's decode rows: unspecialized, an odd number of
+# decode rows (an int64 view 8 bytes off a 16-byte boundary) compiles no second variant mid-serving
+@triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])
 def _rope_cache_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_t, stride_cs,
                        stride_cb, stride_cs_slot, stride_ch, n_q_heads, n_kv_heads, block_size,
                        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, WRITE_CACHE: tl.constexpr,

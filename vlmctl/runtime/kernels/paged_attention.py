@@ -28,7 +28,13 @@ def _split_span(lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.constexpr,
     return ctx, lo, per_split, lo + split * per_split
 
 
-@triton.jit
+# The block-table width and the split count vary from step to step outside the captured graphs (a step with
+# prompt rows runs its decode rows eagerly): left unspecialized, they cannot make Triton compile a new
+# variant in the middle of serving (docs/benchmarks.md, session 19).
+_VARYING = ["stride_bt", "num_splits"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr,
                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
                    scale_log2, block_size, group, num_splits, window,
@@ -88,7 +94,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_
                  mask=gmask[:, None] & dmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING)
 def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr,
                         ml_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
                         scale_log2, block_size, group, num_splits, n_q_heads, n_kv_heads, window,
@@ -178,7 +184,7 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(dt), mask=gmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, n_heads, num_splits,
                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     pdl.release(PDL)
@@ -199,6 +205,12 @@ def _combine_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, n_heads, nu
                    other=0.0)
     o = tl.sum(part * w[:, None], 0) / denom
     tl.store(out_ptr + seq * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def combine_width(num_splits: int) -> int:
+    """The combine's split lanes: one width for every count `choose_splits` gives (up to 32), so that a step's
+    split count never selects a kernel variant that was not compiled at load."""
+    return max(32, triton.next_power_of_2(num_splits))
 
 
 def choose_splits(batch: int, n_kv_heads: int, max_context: int, num_sms: int, block_n: int = 64) -> int:
@@ -231,7 +243,7 @@ def _partials(out: torch.Tensor, num_splits: int, workspace) -> tuple:
 def _combine(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
     B, H, D = out.shape
     _combine_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, num_splits, HEAD_DIM=D,
-                            D_PAD=triton.next_power_of_2(D), BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+                            D_PAD=triton.next_power_of_2(D), BLOCK_S=combine_width(num_splits),
                             num_warps=4, **pdl.launch_kwargs(out.device))
 
 
