@@ -191,15 +191,15 @@ def test_paged_decode_with_rope_and_append(dtype, n_q, n_kv, splits, window):
     from vlmctl.runtime.kernels.paged_attention import paged_decode_rope
 
     g = torch.Generator().manual_seed(5)
-    B, bs, nblocks, maxb, d = 3, 8, 24, 6, 32
-    lens = torch.tensor([1, 20, 45], dtype=torch.int32)  # context incl. the new token
+    B, bs, nblocks, maxb, d = 4, 8, 40, 26, 32
+    lens = torch.tensor([1, 20, 45, 200], dtype=torch.int32)  # context incl. the new token; 200: several tiles
     tables = torch.stack([torch.randperm(nblocks - 1, generator=g)[:maxb] + 1 for _ in range(B)]).to(torch.int32)
     slots = torch.tensor([int(tables[b, (int(lens[b]) - 1) // bs]) * bs + (int(lens[b]) - 1) % bs for b in range(B)])
     kc = torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype)
     vc = torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype)
     qkv = torch.randn(B, (n_q + 2 * n_kv) * d, generator=g).to(DEV, dtype)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    f = torch.arange(64).float()[:, None] * inv
+    f = torch.arange(256).float()[:, None] * inv
     cos_sin = torch.cat((f.cos(), f.sin()), -1).to(DEV)
     pos = (lens.long() - 1 + 3).to(DEV)  # rotary positions need not equal cache indices (M-RoPE deltas)
     kc_ref, vc_ref, qkv_ref = kc.clone(), vc.clone(), qkv.clone()

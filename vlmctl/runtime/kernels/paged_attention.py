@@ -9,6 +9,8 @@ last `window` positions are read (the splits divide that span). Reference:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -94,17 +96,52 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_
                  mask=gmask[:, None] & dmask[None, :])
 
 
+@triton.jit
+def _kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, tile, end, stride_kb, stride_ks, stride_kh, stride_bt, block_size,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K (as its two rotary halves) and V of the cached positions [tile, tile + BLOCK_N) below `end`."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    n = tl.arange(0, BLOCK_N)
+    h = tl.arange(0, HALF)
+    d = tl.arange(0, HEAD_DIM)
+    tok = tile + n
+    valid = tok < end
+    blk = tl.load(bt_ptr + seq * stride_bt + tok // block_size, mask=valid, other=0)
+    row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
+    k1 = tl.load(k_ptr + row[:, None] + h[None, :], mask=valid[:, None], other=0.0)
+    k2 = tl.load(k_ptr + row[:, None] + HALF + h[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    return k1, k2, v, valid
+
+
+@triton.jit
+def _attend_tile(q1, q2, k1, k2, v, valid, m_i, l_i, acc, scale_log2):
+    """Online softmax over one tile: the running (max, sum, output) after it."""
+    s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale_log2
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=_VARYING)
 def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr,
                         ml_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
                         scale_log2, block_size, group, num_splits, n_q_heads, n_kv_heads, window,
                         HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                        HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False):
+                        HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False, EARLY_KV: tl.constexpr = True):
     """`_decode_kernel` with the new token's rotary and KV append folded in: q and k of the token are
     rotated here (rounded per term as transformers does), the split that owns the last position
-    writes k and v to the cache and attends to them from registers, the others read the cache."""
+    writes k and v to the cache and attends to them from registers, the others read the cache.
+    EARLY_KV: the first tile of cached K/V is loaded before the PDL wait, beside the previous kernel's
+    tail: the lengths, block tables and cached positions are the step's inputs and earlier steps'
+    writes, never the previous kernel's (only q, k and v of the new token are)."""
     pdl.release(PDL)
-    pdl.wait(PDL)
+    if not EARLY_KV:
+        pdl.wait(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -112,6 +149,10 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
     ctx, lo, per_split, start = _split_span(lens_ptr, seq, split, num_splits, window, BLOCK_N, HAS_WINDOW)
     end = tl.minimum(start + per_split, ctx - 1)  # cached positions; the new one (ctx - 1) comes from qkv
     owner = split == (ctx - 1 - lo) // per_split
+    k1, k2, v, valid = _kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, start, end, stride_kb, stride_ks, stride_kh,
+                                stride_bt, block_size, HEAD_DIM, BLOCK_N)
+    if EARLY_KV:
+        pdl.wait(PDL)
 
     g = tl.arange(0, BLOCK_G)
     h = tl.arange(0, HALF)
@@ -137,23 +178,12 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
     l_i = tl.zeros([BLOCK_G], tl.float32)
     d = tl.arange(0, HEAD_DIM)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    for tile in range(start, end, BLOCK_N):
-        tok = tile + n
-        valid = tok < end
-        blk = tl.load(bt_ptr + seq * stride_bt + tok // block_size, mask=valid, other=0)
-        row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
-        k1 = tl.load(k_ptr + row[:, None] + h[None, :], mask=valid[:, None], other=0.0)
-        k2 = tl.load(k_ptr + row[:, None] + HALF + h[None, :], mask=valid[:, None], other=0.0)
-        s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    if start < end:
+        m_i, l_i, acc = _attend_tile(q1, q2, k1, k2, v, valid, m_i, l_i, acc, scale_log2)
+    for tile in range(start + BLOCK_N, end, BLOCK_N):
+        k1, k2, v, valid = _kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, tile, end, stride_kb, stride_ks, stride_kh,
+                                    stride_bt, block_size, HEAD_DIM, BLOCK_N)
+        m_i, l_i, acc = _attend_tile(q1, q2, k1, k2, v, valid, m_i, l_i, acc, scale_log2)
     if owner:
         kb = row_q + (n_q_heads + kvh) * HEAD_DIM
         b1 = tl.load(kb + h).to(tl.float32)
@@ -247,6 +277,15 @@ def _combine(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, num_splits
                             num_warps=4, **pdl.launch_kwargs(out.device))
 
 
+def early_kv() -> bool:
+    """`VLMCTL_EARLY_KV` (default 1): the decode kernel loads its first cached K/V tile before the PDL wait;
+    0 loads it after, as before session 19 (for A/B measurements: benchmarks/decode_gpu.py --env-ab)."""
+    v = os.environ.get("VLMCTL_EARLY_KV", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"VLMCTL_EARLY_KV={v!r}: expected 0 or 1")
+    return v == "1"
+
+
 def fused_rope_supported(head_dim: int, dtype) -> bool:
     return head_dim in (32, 64, 128, 256) and dtype in (torch.float16, torch.bfloat16)
 
@@ -270,8 +309,8 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
         qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group,
         num_splits, n_q, n_kv, window or 0, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=64 if D <= 128 else 32, SPLIT=split, HAS_WINDOW=window is not None, num_warps=4, num_stages=2,
-        **pdl.launch_kwargs(qkv.device))
+        BLOCK_N=64 if D <= 128 else 32, SPLIT=split, HAS_WINDOW=window is not None, EARLY_KV=early_kv(),
+        num_warps=4, num_stages=2, **pdl.launch_kwargs(qkv.device))
     if split:
         _combine(part, ml, out, num_splits)
     return out
