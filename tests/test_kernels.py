@@ -188,7 +188,7 @@ def test_paged_decode_window_reference_is_explicit():
 @pytest.mark.parametrize("window", [None, 7])
 def test_paged_decode_with_rope_and_append(dtype, n_q, n_kv, splits, window):
     """The fused decode kernel == rotary + KV append + attention as separate reference operations."""
-    from vlmctl.runtime.kernels.paged_attention import paged_decode_rope
+    from vlmctl.runtime.kernels.paged_attention import paged_decode_rope, split_workspace
 
     g = torch.Generator().manual_seed(5)
     B, bs, nblocks, maxb, d = 4, 8, 40, 26, 32
@@ -206,16 +206,23 @@ def test_paged_decode_with_rope_and_append(dtype, n_q, n_kv, splits, window):
     ops.rope_and_cache_reference(qkv_ref, cos_sin, pos, n_q, n_kv, d, kc_ref, vc_ref, slots.to(DEV))
     want = ops.paged_decode_reference(qkv_ref[:, :n_q * d].view(B, n_q, d).float(), kc_ref.float(), vc_ref.float(),
                                       tables.to(DEV), lens.to(DEV), d ** -0.5, window)
-    ws = (torch.empty(B * n_q * splits, d, device=DEV), torch.empty(B * n_q * splits, 2, device=DEV)) \
-        if splits > 1 else None
-    kc0, vc0 = kc.clone(), vc.clone()
+    # split workspaces: with the combine folded into the kernel (arrival counters; reused, as a captured step
+    # reuses it across layers, so the counters must be back at zero), and a (part, ml) pair, whose combine
+    # runs as a kernel of its own
+    ws = split_workspace(B, n_q, d, splits, DEV) if splits > 1 else None
+    pair = ws[:2] if ws is not None else None
+    kc0, vc0, kc1, vc1 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     got = paged_decode_rope(qkv, cos_sin, pos, slots.to(DEV), kc, vc, tables.to(DEV), lens.to(DEV), d ** -0.5, n_q,
                             n_kv, num_splits=splits, workspace=ws, window=window)
     assert rel_err(got, want) < 3e-3
-    if ws is not None:  # a workspace is reusable (as a captured step reuses it across layers)
+    if ws is not None:
+        assert torch.count_nonzero(ws[2]) == 0
         again = paged_decode_rope(qkv, cos_sin, pos, slots.to(DEV), kc0, vc0, tables.to(DEV), lens.to(DEV),
                                   d ** -0.5, n_q, n_kv, num_splits=splits, workspace=ws, window=window)
         assert torch.equal(again, got)
+        separate = paged_decode_rope(qkv, cos_sin, pos, slots.to(DEV), kc1, vc1, tables.to(DEV), lens.to(DEV),
+                                     d ** -0.5, n_q, n_kv, num_splits=splits, workspace=pair, window=window)
+        assert torch.equal(separate, got)
     # V is copied, so it is exact; K's rotary on CUDA contracts into FMAs where torch rounds each
     # product, so the appended K may differ from the reference by one rounding step (exact under
     # the interpreter); nothing outside the appended slots may change

@@ -129,16 +129,19 @@ def _attend_tile(q1, q2, k1, k2, v, valid, m_i, l_i, acc, scale_log2):
 
 @triton.jit(do_not_specialize=_VARYING)
 def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr,
-                        ml_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+                        ml_ptr, cnt_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
                         scale_log2, block_size, group, num_splits, n_q_heads, n_kv_heads, window,
                         HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                        HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False, EARLY_KV: tl.constexpr = True):
+                        HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False, EARLY_KV: tl.constexpr = True,
+                        COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32):
     """`_decode_kernel` with the new token's rotary and KV append folded in: q and k of the token are
     rotated here (rounded per term as transformers does), the split that owns the last position
     writes k and v to the cache and attends to them from registers, the others read the cache.
     EARLY_KV: the first tile of cached K/V is loaded before the PDL wait, beside the previous kernel's
     tail: the lengths, block tables and cached positions are the step's inputs and earlier steps'
-    writes, never the previous kernel's (only q, k and v of the new token are)."""
+    writes, never the previous kernel's (only q, k and v of the new token are).
+    COMBINE (with SPLIT): the last split of a (sequence, KV head) to finish, counted in cnt_ptr (zero before
+    and after), combines the splits' partials as `_combine_kernel` does, in place of that kernel's launch."""
     pdl.release(PDL)
     if not EARLY_KV:
         pdl.wait(PDL)
@@ -209,9 +212,40 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
         tl.store(part_ptr + pidx[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
         tl.store(ml_ptr + pidx * 2, m_i, mask=gmask)
         tl.store(ml_ptr + pidx * 2 + 1, l_i, mask=gmask)
+        if COMBINE:
+            # every thread's partial is written before the ticket is taken (release); the last split reads
+            # the others' from L2 (.cg) after its acquire, then leaves the counter at zero for the next call
+            tl.debug_barrier()
+            cidx = seq * tl.num_programs(1) + kvh
+            ticket = tl.atomic_add(cnt_ptr + cidx, 1, sem="acq_rel")
+            if ticket == num_splits - 1:
+                for gi in range(0, group):
+                    head = kvh * group + gi
+                    _combine_head(part_ptr, ml_ptr, out_ptr, seq, head, (seq * tl.num_programs(1) * group + head) *
+                                  num_splits, num_splits, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM, BLOCK_S, ".cg")
+                tl.atomic_xchg(cnt_ptr + cidx, 0)
     else:
         o = acc / l_i[:, None]
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(dt), mask=gmask[:, None])
+
+
+@triton.jit
+def _combine_head(part_ptr, ml_ptr, out_ptr, seq, h, base, num_splits, stride_ot, stride_oh,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
+    """out[seq, h] from the splits' partials at rows base .. base + num_splits: rescaled to the largest max."""
+    s = tl.arange(0, BLOCK_S)
+    smask = s < num_splits
+    m = tl.load(ml_ptr + (base + s) * 2, mask=smask, other=float("-inf"), cache_modifier=CACHE)
+    l = tl.load(ml_ptr + (base + s) * 2 + 1, mask=smask, other=0.0, cache_modifier=CACHE)
+    m_all = tl.max(m, 0)
+    w = tl.where(m > float("-inf"), tl.math.exp2(m - m_all), 0.0)
+    denom = tl.sum(l * w, 0)
+    d = tl.arange(0, D_PAD)
+    dmask = d < HEAD_DIM
+    part = tl.load(part_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & dmask[None, :],
+                   other=0.0, cache_modifier=CACHE)
+    o = tl.sum(part * w[:, None], 0) / denom
+    tl.store(out_ptr + seq * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -221,20 +255,8 @@ def _combine_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, n_heads, nu
     pdl.wait(PDL)
     seq = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    smask = s < num_splits
-    base = (seq * n_heads + h) * num_splits
-    m = tl.load(ml_ptr + (base + s) * 2, mask=smask, other=float("-inf"))
-    l = tl.load(ml_ptr + (base + s) * 2 + 1, mask=smask, other=0.0)
-    m_all = tl.max(m, 0)
-    w = tl.where(m > float("-inf"), tl.math.exp2(m - m_all), 0.0)
-    denom = tl.sum(l * w, 0)
-    d = tl.arange(0, D_PAD)
-    dmask = d < HEAD_DIM
-    part = tl.load(part_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & dmask[None, :],
-                   other=0.0)
-    o = tl.sum(part * w[:, None], 0) / denom
-    tl.store(out_ptr + seq * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=dmask)
+    _combine_head(part_ptr, ml_ptr, out_ptr, seq, h, (seq * n_heads + h) * num_splits, num_splits, stride_ot,
+                  stride_oh, HEAD_DIM, D_PAD, BLOCK_S, "")
 
 
 def combine_width(num_splits: int) -> int:
@@ -256,18 +278,22 @@ def choose_splits(batch: int, n_kv_heads: int, max_context: int, num_sms: int, b
 
 def split_workspace(batch: int, n_heads: int, head_dim: int, num_splits: int, device) -> tuple:
     """What a decode call with num_splits > 1 writes for the combine: each split's un-normalized output
-    [B * H * S, d] and its (max, sum) [B * H * S, 2], float32. Pass it as `workspace` to reuse it."""
+    [B * H * S, d] and its (max, sum) [B * H * S, 2], float32, and the arrival counters of the combine folded
+    into `paged_decode_rope` ([B * H] int32, zero between calls). Pass it as `workspace` to reuse it."""
     rows = batch * n_heads * num_splits
     return (torch.empty((rows, head_dim), dtype=torch.float32, device=device),
-            torch.empty((rows, 2), dtype=torch.float32, device=device))
+            torch.empty((rows, 2), dtype=torch.float32, device=device),
+            torch.zeros(batch * n_heads, dtype=torch.int32, device=device))
 
 
 def _partials(out: torch.Tensor, num_splits: int, workspace) -> tuple:
-    """(part, ml) pointers for the decode kernels: the split workspace, or `out` (unused) without splits."""
+    """(part, ml, counters or None) for the decode kernels: the split workspace (a (part, ml) pair has no
+    counters: its combine runs as a kernel of its own), or `out` (unused) without splits."""
     if num_splits <= 1:
-        return out, out
+        return out, out, None
     B, H, D = out.shape
-    return workspace if workspace is not None else split_workspace(B, H, D, num_splits, out.device)
+    ws = workspace if workspace is not None else split_workspace(B, H, D, num_splits, out.device)
+    return ws[0], ws[1], (ws[2] if len(ws) > 2 else None)
 
 
 def _combine(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
@@ -275,6 +301,15 @@ def _combine(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, num_splits
     _combine_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, num_splits, HEAD_DIM=D,
                             D_PAD=triton.next_power_of_2(D), BLOCK_S=combine_width(num_splits),
                             num_warps=4, **pdl.launch_kwargs(out.device))
+
+
+def combine_in_attention() -> bool:
+    """`VLMCTL_ATTN_COMBINE` (default 1): `paged_decode_rope`'s last split combines the splits' partials; 0
+    launches the combine kernel after it, as before session 19 (for A/B measurements)."""
+    v = os.environ.get("VLMCTL_ATTN_COMBINE", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"VLMCTL_ATTN_COMBINE={v!r}: expected 0 or 1")
+    return v == "1"
 
 
 def early_kv() -> bool:
@@ -293,8 +328,7 @@ def fused_rope_supported(head_dim: int, dtype) -> bool:
 def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, n_q: int, n_kv: int, num_splits: int = 1,
-                      workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      window: int | None = None) -> torch.Tensor:
+                      workspace: tuple | None = None, window: int | None = None) -> torch.Tensor:
     """Decode attention of qkv rows [B, (n_q + 2 n_kv) * d] (not yet rotated) with the rotary of the new
     token and its KV append done in the same kernel. context_lens count the new token; `window`:
     attend only the last `window` positions."""
@@ -303,23 +337,23 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
     group = n_q // n_kv
     out = torch.empty((B, n_q, D), dtype=qkv.dtype, device=qkv.device)
     split = num_splits > 1
-    part, ml = _partials(out, num_splits, workspace)
+    part, ml, cnt = _partials(out, num_splits, workspace)
+    fold = split and cnt is not None and combine_in_attention()
     _decode_rope_kernel[(B, n_kv, num_splits)](
         qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, out, part, ml,
-        qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        cnt if fold else ml, qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group,
         num_splits, n_q, n_kv, window or 0, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=64 if D <= 128 else 32, SPLIT=split, HAS_WINDOW=window is not None, EARLY_KV=early_kv(),
-        num_warps=4, num_stages=2, **pdl.launch_kwargs(qkv.device))
-    if split:
+        COMBINE=fold, BLOCK_S=combine_width(num_splits), num_warps=4, num_stages=2, **pdl.launch_kwargs(qkv.device))
+    if split and not fold:
         _combine(part, ml, out, num_splits)
     return out
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, num_splits: int = 1, out: torch.Tensor | None = None,
-                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 window: int | None = None) -> torch.Tensor:
+                 workspace: tuple | None = None, window: int | None = None) -> torch.Tensor:
     """q [B, Hq, d] (row stride free), caches [blocks, block_size, Hkv, d], block_tables [B, max_blocks]
     int32, context_lens [B] int32 (tokens to attend, the current one included) -> out [B, Hq, d].
     `window`: attend only the last `window` of them."""
@@ -330,7 +364,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     BLOCK_G = max(16, triton.next_power_of_2(group))
     BLOCK_N = 64 if D <= 128 else 32
     split = num_splits > 1
-    part, ml = _partials(out, num_splits, workspace)
+    part, ml, _ = _partials(out, num_splits, workspace)
     _decode_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part, ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
