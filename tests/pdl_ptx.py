@@ -36,8 +36,10 @@ def kernels():
                           dict(w4, PREFETCH=True, RUNW=2, ASM=True, KMAJOR=True, L2PF=2), 2, True),
         "add_rms_norm": (fused._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=4096), 8, True),
         "act_mul": (fused._act_mul_kernel, dict(BLOCK=1024, ACT=0), 4, False),
+        # the folded combine's counter atomics come after the wait
         "decode_rope": (paged_attention._decode_rope_kernel,
-                        dict(HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True), 4, False),
+                        dict(HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True, HAS_WINDOW=False, COMBINE=True,
+                             BLOCK_S=32), 4, False),
         "combine": (paged_attention._combine_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_S=32), 4, False),
     }
 

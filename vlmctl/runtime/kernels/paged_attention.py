@@ -96,55 +96,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_
                  mask=gmask[:, None] & dmask[None, :])
 
 
-@triton.jit
-def _kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, tile, end, stride_kb, stride_ks, stride_kh, stride_bt, block_size,
-             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K (as its two rotary halves) and V of the cached positions [tile, tile + BLOCK_N) below `end`."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    n = tl.arange(0, BLOCK_N)
-    h = tl.arange(0, HALF)
-    d = tl.arange(0, HEAD_DIM)
-    tok = tile + n
-    valid = tok < end
-    blk = tl.load(bt_ptr + seq * stride_bt + tok // block_size, mask=valid, other=0)
-    row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
-    k1 = tl.load(k_ptr + row[:, None] + h[None, :], mask=valid[:, None], other=0.0)
-    k2 = tl.load(k_ptr + row[:, None] + HALF + h[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    return k1, k2, v, valid
-
-
-@triton.jit
-def _attend_tile(q1, q2, k1, k2, v, valid, m_i, l_i, acc, scale_log2):
-    """Online softmax over one tile: the running (max, sum, output) after it."""
-    s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale_log2
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
-
-
 @triton.jit(do_not_specialize=_VARYING)
 def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr,
-                        ml_ptr, cnt_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
-                        scale_log2, block_size, group, num_splits, n_q_heads, n_kv_heads, window,
+                        ml_ptr, cnt_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot,
+                        stride_oh, scale_log2, block_size, group, num_splits, n_q_heads, n_kv_heads, window,
                         HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                        HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False, EARLY_KV: tl.constexpr = True,
+                        HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False,
                         COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32):
     """`_decode_kernel` with the new token's rotary and KV append folded in: q and k of the token are
     rotated here (rounded per term as transformers does), the split that owns the last position
     writes k and v to the cache and attends to them from registers, the others read the cache.
-    EARLY_KV: the first tile of cached K/V is loaded before the PDL wait, beside the previous kernel's
-    tail: the lengths, block tables and cached positions are the step's inputs and earlier steps'
-    writes, never the previous kernel's (only q, k and v of the new token are).
     COMBINE (with SPLIT): the last split of a (sequence, KV head) to finish, counted in cnt_ptr (zero before
     and after), combines the splits' partials as `_combine_kernel` does, in place of that kernel's launch."""
     pdl.release(PDL)
-    if not EARLY_KV:
-        pdl.wait(PDL)
+    pdl.wait(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -152,10 +117,6 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
     ctx, lo, per_split, start = _split_span(lens_ptr, seq, split, num_splits, window, BLOCK_N, HAS_WINDOW)
     end = tl.minimum(start + per_split, ctx - 1)  # cached positions; the new one (ctx - 1) comes from qkv
     owner = split == (ctx - 1 - lo) // per_split
-    k1, k2, v, valid = _kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, start, end, stride_kb, stride_ks, stride_kh,
-                                stride_bt, block_size, HEAD_DIM, BLOCK_N)
-    if EARLY_KV:
-        pdl.wait(PDL)
 
     g = tl.arange(0, BLOCK_G)
     h = tl.arange(0, HALF)
@@ -181,31 +142,42 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
     l_i = tl.zeros([BLOCK_G], tl.float32)
     d = tl.arange(0, HEAD_DIM)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    if start < end:
-        m_i, l_i, acc = _attend_tile(q1, q2, k1, k2, v, valid, m_i, l_i, acc, scale_log2)
-    for tile in range(start + BLOCK_N, end, BLOCK_N):
-        k1, k2, v, valid = _kv_tile(k_ptr, v_ptr, bt_ptr, seq, kvh, tile, end, stride_kb, stride_ks, stride_kh,
-                                    stride_bt, block_size, HEAD_DIM, BLOCK_N)
-        m_i, l_i, acc = _attend_tile(q1, q2, k1, k2, v, valid, m_i, l_i, acc, scale_log2)
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(start, end, BLOCK_N):
+        tok = tile + n
+        valid = tok < end
+        blk = tl.load(bt_ptr + seq * stride_bt + tok // block_size, mask=valid, other=0)
+        row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
+        k1 = tl.load(k_ptr + row[:, None] + h[None, :], mask=valid[:, None], other=0.0)
+        k2 = tl.load(k_ptr + row[:, None] + HALF + h[None, :], mask=valid[:, None], other=0.0)
+        s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
     if owner:
         kb = row_q + (n_q_heads + kvh) * HEAD_DIM
         b1 = tl.load(kb + h).to(tl.float32)
         b2 = tl.load(kb + HALF + h).to(tl.float32)
-        k1 = ((b1 * c1).to(dt).to(tl.float32) - (b2 * s1).to(dt).to(tl.float32)).to(dt)
-        k2 = ((b2 * c1).to(dt).to(tl.float32) + (b1 * s1).to(dt).to(tl.float32)).to(dt)
-        v = tl.load(row_q + (n_q_heads + n_kv_heads + kvh) * HEAD_DIM + d)
+        kn1 = ((b1 * c1).to(dt).to(tl.float32) - (b2 * s1).to(dt).to(tl.float32)).to(dt)
+        kn2 = ((b2 * c1).to(dt).to(tl.float32) + (b1 * s1).to(dt).to(tl.float32)).to(dt)
+        vn = tl.load(row_q + (n_q_heads + n_kv_heads + kvh) * HEAD_DIM + d)
         slot = tl.load(slot_ptr + seq)
         dst = (slot // block_size).to(tl.int64) * stride_kb + (slot % block_size) * stride_ks + kvh * stride_kh
-        tl.store(k_ptr + dst + h, k1)
-        tl.store(k_ptr + dst + HALF + h, k2)
-        tl.store(v_ptr + dst + d, v)
-        s_new = tl.sum(q1.to(tl.float32) * k1.to(tl.float32)[None, :] + q2.to(tl.float32) * k2.to(tl.float32)[None, :],
-                       1) * scale_log2
+        tl.store(k_ptr + dst + h, kn1)
+        tl.store(k_ptr + dst + HALF + h, kn2)
+        tl.store(v_ptr + dst + d, vn)
+        s_new = tl.sum(q1.to(tl.float32) * kn1.to(tl.float32)[None, :]
+                       + q2.to(tl.float32) * kn2.to(tl.float32)[None, :], 1) * scale_log2
         m_new = tl.maximum(m_i, s_new)
         alpha = tl.math.exp2(m_i - m_new)
         p_new = tl.math.exp2(s_new - m_new)
         l_i = l_i * alpha + p_new
-        acc = acc * alpha[:, None] + p_new[:, None] * v.to(tl.float32)[None, :]
+        acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
         m_i = m_new
     if SPLIT:
         pidx = (seq * (tl.num_programs(1) * group) + heads) * num_splits + split
@@ -312,15 +284,6 @@ def combine_in_attention() -> bool:
     return v == "1"
 
 
-def early_kv() -> bool:
-    """`VLMCTL_EARLY_KV` (default 1): the decode kernel loads its first cached K/V tile before the PDL wait;
-    0 loads it after, as before session 19 (for A/B measurements: benchmarks/decode_gpu.py --env-ab)."""
-    v = os.environ.get("VLMCTL_EARLY_KV", "1").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"VLMCTL_EARLY_KV={v!r}: expected 0 or 1")
-    return v == "1"
-
-
 def fused_rope_supported(head_dim: int, dtype) -> bool:
     return head_dim in (32, 64, 128, 256) and dtype in (torch.float16, torch.bfloat16)
 
@@ -344,7 +307,7 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
         cnt if fold else ml, qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group,
         num_splits, n_q, n_kv, window or 0, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=64 if D <= 128 else 32, SPLIT=split, HAS_WINDOW=window is not None, EARLY_KV=early_kv(),
+        BLOCK_N=64 if D <= 128 else 32, SPLIT=split, HAS_WINDOW=window is not None,
         COMBINE=fold, BLOCK_S=combine_width(num_splits), num_warps=4, num_stages=2, **pdl.launch_kwargs(qkv.device))
     if split and not fold:
         _combine(part, ml, out, num_splits)
