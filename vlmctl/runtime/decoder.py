@@ -812,11 +812,12 @@ class TorchDecoder:
 
     def warm_forward(self, max_batch: int) -> None:
         """Run, at load, the steps whose kernels no captured graph compiles: prompt rows (their rotary and
-        KV append), a continuation chunk, and decode rows beside them (eager decode attention, with and
-        without context splits: one row and `max_batch` rows). Everything reads and writes block 0, which
-        the pools never hand out. Without this, the first step with prompt rows beside decode rows compiled
-        the eager decode kernel mid-serving: one step of a fresh process's bench took 447 ms on an H200
-        (docs/benchmarks.md, session 19). CUDA only; call after `capture_graphs`."""
+        KV append), a continuation chunk, and decode rows beside them (eager decode attention, as without
+        graphs or for rows a graph cannot take, with and without context splits: one row and `max_batch`
+        rows). Everything reads and writes block 0, which the pools never hand out. A Triton kernel compiled
+        at first use stalls every running request: on fresh H200s one prompt step of a 7B engine's bench
+        took 447-593 ms before this, none since (docs/benchmarks.md, session 19). CUDA only; call after
+        `capture_graphs`."""
         if self.device.type != "cuda" or self.k_cache is None:
             return
         with torch.inference_mode():

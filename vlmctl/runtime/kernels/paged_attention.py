@@ -30,8 +30,8 @@ def _split_span(lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.constexpr,
     return ctx, lo, per_split, lo + split * per_split
 
 
-# The block-table width and the split count vary from step to step outside the captured graphs (a step with
-# prompt rows runs its decode rows eagerly): left unspecialized, they cannot make Triton compile a new
+# The block-table width and the split count vary from step to step outside the captured graphs (eager decode
+# rows: graphs off, or rows a graph cannot take): left unspecialized, they cannot make Triton compile a new
 # variant in the middle of serving (docs/benchmarks.md, session 19).
 _VARYING = ["stride_bt", "num_splits"]
 

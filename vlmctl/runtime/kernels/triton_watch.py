@@ -1,6 +1,6 @@
 """Which Triton kernels compile while a block of code runs. A Triton kernel compiles once per
 specialization (argument dtypes, 16-byte alignment, integers equal to 1 or divisible by 16), taking
-0.1-0.5 s: a serving engine should compile everything at load, and a step that meets a new
+0.1-0.5 s: a serving engine should compile everything at load, since a step that meets a new
 specialization mid-serving stalls every running request (docs/benchmarks.md, session 19). Used by the
 GPU tests and `benchmarks/serving_gpu.py` to find such steps."""
 
