@@ -59,6 +59,22 @@ def write_recipe(path: Path, source: Path, **extra) -> Path:
     return path
 
 
+def assert_warm_steps_touch_only_block_0(dec) -> None:
+    """`TorchDecoder.warm_steps` (what a CUDA engine runs at load to compile its eager kernels) runs on this
+    decoder (any device) and writes KV block 0 only, which the pools never hand out."""
+    import torch
+
+    k0, v0 = dec.k_cache.clone(), dec.v_cache.clone()
+    steps = dec.warm_steps(3)
+    assert [sum(c.is_decode for c in s) for s in steps] == [1, 3]
+    for chunks in steps:
+        logits = dec.forward(chunks)
+        assert logits.shape[0] == 2 and torch.isfinite(logits).all()
+    changed = [b for b in range(dec.k_cache.shape[1])
+               if not (torch.equal(dec.k_cache[:, b], k0[:, b]) and torch.equal(dec.v_cache[:, b], v0[:, b]))]
+    assert changed == [0]
+
+
 @pytest.fixture
 def triton_device() -> str:
     """Where the Triton kernels run: 'cuda' when present, else 'cpu' in Triton's interpreter (set above

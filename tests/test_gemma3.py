@@ -695,3 +695,12 @@ def test_gpu_fp16_follows_the_cpu_reference(gpu_engine):
     same = sum(a == b for g, r in zip(gpu_out, cpu_out) for a, b in zip(g, r))
     assert same >= 0.9 * sum(len(r) for r in cpu_out), (gpu_out, cpu_out)
     assert all(g[:4] == r[:4] for g, r in zip(gpu_out, cpu_out))
+
+
+def test_load_time_warm_steps_touch_only_block_0(model):
+    """What a CUDA engine runs at load (`TorchDecoder.warm_forward`) works for this family's decoder and
+    writes only the scratch KV block 0."""
+    from conftest import assert_warm_steps_touch_only_block_0
+    from vlmctl.runtime.engine import Engine
+
+    assert_warm_steps_touch_only_block_0(Engine(model[1]).decoder)

@@ -411,3 +411,12 @@ def test_trtllm_refuses_an_mrope_decoder(built, tmp_path):
         assert resolve_decoder_backend(Recipe(source="x", dtype="float16"), fam) == "torch"
         with pytest.raises(StageError, match="M-RoPE"):
             resolve_decoder_backend(Recipe(source="x", dtype="float16", decoder={"backend": "trtllm"}), fam)
+
+
+def test_load_time_warm_steps_touch_only_block_0(built):
+    """What a CUDA engine runs at load (`TorchDecoder.warm_forward`) works for this family's decoder and
+    writes only the scratch KV block 0."""
+    from conftest import assert_warm_steps_touch_only_block_0
+    from vlmctl.runtime.engine import Engine
+
+    assert_warm_steps_touch_only_block_0(Engine(built[2]).decoder)
