@@ -443,7 +443,8 @@ def fp16_parts(engine_dir: Path, args, res: dict, dev: str, size: tuple, req: di
 
     overlap = {"auto": None, "on": True, "off": False}[args.vision_overlap]
     eng, load_s, _ = load_engine(engine_dir, vision_overlap=overlap)
-    res["engine"] = {"load_s": load_s, "weights_gib": weight_gib(eng), "vision": eng.vision_summary,
+    res["engine"] = {"load_s": load_s, "load_phases_s": eng.load_seconds, "weights_gib": weight_gib(eng),
+                     "vision": eng.vision_summary,
                      "limits": eng.limits.to_json()}
     if dev == "cuda":
         res["engine"]["gpu_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
@@ -525,7 +526,8 @@ def main():
         with StepLog(aeng, args.kernel_profile, min_tokens) as steps:
             r = bench_engine(aeng, BenchConfig(num_requests=n, concurrency=64, run=1, **req))
         r1 = bench_engine(aeng, BenchConfig(num_requests=4, concurrency=1, run=6, **req))
-        res["awq"] = {"load_s": aload, "weights_gib": weight_gib(aeng), "bench_c64_tok_s": r["output_throughput"],
+        res["awq"] = {"load_s": aload, "load_phases_s": aeng.load_seconds, "weights_gib": weight_gib(aeng),
+                      "bench_c64_tok_s": r["output_throughput"],
                       "bench_c64": r, "bench_c64_steps": steps.summary(), "bench_c1_tpot_ms": r1["tpot_ms"]["median"]}
         log("awq:", json.dumps(res["awq"]))
         del aeng

@@ -31,6 +31,7 @@ fails the requests of that pass.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -174,6 +175,7 @@ class Engine:
         """Load an engine directory. A damaged one (a file missing or of the wrong size, an unreadable
         config, tokenizer, ONNX or weights file) is one EngineError, raised before anything serves."""
         self.engine_dir = engine_dir
+        self.load_seconds: dict[str, float] = {}  # time of each load phase (the torch decoder's), in order
         ed = EngineDir.open(engine_dir)
         try:
             self.config = json.loads(ed.llm_config.read_text())
@@ -229,10 +231,13 @@ class Engine:
 
         from .decoder import TorchDecoder
 
-        self.decoder = TorchDecoder.load(ed.build_llm, device=self.device, max_seq=max_seq)
+        phase = self._load_phase
+        with phase("decoder weights"):
+            self.decoder = TorchDecoder.load(ed.build_llm, device=self.device, max_seq=max_seq)
         self.decoder.use_graphs = self.decoder.use_graphs and opts.cuda_graphs
         self.vocab_size = self.decoder.vocab_size
-        self.vision = self._load_vision(vision_runner, opts)
+        with phase("vision"):
+            self.vision = self._load_vision(vision_runner, opts)
         lim["max_images_per_request"] = _max_images(opts.max_images_per_request, built["max_images_per_request"],
                                                     backend, self.vision.backend, lim["max_input_len"])
         budget = opts.max_num_batched_tokens or (2048 if self.device.type == "cuda" else 512)
@@ -256,11 +261,23 @@ class Engine:
                                    keep_images_whole=whole_images, cross_pool=self.cross_pool)
         self.limits = EngineLimits(**lim, max_seq_len=max_seq, max_num_batched_tokens=budget,
                                    kv_cache_tokens=self.pool.capacity * opts.block_size, block_size=opts.block_size)
-        self.decoder.capture_graphs(lim["max_batch_size"])
-        self.decoder.warm_prefill(budget + overshoot)
-        self.decoder.warm_forward(lim["max_batch_size"])
+        with phase("decode graphs"):  # with an AWQ decoder's kernels for the decode batches
+            self.decoder.capture_graphs(lim["max_batch_size"])
+        with phase("prefill kernels"):
+            self.decoder.warm_prefill(budget + overshoot)
+        with phase("warm steps"):
+            self.decoder.warm_forward(lim["max_batch_size"])
 
     # ---- loading -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _load_phase(self, name: str):
+        """Time one phase of loading into `load_seconds` (GPU work included: synchronized at its end)."""
+        t = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.load_seconds[name] = round(time.perf_counter() - t, 3)
+
     def _load_vision(self, built_runner: str, opts: EngineOptions):
         from ..formats.torch_layout import torch_dtype
         from .vision import VisionEncoder, choose_vision_runner

@@ -55,6 +55,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     async def lifespan(app):
         aeng.start()
         log.info("engine ready: %s (max batch %d)", model_name, engine.limits.max_batch_size)
+        if getattr(engine, "load_seconds", None):
+            log.info("engine load phases (s): %s", ", ".join(f"{k} {v:.2f}" for k, v in engine.load_seconds.items()))
         stats = None
         if config.stats_interval_s > 0:
             stats = asyncio.ensure_future(StatsReporter(engine, config.stats_interval_s).run())
