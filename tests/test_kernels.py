@@ -191,9 +191,12 @@ def test_paged_decode_with_rope_and_append(dtype, n_q, n_kv, splits, window):
     from vlmctl.runtime.kernels.paged_attention import paged_decode_rope, split_workspace
 
     g = torch.Generator().manual_seed(5)
-    B, bs, nblocks, maxb, d = 4, 8, 40, 26, 32
+    B, bs, maxb, d = 4, 8, 26, 32
+    nblocks = B * maxb + 1
     lens = torch.tensor([1, 20, 45, 200], dtype=torch.int32)  # context incl. the new token; 200: several tiles
-    tables = torch.stack([torch.randperm(nblocks - 1, generator=g)[:maxb] + 1 for _ in range(B)]).to(torch.int32)
+    # each sequence owns its blocks, as in the engine's pool: a block another sequence reads while this call
+    # appends to it would race on a GPU (the reference appends every token before attending)
+    tables = (torch.randperm(nblocks - 1, generator=g)[:B * maxb].view(B, maxb) + 1).to(torch.int32)
     slots = torch.tensor([int(tables[b, (int(lens[b]) - 1) // bs]) * bs + (int(lens[b]) - 1) % bs for b in range(B)])
     kc = torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype)
     vc = torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype)
