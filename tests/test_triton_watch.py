@@ -15,6 +15,7 @@ def test_hook_collects_defers_and_restores():
     import triton
 
     runtime = triton.knobs.runtime
+    original = runtime.jit_cache_hook  # whatever this process had set, put back at the end
     calls = []
 
     def earlier(*args, **kwargs):
@@ -28,8 +29,9 @@ def test_hook_collects_defers_and_restores():
             assert runtime.jit_cache_hook(repr="_decode_kernel[num_warps=4](...)", fn=None) is True
         assert seen == ["_decode_kernel[num_warps=4](...)"] and calls == seen
         assert runtime.jit_cache_hook is earlier
-    finally:
         runtime.jit_cache_hook = None
-    with triton_watch.triton_compiles() as seen:
-        assert runtime.jit_cache_hook(repr="k") is False
-    assert seen == ["k"] and runtime.jit_cache_hook is None
+        with triton_watch.triton_compiles() as seen:
+            assert runtime.jit_cache_hook(repr="k") is False
+        assert seen == ["k"] and runtime.jit_cache_hook is None
+    finally:
+        runtime.jit_cache_hook = original
