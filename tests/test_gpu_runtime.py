@@ -304,3 +304,32 @@ def test_serving_compiles_no_triton_kernel_after_load(which, graphs, request):
         mixed = {n for n, prompt, _ in steps if n and prompt}
         assert {1, 3} <= mixed, f"no eager step held prompt rows beside an odd count of decode rows: {steps}"
     assert compiled == [], compiled
+
+
+@pytest.mark.parametrize("which", ["fp16_engine", "awq_engine"])
+def test_load_compiles_its_triton_kernels_in_one_parallel_pass(which, request, tmp_path):
+    """A new process on an empty Triton cache (`benchmarks/load_gpu.py --child`): every Triton kernel the engine
+    compiles while it loads is compiled in its "compile kernels" phase, on a thread pool; the phases after it
+    (decode graphs, prefill kernels, warm steps) find each one compiled."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vlmctl.runtime.kernels import compile_ahead, triton_watch
+
+    if not triton_watch.available() or not compile_ahead.available():
+        pytest.skip("this Triton does not report compilations or has no AsyncCompileMode")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), VLMCTL_CACHE_DIR=str(tmp_path / "vlmctl"),
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    env.pop("VLMCTL_COMPILE_WORKERS", None)
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "load_gpu.py"), "--child",
+                           str(request.getfixturevalue(which)), "--kv-cache-tokens", "4096"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    per_phase = r["triton_compiles_per_phase"]
+    assert per_phase.get("compile kernels"), r
+    assert set(per_phase) == {"compile kernels"}, per_phase

@@ -156,8 +156,8 @@ def test_json_logs_of_a_real_server(tiny_llava_engine, tmp_path):
     # where the load went, phase by phase (Engine.load_seconds)
     phases = [o["message"] for o in objs if o["message"].startswith("engine load phases")]
     assert len(phases) == 1, phases
-    assert all(f"{name} " in phases[0] for name in ("decoder weights", "vision", "decode graphs", "prefill kernels",
-                                                     "warm steps")), phases
+    assert all(f"{name} " in phases[0] for name in ("processor", "decoder weights", "vision", "compile kernels",
+                                                     "decode graphs", "prefill kernels", "warm steps")), phases
 
 
 def test_more_images_than_built_with_the_torch_decoder(tiny_llava, tiny_llava_engine):

@@ -31,7 +31,9 @@ def test_hook_collects_defers_and_restores():
         assert runtime.jit_cache_hook is earlier
         runtime.jit_cache_hook = None
         with triton_watch.triton_compiles() as seen:
-            assert runtime.jit_cache_hook(repr="k") is False
-        assert seen == ["k"] and runtime.jit_cache_hook is None
+            assert runtime.jit_cache_hook(repr="k", key=1) is False
+            runtime.jit_cache_hook(repr="k", key=1)  # the same specialization again (a pool's pending compile)
+            runtime.jit_cache_hook(repr="k", key=2)
+        assert seen == ["k", "k"] and runtime.jit_cache_hook is None
     finally:
         runtime.jit_cache_hook = original

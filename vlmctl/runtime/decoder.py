@@ -785,17 +785,22 @@ class TorchDecoder:
         raise EngineError(f"decode batch {b} exceeds the captured maximum {self._bucket_sizes[-1]}")
 
     def _packed_per_shape(self):
-        """(one packed weight per distinct shape, one gate_up per shape, group size) of the packed linears;
-        None without any."""
+        """(linears, gate_ups, group size) of the packed linears, or None without any: linears holds one
+        (packed weight, has a bias) per distinct (shape, bias or not), gate_ups the same for the gate_up
+        weights (their one-row calls fuse the activation). A kernel specializes on the bias, so the warm-ups
+        compile only the variants the decoder calls."""
         packed = [lin for layer in self.layers for lin in self._linears(layer) if isinstance(lin, W4A16Linear)]
         if not packed:
             return None
-        shapes = {}
-        for lin in packed:
-            shapes.setdefault(tuple(lin.packed["q4weight"].shape), lin.packed)
-        gate_up = {tuple(lyr.gate_up.packed["q4weight"].shape): lyr.gate_up.packed for lyr in self.layers
-                   if isinstance(lyr.gate_up, W4A16Linear)}
-        return list(shapes.values()), list(gate_up.values()), packed[0].group_size
+
+        def per_shape(lins):
+            out = {}
+            for lin in lins:
+                out.setdefault((tuple(lin.packed["q4weight"].shape), lin.bias is not None), lin.packed)
+            return [(p, has_bias) for (_, has_bias), p in out.items()]
+
+        gate_up = [lyr.gate_up for lyr in self.layers if isinstance(lyr.gate_up, W4A16Linear)]
+        return per_shape(packed), per_shape(gate_up), packed[0].group_size
 
     def warm_prefill(self, max_rows: int) -> None:
         """Compile the packed linears' kernels for the row counts a step with prompt rows (up to max_rows, the
@@ -808,7 +813,8 @@ class TorchDecoder:
         from .kernels.w4a16 import prefill_buckets, warmup
 
         shapes, _, group_size = packed
-        warmup(shapes, group_size, prefill_buckets(max_rows, self._bucket_sizes), self.dtype, self.device)
+        warmup([p for p, _ in shapes], group_size, prefill_buckets(max_rows, self._bucket_sizes), self.dtype,
+               self.device, biased=[b for _, b in shapes])
 
     def warm_forward(self, max_batch: int) -> None:
         """Run, at load, the steps whose kernels no captured graph compiles: prompt rows (their rotary and
@@ -836,32 +842,91 @@ class TorchDecoder:
         return [[Chunk(ids=token, positions=np.array([bs]), start=bs, block_table=zeros, want_logits=False)
                  for _ in range(n)] + prompt for n in sorted({1, max(1, max_batch)})]
 
-    def capture_graphs(self, max_batch: int) -> None:
-        """Capture the decode step for every batch bucket up to `max_batch` (CUDA only); a decoder with
-        cross-attention layers gets a second graph per bucket that runs them."""
-        self._bucket_sizes = self.buckets(max_batch)
+    def compile_kernels(self, max_batch: int, max_rows: int) -> bool:
+        """Compile at once, on a thread pool (`kernels.compile_ahead`), the Triton kernels that `capture_graphs`,
+        `warm_prefill` and `warm_forward` would otherwise compile one after another, with the packed linears'
+        NVRTC kernels alongside; those phases then find every kernel compiled. It runs their linears'
+        warm-ups, each bucket's decode step and the warm steps with every Triton launch reduced to its
+        compile (whatever they compute is garbage and unused; the warm steps write block 0 only). CUDA only;
+        returns whether anything was compiled ahead (not under Triton's interpreter, or with
+        `VLMCTL_COMPILE_WORKERS=1`). max_rows: the step's token budget, as for `warm_prefill`."""
+        if self.device.type != "cuda" or self.k_cache is None:
+            return False
+        import threading
+
+        from .kernels import compile_ahead
+
+        buckets = self.buckets(max_batch)
+        nvrtc = None
+        packed = self._packed_per_shape()
+        if packed and compile_ahead.available():
+            from .kernels.w4a16 import PACK, precompile_selected, prefill_buckets
+
+            shapes, _, group_size = packed
+            dims = {(p["q4weight"].shape[0], p["q4weight"].shape[1] * PACK) for p, _ in shapes}
+            rows = buckets + prefill_buckets(max_rows, buckets)
+
+            def precompile():  # NVRTC runs outside the GIL, beside the Triton compiles below
+                try:
+                    precompile_selected(dims, group_size, rows, self.dtype, self.device)
+                except Exception:  # the warm-ups compile whatever this did not, and raise there
+                    pass
+
+            nvrtc = threading.Thread(target=precompile, name="vlmctl-nvrtc", daemon=True)
+            nvrtc.start()
+        try:
+            with compile_ahead.parallel_compiles() as ahead, torch.inference_mode():
+                if ahead:
+                    self._warm_linears(buckets, max_rows)
+                    for B in buckets:
+                        for with_cross in self._graph_variants():
+                            self._graph_inputs(B, with_cross)[1]()
+                    for chunks in self.warm_steps(max_batch):
+                        self.forward(chunks)
+        finally:
+            if nvrtc is not None:
+                nvrtc.join()
+        torch.cuda.synchronize(self.device)
+        return ahead
+
+    def _warm_linears(self, buckets: list[int], max_rows: int = 0) -> None:
+        """The packed linears' and the Triton GEMV's warm-ups for these decode buckets (and, with max_rows, the
+        packed linears' prefill buckets): kernels compiled, shared buffers sized. One weight per shape and bias
+        or not."""
         packed = self._packed_per_shape()
         if packed and self.device.type == "cuda":
-            from .kernels.w4a16 import warmup
+            from .kernels.w4a16 import prefill_buckets, warmup
 
-            # compile the kernels and size their buffers outside the graphs (one weight per shape)
             shapes, gate_up, group_size = packed
-            warmup(shapes, group_size, self._bucket_sizes, self.dtype, self.device, act_mul=gate_up,
-                   activation=self.activation)
+            warmup([p for p, _ in shapes], group_size, buckets, self.dtype, self.device,
+                   act_mul=[p for p, _ in gate_up], activation=self.activation, biased=[b for _, b in shapes],
+                   act_mul_biased=[b for _, b in gate_up])
+            if max_rows:
+                warmup([p for p, _ in shapes], group_size, prefill_buckets(max_rows, buckets), self.dtype,
+                       self.device, biased=[b for _, b in shapes])
         dense = [lin for layer in self.layers for lin in self._linears(layer) if isinstance(lin, Linear) and lin.gemv]
         if dense:
             from .kernels import gemv
 
-            # the Triton GEMV's kernels and split-K buffers, before capture (one weight per shape)
-            shapes = {tuple(lin.weight.shape): lin.weight for lin in dense}
-            down = {tuple(lyr.down.weight.shape): lyr.down.weight for lyr in self.layers
+            shapes = {(tuple(lin.weight.shape), lin.bias is not None): lin.weight for lin in dense}
+            down = {(tuple(lyr.down.weight.shape), lyr.down.bias is not None): lyr.down.weight for lyr in self.layers
                     if self._fuse_silu_down and isinstance(lyr.down, Linear) and lyr.down.gemv}
-            gemv.warmup(list(shapes.values()), [1], self.dtype, self.device, silu_weights=list(down.values()))
+            gemv.warmup(list(shapes.values()), [1], self.dtype, self.device, silu_weights=list(down.values()),
+                        biased=[b for _, b in shapes], silu_biased=[b for _, b in down])
+
+    def _graph_variants(self) -> tuple[bool, ...]:
+        """Per bucket, the decode graphs: with cross-attention layers only where requests can have images."""
+        return (False, True) if self.xk_cache is not None and self.max_cross_rows > 0 else (False,)
+
+    def capture_graphs(self, max_batch: int) -> None:
+        """Capture the decode step for every batch bucket up to `max_batch` (CUDA only); a decoder with
+        cross-attention layers gets a second graph per bucket that runs them."""
+        self._bucket_sizes = self.buckets(max_batch)
+        # compile the linears' kernels and size their buffers outside the graphs
+        self._warm_linears(self._bucket_sizes)
         if self.use_graphs:
-            # the variant with cross-attention layers only where requests can have images
-            variants = (False, True) if self.xk_cache is not None and self.max_cross_rows > 0 else (False,)
             for B in reversed(self._bucket_sizes):  # largest first: later captures reuse its memory pool
-                for with_cross in variants:
+                for with_cross in self._graph_variants():
                     self._capture(B, with_cross)
 
     @staticmethod

@@ -184,11 +184,12 @@ class Engine:
         family_name = ed.family_name()
         vision_runner = ed.vision_runner()
         self.family = get_family(family_name)
-        self.processor = self.family.load_processor(ed.convert.processor, ed.convert.vision)
+        self.device = torch.device(resolve_device(opts.device))
+        with self._load_phase("processor"):  # the tokenizer and image processor (transformers' imports)
+            self.processor = self.family.load_processor(ed.convert.processor, ed.convert.vision)
         self.tokenizer = self.processor.tokenizer
         self.eos_ids = set(self.config.get("eos_token_ids") or [])
         self.model_name = self.config.get("name", engine_dir.name)
-        self.device = torch.device(resolve_device(opts.device))
         built = self.config["limits"]
         backend = self.config.get("backend", "torch")
         self.backend = backend
@@ -261,6 +262,8 @@ class Engine:
                                    keep_images_whole=whole_images, cross_pool=self.cross_pool)
         self.limits = EngineLimits(**lim, max_seq_len=max_seq, max_num_batched_tokens=budget,
                                    kv_cache_tokens=self.pool.capacity * opts.block_size, block_size=opts.block_size)
+        with phase("compile kernels"):  # what the three phases below would compile one by one, several at a time
+            self.decoder.compile_kernels(lim["max_batch_size"], budget + overshoot)
         with phase("decode graphs"):  # with an AWQ decoder's kernels for the decode batches
             self.decoder.capture_graphs(lim["max_batch_size"])
         with phase("prefill kernels"):
@@ -274,7 +277,7 @@ class Engine:
         """Time one phase of loading into `load_seconds` (GPU work included: synchronized at its end)."""
         t = time.perf_counter()
         yield
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.synchronize(self.device)
         self.load_seconds[name] = round(time.perf_counter() - t, 3)
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .compile_ahead import run as run_triton
 
 
 @triton.jit
@@ -49,10 +50,10 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     T, H = x.shape
     out = torch.empty_like(x) if out is None else out
     BLOCK = triton.next_power_of_2(H)
-    _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, weight, out, H, x.stride(0),
-                               residual.stride(0) if residual is not None else 0, out.stride(0), eps,
-                               HAS_RES=residual is not None, BLOCK=BLOCK, ONE_PLUS=one_plus,
-                               num_warps=8 if BLOCK >= 4096 else 4, **pdl.launch_kwargs(x.device))
+    run_triton(_add_rms_norm_kernel, (T,), x, residual if residual is not None else x, weight, out, H, x.stride(0),
+               residual.stride(0) if residual is not None else 0, out.stride(0), eps,
+               HAS_RES=residual is not None, BLOCK=BLOCK, ONE_PLUS=one_plus,
+               num_warps=8 if BLOCK >= 4096 else 4, **pdl.launch_kwargs(x.device))
     return out
 
 
@@ -85,10 +86,9 @@ def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n
     T = qkv.shape[0]
     if T == 0:
         return
-    _qk_norm_kernel[(T, n_q_heads + n_kv_heads)](qkv, q_weight, k_weight, qkv.stride(0), n_q_heads, eps,
-                                                 HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-                                                 ONE_PLUS=one_plus, num_warps=1 if head_dim <= 128 else 2,
-                                                 **pdl.launch_kwargs(qkv.device))
+    run_triton(_qk_norm_kernel, (T, n_q_heads + n_kv_heads), qkv, q_weight, k_weight, qkv.stride(0), n_q_heads, eps,
+               HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), ONE_PLUS=one_plus,
+               num_warps=1 if head_dim <= 128 else 2, **pdl.launch_kwargs(qkv.device))
 
 
 # positions and slots are often views that start past a step's decode rows: unspecialized, an odd number of
@@ -149,7 +149,8 @@ def rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Te
     if T == 0:
         return
     kc = k_cache if write else qkv
-    _rope_cache_kernel[(T, heads)](
+    run_triton(
+        _rope_cache_kernel, (T, heads),
         qkv, cos_sin, positions, slot_mapping if write else positions, kc, v_cache if write else qkv,
         qkv.stride(0), cos_sin.stride(0),
         kc.stride(0) if write else 0, kc.stride(1) if write else 0, kc.stride(2) if write else 0,
@@ -193,9 +194,8 @@ def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     inter = two_i // 2
     out = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
-    _act_mul_kernel[(T, triton.cdiv(inter, BLOCK))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
-                                                    BLOCK=BLOCK, ACT=ACTIVATIONS[activation], num_warps=4,
-                                                    **pdl.launch_kwargs(gate_up.device))
+    run_triton(_act_mul_kernel, (T, triton.cdiv(inter, BLOCK)), gate_up, out, inter, gate_up.stride(0), out.stride(0),
+               BLOCK=BLOCK, ACT=ACTIVATIONS[activation], num_warps=4, **pdl.launch_kwargs(gate_up.device))
     return out
 
 

@@ -17,6 +17,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .compile_ahead import compiling_only, parallel_compiles
+from .compile_ahead import run as run_triton
 from .w4a16 import _device_name, _dtype_name, _interpreting, _pow2, _split_for  # shared with the W4A16 kernels
 
 MAX_M = 4  # rows per call; the kernel runs one program per row and re-reads W for each (from L2)
@@ -168,7 +170,8 @@ def launch(x2, weight, config: Config, bias=None, *, silu: bool = False, out=Non
     if pdl["PDL"] and k % bk == 0 and (weight.stride(0) * weight.element_size()) % 16 == 0 \
             and weight.data_ptr() % 16 == 0:  # the bulk L2 prefetch needs 16-byte aligned rows
         pdl["L2PF"] = l2_prefetch_blocks("fp16")
-    kern._gemv_f16_kernel[(grid_n, m, split)](
+    run_triton(
+        kern._gemv_f16_kernel, (grid_n, m, split),
         x2, weight, bias if bias is not None else y, y, ws, cnt, m, n, k, x2.stride(0), weight.stride(0), split,
         BN=config.block_n, BK=bk, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, SILU=silu,
         PREFETCH=config.prefetch, num_warps=config.num_warps, num_stages=1, **pdl)
@@ -194,25 +197,39 @@ def gemv(x2, weight, bias=None, *, silu: bool = False):
                   silu=silu)
 
 
-def warmup(weights, m_values, dtype, device=None, *, silu_weights=()) -> None:
-    """Compile the kernels the given batch sizes select (with and without bias) and size the shared
-    split-K buffers, so that later calls and CUDA-graph capture neither compile nor allocate beyond
-    their outputs. weights: [N, K] tensors (one per distinct shape is enough); silu_weights: those
-    called with the fused SiLU·mul prologue (down_proj)."""
+def warmup(weights, m_values, dtype, device=None, *, silu_weights=(), biased=None, silu_biased=None) -> None:
+    """Compile the kernels the given batch sizes select and size the shared split-K buffers, so that later
+    calls and CUDA-graph capture neither compile nor allocate beyond their outputs. weights: [N, K] tensors
+    (one per distinct shape is enough); silu_weights: those called with the fused SiLU·mul prologue
+    (down_proj); biased / silu_biased: for each, whether its calls pass a bias (the kernel specializes on
+    it), None compiling both variants. The kernels compile several at a time first (`compile_ahead`)."""
     import torch
 
-    seen = set()
-    for ws, silu in ((weights, False), (silu_weights, True)):
-        for w in ws:
+    calls, seen = [], set()
+    for ws, flags, silu in ((weights, biased, False), (silu_weights, silu_biased, True)):
+        for w, bias_flags in zip(ws, [(False, True)] * len(ws) if flags is None else [(bool(f),) for f in flags]):
             n, k = w.shape
             dev = torch.device(device) if device is not None else w.device
             for m in m_values:
-                if m > MAX_M or (n, k, m, silu) in seen:
-                    continue
-                seen.add((n, k, m, silu))
-                x = torch.zeros(m, 2 * k if silu else k, dtype=dtype, device=dev)
-                gemv(x, w.to(dtype), silu=silu)
-                gemv(x, w.to(dtype), torch.zeros(n, dtype=dtype, device=dev), silu=silu)
+                for has_bias in bias_flags:
+                    if m <= MAX_M and (n, k, m, silu, has_bias) not in seen:
+                        seen.add((n, k, m, silu, has_bias))
+                        calls.append((w, m, silu, has_bias, dev))
+
+    def call(w, m, silu, has_bias, dev):
+        x = torch.zeros(m, 2 * w.shape[1] if silu else w.shape[1], dtype=dtype, device=dev)
+        gemv(x, w.to(dtype), torch.zeros(w.shape[0], dtype=dtype, device=dev) if has_bias else None, silu=silu)
+
+    if compiling_only():  # inside a compile pass (`TorchDecoder.compile_kernels`): the compiles only
+        for c in calls:
+            call(*c)
+        return
+    if any(c[-1].type == "cuda" for c in calls):
+        with parallel_compiles() as ahead:
+            for c in calls if ahead else ():
+                call(*c)
+    for c in calls:
+        call(*c)
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 

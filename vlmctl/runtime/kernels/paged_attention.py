@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .compile_ahead import run as run_triton
 
 
 @triton.jit
@@ -270,9 +271,9 @@ def _partials(out: torch.Tensor, num_splits: int, workspace) -> tuple:
 
 def _combine(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
     B, H, D = out.shape
-    _combine_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, num_splits, HEAD_DIM=D,
-                            D_PAD=triton.next_power_of_2(D), BLOCK_S=combine_width(num_splits),
-                            num_warps=4, **pdl.launch_kwargs(out.device))
+    run_triton(_combine_kernel, (B, H), part, ml, out, out.stride(0), out.stride(1), H, num_splits, HEAD_DIM=D,
+               D_PAD=triton.next_power_of_2(D), BLOCK_S=combine_width(num_splits), num_warps=4,
+               **pdl.launch_kwargs(out.device))
 
 
 def combine_in_attention() -> bool:
@@ -302,7 +303,8 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
     split = num_splits > 1
     part, ml, cnt = _partials(out, num_splits, workspace)
     fold = split and cnt is not None and combine_in_attention()
-    _decode_rope_kernel[(B, n_kv, num_splits)](
+    run_triton(
+        _decode_rope_kernel, (B, n_kv, num_splits),
         qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, out, part, ml,
         cnt if fold else ml, qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group,
@@ -328,7 +330,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     BLOCK_N = 64 if D <= 128 else 32
     split = num_splits > 1
     part, ml, _ = _partials(out, num_splits, workspace)
-    _decode_kernel[(B, Hkv, num_splits)](
+    run_triton(
+        _decode_kernel, (B, Hkv, num_splits),
         q, k_cache, v_cache, block_tables, context_lens, out, part, ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group, num_splits,

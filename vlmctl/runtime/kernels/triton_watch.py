@@ -32,10 +32,16 @@ def triton_compiles():
     if runtime is None:
         raise RuntimeError("this Triton does not report compilations (triton.knobs.runtime.jit_cache_hook)")
     seen: list[str] = []
+    keys: set = set()
     previous = runtime.jit_cache_hook
 
     def hook(*args, **kwargs):
-        seen.append(str(kwargs.get("repr", "?")))
+        # once per specialization: a compile submitted to a pool (compile_ahead) is reported at each launch
+        # until the pool finishes it
+        key = (str(kwargs.get("repr", "?")), str(kwargs.get("key")))
+        if key not in keys:
+            keys.add(key)
+            seen.append(key[0])
         # a hook that returns True makes Triton skip the compile: defer to any hook set before ours
         return previous(*args, **kwargs) if previous is not None else False
 

@@ -29,6 +29,8 @@ import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .compile_ahead import compiling_only, parallel_compiles
+from .compile_ahead import run as run_triton
 from ...formats.w4a16 import (FORMAT, KEYS, ORDER, PACK, check_packed, dequantize, pack, repack_awq_gemm,
                               repack_gemm_tensors, unpack, weight_bytes)
 
@@ -572,6 +574,8 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     if config.kernel == "dequant_mm":
         w = _buffer(x2.device, f"deq_{_dtype_name(x2.dtype)}", n * k, x2.dtype)[: n * k].view(n, k)
         dequantize_into(packed, group_size, w)
+        if compiling_only():  # (the warm-up's compile pass: cuBLAS needs no compile)
+            return out if out is not None else torch.empty(m, n, dtype=x2.dtype, device=x2.device)
         if out is None:
             return torch.nn.functional.linear(x2, w, bias)
         torch.mm(x2, w.t(), out=out)
@@ -580,6 +584,8 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     y = out if out is not None else torch.empty(m, n_out, dtype=x2.dtype, device=x2.device)
     if m == 0 or n == 0:
         return y
+    if compiling_only() and config.kernel in ("wgmma", "mma", "mma_gemv", "gemv_cuda"):
+        return y  # NVRTC kernels: `precompile_selected` compiles them, several at a time
     if config.kernel == "wgmma":
         if not wgmma_runs(x2, qw):
             raise ValueError("the wgmma kernel needs fp16 or bf16 x on an sm_90 GPU with 16-byte aligned rows and "
@@ -636,11 +642,11 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
         common["KMAJOR"] = True
     args = (x2, qw, s, z, b, y, ws, cnt, m, n, k, x2.stride(0), split, MAGIC, MAGIC16)
     if config.kernel == "gemv":
-        kern._gemv_kernel[grid](*args, **common)
+        run_triton(kern._gemv_kernel, grid, *args, **common)
     elif config.kernel == "gemv_h2":
-        kern._gemv_h2_kernel[grid](*args, RUNW=config.run_words, ASM=not _interpreting(), **common)
+        run_triton(kern._gemv_h2_kernel, grid, *args, RUNW=config.run_words, ASM=not _interpreting(), **common)
     elif config.kernel == "dot":
-        kern._dot_kernel[grid](*args, BM=config.block_m, **common)
+        run_triton(kern._dot_kernel, grid, *args, BM=config.block_m, **common)
     else:
         raise ValueError(f"unknown kernel {config.kernel!r}")
     return y
@@ -1000,9 +1006,9 @@ def dequantize_into(packed: dict, group_size: int, w, block_n: int = 64, block_k
     n, k = qw.shape[0], qw.shape[1] * PACK
     bk = _fit_block_k(block_k, k, group_size)
     ngb, wpg = (bk // group_size, group_size // PACK) if bk >= group_size else (1, bk // PACK)
-    kern._dequant_kernel[(triton_cdiv(n, block_n), k // bk)](
-        qw, s, z, w, n, k, MAGIC, MAGIC16, G=group_size, BN=block_n, BK=bk, NGB=ngb, WPG=wpg,
-        ASM=not _interpreting(), num_warps=4)
+    run_triton(kern._dequant_kernel, (triton_cdiv(n, block_n), k // bk),
+               qw, s, z, w, n, k, MAGIC, MAGIC16, G=group_size, BN=block_n, BK=bk, NGB=ngb, WPG=wpg,
+               ASM=not _interpreting(), num_warps=4)
 
 
 def w4a16_linear(x, packed: dict, group_size: int, bias=None):
@@ -1082,37 +1088,58 @@ def precompile_selected(shapes, group_size: int, m_values, dtype, device) -> int
     return sum(cuda_rtc.precompile(src, names, arch) for (src, arch), names in builds.items())
 
 
-def warmup(packed_list, group_size: int, m_values, dtype, device=None, *, act_mul=(), activation="silu") -> None:
-    """Compile every kernel the given batch sizes select (with and without a bias) and size the shared
-    buffers, so that later calls (and CUDA-graph capture) neither compile nor allocate beyond their
-    outputs. `packed_list`: the packed weights (or one per distinct (N, K)) that will be called;
-    `act_mul`: the gate_up weights that will also be called through `w4a16_act_mul` with `activation`.
-    Triton specializes on 16-byte alignment of the pointers: inputs in graphs should be allocations
-    (or views starting at such an offset), as the warm-up's are."""
+def warmup(packed_list, group_size: int, m_values, dtype, device=None, *, act_mul=(), activation="silu",
+           biased=None, act_mul_biased=None) -> None:
+    """Compile every kernel the given batch sizes select and size the shared buffers, so that later calls
+    (and CUDA-graph capture) neither compile nor allocate beyond their outputs. `packed_list`: the packed
+    weights (or one per distinct (N, K)) that will be called; `act_mul`: the gate_up weights that will also
+    be called through `w4a16_act_mul` with `activation`. `biased` / `act_mul_biased`: for each of those,
+    whether its calls pass a bias (a kernel specializes on it); None compiles both variants.
+    The NVRTC kernels compile first, several at a time, then the Triton kernels (`compile_ahead`), then
+    every call runs once. Triton specializes on 16-byte alignment of the pointers: inputs in graphs should
+    be allocations (or views starting at such an offset), as the warm-up's are."""
     import torch
 
-    if packed_list:
-        dev0 = torch.device(device) if device is not None else packed_list[0]["q4weight"].device
-        precompile_selected({(p["q4weight"].shape[0], p["q4weight"].shape[1] * PACK) for p in packed_list},
-                            group_size, m_values, dtype, dev0)
-    seen = set()
-    for packed in packed_list:
+    def variants(flags, items):
+        return [(False, True)] * len(items) if flags is None else [(bool(f),) for f in flags]
+
+    calls, seen = [], set()
+    for packed, bias_flags in zip(packed_list, variants(biased, packed_list)):
         qw = packed["q4weight"]
         dev = torch.device(device) if device is not None else qw.device
         n, k = qw.shape[0], qw.shape[1] * PACK
         for m in m_values:
-            if (n, k, m) in seen:
-                continue
-            seen.add((n, k, m))
-            x = torch.zeros(m, k, dtype=dtype, device=dev)
-            w4a16_linear(x, packed, group_size)
-            w4a16_linear(x, packed, group_size, torch.zeros(n, dtype=dtype, device=dev))
-    for packed in act_mul if 1 in m_values else ():  # `w4a16_act_mul` fuses one-row calls only
-        qw = packed["q4weight"]
-        dev = torch.device(device) if device is not None else qw.device
-        x = torch.zeros(1, qw.shape[1] * PACK, dtype=dtype, device=dev)
-        w4a16_act_mul(x, packed, group_size, activation)
-        w4a16_act_mul(x, packed, group_size, activation, torch.zeros(qw.shape[0], dtype=dtype, device=dev))
+            for has_bias in bias_flags:
+                if (n, k, m, has_bias) not in seen:
+                    seen.add((n, k, m, has_bias))
+                    calls.append((w4a16_linear, packed, n, k, m, has_bias, dev))
+    if 1 in m_values:  # `w4a16_act_mul` fuses one-row calls only
+        for packed, bias_flags in zip(act_mul, variants(act_mul_biased, act_mul)):
+            qw = packed["q4weight"]
+            dev = torch.device(device) if device is not None else qw.device
+            calls += [(w4a16_act_mul, packed, qw.shape[0], qw.shape[1] * PACK, 1, hb, dev) for hb in bias_flags]
+
+    def call(fn, packed, n, k, m, has_bias, dev):
+        x = torch.zeros(m, k, dtype=dtype, device=dev)
+        bias = torch.zeros(n, dtype=dtype, device=dev) if has_bias else None
+        if fn is w4a16_act_mul:
+            return fn(x, packed, group_size, activation, bias)
+        return fn(x, packed, group_size, bias)
+
+    if compiling_only():  # inside a compile pass (`TorchDecoder.compile_kernels`): the Triton compiles only
+        for c in calls:
+            call(*c)
+        return
+    if packed_list:
+        dev0 = torch.device(device) if device is not None else packed_list[0]["q4weight"].device
+        precompile_selected({(p["q4weight"].shape[0], p["q4weight"].shape[1] * PACK) for p in packed_list},
+                            group_size, m_values, dtype, dev0)
+    if any(c[-1].type == "cuda" for c in calls):
+        with parallel_compiles() as ahead:
+            for c in calls if ahead else ():
+                call(*c)
+    for c in calls:
+        call(*c)
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 

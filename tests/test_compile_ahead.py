@@ -1,0 +1,127 @@
+"""The warm-ups' parallel Triton compiles (`vlmctl.runtime.kernels.compile_ahead`): inside
+`parallel_compiles()` a launch only compiles, on a thread pool; after it the same launches run and compile
+nothing. The pool needs a GPU (Triton compiles for the device in use); off it the context is a no-op that
+callers see and skip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_w4a16 import _case, _check
+
+from vlmctl.runtime.kernels import compile_ahead
+from vlmctl.runtime.kernels import w4a16 as W
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def test_workers_setting(monkeypatch):
+    monkeypatch.setenv("VLMCTL_COMPILE_WORKERS", "3")
+    assert compile_ahead.workers() == 3
+    monkeypatch.setenv("VLMCTL_COMPILE_WORKERS", "0")
+    assert compile_ahead.workers() == 1
+    monkeypatch.setenv("VLMCTL_COMPILE_WORKERS", "many")
+    with pytest.raises(ValueError, match="VLMCTL_COMPILE_WORKERS"):
+        compile_ahead.workers()
+    monkeypatch.delenv("VLMCTL_COMPILE_WORKERS")
+    assert 1 <= compile_ahead.workers() <= 8
+
+
+def test_off_where_nothing_compiles_ahead(monkeypatch):
+    """One worker, or Triton's interpreter: the block yields False, compiles nothing and `run` launches."""
+    monkeypatch.setenv("VLMCTL_COMPILE_WORKERS", "1")
+    assert not compile_ahead.available()
+    with compile_ahead.parallel_compiles() as ahead:
+        assert ahead is False and not compile_ahead.compiling_only()
+    monkeypatch.delenv("VLMCTL_COMPILE_WORKERS")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not compile_ahead.available()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter's path; on a GPU the GPU tests below cover it")
+def test_warmup_without_the_pool_still_runs_every_call(monkeypatch):
+    """Under the interpreter the warm-up skips its compile pass and its calls run (and are right)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = 32
+    p = _case(24, 64, g, seed=3, device="cpu")
+    W.warmup([p], g, [1, 2], torch.float16, torch.device("cpu"), biased=[False])
+    x = torch.randn(2, 64).half()
+    _check(W.w4a16_linear(x, p, g), x, p, g, None, torch.float16)
+
+
+def _watch_compiles():
+    """(context manager, list) recording, per Triton compile, whether it ran in a compile-only pass."""
+    from vlmctl.runtime.kernels import triton_watch
+
+    if not triton_watch.available():
+        pytest.skip("this Triton does not report compilations")
+    import triton
+
+    flags: list[bool] = []
+    rt = triton.knobs.runtime
+
+    class Watch:
+        def __enter__(self):
+            self.prev = rt.jit_cache_hook
+
+            def hook(*a, **k):
+                flags.append(compile_ahead.compiling_only())
+                return self.prev(*a, **k) if self.prev is not None else False
+
+            rt.jit_cache_hook = hook
+
+        def __exit__(self, *exc):
+            rt.jit_cache_hook = self.prev
+
+    return Watch(), flags
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_warmup_compiles_everything_in_the_parallel_pass(monkeypatch):
+    """A W4A16 warm-up at shapes no other test uses (so its kernels are new to this process): every Triton
+    compile falls in the compile-only pass, the calls after it compile nothing, and results are right. The
+    bias variant not asked for is not compiled."""
+    monkeypatch.delenv("VLMCTL_COMPILE_WORKERS", raising=False)
+    if not compile_ahead.available():
+        pytest.skip("this Triton has no AsyncCompileMode")
+    for name in ("VLMCTL_W4A16_MMA_HEURISTIC", "VLMCTL_W4A16_MMA_GEMV", "VLMCTL_W4A16_WGMMA", "VLMCTL_W4A16_GEMV_CUDA"):
+        monkeypatch.setenv(name, "0")  # the Triton kernels at every row count (the NVRTC ones compile apart)
+    g = 64
+    dev = torch.device("cuda")
+    p = _case(1088, 1472, g, seed=11, device="cuda")  # K = 23 groups: a specialization of its own
+    watch, flags = _watch_compiles()
+    with watch:
+        W.warmup([p], g, [1, 3, 200, 1100], torch.float16, dev, biased=[True])
+    assert flags and all(flags), flags  # compiled ahead, none at the real calls
+    bias = torch.randn(1088, device=dev).half()
+    watch2, later = _watch_compiles()
+    with watch2:
+        for m in (1, 3, 200, 1100):
+            x = torch.randn(m, 1472, device=dev).half()
+            _check(W.w4a16_linear(x, p, g, bias), x, p, g, bias, torch.float16)
+    assert later == []
+    with watch2:  # no bias: a variant the warm-up was told is never called, so it compiles now
+        W.w4a16_linear(torch.randn(3, 1472, device=dev).half(), p, g)
+    assert later, "the bias-less variant should not have been compiled by a warm-up asked for biased calls only"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_compile_only_launch_leaves_the_output_untouched(monkeypatch):
+    monkeypatch.delenv("VLMCTL_COMPILE_WORKERS", raising=False)
+    if not compile_ahead.available():
+        pytest.skip("this Triton has no AsyncCompileMode")
+    g = 128
+    p = _case(1040, 1152, g, seed=12, device="cuda")
+    x = torch.randn(5, 1152, device="cuda").half()
+    cfg = W.Config("dot", block_n=64, block_k=128, block_m=16, num_warps=4, num_stages=2)
+    y = torch.full((5, 1040), float("nan"), device="cuda", dtype=torch.float16)
+    with compile_ahead.parallel_compiles() as ahead:
+        assert ahead
+        W.launch(x, p, g, cfg, out=y)
+    torch.cuda.synchronize()
+    assert torch.isnan(y).all()  # compiled, not run
+    W.launch(x, p, g, cfg, out=y)
+    _check(y, x, p, g, None, torch.float16)
