@@ -225,15 +225,24 @@ def test_captured_graphs_keep_their_workspaces_alive(fp16_engine, monkeypatch):
 
     from vlmctl.runtime.decoder import TorchDecoder
 
-    made = []
-    real = TorchDecoder._workspace
+    made, capturing = [], [False]
+    real, real_capture = TorchDecoder._workspace, TorchDecoder._capture
 
-    def recording(self, B, splits):
+    def recording(self, B, splits):  # the workspaces of captured steps (the compile pass's are its own)
         ws = real(self, B, splits)
-        made.extend(weakref.ref(t) for t in ws or ())
+        if capturing[0]:
+            made.extend(weakref.ref(t) for t in ws or ())
         return ws
 
+    def capture(self, *a, **k):
+        capturing[0] = True
+        try:
+            return real_capture(self, *a, **k)
+        finally:
+            capturing[0] = False
+
     monkeypatch.setattr(TorchDecoder, "_workspace", recording)
+    monkeypatch.setattr(TorchDecoder, "_capture", capture)
     eng, _ = run(fp16_engine, n=1, cuda_graphs=True)
     gc.collect()
     assert eng.decoder.use_graphs and made, "no captured step here uses split workspaces: nothing tested"
