@@ -29,6 +29,7 @@ any image request replays a graph captured without them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -874,6 +875,7 @@ class TorchDecoder:
 
             nvrtc = threading.Thread(target=precompile, name="vlmctl-nvrtc", daemon=True)
             nvrtc.start()
+        ahead = False
         try:
             with compile_ahead.parallel_compiles() as ahead, torch.inference_mode():
                 if ahead:
@@ -883,6 +885,10 @@ class TorchDecoder:
                             self._graph_inputs(B, with_cross)[1]()
                     for chunks in self.warm_steps(max_batch):
                         self.forward(chunks)
+        except Exception as e:  # only a speed-up: the phases after it compile what it did not, or raise there
+            logging.getLogger("vlmctl.runtime").warning("the parallel compile pass stopped (%s: %s); the kernels "
+                                                        "it missed compile one by one", type(e).__name__, e)
+            ahead = False
         finally:
             if nvrtc is not None:
                 nvrtc.join()
