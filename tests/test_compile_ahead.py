@@ -39,6 +39,27 @@ def test_off_where_nothing_compiles_ahead(monkeypatch):
     assert not compile_ahead.available()
 
 
+def test_warm_order_of_work(monkeypatch):
+    """`warm`: outside a compile pass, the caller's preparation (NVRTC) first, then every call once (no pool
+    here: the interpreter); inside one, the calls only, as compiles, and no preparation (its own thread
+    does that)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    log = []
+    compile_ahead.warm([(1,), (2,)], lambda i: log.append(("call", i, compile_ahead.compiling_only())), gpu=True,
+                       prepare=lambda: log.append(("prepare",)))
+    assert log == [("prepare",), ("call", 1, False), ("call", 2, False)]
+    log.clear()
+    token = compile_ahead._COMPILE_ONLY.set(True)  # as inside TorchDecoder.compile_kernels' pass
+    try:
+        with compile_ahead.parallel_compiles() as ahead:  # nested: the enclosing pass's pool takes them
+            assert ahead is True
+        compile_ahead.warm([(1,)], lambda i: log.append(("call", i, compile_ahead.compiling_only())), gpu=True,
+                           prepare=lambda: log.append(("prepare",)))
+    finally:
+        compile_ahead._COMPILE_ONLY.reset(token)
+    assert log == [("call", 1, True)]
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter's path; on a GPU the GPU tests below cover it")
 def test_warmup_without_the_pool_still_runs_every_call(monkeypatch):
     """Under the interpreter the warm-up skips its compile pass and its calls run (and are right)."""

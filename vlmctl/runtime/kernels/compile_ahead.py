@@ -89,4 +89,23 @@ def parallel_compiles():
         _COMPILE_ONLY.reset(token)
 
 
-__all__ = ["available", "compiling_only", "parallel_compiles", "run", "workers"]
+def warm(calls, call, *, gpu: bool, prepare=None) -> None:
+    """Make a warm-up's calls (`call(*c)` for each of `calls`) with their Triton kernels compiled several at a
+    time. Inside an enclosing `parallel_compiles` block, only their compiles are submitted. Otherwise
+    `prepare()` runs first (a caller's NVRTC precompile), then, on a GPU, one compile-only pass on the pool,
+    then every call for real."""
+    if _COMPILE_ONLY.get():
+        for c in calls:
+            call(*c)
+        return
+    if prepare is not None:
+        prepare()
+    if gpu:
+        with parallel_compiles() as ahead:
+            for c in calls if ahead else ():
+                call(*c)
+    for c in calls:
+        call(*c)
+
+
+__all__ = ["available", "compiling_only", "parallel_compiles", "run", "warm", "workers"]

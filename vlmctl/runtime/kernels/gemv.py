@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .compile_ahead import compiling_only, parallel_compiles
+from .compile_ahead import warm
 from .compile_ahead import run as run_triton
 from .w4a16 import _device_name, _dtype_name, _interpreting, _pow2, _split_for  # shared with the W4A16 kernels
 
@@ -220,16 +220,7 @@ def warmup(weights, m_values, dtype, device=None, *, silu_weights=(), biased=Non
         x = torch.zeros(m, 2 * w.shape[1] if silu else w.shape[1], dtype=dtype, device=dev)
         gemv(x, w.to(dtype), torch.zeros(w.shape[0], dtype=dtype, device=dev) if has_bias else None, silu=silu)
 
-    if compiling_only():  # inside a compile pass (`TorchDecoder.compile_kernels`): the compiles only
-        for c in calls:
-            call(*c)
-        return
-    if any(c[-1].type == "cuda" for c in calls):
-        with parallel_compiles() as ahead:
-            for c in calls if ahead else ():
-                call(*c)
-    for c in calls:
-        call(*c)
+    warm(calls, call, gpu=any(c[-1].type == "cuda" for c in calls))
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -29,7 +29,7 @@ import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .compile_ahead import compiling_only, parallel_compiles
+from .compile_ahead import compiling_only, warm
 from .compile_ahead import run as run_triton
 from ...formats.w4a16 import (FORMAT, KEYS, ORDER, PACK, check_packed, dequantize, pack, repack_awq_gemm,
                               repack_gemm_tensors, unpack, weight_bytes)
@@ -1126,20 +1126,13 @@ def warmup(packed_list, group_size: int, m_values, dtype, device=None, *, act_mu
             return fn(x, packed, group_size, activation, bias)
         return fn(x, packed, group_size, bias)
 
-    if compiling_only():  # inside a compile pass (`TorchDecoder.compile_kernels`): the Triton compiles only
-        for c in calls:
-            call(*c)
-        return
-    if packed_list:
-        dev0 = torch.device(device) if device is not None else packed_list[0]["q4weight"].device
-        precompile_selected({(p["q4weight"].shape[0], p["q4weight"].shape[1] * PACK) for p in packed_list},
-                            group_size, m_values, dtype, dev0)
-    if any(c[-1].type == "cuda" for c in calls):
-        with parallel_compiles() as ahead:
-            for c in calls if ahead else ():
-                call(*c)
-    for c in calls:
-        call(*c)
+    def precompile():  # the NVRTC kernels, 16 at a time (inside a compile pass, its own thread does this)
+        if packed_list:
+            dev0 = torch.device(device) if device is not None else packed_list[0]["q4weight"].device
+            precompile_selected({(p["q4weight"].shape[0], p["q4weight"].shape[1] * PACK) for p in packed_list},
+                                group_size, m_values, dtype, dev0)
+
+    warm(calls, call, gpu=any(c[-1].type == "cuda" for c in calls), prepare=precompile)
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
