@@ -146,3 +146,24 @@ def test_gpu_compile_only_launch_leaves_the_output_untouched(monkeypatch):
     assert torch.isnan(y).all()  # compiled, not run
     W.launch(x, p, g, cfg, out=y)
     _check(y, x, p, g, None, torch.float16)
+
+
+def test_load_bench_child_reports_every_phase(tiny_llava_engine, tmp_path):
+    """`benchmarks/load_gpu.py --child` (what the GPU test above and the load benchmark run) loads an engine in
+    its own process and reports each load phase, on the CPU too (where nothing compiles)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_CACHE_DIR=str(tmp_path / "triton"),
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "load_gpu.py"), "--child", str(tiny_llava_engine),
+                           "--kv-cache-tokens", "512"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert list(r["phases_s"]) == ["processor", "decoder weights", "vision", "compile kernels", "decode graphs",
+                                   "prefill kernels", "warm steps"]
+    assert r["engine_s"] >= sum(r["phases_s"].values()) - 0.01 and r["triton_compiles_per_phase"] == {}
