@@ -22,7 +22,9 @@ def test_workers_setting(monkeypatch):
     monkeypatch.setenv("VLMCTL_COMPILE_WORKERS", "0")
     assert compile_ahead.workers() == 1
     monkeypatch.setenv("VLMCTL_COMPILE_WORKERS", "many")
-    with pytest.raises(ValueError, match="VLMCTL_COMPILE_WORKERS"):
+    from vlmctl.errors import OptionError
+
+    with pytest.raises(OptionError, match="VLMCTL_COMPILE_WORKERS must be an integer, not 'many'"):
         compile_ahead.workers()
     monkeypatch.delenv("VLMCTL_COMPILE_WORKERS")
     assert 1 <= compile_ahead.workers() <= 8

@@ -40,7 +40,9 @@ def workers() -> int:
         try:
             return max(1, int(env))
         except ValueError:
-            raise ValueError(f"VLMCTL_COMPILE_WORKERS must be an integer, not {env!r}") from None
+            from ...errors import OptionError  # one line and exit code 2 from the CLI, not an engine failure
+
+            raise OptionError(f"VLMCTL_COMPILE_WORKERS must be an integer, not {env!r}") from None
     return max(1, min(8, os.cpu_count() or 1))
 
 
