@@ -8,7 +8,8 @@ process, so neither engine finds kernels the other compiled:
 - warm: the same process again with the caches that cold load filled.
 Reported per load: `Engine.load_seconds` (decoder weights, vision, decode graphs with an AWQ decoder's
 decode-batch kernels, prefill kernels, warm steps), the whole `Engine(...)` time, and the Triton kernels
-compiled (or loaded from the disk cache) in each phase. Engines alternate (fp16, AWQ, AWQ, fp16, ...) so that
+compiled (or loaded from the disk cache) and the C extensions Triton built with gcc (kernel launchers) in each
+phase. Engines alternate (fp16, AWQ, AWQ, fp16, ...) so that
 neither always goes first on a machine.
 
     python benchmarks/load_gpu.py --work /var/tmp/vb [--rounds 2] [--env-cases "" "VLMCTL_COMPILE_WORKERS=1"]
@@ -42,6 +43,7 @@ def child(engine: str, kv_cache_tokens: int | None = None) -> None:
 
     t_import = time.perf_counter() - t_import
     compiles: dict[str, int] = {}
+    builds: dict[str, int] = {}
     phase = ["(outside a phase)"]
     original = engine_mod.Engine._load_phase
 
@@ -73,6 +75,7 @@ def child(engine: str, kv_cache_tokens: int | None = None) -> None:
                 return inner(*a, **k)
 
             hook_runtime.jit_cache_hook = per_phase
+            count_c_builds(builds, phase)
         try:
             opts = {"kv_cache_tokens": kv_cache_tokens} if kv_cache_tokens else {}
             eng = engine_mod.Engine(Path(engine), **opts)
@@ -87,7 +90,29 @@ def child(engine: str, kv_cache_tokens: int | None = None) -> None:
 
     print(json.dumps({"code": str(Path(vlmctl.__file__).parent), "engine_s": round(total, 3), "import_s": round(t_import, 3), "phases_s": eng.load_seconds,
                       "other_s": round(other, 3), "triton_compiles": len(seen), "triton_compiles_per_phase": compiles,
-                      "triton_kernels": [k.split("(")[0][:200] for k in seen]}), flush=True)
+                      "c_builds_per_phase": builds,
+                      "triton_kernels": sorted({k.split("[")[0][:200] for k in seen})}), flush=True)
+
+
+def count_c_builds(builds: dict, phase: list) -> None:
+    """Count each C extension Triton builds with gcc (a kernel's launcher, its driver's utilities) under the
+    phase running at the time (`phase[0]`). Wraps `triton.runtime.build._build`, where Triton 3.x calls the C
+    compiler; a Triton without it is not counted."""
+    import threading
+
+    from triton.runtime import build
+
+    inner = getattr(build, "_build", None)
+    if inner is None:
+        return
+    lock = threading.Lock()
+
+    def counted(*a, **k):
+        with lock:
+            builds[phase[0]] = builds.get(phase[0], 0) + 1
+        return inner(*a, **k)
+
+    build._build = counted
 
 
 def load_once(engine: Path, env: dict) -> dict:
@@ -159,7 +184,8 @@ def main() -> None:
                     print(f"{name:4s} {cache} [{case or 'defaults'}] Engine() {r['engine_s']:.2f} s (process "
                           f"{r['process_s']:.1f} s), Triton compiles {r['triton_compiles']}: "
                           + ", ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items()) + f", other {r['other_s']:.2f}"
-                          + f"  | compiles per phase {r['triton_compiles_per_phase']}", flush=True)
+                          + f"  | compiles per phase {r['triton_compiles_per_phase']}"
+                          + f", C builds per phase {r.get('c_builds_per_phase')}", flush=True)
     for case in args.env_cases:
         for cache in ("cold", "warm"):
             line = []

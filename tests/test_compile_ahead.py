@@ -169,3 +169,48 @@ def test_load_bench_child_reports_every_phase(tiny_llava_engine, tmp_path):
     assert list(r["phases_s"]) == ["processor", "decoder weights", "vision", "compile kernels", "decode graphs",
                                    "prefill kernels", "warm steps"]
     assert r["engine_s"] >= sum(r["phases_s"].values()) - 0.01 and r["triton_compiles_per_phase"] == {}
+
+
+def test_a_launcher_that_cannot_be_built_ahead_leaves_the_compile_as_it_is(monkeypatch):
+    """The pool's compile also builds the kernel's launcher; where that fails (here: no GPU driver, or an
+    object that is no compiled kernel) the compiled kernel is still returned, and its first launch builds
+    the launcher again and reports the error there."""
+    if HAS_CUDA:
+        pytest.skip("on a GPU the launcher builds; test_gpu_pool_builds_the_launchers covers it")
+    compiled = object()
+    assert compile_ahead._compile_with_launcher(lambda: compiled) is compiled
+    with pytest.raises(Exception):
+        compile_ahead.build_launcher(compiled)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_pool_builds_the_launchers(monkeypatch, tmp_path):
+    """On an empty Triton cache, a warm-up's compile pass builds each launcher its new kernels need on the
+    pool's threads (`triton.runtime.build._build`, Triton's gcc call, counted per thread): the warm-up's
+    real calls, made after the pass, build none."""
+    import threading
+
+    from triton.runtime import build
+
+    monkeypatch.delenv("VLMCTL_COMPILE_WORKERS", raising=False)
+    if not compile_ahead.available() or not hasattr(build, "_build"):
+        pytest.skip("this Triton has no AsyncCompileMode or no triton.runtime.build._build")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compile_ahead, "_launchers_built", set())
+    for name in ("VLMCTL_W4A16_MMA_HEURISTIC", "VLMCTL_W4A16_MMA_GEMV", "VLMCTL_W4A16_WGMMA", "VLMCTL_W4A16_GEMV_CUDA"):
+        monkeypatch.setenv(name, "0")
+    inner = build._build
+    where: list[str] = []
+
+    def counted(*a, **k):
+        where.append(threading.current_thread().name)
+        return inner(*a, **k)
+
+    monkeypatch.setattr(build, "_build", counted)
+    g = 64
+    dev = torch.device("cuda")
+    p = _case(1112, 1600, g, seed=13, device="cuda")  # K = 25 groups: kernels no other test compiles
+    W.warmup([p], g, [1, 5, 300], torch.float16, dev, biased=[False])
+    assert where, "the warm-up built no launcher on an empty Triton cache"
+    assert all(n.startswith("vlmctl-compile") for n in where), where

@@ -318,8 +318,8 @@ def test_serving_compiles_no_triton_kernel_after_load(which, graphs, request):
 @pytest.mark.parametrize("which", ["fp16_engine", "awq_engine"])
 def test_load_compiles_its_triton_kernels_in_one_parallel_pass(which, request, tmp_path):
     """A new process on an empty Triton cache (`benchmarks/load_gpu.py --child`): every Triton kernel the engine
-    compiles while it loads is compiled in its "compile kernels" phase, on a thread pool; the phases after it
-    (decode graphs, prefill kernels, warm steps) find each one compiled."""
+    compiles while it loads is compiled in its "compile kernels" phase, on a thread pool, and its launcher built
+    there; the phases after it (decode graphs, prefill kernels, warm steps) find each one compiled."""
     import json
     import os
     import subprocess
@@ -342,3 +342,7 @@ def test_load_compiles_its_triton_kernels_in_one_parallel_pass(which, request, t
     per_phase = r["triton_compiles_per_phase"]
     assert per_phase.get("compile kernels"), r
     assert set(per_phase) == {"compile kernels"}, per_phase
+    # the kernels' launchers (C extensions built with gcc at a kernel's first launch) are built in that pass too
+    builds = r["c_builds_per_phase"]
+    assert builds.get("compile kernels"), r
+    assert not set(builds) & {"decode graphs", "prefill kernels", "warm steps"}, builds

@@ -6,16 +6,25 @@ to a thread pool (Triton's AsyncCompileMode) and returns; the block's exit waits
 then makes the same launches for real, which find every kernel compiled. NVRTC kernels have their own
 parallel precompile (`cuda_rtc.precompile`); callers skip their launches while `compiling_only()`.
 
+Each pooled compile also builds its kernel's launcher: the small C extension Triton compiles with gcc for each
+new argument signature at a kernel's first launch, one after another (`build_launcher`). Built in the pool,
+it lands in Triton's cache, where that first launch finds it.
+
 Threads, not processes: Triton's compile pipeline holds the GIL for part of its work but not while ptxas
-runs (four sm_90 GEMV compiles took 2.07 s on two threads against 2.72 s one after another, on the 2-core
-development machine, without a GPU). `VLMCTL_COMPILE_WORKERS=1` turns it off.
+or gcc runs (four sm_90 GEMV compiles took 2.07 s on two threads against 2.72 s one after another, on the
+2-core development machine, without a GPU). `VLMCTL_COMPILE_WORKERS=1` turns it off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import logging
 import os
+import threading
+
+log = logging.getLogger(__name__)
 
 _COMPILE_ONLY = contextvars.ContextVar("vlmctl_triton_compile_only", default=False)
 
@@ -66,6 +75,49 @@ def available() -> bool:
         return False
 
 
+_launcher_guard = threading.Lock()
+_launcher_locks: dict[str, threading.Lock] = {}
+_launchers_built: set[str] = set()
+
+
+def build_launcher(kernel) -> bool:
+    """Build a compiled Triton kernel's launcher into Triton's cache, once per process and signature (kernels
+    that share one share its launcher). Returns whether this call built it. Needs Triton's GPU driver."""
+    from triton.runtime.driver import driver
+
+    src, metadata = kernel.src, kernel.metadata
+    # what the launcher's C source is made of (triton/backends/nvidia/driver.py, CudaLauncher)
+    key = repr((src.signature, getattr(src, "constants", None), getattr(metadata, "tensordesc_meta", None)))
+    with _launcher_guard:
+        lock = _launcher_locks.setdefault(key, threading.Lock())
+    with lock:  # two threads with one signature: the second waits, then finds it built
+        if key in _launchers_built:
+            return False
+        driver.active.launcher_cls(src, metadata)
+        _launchers_built.add(key)
+        return True
+
+
+def _compile_with_launcher(compile_fn):
+    kernel = compile_fn()
+    try:
+        build_launcher(kernel)
+    except Exception as e:  # the kernel's first launch builds it again and raises where it belongs
+        log.debug("launcher not built ahead: %s: %s", type(e).__name__, e)
+    return kernel
+
+
+@functools.cache
+def _launcher_building_mode(mode_cls):
+    """`mode_cls` (Triton's AsyncCompileMode) whose pooled compiles also build their kernels' launchers."""
+
+    class LauncherBuildingCompileMode(mode_cls):
+        def submit(self, key, compile_fn, *rest):  # Triton 3.4-3.6 pass finalize_fn, 3.7+ also cleanup_fn
+            return super().submit(key, functools.partial(_compile_with_launcher, compile_fn), *rest)
+
+    return LauncherBuildingCompileMode
+
+
 @contextlib.contextmanager
 def parallel_compiles():
     """Inside the block, launches through `run` compile on a thread pool instead of running (yields True);
@@ -79,7 +131,7 @@ def parallel_compiles():
         return
     from concurrent.futures import ThreadPoolExecutor
 
-    mode_cls = _async_compile_mode()
+    mode_cls = _launcher_building_mode(_async_compile_mode())
     token = _COMPILE_ONLY.set(True)
     try:
         with ThreadPoolExecutor(max_workers=workers(), thread_name_prefix="vlmctl-compile") as pool:
@@ -110,4 +162,4 @@ def warm(calls, call, *, gpu: bool, prepare=None) -> None:
         call(*c)
 
 
-__all__ = ["available", "compiling_only", "parallel_compiles", "run", "warm", "workers"]
+__all__ = ["available", "build_launcher", "compiling_only", "parallel_compiles", "run", "warm", "workers"]
