@@ -10,11 +10,13 @@ attends, over the copy bandwidth measured in the same run.
 
     python benchmarks/decode_gpu.py --batches 1 8 64 --steps 64
     python benchmarks/decode_gpu.py --awq          # also the 4-bit AWQ decoder (W4A16 kernels)
+    python benchmarks/decode_gpu.py --awq --batches 1 --without norms attention   # what those parts cost
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -255,6 +257,37 @@ def profile_graph_steps(dec, batch: int, prompt_len: int, top: int = 30) -> None
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60))
 
 
+WITHOUT = {
+    # every RMSNorm (the 2 per layer and the final one): the norm's input passes through, nothing launched
+    "norms": "the RMSNorms",
+    # each layer's decode attention (rotary, KV append, attention): o reads q as it came out of qkv
+    "attention": "the decode attention",
+}
+
+
+@contextlib.contextmanager
+def left_out(dec, part: str):
+    """Measurement only: the decoder with one part of its step left out (see WITHOUT)."""
+    from vlmctl.runtime import ops
+
+    if part == "norms":
+        dec._norm = lambda x, weight, residual=None: x  # an instance attribute over the method
+        try:
+            yield
+        finally:
+            del dec._norm
+    elif part == "attention":
+        real = ops.paged_decode_rope
+        nq, d = dec.n_heads, dec.head_dim
+        ops.paged_decode_rope = lambda qkv, *a, **k: qkv[:, :nq * d].view(qkv.shape[0], nq, d)
+        try:
+            yield
+        finally:
+            ops.paged_decode_rope = real
+    else:
+        raise ValueError(part)
+
+
 def sync():
     if DEV == "cuda":
         torch.cuda.synchronize()
@@ -313,6 +346,9 @@ def main():
                     "others run once, under the environment as given")
     ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16",
                     help="activations and dense weights (AWQ scales stay fp16, as in the engine)")
+    ap.add_argument("--without", nargs="+", default=[], choices=list(WITHOUT),
+                    help="measurement only: also time the step with this part left out (its output is wrong), "
+                         "one part at a time, to see what it costs in the step")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -381,6 +417,21 @@ def main():
                           f"{r['pct_bound']:>8.0f}%{r['prefill_tok_s']:>14.0f}", flush=True)
             for b in args.graph_profile:
                 profile_graph_steps(dec, b, args.prompt_len)
+        for part in args.without:
+            with left_out(dec, part):
+                dec._graphs.clear()
+                dec._graph_pool = None
+                sync()
+                dec.capture_graphs(max(args.batches))
+                print(f"-- without {part} (measurement only: the step's output is wrong)", flush=True)
+                for b in args.batches:
+                    r = bench_vlmctl(dec, b, args.prompt_len, args.steps, True)
+                    r.update(variant=name, without=part)
+                    rows.append(r)
+                    print(f"{r['impl'] + '-' + name:<14}{b:>6}{r['ms_per_step']:>9.2f}{r['gpu_ms_per_step'] or 0:>8.2f}"
+                          f"{r['tok_s']:>9.0f}", flush=True)
+            dec._graphs.clear()
+            dec._graph_pool = None
         for b in args.profile:
             profile_step(dec, b, args.prompt_len)
         del dec
