@@ -234,6 +234,74 @@ def bench_attention(bw: float, batches=(1, 8, 64), contexts=(640, 2048), heads: 
     return rows
 
 
+def bench_attention_graph(bw: float, batches=(1, 8), contexts=(656, 2048), splits_list=(1, 2, 4, 8, 17, 32),
+                          layers: int = 32, heads: int = 32, d: int = 128) -> list:
+    """The decode attention as a step runs it: `layers` calls of the fused kernel (rotary, KV append,
+    attention, the splits' combine), each on its own layer's cache, captured in one CUDA graph (no Python
+    launch cost, each call after the one before), per split count. µs per call, against reading the KV once."""
+    from vlmctl.runtime.kernels.paged_attention import choose_splits, paged_decode_rope, split_workspace
+
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for ctx in contexts:
+        for b in batches:
+            bs, nb = 16, -(-ctx // 16)
+            blocks = 1 + b * nb
+            caches = [(torch.randn(blocks, bs, heads, d, device="cuda", dtype=torch.float16),
+                       torch.randn(blocks, bs, heads, d, device="cuda", dtype=torch.float16)) for _ in range(layers)]
+            bt = (1 + torch.randperm(blocks - 1, device="cuda")[:b * nb]).view(b, nb).to(torch.int32)
+            lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+            qkv = torch.randn(b, 3 * heads * d, device="cuda", dtype=torch.float16)
+            f = torch.arange(4096, device="cuda").float()[:, None] / (10000 ** (torch.arange(0, d, 2, device="cuda") / d))
+            cs = torch.cat((f.cos(), f.sin()), -1)
+            pos = lens.long() - 1
+            slots = (bt[:, -1].long() * bs + (ctx - 1) % bs)
+            bound = 2 * b * ctx * heads * d * 2 / bw * 1e6
+            shipped = choose_splits(b, heads, MAX_SEQ, sms)
+            for s in sorted(set(splits_list) | {shipped}):
+                ws = split_workspace(b, heads, d, s, "cuda") if s > 1 else None
+
+                def chain():
+                    for kc, vc in caches:
+                        paged_decode_rope(qkv, cs, pos, slots, kc, vc, bt, lens, d ** -0.5, heads, heads, s, workspace=ws)
+
+                chain()
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    chain()
+                for _ in range(3):
+                    g.replay()
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                ev[0].record()
+                for _ in range(20):
+                    g.replay()
+                ev[1].record()
+                torch.cuda.synchronize()
+                us = ev[0].elapsed_time(ev[1]) * 1e3 / 20 / layers
+                rows.append({"batch": b, "context": ctx, "splits": s, "shipped": s == shipped, "bound_us": bound,
+                             "graph_us_per_call": us})
+                print(f"attention in a graph b={b:<3} ctx={ctx:<5} splits={s:<3}{' (shipped)' if s == shipped else '':11}"
+                      f" bound {bound:6.1f} us  {us:6.1f} us a call", flush=True)
+                g = ws = None  # the graph's memory goes before the next count's
+            caches = None
+            torch.cuda.empty_cache()
+    return rows
+
+
+@contextlib.contextmanager
+def splits_at_most(n: int):
+    """Measurement only: the decoders' decode attention split at most `n` ways (the shipped rule otherwise)."""
+    from vlmctl.runtime.kernels import paged_attention
+
+    real = paged_attention.choose_splits
+    paged_attention.choose_splits = lambda *a, **k: min(real(*a, **k), n)
+    try:
+        yield
+    finally:
+        paged_attention.choose_splits = real
+
+
 def profile_step(dec, batch: int, prompt_len: int, top: int = 25) -> None:
     """Kernel times of eager decode steps (the graph replays the same kernels): where a step goes."""
     from torch.profiler import ProfilerActivity, profile
@@ -346,6 +414,10 @@ def main():
                     "others run once, under the environment as given")
     ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16",
                     help="activations and dense weights (AWQ scales stay fp16, as in the engine)")
+    ap.add_argument("--attention-graph", action="store_true",
+                    help="also time 32 chained decode-attention calls in a CUDA graph per split count")
+    ap.add_argument("--attn-splits", type=int, nargs="+", default=[],
+                    help="measurement only: also time the step with the decode attention split at most N ways")
     ap.add_argument("--without", nargs="+", default=[], choices=list(WITHOUT),
                     help="measurement only: also time the step with this part left out (its output is wrong), "
                          "one part at a time, to see what it costs in the step")
@@ -369,6 +441,8 @@ def main():
     rows = []
     if args.attention and DEV == "cuda":
         rows.extend({"attention": r} for r in bench_attention(bw))
+    if args.attention_graph and DEV == "cuda":
+        rows.extend({"attention_graph": r} for r in bench_attention_graph(bw))
     dense_name = "fp16" if ACT == torch.float16 else "bf16"
     variants = [(dense_name, None)] + ([("awq", args.awq)] if args.awq else [])
     for name, group in variants:
@@ -417,6 +491,21 @@ def main():
                           f"{r['pct_bound']:>8.0f}%{r['prefill_tok_s']:>14.0f}", flush=True)
             for b in args.graph_profile:
                 profile_graph_steps(dec, b, args.prompt_len)
+        for n in args.attn_splits:
+            with splits_at_most(n):
+                dec._graphs.clear()
+                dec._graph_pool = None
+                sync()
+                dec.capture_graphs(max(args.batches))
+                print(f"-- decode attention split at most {n} ways", flush=True)
+                for b in args.batches:
+                    r = bench_vlmctl(dec, b, args.prompt_len, args.steps, True)
+                    r.update(variant=name, attn_splits_at_most=n, splits=dec._splits(b))
+                    rows.append(r)
+                    print(f"{r['impl'] + '-' + name:<14}{b:>6}{r['ms_per_step']:>9.2f}{r['gpu_ms_per_step'] or 0:>8.2f}"
+                          f"{r['tok_s']:>9.0f}  splits {r['splits']}", flush=True)
+            dec._graphs.clear()
+            dec._graph_pool = None
         for part in args.without:
             with left_out(dec, part):
                 dec._graphs.clear()
