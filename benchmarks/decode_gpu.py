@@ -235,10 +235,11 @@ def bench_attention(bw: float, batches=(1, 8, 64), contexts=(640, 2048), heads: 
 
 
 def bench_attention_graph(bw: float, batches=(1, 8), contexts=(656, 2048), splits_list=(1, 2, 4, 8, 17, 32),
-                          layers: int = 32, heads: int = 32, d: int = 128) -> list:
+                          env_cases=("",), layers: int = 32, heads: int = 32, d: int = 128) -> list:
     """The decode attention as a step runs it: `layers` calls of the fused kernel (rotary, KV append,
     attention, the splits' combine), each on its own layer's cache, captured in one CUDA graph (no Python
-    launch cost, each call after the one before), per split count. µs per call, against reading the KV once."""
+    launch cost, each call after the one before), per split count and environment case (e.g.
+    'VLMCTL_ATTN_EARLY=1'). µs per call, against reading the KV once."""
     from vlmctl.runtime.kernels.paged_attention import choose_splits, paged_decode_rope, split_workspace
 
     rows = []
@@ -258,7 +259,9 @@ def bench_attention_graph(bw: float, batches=(1, 8), contexts=(656, 2048), split
             slots = (bt[:, -1].long() * bs + (ctx - 1) % bs)
             bound = 2 * b * ctx * heads * d * 2 / bw * 1e6
             shipped = choose_splits(b, heads, MAX_SEQ, sms)
-            for s in sorted(set(splits_list) | {shipped}):
+            for s, case in [(s, c) for s in sorted(set(splits_list) | {shipped}) for c in env_cases]:
+                saved = dict(os.environ)
+                os.environ.update(dict(kv.split("=", 1) for kv in case.split()))
                 ws = split_workspace(b, heads, d, s, "cuda") if s > 1 else None
 
                 def chain():
@@ -279,10 +282,12 @@ def bench_attention_graph(bw: float, batches=(1, 8), contexts=(656, 2048), split
                 ev[1].record()
                 torch.cuda.synchronize()
                 us = ev[0].elapsed_time(ev[1]) * 1e3 / 20 / layers
+                os.environ.clear()
+                os.environ.update(saved)
                 rows.append({"batch": b, "context": ctx, "splits": s, "shipped": s == shipped, "bound_us": bound,
-                             "graph_us_per_call": us})
+                             "env": case, "graph_us_per_call": us})
                 print(f"attention in a graph b={b:<3} ctx={ctx:<5} splits={s:<3}{' (shipped)' if s == shipped else '':11}"
-                      f" bound {bound:6.1f} us  {us:6.1f} us a call", flush=True)
+                      f" bound {bound:6.1f} us  {us:6.1f} us a call  [{case or 'defaults'}]", flush=True)
                 g = ws = None  # the graph's memory goes before the next count's
             caches = None
             torch.cuda.empty_cache()
@@ -416,6 +421,10 @@ def main():
                     help="activations and dense weights (AWQ scales stay fp16, as in the engine)")
     ap.add_argument("--attention-graph", action="store_true",
                     help="also time 32 chained decode-attention calls in a CUDA graph per split count")
+    ap.add_argument("--attention-graph-batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--attention-graph-splits", type=int, nargs="+", default=[1, 2, 4, 8, 17, 32])
+    ap.add_argument("--attention-graph-env", nargs="+", default=[""], metavar="'VAR=V'",
+                    help="environment cases of --attention-graph, e.g. VLMCTL_ATTN_EARLY=0 VLMCTL_ATTN_EARLY=1")
     ap.add_argument("--attn-splits", type=int, nargs="+", default=[],
                     help="measurement only: also time the step with the decode attention split at most N ways")
     ap.add_argument("--without", nargs="+", default=[], choices=list(WITHOUT),
@@ -442,7 +451,8 @@ def main():
     if args.attention and DEV == "cuda":
         rows.extend({"attention": r} for r in bench_attention(bw))
     if args.attention_graph and DEV == "cuda":
-        rows.extend({"attention_graph": r} for r in bench_attention_graph(bw))
+        rows.extend({"attention_graph": r} for r in bench_attention_graph(
+            bw, args.attention_graph_batches, splits_list=args.attention_graph_splits, env_cases=args.attention_graph_env))
     dense_name = "fp16" if ACT == torch.float16 else "bf16"
     variants = [(dense_name, None)] + ([("awq", args.awq)] if args.awq else [])
     for name, group in variants:
