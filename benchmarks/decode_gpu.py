@@ -295,6 +295,28 @@ def bench_attention_graph(bw: float, batches=(1, 8), contexts=(656, 2048), split
 
 
 @contextlib.contextmanager
+def splits_rounded_up():
+    """Measurement only: the split rule before session 21 (enough splits for 4 programs per SM, rounded up)."""
+    import triton
+
+    from vlmctl.runtime.kernels import paged_attention
+
+    real = paged_attention.choose_splits
+
+    def before(batch, n_kv_heads, max_context, num_sms, block_n=64):
+        programs = batch * n_kv_heads
+        if programs >= 2 * num_sms:
+            return 1
+        return max(1, min(triton.cdiv(4 * num_sms, programs), triton.cdiv(max_context, block_n), 32))
+
+    paged_attention.choose_splits = before
+    try:
+        yield
+    finally:
+        paged_attention.choose_splits = real
+
+
+@contextlib.contextmanager
 def splits_at_most(n: int):
     """Measurement only: the decoders' decode attention split at most `n` ways (the shipped rule otherwise)."""
     from vlmctl.runtime.kernels import paged_attention
@@ -427,6 +449,8 @@ def main():
                     help="environment cases of --attention-graph, e.g. VLMCTL_ATTN_EARLY=0 VLMCTL_ATTN_EARLY=1")
     ap.add_argument("--attn-splits", type=int, nargs="+", default=[],
                     help="measurement only: also time the step with the decode attention split at most N ways")
+    ap.add_argument("--attn-splits-rounded-up", action="store_true",
+                    help="measurement only: also time the step with the split rule before session 21")
     ap.add_argument("--without", nargs="+", default=[], choices=list(WITHOUT),
                     help="measurement only: also time the step with this part left out (its output is wrong), "
                          "one part at a time, to see what it costs in the step")
@@ -501,13 +525,14 @@ def main():
                           f"{r['pct_bound']:>8.0f}%{r['prefill_tok_s']:>14.0f}", flush=True)
             for b in args.graph_profile:
                 profile_graph_steps(dec, b, args.prompt_len)
-        for n in args.attn_splits:
-            with splits_at_most(n):
+        for n in args.attn_splits + (["rounded up"] if args.attn_splits_rounded_up else []):
+            with (splits_rounded_up() if n == "rounded up" else splits_at_most(n)):
                 dec._graphs.clear()
                 dec._graph_pool = None
                 sync()
                 dec.capture_graphs(max(args.batches))
-                print(f"-- decode attention split at most {n} ways", flush=True)
+                print(f"-- decode attention split {'by the rule before session 21' if n == 'rounded up' else f'at most {n} ways'}",
+                      flush=True)
                 for b in args.batches:
                     r = bench_vlmctl(dec, b, args.prompt_len, args.steps, True)
                     r.update(variant=name, attn_splits_at_most=n, splits=dec._splits(b))

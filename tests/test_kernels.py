@@ -291,3 +291,14 @@ def test_prefill_attention_window_and_image_blocks(start, window, with_blocks):
         return
     plain = ops.prefill_attention(q, k, v, 0.4)
     assert not torch.allclose(plain, got, atol=1e-3)  # the window / blocks change the answer
+
+
+def test_decode_attention_split_rule():
+    """The split counts measured best on an H200 (132 SMs; docs/benchmarks.md, session 21) for 32 KV heads:
+    at most 4 programs per SM, rounded down; none from 2 programs per SM on; capped by the context's tiles
+    and by 32."""
+    from vlmctl.runtime.kernels.paged_attention import choose_splits
+
+    assert [choose_splits(b, 32, 2560, 132) for b in (1, 2, 4, 8, 16, 64)] == [16, 8, 4, 2, 1, 1]
+    assert choose_splits(1, 4, 2560, 132) == 32  # GQA with 4 KV heads: the cap
+    assert choose_splits(1, 32, 100, 132) == 2  # a 100-token context has two 64-token tiles

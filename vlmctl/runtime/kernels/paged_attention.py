@@ -272,11 +272,13 @@ def combine_width(num_splits: int) -> int:
 def choose_splits(batch: int, n_kv_heads: int, max_context: int, num_sms: int, block_n: int = 64) -> int:
     """Split the context when batch x KV heads alone would leave the multiprocessors short of work: a
     small batch then reads its KV cache with many programs of a tile or two each (the split count is
-    fixed per captured batch size; programs past the actual context return at once)."""
+    fixed per captured batch size; programs past the actual context return at once). As many splits as
+    keep the programs within 4 per SM: rounding up instead (3 splits for 8 sequences of 32 KV heads on 132
+    SMs, not 2) made the attention 9-15 % slower (docs/benchmarks.md, session 21)."""
     programs = batch * n_kv_heads
     if programs >= 2 * num_sms:
         return 1
-    want = triton.cdiv(4 * num_sms, programs)
+    want = (4 * num_sms) // programs
     return max(1, min(want, triton.cdiv(max_context, block_n), 32))
 
 
