@@ -239,7 +239,7 @@ def bench_attention_graph(bw: float, batches=(1, 8), contexts=(656, 2048), split
     """The decode attention as a step runs it: `layers` calls of the fused kernel (rotary, KV append,
     attention, the splits' combine), each on its own layer's cache, captured in one CUDA graph (no Python
     launch cost, each call after the one before), per split count and environment case (e.g.
-    'VLMCTL_ATTN_EARLY=1'). µs per call, against reading the KV once."""
+    'VLMCTL_ATTN_COMBINE=0'). µs per call, against reading the KV once."""
     from vlmctl.runtime.kernels.paged_attention import choose_splits, paged_decode_rope, split_workspace
 
     rows = []
@@ -446,7 +446,7 @@ def main():
     ap.add_argument("--attention-graph-batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--attention-graph-splits", type=int, nargs="+", default=[1, 2, 4, 8, 17, 32])
     ap.add_argument("--attention-graph-env", nargs="+", default=[""], metavar="'VAR=V'",
-                    help="environment cases of --attention-graph, e.g. VLMCTL_ATTN_EARLY=0 VLMCTL_ATTN_EARLY=1")
+                    help="environment cases of --attention-graph, e.g. VLMCTL_ATTN_COMBINE=1 VLMCTL_ATTN_COMBINE=0")
     ap.add_argument("--attn-splits", type=int, nargs="+", default=[],
                     help="measurement only: also time the step with the decode attention split at most N ways")
     ap.add_argument("--attn-splits-rounded-up", action="store_true",

@@ -97,36 +97,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_
                  mask=gmask[:, None] & dmask[None, :])
 
 
-@triton.jit
-def _rope_tile(q1, q2, k1, k2, v, valid, m_i, l_i, acc, scale_log2):
-    """One tile of cached positions into the online softmax (q and k in rotary halves, log2 domain)."""
-    s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale_log2
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
-
-
 @triton.jit(do_not_specialize=_VARYING)
 def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr,
                         ml_ptr, cnt_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot,
                         stride_oh, scale_log2, block_size, group, num_splits, n_q_heads, n_kv_heads, window,
                         HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                         HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False,
-                        COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32, EARLY: tl.constexpr = 0):
+                        COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32):
     """`_decode_kernel` with the new token's rotary and KV append folded in: q and k of the token are
     rotated here (rounded per term as transformers does), the split that owns the last position
     writes k and v to the cache and attends to them from registers, the others read the cache.
     COMBINE (with SPLIT): the last split of a (sequence, KV head) to finish, counted in cnt_ptr (zero before
-    and after), combines the splits' partials as `_combine_kernel` does, in place of that kernel's launch.
-    EARLY (see `attention_early_loads`): 1 loads the split's first tile of cached K and V (and V beside K)
-    before the rotary, 2 also before the PDL wait, with the positions and the rotary table."""
+    and after), combines the splits' partials as `_combine_kernel` does, in place of that kernel's launch."""
     pdl.release(PDL)
-    if EARLY != 2:
-        pdl.wait(PDL)
+    pdl.wait(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -137,26 +121,12 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
 
     g = tl.arange(0, BLOCK_G)
     h = tl.arange(0, HALF)
-    d = tl.arange(0, HEAD_DIM)
-    n = tl.arange(0, BLOCK_N)
     gmask = g < group
     heads = kvh * group + g
-    first = start
-    if EARLY != 0:  # the first tile's loads in flight beside the rotary's (and, with 2, the previous kernel)
-        tok0 = start + n
-        valid0 = tok0 < end
-        blk0 = tl.load(bt_ptr + seq * stride_bt + tok0 // block_size, mask=valid0, other=0)
-        row0 = blk0.to(tl.int64) * stride_kb + (tok0 % block_size) * stride_ks + kvh * stride_kh
-        k1e = tl.load(k_ptr + row0[:, None] + h[None, :], mask=valid0[:, None], other=0.0)
-        k2e = tl.load(k_ptr + row0[:, None] + HALF + h[None, :], mask=valid0[:, None], other=0.0)
-        ve = tl.load(v_ptr + row0[:, None] + d[None, :], mask=valid0[:, None], other=0.0)
-        first = start + BLOCK_N
     row_q = qkv_ptr + seq * stride_qt
     pos = tl.load(pos_ptr + seq)
     c = tl.load(cos_sin_ptr + pos * stride_cs + h)
     sn = tl.load(cos_sin_ptr + pos * stride_cs + HALF + h)
-    if EARLY == 2:
-        pdl.wait(PDL)
     q1 = tl.load(row_q + heads[:, None] * HEAD_DIM + h[None, :], mask=gmask[:, None], other=0.0)
     q2 = tl.load(row_q + heads[:, None] * HEAD_DIM + HALF + h[None, :], mask=gmask[:, None], other=0.0)
     dt = q1.dtype
@@ -171,11 +141,10 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    d = tl.arange(0, HEAD_DIM)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    if EARLY != 0:
-        if start < end:
-            m_i, l_i, acc = _rope_tile(q1, q2, k1e, k2e, ve, valid0, m_i, l_i, acc, scale_log2)
-    for tile in range(first, end, BLOCK_N):
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(start, end, BLOCK_N):
         tok = tile + n
         valid = tok < end
         blk = tl.load(bt_ptr + seq * stride_bt + tok // block_size, mask=valid, other=0)
@@ -273,8 +242,9 @@ def choose_splits(batch: int, n_kv_heads: int, max_context: int, num_sms: int, b
     """Split the context when batch x KV heads alone would leave the multiprocessors short of work: a
     small batch then reads its KV cache with many programs of a tile or two each (the split count is
     fixed per captured batch size; programs past the actual context return at once). As many splits as
-    keep the programs within 4 per SM: rounding up instead (3 splits for 8 sequences of 32 KV heads on 132
-    SMs, not 2) made the attention 9-15 % slower (docs/benchmarks.md, session 21)."""
+    keep the programs within 4 per SM, rounded down: rounding up (3 splits for 8 sequences of 32 KV heads on
+    132 SMs, not 2) made their attention 9-17 % slower and their decode step ~4 % (docs/benchmarks.md,
+    session 21)."""
     programs = batch * n_kv_heads
     if programs >= 2 * num_sms:
         return 1
@@ -318,18 +288,6 @@ def combine_in_attention() -> bool:
     return v == "1"
 
 
-def attention_early_loads() -> int:
-    """`VLMCTL_ATTN_EARLY` for the split decode attention (small batches, where each program reads a tile or
-    two, so its round trips to memory are most of its time): 0 loads each tile in the loop, after the PDL wait
-    and the rotary; 1 loads the first tile's K and V before the rotary; 2 also before the PDL wait (cached K/V,
-    block tables, lengths, positions and the rotary table are step inputs that no kernel of the step writes
-    before this one reads them)."""
-    v = os.environ.get("VLMCTL_ATTN_EARLY", "0").strip()
-    if v not in ("0", "1", "2"):
-        raise ValueError(f"VLMCTL_ATTN_EARLY={v!r}: expected 0, 1 or 2")
-    return int(v)
-
-
 def fused_rope_supported(head_dim: int, dtype) -> bool:
     return head_dim in (32, 64, 128, 256) and dtype in (torch.float16, torch.bfloat16)
 
@@ -355,8 +313,7 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group,
         num_splits, n_q, n_kv, window or 0, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=64 if D <= 128 else 32, SPLIT=split, HAS_WINDOW=window is not None,
-        COMBINE=fold, BLOCK_S=combine_width(num_splits), EARLY=attention_early_loads() if split else 0, num_warps=4,
-        num_stages=2, **pdl.launch_kwargs(qkv.device))
+        COMBINE=fold, BLOCK_S=combine_width(num_splits), num_warps=4, num_stages=2, **pdl.launch_kwargs(qkv.device))
     if split and not fold:
         _combine(part, ml, out, num_splits)
     return out
