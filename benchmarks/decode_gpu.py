@@ -196,6 +196,22 @@ def bench_vlmctl(dec, batch: int, prompt_len: int, steps: int, graphs: bool) -> 
             "prefill_tok_s": batch * prompt_len / t_prefill}
 
 
+def _attention_inputs(b: int, ctx: int, heads: int, d: int) -> tuple:
+    """One decode step's attention inputs for `b` sequences of `ctx` tokens in 16-token blocks (a cache of
+    `blocks` blocks holds them, block 0 unused): (blocks, block tables, lengths, qkv rows, rotary table,
+    positions, slots of the new tokens)."""
+    bs, nb = 16, -(-ctx // 16)
+    blocks = 1 + b * nb
+    bt = (1 + torch.randperm(blocks - 1, device="cuda")[:b * nb]).view(b, nb).to(torch.int32)
+    lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    qkv = torch.randn(b, 3 * heads * d, device="cuda", dtype=torch.float16)
+    f = torch.arange(4096, device="cuda").float()[:, None] / (10000 ** (torch.arange(0, d, 2, device="cuda") / d))
+    cs = torch.cat((f.cos(), f.sin()), -1)
+    pos = lens.long() - 1
+    slots = (bt[:, -1].long() * bs + (ctx - 1) % bs)
+    return blocks, bt, lens, qkv, cs, pos, slots
+
+
 def bench_attention(bw: float, batches=(1, 8, 64), contexts=(640, 2048), heads: int = 32, d: int = 128) -> list:
     """Decode attention alone (one layer, fp16): the Triton paged kernel (with and without the fused
     rotary + append) vs torch (gather the blocks, then SDPA), against reading the KV once."""
@@ -208,18 +224,10 @@ def bench_attention(bw: float, batches=(1, 8, 64), contexts=(640, 2048), heads: 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for ctx in contexts:
         for b in batches:
-            bs, nb = 16, -(-ctx // 16)
-            blocks = 1 + b * nb
-            kc = torch.randn(blocks, bs, heads, d, device="cuda", dtype=torch.float16)
+            blocks, bt, lens, qkv, cs, pos, slots = _attention_inputs(b, ctx, heads, d)
+            kc = torch.randn(blocks, 16, heads, d, device="cuda", dtype=torch.float16)
             vc = torch.randn_like(kc)
-            bt = (1 + torch.randperm(blocks - 1, device="cuda")[:b * nb]).view(b, nb).to(torch.int32)
-            lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-            qkv = torch.randn(b, 3 * heads * d, device="cuda", dtype=torch.float16)
             q = qkv[:, :heads * d].view(b, heads, d)
-            f = torch.arange(4096, device="cuda").float()[:, None] / (10000 ** (torch.arange(0, d, 2, device="cuda") / d))
-            cs = torch.cat((f.cos(), f.sin()), -1)
-            pos = lens.long() - 1
-            slots = (bt[:, -1].long() * bs + (ctx - 1) % bs)
             s = choose_splits(b, heads, MAX_SEQ, sms)
             bound = 2 * b * ctx * heads * d * 2 / bw * 1e3
             t_tri = triton.testing.do_bench(lambda: paged_decode(q, kc, vc, bt, lens, d ** -0.5, s), return_mode="median")
@@ -246,17 +254,9 @@ def bench_attention_graph(bw: float, batches=(1, 8), contexts=(656, 2048), split
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for ctx in contexts:
         for b in batches:
-            bs, nb = 16, -(-ctx // 16)
-            blocks = 1 + b * nb
-            caches = [(torch.randn(blocks, bs, heads, d, device="cuda", dtype=torch.float16),
-                       torch.randn(blocks, bs, heads, d, device="cuda", dtype=torch.float16)) for _ in range(layers)]
-            bt = (1 + torch.randperm(blocks - 1, device="cuda")[:b * nb]).view(b, nb).to(torch.int32)
-            lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-            qkv = torch.randn(b, 3 * heads * d, device="cuda", dtype=torch.float16)
-            f = torch.arange(4096, device="cuda").float()[:, None] / (10000 ** (torch.arange(0, d, 2, device="cuda") / d))
-            cs = torch.cat((f.cos(), f.sin()), -1)
-            pos = lens.long() - 1
-            slots = (bt[:, -1].long() * bs + (ctx - 1) % bs)
+            blocks, bt, lens, qkv, cs, pos, slots = _attention_inputs(b, ctx, heads, d)
+            caches = [(torch.randn(blocks, 16, heads, d, device="cuda", dtype=torch.float16),
+                       torch.randn(blocks, 16, heads, d, device="cuda", dtype=torch.float16)) for _ in range(layers)]
             bound = 2 * b * ctx * heads * d * 2 / bw * 1e6
             shipped = choose_splits(b, heads, MAX_SEQ, sms)
             for s, case in [(s, c) for s in sorted(set(splits_list) | {shipped}) for c in env_cases]:
@@ -525,35 +525,27 @@ def main():
                           f"{r['pct_bound']:>8.0f}%{r['prefill_tok_s']:>14.0f}", flush=True)
             for b in args.graph_profile:
                 profile_graph_steps(dec, b, args.prompt_len)
-        for n in args.attn_splits + (["rounded up"] if args.attn_splits_rounded_up else []):
-            with (splits_rounded_up() if n == "rounded up" else splits_at_most(n)):
+        # measurement-only variants of the step: each captured and timed in its own graphs
+        measured = [(f"decode attention split at most {n} ways", lambda n=n: splits_at_most(n),
+                     {"attn_splits_at_most": n}) for n in args.attn_splits]
+        if args.attn_splits_rounded_up:
+            measured.append(("decode attention split by the rule before session 21", splits_rounded_up,
+                             {"attn_splits_at_most": "rounded up"}))
+        measured += [(f"without {part} (measurement only: the step's output is wrong)",
+                      lambda part=part, d=dec: left_out(d, part), {"without": part}) for part in args.without]
+        for label, make, tag in measured:
+            with make():
                 dec._graphs.clear()
                 dec._graph_pool = None
                 sync()
                 dec.capture_graphs(max(args.batches))
-                print(f"-- decode attention split {'by the rule before session 21' if n == 'rounded up' else f'at most {n} ways'}",
-                      flush=True)
+                print(f"-- {label}", flush=True)
                 for b in args.batches:
                     r = bench_vlmctl(dec, b, args.prompt_len, args.steps, True)
-                    r.update(variant=name, attn_splits_at_most=n, splits=dec._splits(b))
+                    r.update(variant=name, splits=dec._splits(b), **tag)
                     rows.append(r)
                     print(f"{r['impl'] + '-' + name:<14}{b:>6}{r['ms_per_step']:>9.2f}{r['gpu_ms_per_step'] or 0:>8.2f}"
                           f"{r['tok_s']:>9.0f}  splits {r['splits']}", flush=True)
-            dec._graphs.clear()
-            dec._graph_pool = None
-        for part in args.without:
-            with left_out(dec, part):
-                dec._graphs.clear()
-                dec._graph_pool = None
-                sync()
-                dec.capture_graphs(max(args.batches))
-                print(f"-- without {part} (measurement only: the step's output is wrong)", flush=True)
-                for b in args.batches:
-                    r = bench_vlmctl(dec, b, args.prompt_len, args.steps, True)
-                    r.update(variant=name, without=part)
-                    rows.append(r)
-                    print(f"{r['impl'] + '-' + name:<14}{b:>6}{r['ms_per_step']:>9.2f}{r['gpu_ms_per_step'] or 0:>8.2f}"
-                          f"{r['tok_s']:>9.0f}", flush=True)
             dec._graphs.clear()
             dec._graph_pool = None
         for b in args.profile:
