@@ -103,14 +103,12 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
                         stride_oh, scale_log2, block_size, group, num_splits, n_q_heads, n_kv_heads, window,
                         HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                         HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False,
-                        COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32, DOT: tl.constexpr = True):
+                        COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32):
     """`_decode_kernel` with the new token's rotary and KV append folded in: q and k of the token are
     rotated here (rounded per term as transformers does), the split that owns the last position
     writes k and v to the cache and attends to them from registers, the others read the cache.
     COMBINE (with SPLIT): the last split of a (sequence, KV head) to finish, counted in cnt_ptr (zero before
-    and after), combines the splits' partials as `_combine_kernel` does, in place of that kernel's launch.
-    DOT=False: the scores and the weighted sum of V as float32 multiply-adds and sums instead of tensor-core
-    dots, for groups too small to fill a dot's 16 rows (BLOCK_G is then the group, padded to a power of 2)."""
+    and after), combines the splits' partials as `_combine_kernel` does, in place of that kernel's launch."""
     pdl.release(PDL)
     pdl.wait(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -153,21 +151,14 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
         row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
         k1 = tl.load(k_ptr + row[:, None] + h[None, :], mask=valid[:, None], other=0.0)
         k2 = tl.load(k_ptr + row[:, None] + HALF + h[None, :], mask=valid[:, None], other=0.0)
-        if DOT:
-            s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale_log2
-        else:
-            s = (tl.sum(q1.to(tl.float32)[:, None, :] * k1.to(tl.float32)[None, :, :], 2)
-                 + tl.sum(q2.to(tl.float32)[:, None, :] * k2.to(tl.float32)[None, :, :], 2)) * scale_log2
+        s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        if DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        else:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     if owner:
         kb = row_q + (n_q_heads + kvh) * HEAD_DIM
@@ -297,32 +288,6 @@ def combine_in_attention() -> bool:
     return v == "1"
 
 
-def attention_dot(group: int) -> bool:
-    """Whether `paged_decode_rope` computes with tensor-core dots (`VLMCTL_ATTN_DOT`: 1, 0, or auto = dots
-    unless a KV head serves a single query head, whose 16-row dot is 15/16 padding)."""
-    v = os.environ.get("VLMCTL_ATTN_DOT", "1").strip()
-    if v not in ("0", "1", "auto"):
-        raise ValueError(f"VLMCTL_ATTN_DOT={v!r}: expected 0, 1 or auto")
-    return v == "1" or (v == "auto" and group > 1)
-
-
-def attention_warps() -> int:
-    """`VLMCTL_ATTN_WARPS` (default 4): warps per program of `paged_decode_rope` (a measurement switch)."""
-    v = os.environ.get("VLMCTL_ATTN_WARPS", "4").strip()
-    if v not in ("1", "2", "4", "8"):
-        raise ValueError(f"VLMCTL_ATTN_WARPS={v!r}: expected 1, 2, 4 or 8")
-    return int(v)
-
-
-def attention_block_n(head_dim: int) -> int:
-    """`VLMCTL_ATTN_BLOCK_N` (default 64, 32 past 128 dims): positions a tile of `paged_decode_rope` (a
-    measurement switch)."""
-    v = os.environ.get("VLMCTL_ATTN_BLOCK_N", "").strip()
-    if v and v not in ("16", "32", "64"):
-        raise ValueError(f"VLMCTL_ATTN_BLOCK_N={v!r}: expected 16, 32 or 64")
-    return int(v) if v else (64 if head_dim <= 128 else 32)
-
-
 def fused_rope_supported(head_dim: int, dtype) -> bool:
     return head_dim in (32, 64, 128, 256) and dtype in (torch.float16, torch.bfloat16)
 
@@ -341,16 +306,14 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
     split = num_splits > 1
     part, ml, cnt = _partials(out, num_splits, workspace)
     fold = split and cnt is not None and combine_in_attention()
-    dot = attention_dot(group)
     run_triton(
         _decode_rope_kernel, (B, n_kv, num_splits),
         qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, out, part, ml,
         cnt if fold else ml, qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group,
-        num_splits, n_q, n_kv, window or 0, HEAD_DIM=D,
-        BLOCK_G=max(16 if dot else 1, triton.next_power_of_2(group)), BLOCK_N=attention_block_n(D), SPLIT=split,
-        HAS_WINDOW=window is not None, COMBINE=fold, BLOCK_S=combine_width(num_splits), DOT=dot,
-        num_warps=attention_warps(), num_stages=2, **pdl.launch_kwargs(qkv.device))
+        num_splits, n_q, n_kv, window or 0, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=64 if D <= 128 else 32, SPLIT=split, HAS_WINDOW=window is not None,
+        COMBINE=fold, BLOCK_S=combine_width(num_splits), num_warps=4, num_stages=2, **pdl.launch_kwargs(qkv.device))
     if split and not fold:
         _combine(part, ml, out, num_splits)
     return out
