@@ -362,3 +362,20 @@ def test_smollm2_tokenizer_generates_valid_documents():
     for name in ("nested", "strict"):
         text = generate(comp, tok, GrammarSpec.json_schema(SCHEMAS[name]), seed=0, greedy=False, max_steps=600)
         jsonschema.validate(json.loads(text), SCHEMAS[name])
+
+
+def test_an_engine_older_than_the_floor_is_one_clear_error(monkeypatch):
+    """An llguidance below pyproject's floor imports, then fails deep inside at the first compile: it is
+    refused up front, naming its version and the install command."""
+    from importlib import metadata
+
+    from vlmctl.errors import BackendUnavailableError
+    from vlmctl.runtime import grammar
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "1.6.1" if name == "llguidance" else real(name))
+    with pytest.raises(BackendUnavailableError, match=r"llguidance 1\.6 is too old; .*pip install 'llguidance>=1\.8"):
+        grammar._engine()
+    monkeypatch.setattr(metadata, "version", real)
+    assert grammar._engine_version() >= grammar.MIN_ENGINE_VERSION
+    assert grammar._engine() is not None

@@ -140,13 +140,31 @@ def schema_file_spec(path) -> GrammarSpec:
         raise InputError(f"{path}: {e.message}") from None
 
 
+MIN_ENGINE_VERSION = (1, 8)  # the first llguidance whose tokenizer takes several stop ids (pyproject's floor)
+
+
 def _engine():
     try:
         import llguidance
         import llguidance.hf  # noqa: F401
     except ImportError:
         raise BackendUnavailableError(INSTALL_HINT) from None
+    # an older llguidance imports but fails deep inside at the first compile (a TypeError on the stop ids)
+    version = _engine_version()
+    if version is not None and version < MIN_ENGINE_VERSION:
+        raise BackendUnavailableError(f"llguidance {'.'.join(map(str, version))} is too old; {INSTALL_HINT}")
     return llguidance
+
+
+def _engine_version() -> tuple[int, ...] | None:
+    """The installed llguidance's (major, minor), or None where its metadata cannot be read."""
+    from importlib import metadata
+
+    try:
+        parts = metadata.version("llguidance").split(".")[:2]
+        return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in parts)
+    except (metadata.PackageNotFoundError, ValueError):
+        return None
 
 
 def engine_available() -> bool:
