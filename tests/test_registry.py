@@ -124,3 +124,43 @@ def test_equal_but_near_ties_accepts_only_a_near_tie_taken_the_other_way():
         assert_equal_but_near_ties([[5, 6, 1], [1, 2, 3]], plain, lps)  # 1 was 1.8 nats behind 7
     with pytest.raises(AssertionError, match="not a near-tie"):
         assert_equal_but_near_ties([[5, 9, 7], [1, 2, 3]], plain, lps)  # 9 is not the runner-up there
+
+
+def test_vision_modules_are_built_without_their_parameters_then_given_the_weights(tmp_path):
+    """`vision_module_with_weights` builds the wrapper with meta parameters (no memory, no random init) and
+    real buffers, then assigns the file's tensors; a weight the file lacks is a checkpoint error, and a
+    module another thread builds meanwhile gets real parameters."""
+    import threading
+
+    import torch
+    from safetensors.torch import save_file
+
+    from vlmctl.errors import CheckpointError
+    from vlmctl.models.base import parameters_on_meta
+
+    class Tower(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 3)
+            self.register_buffer("ids", torch.arange(5), persistent=False)
+
+    seen = {}
+    with parameters_on_meta():
+        inside = Tower()
+        worker = threading.Thread(target=lambda: seen.setdefault("other", Tower()))
+        worker.start()
+        worker.join()
+    assert inside.proj.weight.is_meta and not inside.ids.is_meta and inside.ids.tolist() == [0, 1, 2, 3, 4]
+    assert not seen["other"].proj.weight.is_meta
+    assert not Tower().proj.weight.is_meta  # the patch is gone afterwards
+
+    w = torch.randn(3, 4, dtype=torch.float16)
+    b = torch.randn(3, dtype=torch.float16)
+    save_file({"proj.weight": w, "proj.bias": b, "extra": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    m = VLMFamily.vision_module_with_weights(Tower, tmp_path, skip=("extra",))
+    assert torch.equal(m.proj.weight, w) and torch.equal(m.proj.bias, b) and m.ids.tolist() == [0, 1, 2, 3, 4]
+    x = torch.randn(2, 4)
+    assert torch.allclose(m.proj.float()(x), x @ w.float().T + b.float())
+    save_file({"proj.weight": w}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="missing"):
+        VLMFamily.vision_module_with_weights(Tower, tmp_path)

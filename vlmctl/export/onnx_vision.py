@@ -61,7 +61,7 @@ def export_vision_onnx(family, vision_dir: Path, out_dir: Path, *, dtype: str, o
     # CPU kernels: bf16 recipes export an fp16 graph (TensorRT builds it strongly typed).
     onnx_dtype = "float16" if dtype == "bfloat16" else dtype
     tdtype = _torch_dtype(onnx_dtype)
-    module = family.build_vision_module(vision_dir, torch.float32).to(tdtype)
+    module = family.build_vision_module(vision_dir, tdtype)
     in_names, out_names, dyn = family.onnx_io(config)
     example = family.example_vision_inputs(config, EXPORT_BATCH, tdtype, seed=0)
     out_path = out_dir / ONNX_FILE

@@ -16,13 +16,52 @@ template method; a family supplies the image items and the text each image place
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+
+_META = threading.local()  # .depth: this thread is inside parameters_on_meta()
+_META_LOCK = threading.Lock()
+_META_USERS = 0  # threads inside parameters_on_meta(): the patch stays installed while any is
+_REAL_REGISTER = None
+
+
+def _register_parameter(module, name, param):
+    import torch
+
+    if param is not None and getattr(_META, "depth", 0) and param.device.type != "meta":
+        param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+    _REAL_REGISTER(module, name, param)
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules this thread builds inside get their parameters on the meta device: no memory, and their
+    random initialization costs nothing. Other threads' modules are built as usual."""
+    global _META_USERS, _REAL_REGISTER
+    import torch
+
+    with _META_LOCK:
+        if _META_USERS == 0:
+            _REAL_REGISTER = torch.nn.Module.register_parameter
+            torch.nn.Module.register_parameter = _register_parameter
+        _META_USERS += 1
+    _META.depth = getattr(_META, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _META.depth -= 1
+        with _META_LOCK:
+            _META_USERS -= 1
+            if _META_USERS == 0:
+                torch.nn.Module.register_parameter = _REAL_REGISTER
+
 
 # Roles of a tensor in the source checkpoint.
 VISION = "vision"
@@ -245,22 +284,29 @@ class VLMFamily(abc.ABC):
 
     # ---- vision ----------------------------------------------------------------------------
     @staticmethod
-    def load_vision_weights(module, vision_dir: Path, skip: tuple[str, ...] = ()) -> None:
-        """Load convert's vision/ weights into the export wrapper; any mismatch is a checkpoint error."""
+    def vision_module_with_weights(build, vision_dir: Path, skip: tuple[str, ...] = ()):
+        """`build()` the export wrapper with its parameters on the meta device, then give it convert's
+        vision/ weights by assignment; any mismatch is a checkpoint error. Building for real would allocate
+        every parameter and initialize it at random only to overwrite it: ~10 s for a CLIP ViT-L on a
+        2-core CPU, most of the vision phase of an engine load. Buffers are built for real (position ids,
+        rotary tables: values the weights do not hold). `skip`: file tensors the wrapper does not take."""
         from safetensors.torch import load_file
 
         from ..checkpoint import weight_files
         from ..errors import CheckpointError
 
+        with parameters_on_meta():
+            module = build()
         state = {}
         for f in weight_files(Path(vision_dir)):
             state.update(load_file(str(f)))
         for name in skip:
             state.pop(name, None)
-        missing, unexpected = module.load_state_dict(state, strict=False)
+        missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
             raise CheckpointError(f"{vision_dir}: vision weights do not match the config "
                                   f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        return module
 
     @abc.abstractmethod
     def build_vision_module(self, vision_dir: Path, dtype):

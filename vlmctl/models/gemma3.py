@@ -126,8 +126,7 @@ class Gemma3Family(VLMFamily):
     # ---- vision ----------------------------------------------------------------------------
     def build_vision_module(self, vision_dir: Path, dtype):
         config = self.hf_config(read_json(Path(vision_dir) / "config.json"))
-        wrapper = Gemma3VisionWrapper.build(config)
-        self.load_vision_weights(wrapper, vision_dir)
+        wrapper = self.vision_module_with_weights(lambda: Gemma3VisionWrapper.build(config), vision_dir)
         return wrapper.to(dtype).eval().requires_grad_(False)
 
     def example_vision_inputs(self, vision_config: dict, batch: int, dtype, seed: int = 0) -> dict[str, Any]:

@@ -83,6 +83,10 @@ class Idefics3VisionWrapper:
                 # A full crop's patch position ids, from transformers' own (bucketized, fractional)
                 # computation: read off the ids its embedding module looks up.
                 emb = self.vision_model.embeddings
+                if emb.patch_embedding.weight.is_meta:
+                    # built without weights (vision_module_with_weights assigns them next): the probe below
+                    # needs real storage, whatever it holds (the ids depend on the patch mask alone)
+                    emb.to_empty(device="cpu")
                 side = int(vc.image_size) // int(vc.patch_size)
                 seen = []
                 hook = emb.position_embedding.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
@@ -151,8 +155,7 @@ class Idefics3Family(VLMFamily):
     # ---- vision ----------------------------------------------------------------------------
     def build_vision_module(self, vision_dir: Path, dtype):
         config = self.hf_config(read_json(Path(vision_dir) / "config.json"))
-        wrapper = Idefics3VisionWrapper.build(config, self.kind)
-        self.load_vision_weights(wrapper, vision_dir)
+        wrapper = self.vision_module_with_weights(lambda: Idefics3VisionWrapper.build(config, self.kind), vision_dir)
         return wrapper.to(dtype).eval().requires_grad_(False)
 
     def onnx_io(self, vision_config: dict) -> tuple[list[str], list[str], dict[str, dict[int, str]]]:

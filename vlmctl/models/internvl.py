@@ -164,8 +164,7 @@ class InternVLFamily(VLMFamily):
     # ---- vision ----------------------------------------------------------------------------
     def build_vision_module(self, vision_dir: Path, dtype):
         config = self.hf_config(read_json(Path(vision_dir) / "config.json"))
-        wrapper = InternVLVisionWrapper.build(config)
-        self.load_vision_weights(wrapper, vision_dir)
+        wrapper = self.vision_module_with_weights(lambda: InternVLVisionWrapper.build(config), vision_dir)
         wrapper.truncate_unused_layers()
         return wrapper.to(dtype).eval().requires_grad_(False)
 

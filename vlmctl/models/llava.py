@@ -91,8 +91,10 @@ class LlavaFamily(VLMFamily):
     # ---- vision ----------------------------------------------------------------------------
     def build_vision_module(self, vision_dir: Path, dtype):
         config = self.hf_config(read_json(Path(vision_dir) / "config.json"))
-        wrapper = LlavaVisionWrapper.build(config, config.vision_feature_layer, config.vision_feature_select_strategy)
-        self.load_vision_weights(wrapper, vision_dir)
+        wrapper = self.vision_module_with_weights(
+            lambda: LlavaVisionWrapper.build(config, config.vision_feature_layer,
+                                             config.vision_feature_select_strategy),
+            vision_dir)
         wrapper.truncate_unused_layers()
         return wrapper.to(dtype).eval().requires_grad_(False)
 

@@ -180,8 +180,10 @@ class AnyresLlavaFamily(LlavaFamily):
     def build_vision_module(self, vision_dir: Path, dtype):
         """Tower + projector per crop ([crops, 3, S, S] -> [crops, rows, hidden]); image_newline stays on the host."""
         config = self.hf_config(read_json(Path(vision_dir) / "config.json"))
-        wrapper = LlavaVisionWrapper.build(config, config.vision_feature_layer, config.vision_feature_select_strategy)
-        self.load_vision_weights(wrapper, vision_dir, skip=(NEWLINE,))
+        wrapper = self.vision_module_with_weights(
+            lambda: LlavaVisionWrapper.build(config, config.vision_feature_layer,
+                                             config.vision_feature_select_strategy),
+            vision_dir, skip=(NEWLINE,))
         wrapper.truncate_unused_layers()
         return wrapper.to(dtype).eval().requires_grad_(False)
 

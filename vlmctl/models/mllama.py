@@ -133,8 +133,7 @@ class MllamaFamily(VLMFamily):
     # ---- vision ----------------------------------------------------------------------------
     def build_vision_module(self, vision_dir: Path, dtype):
         config = self.hf_config(read_json(Path(vision_dir) / "config.json"))
-        wrapper = MllamaVisionWrapper.build(config)
-        self.load_vision_weights(wrapper, vision_dir)
+        wrapper = self.vision_module_with_weights(lambda: MllamaVisionWrapper.build(config), vision_dir)
         return wrapper.to(dtype).eval().requires_grad_(False)
 
     def onnx_io(self, vision_config: dict):

@@ -384,8 +384,7 @@ class Qwen2VLFamily(VLMFamily):
     # ---- vision ----------------------------------------------------------------------------
     def build_vision_module(self, vision_dir: Path, dtype):
         config = self.hf_config(read_json(Path(vision_dir) / "config.json"))
-        wrapper = QwenVisionWrapper.build(config, self.windowed)
-        self.load_vision_weights(wrapper, vision_dir)
+        wrapper = self.vision_module_with_weights(lambda: QwenVisionWrapper.build(config, self.windowed), vision_dir)
         return wrapper.to(dtype).eval().requires_grad_(False)
 
     def vision_geometry(self, config_dict: dict) -> dict:

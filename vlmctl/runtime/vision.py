@@ -66,7 +66,7 @@ class TorchVisionRunner:
         if self.device.type == "cpu" and dtype != torch.float32:
             dtype = torch.float32  # half-precision conv/attention kernels are slow or missing on the CPU
         self.dtype = dtype
-        self.module = family.build_vision_module(vision_dir, torch.float32).to(self.device, dtype).eval()
+        self.module = family.build_vision_module(vision_dir, dtype).to(self.device).eval()
         self.graphs_enabled = bool(graphs and self.device.type == "cuda" and family.graph_vision)
         self._graphs: dict[tuple, tuple] = {}  # (bucket, input shapes) -> (graph, static inputs, static output)
         self._pool = None
