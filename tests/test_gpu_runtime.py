@@ -283,25 +283,6 @@ def test_awq_act_mul_in_the_gemv_equals_the_separate_kernel(awq_engine, monkeypa
     assert fused == plain and fused4 == plain4
 
 
-@pytest.mark.parametrize("which,graphs", [("fp16_engine", True), ("fp16_engine", False), ("awq_engine", True),
-                                            ("awq_engine", False)])
-def test_attention_prefetch_leaves_the_tokens_unchanged(which, graphs, request, monkeypatch):
-    """The L2 prefetch of o and gate_up beside the decode attention (`kernels.l2_prefetch`, on a side stream
-    joined at the step's end) writes nothing: graphed and eager generations of one request and four give the
-    tokens of steps without it."""
-    path = request.getfixturevalue(which)
-    monkeypatch.setenv("VLMCTL_ATTN_PREFETCH", "off")
-    _, plain = run(path, n=1, cuda_graphs=graphs)
-    _, plain4 = run(path, n=4, cuda_graphs=graphs)
-    monkeypatch.setenv("VLMCTL_ATTN_PREFETCH", "1")  # all of o and 1 MB of gate_up rows: every range kind
-    monkeypatch.setenv("VLMCTL_ATTN_PREFETCH_BATCH", "4")
-    eng, pre = run(path, n=1, cuda_graphs=graphs)
-    _, pre4 = run(path, n=4, cuda_graphs=graphs)
-    plans = eng.decoder._prefetch_plans
-    assert plans is not None and all(p is not None and p.bytes > 0 for p in plans[2]), "the prefetch must run"
-    assert pre == plain and pre4 == plain4
-
-
 @pytest.mark.parametrize("which,graphs", [("fp16_engine", True), ("fp16_engine", False), ("awq_engine", True)])
 def test_serving_compiles_no_triton_kernel_after_load(which, graphs, request):
     """Every Triton kernel a serving engine runs is compiled while it loads (capture, the AWQ warm-up and

@@ -293,7 +293,6 @@ class TorchDecoder:
         self._graphs: dict[tuple[int, bool], tuple] = {}
         self._graph_pool = None
         self._fused = False  # the fused batch-1 step: not built yet (see _fused_step)
-        self._prefetch_plans = None  # (setting, side stream, per-layer L2 prefetches): `_attention_prefetch`
         self.fused_step_reason = None if self.device.type == "cuda" else "not on a GPU"
         self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if self.device.type == "cuda" else 1)
@@ -671,16 +670,9 @@ class TorchDecoder:
         some row sees image states; rows with 0 compute the cross layers over the zero block 0 and have
         both outputs multiplied by 0, which leaves them exactly as if the layers were skipped."""
 
-        prefetch = self._attention_prefetch(ids.shape[0])
-
         def attend(li, qkv):
             layer = self.layers[li]
             ci = layer.cache_index
-            if prefetch is not None and prefetch[1][li] is not None:  # the o/gate_up weights into L2 meanwhile
-                side = prefetch[0]
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    prefetch[1][li].launch(self.device)
             return ops.paged_decode_rope(qkv, layer.cos_sin, positions, slots, self.k_cache[ci], self.v_cache[ci],
                                          block_tables, context_lens, self.scale, self.n_heads, self.n_kv,
                                          self.head_dim, num_splits=splits, workspace=workspace, window=layer.window)
@@ -703,48 +695,7 @@ class TorchDecoder:
         if fused is not None:  # every layer in one persistent kernel (kernels/fused_step.py)
             return self._final(fused.run(x, positions, slots, block_tables, context_lens), None, None)
         residual, h_out = self._layers(x, attend, xb)
-        if prefetch is not None:  # a captured graph must join its side stream; eager steps stay ordered too
-            torch.cuda.current_stream(self.device).wait_stream(prefetch[0])
         return self._final(residual, h_out, None)
-
-    def _attention_prefetch(self, batch: int):
-        """(side stream, per layer a `kernels.l2_prefetch.Prefetch` or None) for a decode step of `batch`
-        rows, or None where it is off (`VLMCTL_ATTN_PREFETCH`; read when a step is built or captured)."""
-        if self.device.type != "cuda":
-            return None
-        from .kernels import l2_prefetch
-
-        mb, max_batch = l2_prefetch.setting()
-        if mb is None or batch > max_batch or not l2_prefetch.available(self.device):
-            return None
-        key = mb
-        if self._prefetch_plans is None or self._prefetch_plans[0] != key:
-            plans = []
-            for layer in self.layers:
-                if layer.cross is not None:
-                    plans.append(None)
-                    continue
-                if mb < 0:
-                    plans.append(l2_prefetch.Prefetch([], empty=True))
-                    continue
-                ranges = [l2_prefetch.whole(t) for t in layer.o.tensors()]
-                budget = int(mb * 2 ** 20)
-                gate_up = list(layer.gate_up.tensors())
-                if budget and gate_up:
-                    rows = gate_up[0].shape[0]
-                    per_row = sum(t.stride(0) * t.element_size() for t in gate_up if t.dim() == 2)
-                    take = min(rows // 2, budget // max(1, 2 * per_row))
-                    for t in gate_up:
-                        if t.dim() != 2:
-                            continue
-                        if isinstance(layer.gate_up, W4A16Linear):  # act·mul in the GEMV: its first programs
-                            ranges += [l2_prefetch.row_prefix(t, take),  # read both halves' first rows
-                                       l2_prefetch.row_prefix(t, take, rows // 2)]
-                        else:
-                            ranges.append(l2_prefetch.row_prefix(t, 2 * take))
-                plans.append(l2_prefetch.Prefetch(ranges))
-            self._prefetch_plans = (key, torch.cuda.Stream(self.device), plans)
-        return self._prefetch_plans[1], self._prefetch_plans[2]
 
     def _fused_step(self):
         """The fused batch-1 step where this decoder can run it (built on first use; None where not, with
