@@ -7,7 +7,8 @@ qkv and gate_up) and leave DRAM idle for PDL's early weight loads.
         --env-variants awq --env-ab VLMCTL_PIN=default,4096:4096:gemv_cuda:8:4:4
 
 Every argument goes to decode_gpu.py. `VLMCTL_PIN` (read before each capture, so `--env-ab` sweeps it in one
-process): "default" (the shipped table) or pins N:K:KERNEL:BLOCK_N:WARPS:STAGES joined by "+".
+process): "default" (the shipped table) or pins N:K:KERNEL:BLOCK_N:WARPS:STAGES joined by "+", for one-row calls
+with group size 128 and fp16 activations (decode_gpu.py's defaults).
 """
 
 from __future__ import annotations
