@@ -20,20 +20,32 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def apply_pins(shipped: dict) -> None:
+def _tables():
+    """Every table `set_config` may pin into (per kernel kind)."""
+    from vlmctl.runtime.kernels import w4a16 as W
+
+    return (W._TUNED, W._TUNED_H2, W._TUNED_CUDA, W._TUNED_MMA_GEMV)
+
+
+def apply_pins(shipped: list[dict]) -> None:
+    """Restore the shipped tables (an earlier case's pins do not carry over), then pin `VLMCTL_PIN`'s configs."""
     import torch
 
     from vlmctl.runtime.kernels import w4a16 as W
 
-    W._TUNED_CUDA.clear()
-    W._TUNED_CUDA.update(shipped)
+    for table, saved in zip(_tables(), shipped):
+        table.clear()
+        table.update(saved)
     spec = os.environ.get("VLMCTL_PIN", "default").strip()
     if spec in ("", "default"):
         return
     for pin in spec.split("+"):
-        n, k, kernel, bn, warps, stages = pin.split(":")
-        cfg = W.Config(kernel, block_n=int(bn), num_warps=int(warps), num_stages=int(stages))
-        W.set_config(1, int(n), int(k), 128, torch.float16, cfg, device=torch.device("cuda"))
+        try:
+            n, k, kernel, bn, warps, stages = pin.split(":")
+            cfg = W.Config(kernel, block_n=int(bn), num_warps=int(warps), num_stages=int(stages))
+            W.set_config(1, int(n), int(k), 128, torch.float16, cfg, device=torch.device("cuda"))
+        except ValueError as e:
+            raise SystemExit(f"VLMCTL_PIN: {pin!r} is not N:K:KERNEL:BLOCK_N:WARPS:STAGES that fits its shape ({e})")
         print(f"pinned N={n} K={k}: {cfg}", flush=True)
 
 
@@ -42,7 +54,7 @@ def main() -> None:
     from vlmctl.runtime.kernels import w4a16 as W
 
     W._load_tuned_table()  # first: the shipped table is loaded lazily and would overwrite the pins
-    shipped = dict(W._TUNED_CUDA)
+    shipped = [dict(t) for t in _tables()]
     capture = D.TorchDecoder.capture_graphs
 
     def capture_pinned(self, max_batch):
