@@ -240,6 +240,8 @@ class Kernel:
                 holders.append(ctypes.c_void_p(a.data_ptr()))
             elif isinstance(a, int):
                 holders.append(ctypes.c_int(a))
+            elif isinstance(a, float):
+                holders.append(ctypes.c_float(a))
             elif a is None:
                 holders.append(ctypes.c_void_p(0))
             elif isinstance(a, bytes):  # a by-value struct parameter, e.g. a tensor map

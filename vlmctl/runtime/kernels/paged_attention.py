@@ -298,7 +298,10 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
                       workspace: tuple | None = None, window: int | None = None) -> torch.Tensor:
     """Decode attention of qkv rows [B, (n_q + 2 n_kv) * d] (not yet rotated) with the rotary of the new
     token and its KV append done in the same kernel. context_lens count the new token; `window`:
-    attend only the last `window` positions."""
+    attend only the last `window` positions. Small batches take the CUDA kernel of `paged_attention_cuda`
+    where it runs (`VLMCTL_ATTN_CUDA`), others this module's Triton kernel."""
+    from . import paged_attention_cuda as cuda_kernel
+
     B = qkv.shape[0]
     D = k_cache.shape[3]
     group = n_q // n_kv
@@ -306,6 +309,10 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
     split = num_splits > 1
     part, ml, cnt = _partials(out, num_splits, workspace)
     fold = split and cnt is not None and combine_in_attention()
+    if (fold or not split) and cuda_kernel.selected(qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables,
+                                                    context_lens, n_q=n_q, n_kv=n_kv):
+        return cuda_kernel.decode_rope(qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens,
+                                       out, part, ml, cnt, scale, n_q, n_kv, num_splits, window)
     run_triton(
         _decode_rope_kernel, (B, n_kv, num_splits),
         qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, out, part, ml,

@@ -1,0 +1,154 @@
+"""The CUDA decode attention with rotary and KV append (`runtime/kernels/decode_attention.cu`, launched by
+`paged_attention_cuda`).
+
+On any machine with NVRTC: every kind of template instance compiles for sm_90, and the selection rules hold.
+On a GPU (marked `gpu`): against the reference operations (rotary + append, then attention in float32 over
+the updated cache) and against the Triton kernel it stands in for, over GQA groups up to 7, head sizes 32
+and 128, block sizes 8 and 16, 1-16 splits, sliding windows, int32 and int64 positions, fp16 and bf16: the
+same output within the dtype's rounding, the reference's K/V rows appended bit for bit and nothing else in
+the cache touched, the
+split counters back at zero, deterministic; and, in a CUDA graph behind a PDL kernel that writes its qkv
+input, the same result as run eagerly (a read of qkv before the wait would see the old rows).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmctl.runtime import ops
+from vlmctl.runtime.kernels import cuda_rtc
+from vlmctl.runtime.kernels import paged_attention_cuda as PA
+
+GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+
+
+@pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
+def test_kernel_compiles_for_sm90():
+    names = [PA.kernel_name(d, g, dt) for d, g, dt in [(32, 1, torch.float16), (64, 2, torch.bfloat16),
+                                                        (128, 7, torch.float16), (256, 8, torch.bfloat16)]]
+    assert names[2] == "decode_attention_rope<4, 8, 0>"  # a group of 7 runs in the instance for 8
+    cubin, lowered = cuda_rtc.compile_cubin(PA.source(), names, "sm_90")
+    assert len(cubin) > 10_000 and set(lowered) == set(names)
+
+
+def test_mode_and_selection(monkeypatch):
+    x = torch.zeros(1, 3 * 128)
+    monkeypatch.setenv("VLMCTL_ATTN_CUDA", "sometimes")
+    with pytest.raises(ValueError, match="VLMCTL_ATTN_CUDA"):
+        PA.mode()
+    monkeypatch.setenv("VLMCTL_ATTN_CUDA", "0")
+    assert not PA.selected(x, n_q=1, n_kv=1)  # never asks the tensors
+    monkeypatch.setenv("VLMCTL_ATTN_CUDA", "1")
+    cache = torch.zeros(2, 16, 1, 128)
+    args = (x, torch.zeros(8, 128), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), cache, cache,
+            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cannot run here: not a CUDA tensor"):
+        PA.selected(*args, n_q=1, n_kv=1)
+    monkeypatch.setenv("VLMCTL_ATTN_CUDA", "auto")
+    assert not PA.selected(*args, n_q=1, n_kv=1)  # auto: the Triton kernel wherever this one cannot run
+    big = torch.zeros(PA.AUTO_MAX_BATCH + 1, 3 * 128)
+    assert not PA.selected(big, n_q=1, n_kv=1)
+
+
+def _case(dtype, n_q, n_kv, d, bs, lens, pos_dtype, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    maxb = -(-max(lens) // bs) + 1
+    nblocks = B * maxb + 1
+    lens = torch.tensor(lens, dtype=torch.int32)
+    # each sequence owns its blocks, as in the engine's pool
+    tables = (torch.randperm(nblocks - 1, generator=g)[:B * maxb].view(B, maxb) + 1).to(torch.int32)
+    slots = torch.tensor([int(tables[b, (int(lens[b]) - 1) // bs]) * bs + (int(lens[b]) - 1) % bs for b in range(B)])
+    kc = (torch.randn(nblocks, bs, n_kv, d, generator=g) * 2).to("cuda", dtype)
+    vc = torch.randn(nblocks, bs, n_kv, d, generator=g).to("cuda", dtype)
+    qkv = torch.randn(B, (n_q + 2 * n_kv) * d, generator=g).to("cuda", dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    f = torch.arange(4096).float()[:, None] * inv
+    cos_sin = torch.cat((f.cos(), f.sin()), -1).cuda()
+    pos = (lens.long() - 1 + 3).to(pos_dtype).cuda()  # rotary positions need not equal cache indices
+    return qkv, cos_sin, pos, slots.to(pos_dtype).cuda(), kc, vc, tables.cuda(), lens.cuda()
+
+
+def _run(env, monkeypatch, qkv, cos_sin, pos, slots, kc, vc, tables, lens, n_q, n_kv, splits, window, ws=None):
+    from vlmctl.runtime.kernels.paged_attention import paged_decode_rope, split_workspace
+
+    monkeypatch.setenv("VLMCTL_ATTN_CUDA", env)
+    d = kc.shape[-1]
+    if ws is None and splits > 1:
+        ws = split_workspace(qkv.shape[0], n_q, d, splits, "cuda")
+    out = paged_decode_rope(qkv, cos_sin, pos, slots, kc, vc, tables, lens, d ** -0.5, n_q, n_kv, num_splits=splits,
+                            workspace=ws, window=window)
+    torch.cuda.synchronize()
+    return out, ws
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU of compute capability 8.0 or later")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n_q,n_kv,d", [(4, 4, 32), (8, 2, 32), (14, 2, 128), (32, 32, 128)])
+@pytest.mark.parametrize("bs", [8, 16])
+@pytest.mark.parametrize("splits", [1, 2, 4, 16])
+@pytest.mark.parametrize("window", [None, 7, 100])
+def test_against_reference_and_triton(dtype, n_q, n_kv, d, bs, splits, window, monkeypatch):
+    lens = [1, 20, 45, 200, 657]  # context incl. the new token: none cached, part of a tile, several tiles
+    pos_dtype = torch.int64 if splits != 2 else torch.int32
+    qkv, cos_sin, pos, slots, kc, vc, tables, lens_t = _case(dtype, n_q, n_kv, d, bs, lens, pos_dtype)
+    B = len(lens)
+    kc_ref, vc_ref, qkv_ref = kc.clone(), vc.clone(), qkv.clone()
+    ops.rope_and_cache_reference(qkv_ref, cos_sin, pos.long(), n_q, n_kv, d, kc_ref, vc_ref, slots.long())
+    want = ops.paged_decode_reference(qkv_ref[:, :n_q * d].view(B, n_q, d).float(), kc_ref.float(), vc_ref.float(),
+                                      tables, lens_t, d ** -0.5, window)
+    tri, _ = _run("0", monkeypatch, qkv, cos_sin, pos, slots, kc.clone(), vc.clone(), tables, lens_t, n_q, n_kv, splits,
+                  window)
+    kc0, vc0 = kc.clone(), vc.clone()
+    got, ws = _run("1", monkeypatch, qkv, cos_sin, pos, slots, kc, vc, tables, lens_t, n_q, n_kv, splits, window)
+    eps = torch.finfo(dtype).eps
+    err = ((got.float() - want).norm() / want.norm()).item()
+    assert err < 2 * eps, err  # float32 arithmetic, then one rounding of the output
+    assert ((got.float() - tri.float()).norm() / want.norm()).item() < 3 * eps
+    # the appended rows are the reference's bit for bit (each product rounded as torch rounds it; the Triton
+    # kernel's K may differ by one rounding where its compiler fuses a product into an FMA), nothing else moved
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    if ws is not None:
+        assert torch.count_nonzero(ws[2]) == 0  # the counters are back at zero for the next call
+    again, _ = _run("1", monkeypatch, qkv, cos_sin, pos, slots, kc0, vc0, tables, lens_t, n_q, n_kv, splits, window, ws)
+    assert torch.equal(again, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU of compute capability 8.0 or later")
+@pytest.mark.parametrize("splits", [1, 16])
+def test_in_a_graph_behind_the_kernel_that_writes_its_input(splits, monkeypatch):
+    """q, k and v are read after the wait: with the kernel graphed behind a PDL kernel that writes its qkv rows
+    (an RMSNorm into the buffer), every replay equals the eager result for that step's rows."""
+    from vlmctl.runtime.kernels import fused, pdl
+    from vlmctl.runtime.kernels.paged_attention import paged_decode_rope, split_workspace
+
+    monkeypatch.setenv("VLMCTL_ATTN_CUDA", "1")
+    n_q = n_kv = 32
+    d = 128
+    qkv, cos_sin, pos, slots, kc, vc, tables, lens = _case(torch.float16, n_q, n_kv, d, 16, [300], torch.int32)
+    src = torch.randn(1, qkv.shape[1], device="cuda", dtype=torch.float16) * 3
+    w = torch.ones(qkv.shape[1], device="cuda", dtype=torch.float16)
+    ws = split_workspace(1, n_q, d, splits, "cuda") if splits > 1 else None
+    kc_g, vc_g = kc.clone(), vc.clone()
+
+    def step(kcache, vcache):
+        fused.add_rms_norm(src, w, 1e-6, out=qkv)
+        return paged_decode_rope(qkv, cos_sin, pos, slots, kcache, vcache, tables, lens, d ** -0.5, n_q, n_kv,
+                                 num_splits=splits, workspace=ws)
+
+    step(kc_g.clone(), vc_g.clone())
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step(kc_g, vc_g)
+    for i in range(3):
+        src.normal_()
+        g.replay()
+        torch.cuda.synchronize()
+        want = step(kc.clone(), vc.clone())
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), i
+    assert pdl.enabled(qkv.device) == (torch.cuda.get_device_capability() >= (9, 0))
