@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import paged_attention_cuda as cuda_kernel
 from . import pdl
 from .compile_ahead import run as run_triton
 
@@ -300,8 +301,6 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
     token and its KV append done in the same kernel. context_lens count the new token; `window`:
     attend only the last `window` positions. Small batches take the CUDA kernel of `paged_attention_cuda`
     where it runs (`VLMCTL_ATTN_CUDA`), others this module's Triton kernel."""
-    from . import paged_attention_cuda as cuda_kernel
-
     B = qkv.shape[0]
     D = k_cache.shape[3]
     group = n_q // n_kv

@@ -4,8 +4,11 @@ inputs, outputs and split workspace as the Triton kernel; what differs is when i
 and the cached K/V tiles are requested before the PDL wait, so only the new token's q/k/v and the
 kernel's own arithmetic follow the qkv GEMV (the .cu file says why and what that asks of the caller).
 
-`VLMCTL_ATTN_CUDA`: "auto" (default) uses it for decode batches up to `AUTO_MAX_BATCH` where it runs; "1"
-for every batch where it runs; "0" never (A/B measurements)."""
+`VLMCTL_ATTN_CUDA`: "0" (default) never; "1" for decode batches up to `MAX_BATCH`; "all" for every batch
+(measurements). Off by default because it has not yet run on a GPU: it was written in a session without
+one (docs/benchmarks.md, session 25, says what is to be measured before it may become the default). With
+"1" or "all", tensors it cannot take are an error, not a silent fallback, so that a measurement measures it.
+"""
 
 from __future__ import annotations
 
@@ -16,10 +19,10 @@ import torch
 
 SOURCE = Path(__file__).with_name("decode_attention.cu")
 _TEXT: list[str] = []
-MODES = ("auto", "0", "1")
-# rows per step up to which "auto" takes this kernel: the batches the H200 measured it faster at
-# (docs/benchmarks.md, session 25)
-AUTO_MAX_BATCH = 8
+MODES = ("0", "1", "all")
+# rows per step up to which "1" takes this kernel: the batches whose attention is a latency chain (at 8 and
+# more the Triton kernel's tensor-core dots and fewer splits already read the KV at a good share of the bandwidth)
+MAX_BATCH = 8
 MAX_GROUP = 8  # q heads per KV head held in registers
 
 
@@ -30,10 +33,10 @@ def source() -> str:
 
 
 def mode() -> str:
-    m = os.environ.get("VLMCTL_ATTN_CUDA", "auto").strip().lower() or "auto"
+    m = os.environ.get("VLMCTL_ATTN_CUDA", "0").strip().lower() or "0"
     m = {"off": "0", "on": "1", "false": "0", "true": "1"}.get(m, m)
     if m not in MODES:
-        raise ValueError(f"VLMCTL_ATTN_CUDA={m!r}: expected auto, 0 or 1")
+        raise ValueError(f"VLMCTL_ATTN_CUDA={m!r}: expected 0, 1 or all")
     return m
 
 
@@ -79,15 +82,15 @@ def unsupported(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tenso
 
 
 def selected(qkv: torch.Tensor, *tensors, n_q: int, n_kv: int) -> bool:
-    """Whether `paged_decode_rope` takes this kernel for these tensors (`VLMCTL_ATTN_CUDA`); "1" where it
-    cannot run is an error."""
+    """Whether `paged_decode_rope` takes this kernel for these tensors (`VLMCTL_ATTN_CUDA`); switched on where
+    it cannot run, an error."""
     m = mode()
-    if m == "0" or (m == "auto" and qkv.shape[0] > AUTO_MAX_BATCH):
+    if m == "0" or (m == "1" and qkv.shape[0] > MAX_BATCH):
         return False
     why = unsupported(qkv, *tensors, n_q=n_q, n_kv=n_kv)
-    if why is not None and m == "1":
-        raise ValueError(f"VLMCTL_ATTN_CUDA=1, but the CUDA decode attention cannot run here: {why}")
-    return why is None
+    if why is not None:
+        raise ValueError(f"VLMCTL_ATTN_CUDA={m}, but the CUDA decode attention cannot run here: {why}")
+    return True
 
 
 def decode_rope(qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, out, part, ml, cnt,
@@ -120,4 +123,4 @@ def decode_rope(qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, 
     return out
 
 
-__all__ = ["AUTO_MAX_BATCH", "decode_rope", "kernel_name", "mode", "selected", "source", "unsupported"]
+__all__ = ["MAX_BATCH", "decode_rope", "kernel_name", "mode", "selected", "source", "unsupported"]
