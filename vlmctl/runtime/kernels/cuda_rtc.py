@@ -78,6 +78,16 @@ def _check_nvrtc(lib, res: int, what: str) -> None:
 def compile_cubin(source: str, name_expressions: list[str], arch: str, options: tuple = ()) -> tuple[bytes, dict]:
     """Compile `source` for `arch` (e.g. "sm_90") and return (cubin, {name expression: lowered name}).
     Raises RtcError with NVRTC's log if it does not compile."""
+    return _compile(source, name_expressions, arch, options, "CUBIN")
+
+
+def compile_ptx(source: str, name_expressions: list[str], arch: str, options: tuple = ()) -> tuple[str, dict]:
+    """As `compile_cubin`, but the PTX (for reading what a kernel does where: tests of the PDL contract)."""
+    ptx, lowered = _compile(source, name_expressions, arch, options, "PTX")
+    return ptx.rstrip(b"\0").decode(), lowered
+
+
+def _compile(source: str, name_expressions: list[str], arch: str, options: tuple, output: str) -> tuple[bytes, dict]:
     lib = nvrtc_library()
     prog = ctypes.c_void_p()
     _check_nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"vlmctl.cu", 0, None, None),
@@ -95,9 +105,9 @@ def compile_cubin(source: str, name_expressions: list[str], arch: str, options: 
             lib.nvrtcGetProgramLog(prog, log)
             raise RtcError(f"NVRTC could not compile for {arch}:\n{log.value.decode(errors='replace')}")
         size = ctypes.c_size_t()
-        _check_nvrtc(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
+        _check_nvrtc(lib, getattr(lib, f"nvrtcGet{output}Size")(prog, ctypes.byref(size)), f"{output} size")
         cubin = ctypes.create_string_buffer(size.value)
-        _check_nvrtc(lib, lib.nvrtcGetCUBIN(prog, cubin), "cubin")
+        _check_nvrtc(lib, getattr(lib, f"nvrtcGet{output}")(prog, cubin), output)
         lowered = {}
         for expr in name_expressions:
             name = ctypes.c_char_p()
@@ -303,5 +313,5 @@ def available() -> bool:
     return _AVAILABLE
 
 
-__all__ = ["Kernel", "RtcError", "available", "cache_dir", "cached_cubin", "compile_cubin", "load_kernel",
-           "nvrtc_library", "nvrtc_version", "precompile"]
+__all__ = ["Kernel", "RtcError", "available", "cache_dir", "cached_cubin", "compile_cubin", "compile_ptx",
+           "load_kernel", "nvrtc_library", "nvrtc_version", "precompile"]
