@@ -6,7 +6,8 @@ never returns it where it cannot run (the CPU, bf16, batches above 1) or with th
 (where NVRTC is installed) that every config a sweep tries compiles for sm_90. `gpu`-marked tests run
 it against the dequantized fp32 reference (odd N and K, groups 32-128, bias, M > 1), check that it
 dequantizes exactly (one-hot activations pick single weights out) and that the switch selects it
-(table or rule). tests/test_pdl.py checks its chain of RMSNorm -> GEMV launches with programmatic
+(table or rule), and that its shared-memory ring variant (`VLMCTL_W4A16_GEMV_RING`, a measurement
+candidate) gives its results bit for bit. tests/test_pdl.py checks its chain of RMSNorm -> GEMV launches with programmatic
 dependent launch, eager and in a CUDA graph, against plain launches.
 """
 
@@ -105,6 +106,41 @@ def test_every_candidate_compiles_for_sm90():
     assert all(v.startswith("_Z10w4a16_gemv") for v in lowered.values())
 
 
+def _zero_packed(n, k, g=128):
+    return {"q4weight": torch.zeros(n, k // 8, dtype=torch.int32), "q4scales": torch.zeros(n, k // g, dtype=torch.float16),
+            "q4zeros": torch.zeros(n, k // g, dtype=torch.uint8)}
+
+
+def test_ring_variant_switch(monkeypatch):
+    """`VLMCTL_W4A16_GEMV_RING`: off by default; a depth of 2-8 names the ring variant's instance (what
+    `cuda_build` then precompiles); anything else is one clear error, as is a ring too large for a block."""
+    monkeypatch.delenv("VLMCTL_W4A16_GEMV_RING", raising=False)
+    assert W.gemv_ring_stages() == 0
+    assert W.gemv_cuda_kernel_name(_cfg(32, 4, 1), 128) == "w4a16_gemv<8, 4, 1, 128>"
+    monkeypatch.setenv("VLMCTL_W4A16_GEMV_RING", "4")
+    assert W.gemv_cuda_kernel_name(_cfg(32, 4, 1), 128) == "w4a16_gemv_ring<8, 4, 4, 128>"
+    assert W.cuda_build(_cfg(32, 4, 1), 128, torch.float16, torch.device("cpu"))[1] == "w4a16_gemv_ring<8, 4, 4, 128>"
+    assert W.gemv_ring_shared_bytes(_cfg(32, 4, 1), 4) == 4 * 4 * 8 * 768
+    for bad in ("1", "9", "deep"):
+        monkeypatch.setenv("VLMCTL_W4A16_GEMV_RING", bad)
+        with pytest.raises(ValueError, match="VLMCTL_W4A16_GEMV_RING"):
+            W.gemv_ring_stages()
+    monkeypatch.setenv("VLMCTL_W4A16_GEMV_RING", "8")
+    with pytest.raises(ValueError, match="shared memory"):
+        W._launch_gemv_cuda(torch.zeros(1, 4096, dtype=torch.float16), _zero_packed(64, 4096), 128, _cfg(64, 8, 1),
+                            None, None)
+
+
+@pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
+def test_ring_variant_compiles_for_sm90(monkeypatch):
+    monkeypatch.setenv("VLMCTL_W4A16_GEMV_RING", "4")
+    names = sorted({W.gemv_cuda_kernel_name(c, g) for c in (_cfg(8, 2, 2), _cfg(32, 8, 2), _cfg(32, 4, 1))
+                    for g in (32, 128)})
+    cubin, lowered = cuda_rtc.compile_cubin(W.mma_source(), names, "sm_90")
+    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(names)
+    assert all(v.startswith("_Z15w4a16_gemv_ring") for v in lowered.values())
+
+
 @pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
 def test_precompile_fills_the_cache_once_per_kernel(tmp_path, monkeypatch):
     """`cuda_rtc.precompile` (the sweeps' parallel compile) writes one cached cubin per distinct kernel,
@@ -144,6 +180,30 @@ def test_gpu_gemv_cuda_matches_reference(n, k, g, cfg):
             assert y.shape == (m, n) and y.dtype == torch.float16
             assert float((y.float() - ref).norm() / ref.norm()) <= TOL16, (m, bias is not None)
             assert torch.equal(W.launch(x, p, g, cfg, bias), y)  # deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("n,k,g", [(4096, 4096, 128), (4096, 11008, 128), (203, 4096, 64), (45, 96, 32),
+                                   (17, 4160, 64), (12288, 4096, 128)])
+@pytest.mark.parametrize("cfg", [_cfg(16, 4, 2), _cfg(8, 2, 2), _cfg(32, 4, 1), _cfg(32, 8, 2)], ids=W.describe)
+@pytest.mark.parametrize("stages", [2, 4])
+def test_gpu_ring_variant_equals_the_register_gemv(n, k, g, cfg, stages, monkeypatch):
+    """The shared-memory ring variant sums the same products in the same order as the register GEMV with the
+    same rows per warp: bit-equal outputs (odd N, a last batch of chunks cut short, groups 32-128, bias, M > 1),
+    and within the reference's tolerance."""
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    p = random_packed(n, k, g, seed=n * k)
+    for m in (1, 3):
+        x = torch.randn(m, k, device="cuda", generator=gen).half()
+        for bias in (None, torch.randn(n, device="cuda", generator=gen).half()):
+            monkeypatch.delenv("VLMCTL_W4A16_GEMV_RING", raising=False)
+            want = W.launch(x, p, g, cfg, bias)
+            monkeypatch.setenv("VLMCTL_W4A16_GEMV_RING", str(stages))
+            got = W.launch(x, p, g, cfg, bias)
+            assert torch.equal(got, want), (m, bias is not None)
+            ref = reference(x, p, g, bias)
+            assert float((got.float() - ref).norm() / ref.norm()) <= TOL16
 
 
 @pytest.mark.gpu

@@ -744,9 +744,34 @@ def gemv_cuda_runs(x2, qw) -> bool:
 
 
 def gemv_cuda_kernel_name(config: Config, group_size: int) -> str:
-    """The template instance of `w4a16_mma.cu`'s w4a16_gemv that runs `config`."""
-    return (f"w4a16_gemv<{config.block_n // config.num_warps}, {config.num_warps}, {config.num_stages}, "
-            f"{group_size}>")
+    """The template instance of `w4a16_mma.cu`'s w4a16_gemv that runs `config` (its ring variant's, with
+    `VLMCTL_W4A16_GEMV_RING`)."""
+    rpw = config.block_n // config.num_warps
+    stages = gemv_ring_stages()
+    if stages:
+        return f"w4a16_gemv_ring<{rpw}, {config.num_warps}, {stages}, {group_size}>"
+    return f"w4a16_gemv<{rpw}, {config.num_warps}, {config.num_stages}, {group_size}>"
+
+
+GEMV_RING_SLOT = 768  # bytes of a ring slot per row: 32 lanes x (16 bytes of codes, a scale word, a zero-point word)
+MAX_DYNAMIC_SHARED = 227 * 1024  # per block, sm_90
+
+
+def gemv_ring_stages() -> int:
+    """`VLMCTL_W4A16_GEMV_RING`: 0 (default) runs the register GEMV at batch 1; 2-8 its variant that streams
+    weights through a shared-memory ring of that many batches per warp (a measurement candidate: written in
+    session 25 without a GPU, not yet measured; docs/benchmarks.md)."""
+    v = os.environ.get("VLMCTL_W4A16_GEMV_RING", "0").strip().lower()
+    if v in ("", "0", "off", "false"):
+        return 0
+    if not v.isdigit() or not 2 <= int(v) <= 8:
+        raise ValueError(f"VLMCTL_W4A16_GEMV_RING={v!r}: expected 0 (off) or a ring depth of 2-8 batches")
+    return int(v)
+
+
+def gemv_ring_shared_bytes(config: Config, stages: int) -> int:
+    """Dynamic shared memory of the ring variant for `config`: a ring per warp."""
+    return config.num_warps * stages * (config.block_n // config.num_warps) * GEMV_RING_SLOT
 
 
 def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:
@@ -755,9 +780,14 @@ def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y
     qw, s, z = (packed[key] for key in KEYS)
     m, k = x2.shape
     n = qw.shape[0]
+    stages = gemv_ring_stages()
+    smem = gemv_ring_shared_bytes(config, stages) if stages else 0
+    if smem > MAX_DYNAMIC_SHARED:
+        raise ValueError(f"VLMCTL_W4A16_GEMV_RING={stages}: {describe(config)} would need {smem} bytes of shared "
+                         f"memory a block (at most {MAX_DYNAMIC_SHARED})")
     kern = cuda_rtc.load_kernel(mma_source(), gemv_cuda_kernel_name(config, group_size), x2.device)
     # PDL as for the Triton GEMVs: the kernel reads only weights, scales and zero points before its wait
-    kern.launch((triton_cdiv(n, config.block_n), m, 1), (32 * config.num_warps, 1, 1), 0,
+    kern.launch((triton_cdiv(n, config.block_n), m, 1), (32 * config.num_warps, 1, 1), smem,
                 [x2, qw, s, z, bias, y, n, k, x2.stride(0), int(bias is not None)], x2.device,
                 pdl=pdl.enabled(x2.device))
 

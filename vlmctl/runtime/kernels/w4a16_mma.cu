@@ -617,6 +617,146 @@ w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc,
 
 
 // ---------------------------------------------------------------------------------------------------
+// w4a16_gemv_ring: the batch-1 GEMV above with its weights, scales and zero points streamed through a
+// shared-memory ring by cp.async instead of registers (a measurement candidate, `VLMCTL_W4A16_GEMV_RING`).
+//
+// Why: the register GEMV holds two batches of a warp's rows in registers (168-255 registers a thread for
+// the H200 table's configs), so an SM keeps 8-12 warps and 32-48 KB of weights in flight, near what Little's
+// law asks for the 2-2.4 TB/s it reaches at ~1.5-2 us of loaded DRAM latency (docs/benchmarks.md, sessions
+// 11 and 25). Copies into shared memory hold no registers: each warp has a private ring of ST slots,
+// a slot one batch (RPW rows x 32 chunks of 32 k, with each lane's scale and zero point), so ST batches
+// are in flight per warp, and all of them are requested before griddepcontrol.wait (weights only): at
+// K = 4096 four slots hold a warp's whole share of the linear. Each lane reads back only what it copied
+// itself, so no barrier is needed. Scales and zero points come as the aligned 4-byte word holding them
+// (cp.async copies 4, 8 or 16 bytes), cut short at the tensor's end.
+// Numerics: per lane and row the same dequantization, runs and order as w4a16_gemv: the same result bit
+// for bit, for the same rows per warp.
+
+__device__ __forceinline__ void ring_cp16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void ring_cp4(u32 dst, const void* src, int bytes) {  // bytes < 4: the rest zero
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void ring_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void ring_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
+template <int RPW, int NW, int ST, int G>
+__global__ void __launch_bounds__(NW * 32)
+w4a16_gemv_ring(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
+                const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias) {
+    extern __shared__ __align__(16) unsigned char gemv_ring_smem[];
+    constexpr int SLOT = RPW * (512 + 128 + 128);  // per slot: weights, scale words, zero-point words
+    pdl_release();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row0 = (blockIdx.x * NW + warp) * RPW;
+    const int KC = K >> 5;  // 32-k chunks of a row
+    const int KG = K / G;
+    const int batches = (KC + 31) >> 5;  // a batch: chunk 32 b + lane of each row, for every lane
+    const long long s_bytes = (long long)N * KG * 2, z_bytes = (long long)N * KG;
+    unsigned char* ring = gemv_ring_smem + warp * ST * SLOT;
+    const u32 ring_addr = smem_addr(ring);
+    int rows[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) rows[r] = min(row0 + r, N - 1);  // rows past N read row N - 1, not stored
+
+    auto issue = [&](int b) {
+        const int c = 32 * b + lane;
+        const bool valid = c < KC;
+        const int cc = valid ? c : 0;
+        const u32 slot = ring_addr + (b % ST) * SLOT;
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            const long long gi = (long long)rows[r] * KG + (cc * 32) / G;
+            const long long sa = (gi * 2) & ~3LL, za = gi & ~3LL;
+            ring_cp16(slot + (r * 32 + lane) * 16, qw + (size_t)rows[r] * (K >> 3) + 4 * cc, valid);
+            ring_cp4(slot + RPW * 512 + (r * 32 + lane) * 4, reinterpret_cast<const unsigned char*>(sc) + sa,
+                     valid ? (int)min(4LL, s_bytes - sa) : 0);
+            ring_cp4(slot + RPW * 640 + (r * 32 + lane) * 4, zp + za, valid ? (int)min(4LL, z_bytes - za) : 0);
+        }
+    };
+#pragma unroll
+    for (int b = 0; b < ST; ++b) {
+        if (b < batches) issue(b);
+        ring_commit();
+    }
+    pdl_wait();
+    const u16* xr = x + (size_t)blockIdx.y * ldx;
+    float acc[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
+    u32x4 xn[4];  // the next batch's activations
+    if (lane < KC) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xn[j] = ld_act16(xr + 32 * lane + 8 * j);
+    }
+    for (int b = 0; b < batches; ++b) {
+        const int c = 32 * b + lane;
+        u32x4 xc[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xc[j] = xn[j];
+        if (c + 32 < KC) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) xn[j] = ld_act16(xr + 32 * (c + 32) + 8 * j);
+        }
+        ring_wait<ST - 1>();  // this lane's copies of batch b have landed
+        if (c < KC) {
+            const unsigned char* slot = ring + (b % ST) * SLOT;
+#pragma unroll
+            for (int r = 0; r < RPW; ++r) {
+                const u32x4 w = *reinterpret_cast<const u32x4*>(slot + (r * 32 + lane) * 16);
+                const long long gi = (long long)rows[r] * KG + (c * 32) / G;
+                const u32 sw = *reinterpret_cast<const u32*>(slot + RPW * 512 + (r * 32 + lane) * 4);
+                const u32 zw = *reinterpret_cast<const u32*>(slot + RPW * 640 + (r * 32 + lane) * 4);
+                const u32 s = (gi & 1) ? sw >> 16 : sw & 0xFFFFu;
+                const u32 z = (zw >> (8 * (int)(gi & 3))) & 0xFFu;
+                const u32 zf2 = (0x6400u | z) * 0x10001u;  // fp16 1024 + zero, twice
+                const u32 s2 = s * 0x10001u;
+                const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {  // runs of two words, as gemv_compute
+                    u32 run = 0;
+#pragma unroll
+                    for (int jj = 0; jj < 2; ++jj) {
+                        const int j = 2 * h + jj;
+#pragma unroll
+                        for (int t = 0; t < 4; ++t)
+                            run = fma_f16x2(dequant2(words[j], 4 * t, zf2, s2), x_pair(xc[j], t), run);
+                    }
+                    acc[r] += half2_sum(run);
+                }
+            }
+        }
+        if (b + ST < batches) issue(b + ST);  // into the slot just read (this lane's own bytes)
+        ring_commit();
+    }
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            const int n = row0 + r;
+            if (n < N) {
+                const float v = acc[r] + (has_bias ? half_to_float(bias[n]) : 0.f);
+                u16 h;
+                asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+                y[(size_t)blockIdx.y * N + n] = h;
+            }
+        }
+    }
+}
+
+
+
+// ---------------------------------------------------------------------------------------------------
 // w4a16_mma_gemv: decode batches of up to 16 rows as a GEMV whose multiply-adds run on the tensor cores.
 //
 // For 2-16 rows the mma kernel above streams weights through a cp.async ring behind a block-wide barrier
