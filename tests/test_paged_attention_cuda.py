@@ -4,7 +4,7 @@
 On any machine with NVRTC: every kind of template instance compiles for sm_90, and the selection rules hold.
 On a GPU (marked `gpu`): against the reference operations (rotary + append, then attention in float32 over
 the updated cache) and against the Triton kernel it stands in for, over GQA groups up to 7, head sizes 32
-and 128, block sizes 8 and 16, 1-16 splits, sliding windows, int32 and int64 positions, fp16 and bf16: the
+and 128, block sizes 8 and 16, 1-32 splits, sliding windows, int32 and int64 positions, fp16 and bf16: the
 same output within the dtype's rounding, the reference's K/V rows appended bit for bit and nothing else in
 the cache touched, the
 split counters back at zero, deterministic; and, in a CUDA graph behind a PDL kernel that writes its qkv
@@ -47,6 +47,9 @@ def test_mode_and_selection(monkeypatch):
         monkeypatch.setenv("VLMCTL_ATTN_CUDA", m)
         with pytest.raises(ValueError, match=f"VLMCTL_ATTN_CUDA={m}, but .* cannot run here: not a CUDA tensor"):
             PA.selected(*args, n_q=1, n_kv=1)
+    assert PA.unsupported(*args, n_q=1, n_kv=1, num_splits=PA.MAX_SPLITS + 1) == "33 context splits (at most 32)"
+    src = PA.source()
+    assert f"#define MAX_SPLITS {PA.MAX_SPLITS} " in src  # the kernel's register array holds that many
     monkeypatch.setenv("VLMCTL_ATTN_CUDA", "1")
     big = torch.zeros(PA.MAX_BATCH + 1, 3 * 128)
     assert not PA.selected(big, n_q=1, n_kv=1)  # "1": larger batches keep the Triton kernel
@@ -89,7 +92,7 @@ def _run(env, monkeypatch, qkv, cos_sin, pos, slots, kc, vc, tables, lens, n_q, 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n_q,n_kv,d", [(4, 4, 32), (8, 2, 32), (14, 2, 128), (32, 32, 128)])
 @pytest.mark.parametrize("bs", [8, 16])
-@pytest.mark.parametrize("splits", [1, 2, 4, 16])
+@pytest.mark.parametrize("splits", [1, 2, 4, 16, 32])
 @pytest.mark.parametrize("window", [None, 7, 100])
 def test_against_reference_and_triton(dtype, n_q, n_kv, d, bs, splits, window, monkeypatch):
     lens = [1, 20, 45, 200, 657]  # context incl. the new token: none cached, part of a tile, several tiles

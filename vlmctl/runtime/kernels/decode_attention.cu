@@ -41,6 +41,7 @@ typedef unsigned short u16;
 #define NWARPS 4
 #define STAGES 4     // tiles of K and V in flight (the first STAGES are requested before the wait)
 #define NEG_INF __int_as_float(0xff800000)
+#define MAX_SPLITS 32  // splits of a context at most (paged_attention.choose_splits caps them there)
 
 __device__ __forceinline__ void pdl_release() {
 #if __CUDA_ARCH__ >= 900
@@ -366,20 +367,43 @@ decode_attention_rope(const u16* qkv, const float* __restrict__ cos_sin, const v
     }
     __syncthreads();
     if (!last_flag) return;
+    // each split's (max, sum) read once into shared memory (one round trip, all in parallel), turned into the
+    // splits' weights per head; then each output element loads its MAX_SPLITS predicated partials at once:
+    // a loop over the splits with a load per trip would wait one L2 round trip per split
+    float* sw = reinterpret_cast<float*>(smem);  // [GP][MAX_SPLITS]: m, then the weight exp2(m - max)
+    float* sl = sw + GP * MAX_SPLITS;             // [GP][MAX_SPLITS]: l
+    float* sden = sl + GP * MAX_SPLITS;           // [GP]
+    const size_t base0 = ((size_t)seq * heads_total + (size_t)kvh * group) * num_splits;
+    for (int idx = tid; idx < group * num_splits; idx += NWARPS * 32) {
+        const int g = idx / num_splits, sp = idx % num_splits;
+        sw[g * MAX_SPLITS + sp] = ld_cg(ml + (base0 + idx) * 2);
+        sl[g * MAX_SPLITS + sp] = ld_cg(ml + (base0 + idx) * 2 + 1);
+    }
+    __syncthreads();
+    if (tid < group) {
+        float mx = NEG_INF;
+        for (int sp = 0; sp < num_splits; ++sp) mx = fmaxf(mx, sw[tid * MAX_SPLITS + sp]);
+        float den = 0.f;
+        for (int sp = 0; sp < num_splits; ++sp) {
+            const float ms = sw[tid * MAX_SPLITS + sp];
+            const float f = ms == NEG_INF ? 0.f : exp2f(ms - mx);
+            sw[tid * MAX_SPLITS + sp] = f;
+            den = fmaf(sl[tid * MAX_SPLITS + sp], f, den);
+        }
+        sden[tid] = den;
+    }
+    __syncthreads();
     for (int idx = tid; idx < group * D; idx += NWARPS * 32) {
         const int g = idx / D, d = idx % D;
-        const int head = kvh * group + g;
-        const size_t base = ((size_t)seq * heads_total + head) * num_splits;
-        float mx = NEG_INF;
-        for (int sp = 0; sp < num_splits; ++sp) mx = fmaxf(mx, ld_cg(ml + (base + sp) * 2));
-        float a = 0.f, den = 0.f;
-        for (int sp = 0; sp < num_splits; ++sp) {
-            const float ms = ld_cg(ml + (base + sp) * 2);
-            const float f = ms == NEG_INF ? 0.f : exp2f(ms - mx);
-            den = fmaf(ld_cg(ml + (base + sp) * 2 + 1), f, den);
-            a = fmaf(ld_cg(part + (base + sp) * D + d), f, a);
-        }
-        out[(size_t)seq * stride_ot + (size_t)head * stride_oh + d] = from_f32<BF16>(a / den);
+        const float* pg = part + (base0 + (size_t)g * num_splits) * D + d;
+        float v[MAX_SPLITS];
+#pragma unroll
+        for (int sp = 0; sp < MAX_SPLITS; ++sp) v[sp] = sp < num_splits ? ld_cg(pg + (size_t)sp * D) : 0.f;
+        float a = 0.f;
+#pragma unroll
+        for (int sp = 0; sp < MAX_SPLITS; ++sp)
+            if (sp < num_splits) a = fmaf(v[sp], sw[g * MAX_SPLITS + sp], a);
+        out[(size_t)seq * stride_ot + (size_t)(kvh * group + g) * stride_oh + d] = from_f32<BF16>(a / sden[g]);
     }
     if (tid == 0) atomicExch(cnt + seq * n_kv + kvh, 0);
 }

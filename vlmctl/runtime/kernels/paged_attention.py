@@ -309,7 +309,7 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
     part, ml, cnt = _partials(out, num_splits, workspace)
     fold = split and cnt is not None and combine_in_attention()
     if (fold or not split) and cuda_kernel.selected(qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables,
-                                                    context_lens, n_q=n_q, n_kv=n_kv):
+                                                    context_lens, n_q=n_q, n_kv=n_kv, num_splits=num_splits):
         return cuda_kernel.decode_rope(qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens,
                                        out, part, ml, cnt, scale, n_q, n_kv, num_splits, window)
     run_triton(

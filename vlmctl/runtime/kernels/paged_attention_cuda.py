@@ -24,6 +24,7 @@ MODES = ("0", "1", "all")
 # more the Triton kernel's tensor-core dots and fewer splits already read the KV at a good share of the bandwidth)
 MAX_BATCH = 8
 MAX_GROUP = 8  # q heads per KV head held in registers
+MAX_SPLITS = 32  # as the .cu file's MAX_SPLITS (`paged_attention.choose_splits` gives at most 32)
 
 
 def source() -> str:
@@ -48,11 +49,13 @@ def kernel_name(head_dim: int, group: int, dtype: torch.dtype) -> str:
 
 def unsupported(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                context_lens: torch.Tensor, n_q: int, n_kv: int) -> str | None:
+                context_lens: torch.Tensor, n_q: int, n_kv: int, num_splits: int = 1) -> str | None:
     """Why the kernel cannot take these tensors, or None where it can."""
     from . import cuda_rtc
 
     d = k_cache.shape[-1]
+    if num_splits > MAX_SPLITS:
+        return f"{num_splits} context splits (at most {MAX_SPLITS})"
     if qkv.device.type != "cuda":
         return "not a CUDA tensor"
     if torch.cuda.get_device_capability(qkv.device) < (8, 0):
@@ -81,13 +84,13 @@ def unsupported(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tenso
     return None
 
 
-def selected(qkv: torch.Tensor, *tensors, n_q: int, n_kv: int) -> bool:
+def selected(qkv: torch.Tensor, *tensors, n_q: int, n_kv: int, num_splits: int = 1) -> bool:
     """Whether `paged_decode_rope` takes this kernel for these tensors (`VLMCTL_ATTN_CUDA`); switched on where
     it cannot run, an error."""
     m = mode()
     if m == "0" or (m == "1" and qkv.shape[0] > MAX_BATCH):
         return False
-    why = unsupported(qkv, *tensors, n_q=n_q, n_kv=n_kv)
+    why = unsupported(qkv, *tensors, n_q=n_q, n_kv=n_kv, num_splits=num_splits)
     if why is not None:
         raise ValueError(f"VLMCTL_ATTN_CUDA={m}, but the CUDA decode attention cannot run here: {why}")
     return True
