@@ -513,29 +513,33 @@ __device__ __forceinline__ void gemv_load_x(GemvBatch<RPW, KS>& b, const u16* xr
     }
 }
 
+// one row's 32 codes of a chunk (w; its group's scale bits s and zero point z) against the chunk's 32
+// activations x, added to acc in two runs of two words
+__device__ __forceinline__ void gemv_chunk(float& acc, const u32x4& w, u32 s, u32 z, const u32x4 (&x)[4]) {
+    const u32 zf2 = (0x6400u | z) * 0x10001u;  // fp16 1024 + zero, twice
+    const u32 s2 = s * 0x10001u;
+    const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // runs of two words
+        u32 run = 0;
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+            const int j = 2 * h + jj;
+#pragma unroll
+            for (int t = 0; t < 4; ++t)  // k = 8j + 2t, 8j + 2t + 1
+                run = fma_f16x2(dequant2(words[j], 4 * t, zf2, s2), x_pair(x[j], t), run);
+        }
+        acc += half2_sum(run);
+    }
+}
+
 template <int RPW, int KS>
 __device__ __forceinline__ void gemv_compute(const GemvBatch<RPW, KS>& b, float (&acc)[RPW], int c0, int KC) {
 #pragma unroll
     for (int u = 0; u < KS; ++u) {
         if (c0 + 32 * u < KC) {
 #pragma unroll
-            for (int r = 0; r < RPW; ++r) {
-                const u32 zf2 = (0x6400u | b.z[u][r]) * 0x10001u;  // fp16 1024 + zero, twice
-                const u32 s2 = b.s[u][r] * 0x10001u;
-                const u32 words[4] = {b.w[u][r].x, b.w[u][r].y, b.w[u][r].z, b.w[u][r].w};
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {  // runs of two words
-                    u32 run = 0;
-#pragma unroll
-                    for (int jj = 0; jj < 2; ++jj) {
-                        const int j = 2 * h + jj;
-#pragma unroll
-                        for (int t = 0; t < 4; ++t)  // k = 8j + 2t, 8j + 2t + 1
-                            run = fma_f16x2(dequant2(words[j], 4 * t, zf2, s2), x_pair(b.x[u][j], t), run);
-                    }
-                    acc[r] += half2_sum(run);
-                }
-            }
+            for (int r = 0; r < RPW; ++r) gemv_chunk(acc[r], b.w[u][r], b.s[u][r], b.z[u][r], b.x[u]);
         }
     }
 }
@@ -713,23 +717,7 @@ w4a16_gemv_ring(const u16* x, const u32* __restrict__ qw, const u16* __restrict_
                 const long long gi = (long long)rows[r] * KG + (c * 32) / G;
                 const u32 sw = *reinterpret_cast<const u32*>(slot + RPW * 512 + (r * 32 + lane) * 4);
                 const u32 zw = *reinterpret_cast<const u32*>(slot + RPW * 640 + (r * 32 + lane) * 4);
-                const u32 s = (gi & 1) ? sw >> 16 : sw & 0xFFFFu;
-                const u32 z = (zw >> (8 * (int)(gi & 3))) & 0xFFu;
-                const u32 zf2 = (0x6400u | z) * 0x10001u;  // fp16 1024 + zero, twice
-                const u32 s2 = s * 0x10001u;
-                const u32 words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {  // runs of two words, as gemv_compute
-                    u32 run = 0;
-#pragma unroll
-                    for (int jj = 0; jj < 2; ++jj) {
-                        const int j = 2 * h + jj;
-#pragma unroll
-                        for (int t = 0; t < 4; ++t)
-                            run = fma_f16x2(dequant2(words[j], 4 * t, zf2, s2), x_pair(xc[j], t), run);
-                    }
-                    acc[r] += half2_sum(run);
-                }
+                gemv_chunk(acc[r], w, (gi & 1) ? sw >> 16 : sw & 0xFFFFu, (zw >> (8 * (int)(gi & 3))) & 0xFFu, xc);
             }
         }
         if (b + ST < batches) issue(b + ST);  // into the slot just read (this lane's own bytes)
