@@ -299,8 +299,8 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
                       workspace: tuple | None = None, window: int | None = None) -> torch.Tensor:
     """Decode attention of qkv rows [B, (n_q + 2 n_kv) * d] (not yet rotated) with the rotary of the new
     token and its KV append done in the same kernel. context_lens count the new token; `window`:
-    attend only the last `window` positions. Small batches take the CUDA kernel of `paged_attention_cuda`
-    where it runs (`VLMCTL_ATTN_CUDA`), others this module's Triton kernel."""
+    attend only the last `window` positions. This module's Triton kernel runs it, or, switched on with
+    `VLMCTL_ATTN_CUDA` (off by default), the CUDA kernel of `paged_attention_cuda` for small batches."""
     B = qkv.shape[0]
     D = k_cache.shape[3]
     group = n_q // n_kv

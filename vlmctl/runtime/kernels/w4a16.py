@@ -754,7 +754,6 @@ def gemv_cuda_kernel_name(config: Config, group_size: int) -> str:
 
 
 GEMV_RING_SLOT = 768  # bytes of a ring slot per row: 32 lanes x (16 bytes of codes, a scale word, a zero-point word)
-MAX_DYNAMIC_SHARED = 227 * 1024  # per block, sm_90
 
 
 def gemv_ring_stages() -> int:
@@ -782,9 +781,9 @@ def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y
     n = qw.shape[0]
     stages = gemv_ring_stages()
     smem = gemv_ring_shared_bytes(config, stages) if stages else 0
-    if smem > MAX_DYNAMIC_SHARED:
+    if smem > MMA_MAX_SHARED:
         raise ValueError(f"VLMCTL_W4A16_GEMV_RING={stages}: {describe(config)} would need {smem} bytes of shared "
-                         f"memory a block (at most {MAX_DYNAMIC_SHARED})")
+                         f"memory a block (at most {MMA_MAX_SHARED})")
     kern = cuda_rtc.load_kernel(mma_source(), gemv_cuda_kernel_name(config, group_size), x2.device)
     # PDL as for the Triton GEMVs: the kernel reads only weights, scales and zero points before its wait
     kern.launch((triton_cdiv(n, config.block_n), m, 1), (32 * config.num_warps, 1, 1), smem,
