@@ -544,6 +544,29 @@ __device__ __forceinline__ void gemv_compute(const GemvBatch<RPW, KS>& b, float 
     }
 }
 
+// the warp's row sums (each lane's share added across the warp), plus the bias, rounded to fp16 and stored
+template <int RPW>
+__device__ __forceinline__ void gemv_store_rows(float (&acc)[RPW], int lane, int row0, int N, const u16* bias,
+                                                int has_bias, u16* y) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            const int n = row0 + r;
+            if (n < N) {
+                const float v = acc[r] + (has_bias ? half_to_float(bias[n]) : 0.f);
+                u16 h;
+                asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+                y[n] = h;
+            }
+        }
+    }
+}
+
 #ifdef W4A16_GEMV_L2_NEXT
 // Measurement build (benchmarks/w4a16_gemv_chain_gpu.py): the GEMV also asks L2 for the first `pre` bytes of
 // each of `rows` rows (`row_bytes` apart) of the NEXT linear's weights, so that DRAM keeps streaming across
@@ -599,23 +622,7 @@ w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc,
         gemv_compute(b, acc, c0 + 32 * KS, KC);
     }
     GEMV_NEXT_AT(2);
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-            const int n = row0 + r;
-            if (n < N) {
-                const float v = acc[r] + (has_bias ? half_to_float(bias[n]) : 0.f);
-                u16 h;
-                asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-                y[(size_t)blockIdx.y * N + n] = h;
-            }
-        }
-    }
+    gemv_store_rows<RPW>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * N);
 }
 
 
@@ -723,23 +730,7 @@ w4a16_gemv_ring(const u16* x, const u32* __restrict__ qw, const u16* __restrict_
         if (b + ST < batches) issue(b + ST);  // into the slot just read (this lane's own bytes)
         ring_commit();
     }
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-            const int n = row0 + r;
-            if (n < N) {
-                const float v = acc[r] + (has_bias ? half_to_float(bias[n]) : 0.f);
-                u16 h;
-                asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-                y[(size_t)blockIdx.y * N + n] = h;
-            }
-        }
-    }
+    gemv_store_rows<RPW>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * N);
 }
 
 
