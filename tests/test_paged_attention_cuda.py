@@ -20,6 +20,8 @@ from vlmctl.runtime import ops
 from vlmctl.runtime.kernels import cuda_rtc
 from vlmctl.runtime.kernels import paged_attention_cuda as PA
 
+import cuda_host
+
 GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
@@ -55,7 +57,7 @@ def test_mode_and_selection(monkeypatch):
     assert not PA.selected(big, n_q=1, n_kv=1)  # "1": larger batches keep the Triton kernel
 
 
-def _case(dtype, n_q, n_kv, d, bs, lens, pos_dtype, seed=5):
+def _case(dtype, n_q, n_kv, d, bs, lens, pos_dtype, seed=5, device="cuda"):
     g = torch.Generator().manual_seed(seed)
     B = len(lens)
     maxb = -(-max(lens) // bs) + 1
@@ -64,14 +66,65 @@ def _case(dtype, n_q, n_kv, d, bs, lens, pos_dtype, seed=5):
     # each sequence owns its blocks, as in the engine's pool
     tables = (torch.randperm(nblocks - 1, generator=g)[:B * maxb].view(B, maxb) + 1).to(torch.int32)
     slots = torch.tensor([int(tables[b, (int(lens[b]) - 1) // bs]) * bs + (int(lens[b]) - 1) % bs for b in range(B)])
-    kc = (torch.randn(nblocks, bs, n_kv, d, generator=g) * 2).to("cuda", dtype)
-    vc = torch.randn(nblocks, bs, n_kv, d, generator=g).to("cuda", dtype)
-    qkv = torch.randn(B, (n_q + 2 * n_kv) * d, generator=g).to("cuda", dtype)
+    kc = (torch.randn(nblocks, bs, n_kv, d, generator=g) * 2).to(device, dtype)
+    vc = torch.randn(nblocks, bs, n_kv, d, generator=g).to(device, dtype)
+    qkv = torch.randn(B, (n_q + 2 * n_kv) * d, generator=g).to(device, dtype)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     f = torch.arange(4096).float()[:, None] * inv
-    cos_sin = torch.cat((f.cos(), f.sin()), -1).cuda()
-    pos = (lens.long() - 1 + 3).to(pos_dtype).cuda()  # rotary positions need not equal cache indices
-    return qkv, cos_sin, pos, slots.to(pos_dtype).cuda(), kc, vc, tables.cuda(), lens.cuda()
+    cos_sin = torch.cat((f.cos(), f.sin()), -1).to(device)
+    pos = (lens.long() - 1 + 3).to(pos_dtype).to(device)  # rotary positions need not equal cache indices
+    return qkv, cos_sin, pos, slots.to(pos_dtype).to(device), kc, vc, tables.to(device), lens.to(device)
+
+
+def _reference(qkv, cos_sin, pos, slots, kc, vc, tables, lens, n_q, n_kv, window):
+    """(output in float32, K cache, V cache) after the reference operations: rotary and append, then attention."""
+    B, d = qkv.shape[0], kc.shape[-1]
+    kc_ref, vc_ref, qkv_ref = kc.clone(), vc.clone(), qkv.clone()
+    ops.rope_and_cache_reference(qkv_ref, cos_sin, pos.long(), n_q, n_kv, d, kc_ref, vc_ref, slots.long())
+    want = ops.paged_decode_reference(qkv_ref[:, :n_q * d].view(B, n_q, d).float(), kc_ref.float(), vc_ref.float(),
+                                      tables, lens, d ** -0.5, window)
+    return want, kc_ref, vc_ref
+
+
+HOST = cuda_host.unavailable()
+
+
+@pytest.mark.skipif(HOST is not None, reason=f"the CUDA kernel cannot run on the host: {HOST}")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n_q,n_kv,d,bs,splits,window", [
+    (4, 4, 32, 8, 1, None), (4, 4, 32, 16, 3, None), (8, 2, 32, 16, 4, 7), (14, 2, 32, 8, 16, None),
+    (6, 2, 64, 16, 2, 33), (2, 1, 128, 16, 32, None), (8, 1, 256, 16, 2, None)])
+def test_on_the_host_against_reference(dtype, n_q, n_kv, d, bs, splits, window, monkeypatch):
+    """The kernel's C++ run on the CPU (tests/cuda_host.py) through its real launcher, `decode_rope`: the
+    reference's result within the dtype's rounding, its appended K/V rows bit for bit and nothing else in the
+    cache moved, the counters back at zero, q/k/v read only after the PDL wait (they hold NaN until it), and
+    the same bits for another order of blocks, threads and copy arrivals. Groups of 1-7 q heads (7 in the
+    instance for 8), head sizes 32-256, contexts from the new token alone to many tiles, windows."""
+    from vlmctl.runtime.kernels.paged_attention import split_workspace
+
+    lens = [1, 17, 45, 160] if d < 256 else [1, 40]
+    pos_dtype = torch.int64 if splits % 2 else torch.int32
+    case = _case(dtype, n_q, n_kv, d, bs, lens, pos_dtype, device="cpu")
+    qkv, cos_sin, pos, slots, kc, vc, tables, lens_t = case
+    want, kc_ref, vc_ref = _reference(*case, n_q, n_kv, window)
+    outs = []
+    for seed in (0, 1):
+        rtc = cuda_host.HostRTC(guard=0, seed=seed)
+        monkeypatch.setattr(cuda_rtc, "load_kernel", rtc.load_kernel)
+        k, v = kc.clone(), vc.clone()
+        out = torch.empty(len(lens), n_q, d, dtype=dtype)
+        part, ml, cnt = split_workspace(len(lens), n_q, d, splits, "cpu") if splits > 1 else (None, None, None)
+        PA.decode_rope(qkv, cos_sin, pos, slots, k, v, tables, lens_t, out, part, ml, cnt, d ** -0.5, n_q, n_kv,
+                       splits, window)
+        assert rtc.launched == [PA.kernel_name(d, n_q // n_kv, dtype)]
+        eps = torch.finfo(dtype).eps
+        err = ((out.float() - want).norm() / want.norm()).item()
+        assert err < 2 * eps, err
+        assert torch.equal(k, kc_ref) and torch.equal(v, vc_ref)
+        if cnt is not None:
+            assert torch.count_nonzero(cnt) == 0
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 def _run(env, monkeypatch, qkv, cos_sin, pos, slots, kc, vc, tables, lens, n_q, n_kv, splits, window, ws=None):
@@ -99,10 +152,7 @@ def test_against_reference_and_triton(dtype, n_q, n_kv, d, bs, splits, window, m
     pos_dtype = torch.int64 if splits != 2 else torch.int32
     qkv, cos_sin, pos, slots, kc, vc, tables, lens_t = _case(dtype, n_q, n_kv, d, bs, lens, pos_dtype)
     B = len(lens)
-    kc_ref, vc_ref, qkv_ref = kc.clone(), vc.clone(), qkv.clone()
-    ops.rope_and_cache_reference(qkv_ref, cos_sin, pos.long(), n_q, n_kv, d, kc_ref, vc_ref, slots.long())
-    want = ops.paged_decode_reference(qkv_ref[:, :n_q * d].view(B, n_q, d).float(), kc_ref.float(), vc_ref.float(),
-                                      tables, lens_t, d ** -0.5, window)
+    want, kc_ref, vc_ref = _reference(qkv, cos_sin, pos, slots, kc, vc, tables, lens_t, n_q, n_kv, window)
     tri, _ = _run("0", monkeypatch, qkv, cos_sin, pos, slots, kc.clone(), vc.clone(), tables, lens_t, n_q, n_kv, splits,
                   window)
     kc0, vc0 = kc.clone(), vc.clone()

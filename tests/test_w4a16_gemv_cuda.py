@@ -19,6 +19,7 @@ import torch
 from vlmctl.runtime.kernels import cuda_rtc
 from vlmctl.runtime.kernels import w4a16 as W
 
+import cuda_host
 from w4a16_gpu_helpers import random_packed, reference
 
 HAS_CUDA = torch.cuda.is_available()
@@ -153,6 +154,42 @@ def test_precompile_fills_the_cache_once_per_kernel(tmp_path, monkeypatch):
     cubin, lowered = cuda_rtc.cached_cubin(W.mma_source(), names[0], "sm_90")
     assert cubin[:4] == b"\x7fELF" and lowered.startswith("_Z10w4a16_gemv")
     assert sorted((tmp_path / "cubin").glob("*.cubin")) == files  # read from the cache, nothing new written
+
+
+# ------------------------------------------------------------------------------------------ on the host
+
+HOST = cuda_host.unavailable()
+
+
+@pytest.mark.skipif(HOST is not None, reason=f"the CUDA kernels cannot run on the host: {HOST}")
+@pytest.mark.parametrize("n,k,g,cfg", [(45, 96, 32, _cfg(8, 8, 1)), (33, 4160, 64, _cfg(16, 4, 2)),
+                                       (64, 2048, 128, _cfg(32, 4, 1)), (17, 1024, 128, _cfg(4, 2, 4)),
+                                       (40, 1152, 128, _cfg(16, 8, 4))], ids=str)
+def test_on_the_host_register_gemv_and_ring(n, k, g, cfg, monkeypatch):
+    """Both GEMVs' C++ run on the CPU (tests/cuda_host.py) through their launcher: the register GEMV within
+    the reference's tolerance (its emulated fp16 arithmetic checked against the real one), and the ring
+    variant at depths 2, 3 and 8 bit-equal to it: odd N, a last batch of chunks cut short, groups 32-128,
+    bias, M = 1 and 3, x read only after the PDL wait (it holds NaN until then)."""
+    rtc = cuda_host.HostRTC(guard=0, seed=n)
+    monkeypatch.setattr(cuda_rtc, "load_kernel", rtc.load_kernel)
+    gen = torch.Generator().manual_seed(n + k)
+    p = random_packed(n, k, g, seed=n * k, device="cpu")
+    for m in (1, 3):
+        x = torch.randn(m, k, generator=gen).half()
+        for bias in (None, torch.randn(n, generator=gen).half()):
+            monkeypatch.delenv("VLMCTL_W4A16_GEMV_RING", raising=False)
+            want = torch.empty(m, n, dtype=torch.float16)
+            W._launch_gemv_cuda(x, p, g, cfg, bias, want)
+            ref = reference(x, p, g, bias)
+            assert float((want.float() - ref).norm() / ref.norm()) <= TOL16
+            for stages in (2, 3, 8):
+                monkeypatch.setenv("VLMCTL_W4A16_GEMV_RING", str(stages))
+                got = torch.empty(m, n, dtype=torch.float16)
+                W._launch_gemv_cuda(x, p, g, cfg, bias, got)
+                assert torch.equal(got, want), (m, bias is not None, stages)
+    rows = cfg.block_n // cfg.num_warps
+    assert set(rtc.launched) == {f"w4a16_gemv<{rows}, {cfg.num_warps}, {cfg.num_stages}, {g}>"} | {
+        f"w4a16_gemv_ring<{rows}, {cfg.num_warps}, {st}, {g}>" for st in (2, 3, 8)}
 
 
 # ------------------------------------------------------------------------------------------ GPU

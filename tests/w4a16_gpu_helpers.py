@@ -8,12 +8,12 @@ import torch
 from vlmctl.runtime.kernels import w4a16 as W
 
 
-def random_packed(n, k, g, seed):
-    """Random codes, zero points and scales (0.001-0.005) of an [n, k] weight in the packed layout, on CUDA."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=gen, device="cuda", dtype=torch.int32)
-    zeros = torch.randint(0, 16, (n, k // g), generator=gen, device="cuda", dtype=torch.uint8)
-    scales = (torch.rand(n, k // g, generator=gen, device="cuda") * 0.004 + 0.001).half()
+def random_packed(n, k, g, seed, device="cuda"):
+    """Random codes, zero points and scales (0.001-0.005) of an [n, k] weight in the packed layout."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=gen, device=device, dtype=torch.int32)
+    zeros = torch.randint(0, 16, (n, k // g), generator=gen, device=device, dtype=torch.uint8)
+    scales = (torch.rand(n, k // g, generator=gen, device=device) * 0.004 + 0.001).half()
     return {"q4weight": words, "q4scales": scales, "q4zeros": zeros}
 
 

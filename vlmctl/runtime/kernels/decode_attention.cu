@@ -32,7 +32,8 @@
 // PV dot; here p stays float32).
 //
 // Compiled at run time by NVRTC (cuda_rtc.py); no headers, so conversions and the cp.async and cache
-// operators are inline PTX.
+// operators are inline PTX, each in a helper of one instruction (tests/cuda_host.py runs the kernel on the
+// CPU with those helpers emulated).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -68,24 +69,41 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid)
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
-__device__ __forceinline__ void cp_async_wait_stages() {  // all but the newest STAGES - 1 groups landed
-    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1) : "memory");
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {  // all but the newest N groups have landed
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 
-template <int BF16>
-__device__ __forceinline__ float to_f32(u16 h) {
-    if constexpr (BF16) return __uint_as_float((u32)h << 16);
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
 }
 
-template <int BF16>
-__device__ __forceinline__ u16 from_f32(float f) {  // round to nearest even
+__device__ __forceinline__ u16 f32_to_f16(float f) {  // round to nearest even
     u16 h;
-    if constexpr (BF16) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {  // round to nearest even
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+template <int BF16>
+__device__ __forceinline__ float to_f32(u16 h) {
+    if constexpr (BF16) return __uint_as_float((u32)h << 16);
+    return f16_to_f32(h);
+}
+
+template <int BF16>
+__device__ __forceinline__ u16 from_f32(float f) {
+    if constexpr (BF16) return f32_to_bf16(f);
+    return f32_to_f16(f);
 }
 
 template <int BF16>
@@ -234,7 +252,7 @@ decode_attention_rope(const u16* qkv, const float* __restrict__ cos_sin, const v
     }
 
     for (int it = 0; it < ntiles; ++it) {
-        cp_async_wait_stages();
+        cp_async_wait<STAGES - 1>();  // this thread's copies of tile `it` have landed
         __syncthreads();
         const u16* kt = ks + (it % STAGES) * T * D;
         const u16* vt = vs + (it % STAGES) * T * D;
@@ -281,7 +299,7 @@ decode_attention_rope(const u16* qkv, const float* __restrict__ cos_sin, const v
         if (it + STAGES < ntiles) load_tile(it + STAGES);
         cp_async_commit();
     }
-    asm volatile("cp.async.wait_all;" ::: "memory");
+    cp_async_wait_all();
 
     if (owner && warp == 0) {  // the new token: appended to the cache and attended from registers
         float kn[E], vn[E];

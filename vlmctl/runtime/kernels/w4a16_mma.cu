@@ -69,13 +69,22 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ u32 sub_f16x2(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ u32 mul_f16x2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
 // two fp16 weights (code - zero) * scale from the pair of codes at bits 4t and 4t + 16 of w
 __device__ __forceinline__ u32 dequant2(u32 w, int shift, u32 zf2, u32 s2) {
-    u32 v = ((w >> shift) & 0x000F000Fu) | 0x64006400u;
-    u32 d;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(v), "r"(zf2));
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(d), "r"(s2));
-    return d;
+    const u32 v = ((w >> shift) & 0x000F000Fu) | 0x64006400u;
+    return mul_f16x2(sub_f16x2(v, zf2), s2);
 }
 
 __device__ __forceinline__ float as_float(u32 u) {
@@ -88,6 +97,12 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     u32 d;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     return d;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {  // round to nearest even
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
 }
 
 __device__ __forceinline__ u32 bf16_bits(float f) {  // round to nearest bf16, its 16 bits
@@ -465,9 +480,13 @@ __device__ __forceinline__ u32 fma_f16x2(u32 a, u32 b, u32 c) {
     return d;
 }
 
+__device__ __forceinline__ void unpack_half2(u32 h, u16& lo, u16& hi) {
+    asm("mov.b32 {%0, %1}, %2;" : "=h"(lo), "=h"(hi) : "r"(h));
+}
+
 __device__ __forceinline__ float half2_sum(u32 h) {
     u16 lo, hi;
-    asm("mov.b32 {%0, %1}, %2;" : "=h"(lo), "=h"(hi) : "r"(h));
+    unpack_half2(h, lo, hi);
     return half_to_float(lo) + half_to_float(hi);
 }
 
@@ -558,10 +577,7 @@ __device__ __forceinline__ void gemv_store_rows(float (&acc)[RPW], int lane, int
         for (int r = 0; r < RPW; ++r) {
             const int n = row0 + r;
             if (n < N) {
-                const float v = acc[r] + (has_bias ? half_to_float(bias[n]) : 0.f);
-                u16 h;
-                asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-                y[n] = h;
+                y[n] = f32_to_f16(acc[r] + (has_bias ? half_to_float(bias[n]) : 0.f));
             }
         }
     }
@@ -884,10 +900,7 @@ w4a16_mma_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__
         for (int w = 0; w < KW; ++w) v += red[w][r][c];
         if (m < M && n < N) {
             if (has_bias) v += act_to_float<BF16>(bias[n]);
-            u16 h;
-            if constexpr (BF16) h = (u16)bf16_bits(v);
-            else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-            y[(size_t)m * N + n] = h;
+            y[(size_t)m * N + n] = BF16 ? (u16)bf16_bits(v) : f32_to_f16(v);
         }
     }
 }
