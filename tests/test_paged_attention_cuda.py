@@ -151,7 +151,6 @@ def test_against_reference_and_triton(dtype, n_q, n_kv, d, bs, splits, window, m
     lens = [1, 20, 45, 200, 657]  # context incl. the new token: none cached, part of a tile, several tiles
     pos_dtype = torch.int64 if splits != 2 else torch.int32
     qkv, cos_sin, pos, slots, kc, vc, tables, lens_t = _case(dtype, n_q, n_kv, d, bs, lens, pos_dtype)
-    B = len(lens)
     want, kc_ref, vc_ref = _reference(qkv, cos_sin, pos, slots, kc, vc, tables, lens_t, n_q, n_kv, window)
     tri, _ = _run("0", monkeypatch, qkv, cos_sin, pos, slots, kc.clone(), vc.clone(), tables, lens_t, n_q, n_kv, splits,
                   window)
