@@ -33,6 +33,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -92,7 +93,7 @@ def unavailable() -> str | None:
                 src = Path(d, "probe.cpp")
                 src.write_text(probe)
                 r = subprocess.run([cxx, *_CFLAGS, f"-I{HERE}", "-o", str(Path(d, "p.so")), str(src)],
-                                   capture_output=True, text=True)
+                                   check=False, capture_output=True, text=True)
                 if r.returncode:
                     why = f"{cxx} cannot build tests/cuda_host.h: {r.stderr.strip().splitlines()[-1:]}"
         _AVAILABLE.append(why)
@@ -103,7 +104,7 @@ def unavailable() -> str | None:
 
 def preprocess(source: str) -> str:
     r = subprocess.run([compiler(), "-E", "-P", "-x", "c++", "-std=c++17", "-D__CUDA_ARCH__=900", "-"],
-                       input=source, capture_output=True, text=True)
+                       input=source, check=False, capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"preprocessing failed: {r.stderr}")
     return r.stdout
@@ -201,8 +202,7 @@ def host_source(source: str) -> str:
         pieces += [text[pos:f.start], new]
         pos = f.end
     pieces.append(text[pos:])
-    out = "".join(pieces)
-    return out
+    return "".join(pieces)
 
 
 def kernel_params(text: str, kernel: str) -> list[tuple[str, str]]:
@@ -226,8 +226,7 @@ def kernel_params(text: str, kernel: str) -> list[tuple[str, str]]:
 class HostKernel:
     """One template instance of a kernel, compiled for the host."""
 
-    _cache: dict = {}
-    _dir: list[str] = []
+    _dir: ClassVar[list[str]] = []  # one temporary directory per test process for the built libraries
 
     def __init__(self, source: str, instance: str):
         self.instance = instance
@@ -256,7 +255,7 @@ class HostKernel:
             src = lib.with_suffix(".cpp")
             src.write_text(unit)
             r = subprocess.run([compiler(), *_CFLAGS, f"-I{HERE}", "-o", str(lib) + ".tmp", str(src)],
-                               capture_output=True, text=True)
+                               check=False, capture_output=True, text=True)
             if r.returncode:
                 raise RuntimeError(f"g++ could not build {instance} for the host:\n{r.stderr[-6000:]}")
             os.replace(str(lib) + ".tmp", lib)
