@@ -2,13 +2,14 @@
 `paged_attention_cuda`).
 
 On any machine with NVRTC: every kind of template instance compiles for sm_90, and the selection rules hold.
+With a C++ compiler: the kernel's C++ run on the CPU (tests/cuda_host.py) against the reference operations.
 On a GPU (marked `gpu`): against the reference operations (rotary + append, then attention in float32 over
 the updated cache) and against the Triton kernel it stands in for, over GQA groups up to 7, head sizes 32
 and 128, block sizes 8 and 16, 1-32 splits, sliding windows, int32 and int64 positions, fp16 and bf16: the
 same output within the dtype's rounding, the reference's K/V rows appended bit for bit and nothing else in
-the cache touched, the
-split counters back at zero, deterministic; and, in a CUDA graph behind a PDL kernel that writes its qkv
-input, the same result as run eagerly (a read of qkv before the wait would see the old rows).
+the cache touched, the split counters back at zero, deterministic and the same bits when built to wait
+first (VLMCTL_ATTN_CUDA_EARLY=0); and, in a CUDA graph behind a PDL kernel that writes its qkv input, the
+same result as run eagerly (a read of qkv before the wait would see the old rows).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 @pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
 def test_kernel_compiles_for_sm90():
-    names = [PA.kernel_name(d, g, dt) for d, g, dt in [(32, 1, torch.float16), (64, 2, torch.bfloat16),
-                                                        (128, 7, torch.float16), (256, 8, torch.bfloat16)]]
-    assert names[2] == "decode_attention_rope<4, 8, 0>"  # a group of 7 runs in the instance for 8
+    names = [PA.kernel_name(d, g, dt, early) for d, g, dt, early in [
+        (32, 1, torch.float16, True), (64, 2, torch.bfloat16, False), (128, 7, torch.float16, True),
+        (256, 8, torch.bfloat16, True), (128, 1, torch.float16, False)]]
+    assert names[2] == "decode_attention_rope<4, 8, 0, 1>"  # a group of 7 runs in the instance for 8
     cubin, lowered = cuda_rtc.compile_cubin(PA.source(), names, "sm_90")
     assert len(cubin) > 10_000 and set(lowered) == set(names)
 
@@ -41,6 +43,13 @@ def test_mode_and_selection(monkeypatch):
         PA.mode()
     monkeypatch.delenv("VLMCTL_ATTN_CUDA")
     assert PA.mode() == "0"  # off until it has been measured on a GPU
+    assert PA.reads_early() and PA.kernel_name(128, 1, torch.float16).endswith(", 1>")
+    monkeypatch.setenv("VLMCTL_ATTN_CUDA_EARLY", "0")
+    assert PA.kernel_name(128, 1, torch.float16) == "decode_attention_rope<4, 1, 0, 0>"
+    monkeypatch.setenv("VLMCTL_ATTN_CUDA_EARLY", "soon")
+    with pytest.raises(ValueError, match="VLMCTL_ATTN_CUDA_EARLY='soon': expected 0 or 1"):
+        PA.reads_early()
+    monkeypatch.delenv("VLMCTL_ATTN_CUDA_EARLY")
     assert not PA.selected(x, n_q=1, n_kv=1)  # never asks the tensors
     cache = torch.zeros(2, 16, 1, 128)
     args = (x, torch.zeros(8, 128), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), cache, cache,
@@ -98,8 +107,9 @@ def test_on_the_host_against_reference(dtype, n_q, n_kv, d, bs, splits, window, 
     """The kernel's C++ run on the CPU (tests/cuda_host.py) through its real launcher, `decode_rope`: the
     reference's result within the dtype's rounding, its appended K/V rows bit for bit and nothing else in the
     cache moved, the counters back at zero, q/k/v read only after the PDL wait (they hold NaN until it), and
-    the same bits for another order of blocks, threads and copy arrivals. Groups of 1-7 q heads (7 in the
-    instance for 8), head sizes 32-256, contexts from the new token alone to many tiles, windows."""
+    the same bits for another order of blocks, threads and copy arrivals and with the wait first
+    (`VLMCTL_ATTN_CUDA_EARLY=0`). Groups of 1-7 q heads (7 in the instance for 8), head sizes 32-256, contexts
+    from the new token alone to many tiles, windows."""
     from vlmctl.runtime.kernels.paged_attention import split_workspace
 
     lens = [1, 17, 45, 160] if d < 256 else [1, 40]
@@ -108,7 +118,8 @@ def test_on_the_host_against_reference(dtype, n_q, n_kv, d, bs, splits, window, 
     qkv, cos_sin, pos, slots, kc, vc, tables, lens_t = case
     want, kc_ref, vc_ref = _reference(*case, n_q, n_kv, window)
     outs = []
-    for seed in (0, 1):
+    for seed, early in ((0, "1"), (1, "0")):
+        monkeypatch.setenv("VLMCTL_ATTN_CUDA_EARLY", early)
         rtc = cuda_host.HostRTC(guard=0, seed=seed)
         monkeypatch.setattr(cuda_rtc, "load_kernel", rtc.load_kernel)
         k, v = kc.clone(), vc.clone()
@@ -165,8 +176,9 @@ def test_against_reference_and_triton(dtype, n_q, n_kv, d, bs, splits, window, m
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
     if ws is not None:
         assert torch.count_nonzero(ws[2]) == 0  # the counters are back at zero for the next call
+    monkeypatch.setenv("VLMCTL_ATTN_CUDA_EARLY", "0")  # the build that waits first computes the same bits
     again, _ = _run("all", monkeypatch, qkv, cos_sin, pos, slots, kc0, vc0, tables, lens_t, n_q, n_kv, splits, window, ws)
-    assert torch.equal(again, got)
+    assert torch.equal(again, got) and torch.equal(kc0, kc) and torch.equal(vc0, vc)
 
 
 @pytest.mark.gpu

@@ -3,8 +3,9 @@ PTX (NVRTC, no GPU needed): each waits for the previous kernel exactly once (gri
 next one start exactly once; before its wait it writes no global memory (no st.global, atom, red), so it
 cannot overwrite what the kernel before it still reads. The W4A16 GEMVs load their first weights before the
 wait (ld.global), or, the ring variant, start copying them into shared memory (cp.async); the decode
-attention reads its step inputs and starts the copies of its cached K/V tiles
-there (cp.async into shared memory), and writes the cache, its partials and its ticket after it.
+attention reads its step inputs and starts the copies of its cached K/V tiles there (cp.async into shared
+memory), or, built to wait first (VLMCTL_ATTN_CUDA_EARLY=0), reads nothing before it, and writes the cache,
+its partials and its ticket after it.
 tests/test_pdl.py does the same for the Triton kernels.
 """
 
@@ -34,8 +35,10 @@ def _kernels() -> dict:
                      "ld.global"),
         "mma": (W.mma_source(), W.mma_kernel_name(W.heuristic_mma_config(4096, 4096, 128, 132, "float16"), 128),
                 "cp.async"),
-        "decode_attention": (PA.source(), PA.kernel_name(128, 1, torch.float16), "cp.async"),
-        "decode_attention_gqa_bf16": (PA.source(), PA.kernel_name(128, 7, torch.bfloat16), "cp.async"),
+        "decode_attention": (PA.source(), PA.kernel_name(128, 1, torch.float16, early=True), "cp.async"),
+        "decode_attention_gqa_bf16": (PA.source(), PA.kernel_name(128, 7, torch.bfloat16, early=True), "cp.async"),
+        # VLMCTL_ATTN_CUDA_EARLY=0: it waits before it reads anything
+        "decode_attention_late": (PA.source(), PA.kernel_name(128, 1, torch.float16, early=False), None),
     }
 
 
@@ -49,7 +52,10 @@ def test_waits_once_and_writes_nothing_before(name):
     assert len(waits) == 1 and len(releases) == 1, (len(waits), len(releases))
     before, after = lines[:waits[0]], lines[waits[0]:]
     assert not [ln for ln in before if STORE.match(ln)]
-    assert any(re.match(rf"(@!?%p\d+ )?{re.escape(ahead)}", ln) for ln in before)
+    if ahead is None:
+        assert not [ln for ln in before if re.match(r"(@!?%p\d+ )?(ld\.global|cp\.async)", ln)]
+    else:
+        assert any(re.match(rf"(@!?%p\d+ )?{re.escape(ahead)}", ln) for ln in before)
     assert any(STORE.match(ln) for ln in after)  # its output (and, for the attention, the cache and ticket)
     if name.startswith("decode_attention"):
         assert any(ln.startswith("atom.") or "atom.global" in ln for ln in after)  # the splits' ticket

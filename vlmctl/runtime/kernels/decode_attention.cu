@@ -168,7 +168,10 @@ __device__ __forceinline__ void rotate(float (&x)[E], const float (&c)[E], const
     }
 }
 
-template <int E, int GP, int BF16>
+// EARLY 0: the same kernel with its wait first, for the A/B measurement of reading ahead (session 21 saw a Triton
+// build that loaded its first tile before the wait slow the step: its programs held SM slots that the qkv GEMV's
+// last blocks needed)
+template <int E, int GP, int BF16, int EARLY>
 __global__ void __launch_bounds__(NWARPS * 32)
 decode_attention_rope(const u16* qkv, const float* __restrict__ cos_sin, const void* pos_ptr, const void* slot_ptr,
                       u16* k_cache, u16* v_cache, const int* __restrict__ block_tables, const int* __restrict__ lens,
@@ -185,6 +188,7 @@ decode_attention_rope(const u16* qkv, const float* __restrict__ cos_sin, const v
     __shared__ int last_flag;
 
     pdl_release();
+    if constexpr (!EARLY) pdl_wait();
     const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
@@ -228,7 +232,7 @@ decode_attention_rope(const u16* qkv, const float* __restrict__ cos_sin, const v
         s[i] = round_dt<BF16>(cos_sin[pos * stride_cs + HALF + j]);
     }
 
-    pdl_wait();
+    if constexpr (EARLY) pdl_wait();
     // ---- after it: the new token's q, k, v (the qkv GEMV's output), then everything the kernel writes ----
     const u16* row = qkv + (size_t)seq * stride_qt;
     float q[GP][E];

@@ -5,7 +5,8 @@ and the cached K/V tiles are requested before the PDL wait, so only the new toke
 kernel's own arithmetic follow the qkv GEMV (the .cu file says why and what that asks of the caller).
 
 `VLMCTL_ATTN_CUDA`: "0" (default) never; "1" for decode batches up to `MAX_BATCH`; "all" for every batch
-(measurements). Off by default because it has not yet run on a GPU: it was written in a session without
+(measurements). `VLMCTL_ATTN_CUDA_EARLY`: "1" (default) reads ahead before the wait as described; "0" waits
+first (the A/B measurement of reading ahead). Off by default because it has not yet run on a GPU: it was written in a session without
 one (docs/benchmarks.md, session 25, says what is to be measured before it may become the default). With
 "1" or "all", tensors it cannot take are an error, not a silent fallback, so that a measurement measures it.
 """
@@ -41,10 +42,23 @@ def mode() -> str:
     return m
 
 
-def kernel_name(head_dim: int, group: int, dtype: torch.dtype) -> str:
-    """The template instance for a head size (32, 64, 128 or 256), a GQA group (1-8) and fp16/bf16."""
+def reads_early() -> bool:
+    """`VLMCTL_ATTN_CUDA_EARLY`: whether the kernel reads its step inputs and starts its K/V copies before the PDL
+    wait ("1", the default) or after it ("0"). Session 21 saw a Triton build that loaded its first tile before the
+    wait slow the decode step down (its programs held SM slots the qkv GEMV's last blocks needed), so the
+    measurement compares both."""
+    v = os.environ.get("VLMCTL_ATTN_CUDA_EARLY", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"VLMCTL_ATTN_CUDA_EARLY={v!r}: expected 0 or 1")
+    return v == "1"
+
+
+def kernel_name(head_dim: int, group: int, dtype: torch.dtype, early: bool | None = None) -> str:
+    """The template instance for a head size (32, 64, 128 or 256), a GQA group (1-8), fp16/bf16 and where it
+    waits (`reads_early`, from the environment unless given)."""
     gp = 1 << (group - 1).bit_length()
-    return f"decode_attention_rope<{head_dim // 32}, {gp}, {int(dtype == torch.bfloat16)}>"
+    early = reads_early() if early is None else early
+    return f"decode_attention_rope<{head_dim // 32}, {gp}, {int(dtype == torch.bfloat16)}, {int(early)}>"
 
 
 def unsupported(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -126,4 +140,4 @@ def decode_rope(qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, 
     return out
 
 
-__all__ = ["MAX_BATCH", "decode_rope", "kernel_name", "mode", "selected", "source", "unsupported"]
+__all__ = ["MAX_BATCH", "decode_rope", "kernel_name", "mode", "reads_early", "selected", "source", "unsupported"]
