@@ -67,6 +67,7 @@ struct State {
     std::vector<int> warp_live, warp_arrived;
     std::vector<long> warp_phase;
     std::vector<uint64_t> shfl;  // [warp][lane]
+    std::vector<uint32_t> xchg;  // [warp][lane][8]: operands of warp-wide instructions (mma, ldmatrix)
     void (*body)(const uint64_t*) = nullptr;
     const uint64_t* args = nullptr;
     // PDL emulation: the bytes the previous kernel writes hold `poison` until the block's wait
@@ -150,6 +151,16 @@ template <class T>
 inline T load_global(const void* p, const char* what) {
     check_global(p, sizeof(T), what);
     return *static_cast<const T*>(p);
+}
+
+// a 16-byte-or-smaller read of the dynamic shared memory at byte offset `addr` (a shared-window address)
+template <class T>
+inline T load_shared(unsigned addr) {
+    if ((size_t)addr + sizeof(T) > S.smem.size()) fail("a shared-memory read past the dynamic shared memory");
+    if (addr % sizeof(T)) fail("a misaligned shared-memory read");
+    T v;
+    memcpy(&v, S.smem.data() + addr, sizeof(T));
+    return v;
 }
 
 // ---- cp.async ----
@@ -251,6 +262,79 @@ inline uint32_t fma_f16x2(uint32_t a, uint32_t b, uint32_t c) {
            ((uint32_t)fma_f16(a >> 16, b >> 16, c >> 16) << 16);
 }
 
+// a + b exactly (TwoSum), rounded to odd in float: one more rounding to bf16 then rounds the exact sum once
+inline float add_round_odd_f32(double a, double b) {
+    const double s = a + b, bb = s - a, err = (a - (s - bb)) + (b - bb);
+    float f = (float)s;
+    const double back = (double)f;
+    if (back == s && err == 0) return f;  // exact
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (u & 1) return f;
+    const double rest = (s - back) + err;  // exact - f, its sign is enough
+    return nextafterf(f, rest > 0 ? INFINITY : -INFINITY);
+}
+
+inline uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {  // fma.rn.bf16x2: each lane's a * b + c rounded once
+    auto one = [](uint16_t x, uint16_t y, uint16_t z) {
+        const double p = (double)bf16_to_f32(x) * (double)bf16_to_f32(y);  // 16 significant bits: exact
+        return bf16_round(add_round_odd_f32(p, (double)bf16_to_f32(z)));
+    };
+    return (uint32_t)one(a & 0xffff, b & 0xffff, c & 0xffff) | ((uint32_t)one(a >> 16, b >> 16, c >> 16) << 16);
+}
+
+// ---- warp-wide tensor-core instructions (every lane of the warp calls them together) ----
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lane i gives the address of row i % 8 of matrix i / 8; each lane
+// receives in register j matrix j's row lane / 4, columns 2 (lane % 4) and 2 (lane % 4) + 1
+inline void ldmatrix_x4(uint32_t (&r)[4], unsigned addr) {
+    Fiber* f = S.cur;
+    uint32_t* mine = &S.xchg[(f->warp * 32 + f->lane) * 8];
+    mine[0] = addr;
+    sync_warp();
+    for (int j = 0; j < 4; ++j) {
+        const unsigned row = S.xchg[(f->warp * 32 + j * 8 + f->lane / 4) * 8];
+        r[j] = load_shared<uint32_t>(row + 4 * (f->lane % 4));
+    }
+    sync_warp();
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: D = A B + C with A 16x16 (row-major fragments), B 16x8, C and
+// D 16x8 in float32. Lane (g = lane / 4, t = lane % 4) holds A[g][2t..2t+1], A[g+8][2t..], A[g][2t+8..],
+// A[g+8][2t+8..] in a[0..3]; B[2t..2t+1][g] in b0 and B[2t+8..2t+9][g] in b1; C[g][2t..2t+1] and
+// C[g+8][2t..2t+1] in c[0..3]. The products are exact; the sum is formed in double and rounded once to float,
+// where the tensor cores keep fewer bits (the tests compare with a tolerance).
+inline void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16) {
+    Fiber* f = S.cur;
+    uint32_t* mine = &S.xchg[(f->warp * 32 + f->lane) * 8];
+    for (int i = 0; i < 4; ++i) mine[i] = a[i];
+    mine[4] = b0;
+    mine[5] = b1;
+    sync_warp();
+    const uint32_t* w = &S.xchg[f->warp * 32 * 8];
+    auto half = [&](uint32_t word, int e) {
+        const uint16_t h = (uint16_t)(e ? word >> 16 : word & 0xffff);
+        return (double)(bf16 ? bf16_to_f32(h) : f16_to_f32(h));
+    };
+    auto A = [&](int r, int k) {
+        const int lane = (r % 8) * 4 + (k % 8) / 2, reg = (r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+        return half(w[lane * 8 + reg], k % 2);
+    };
+    auto B = [&](int k, int n) {
+        const int lane = n * 4 + (k % 8) / 2;
+        return half(w[lane * 8 + 4 + (k >= 8 ? 1 : 0)], k % 2);
+    };
+    const int g = f->lane / 4, t = f->lane % 4;
+    float d[4];
+    for (int e = 0; e < 4; ++e) {
+        const int r = g + (e >= 2 ? 8 : 0), n = 2 * t + (e % 2);
+        double sum = c[e];
+        for (int k = 0; k < 16; ++k) sum += A(r, k) * B(k, n);
+        d[e] = (float)sum;
+    }
+    sync_warp();
+    for (int e = 0; e < 4; ++e) c[e] = d[e];
+}
+
 // ---- the launch ----
 inline void fiber_main() {
     S.body(S.args);
@@ -282,6 +366,7 @@ inline bool run_block(int threads, size_t smem_bytes) {
     S.warp_arrived.assign(nwarps, 0);
     S.warp_phase.assign(nwarps, 0);
     S.shfl.assign(nwarps * 32, 0);
+    S.xchg.assign(nwarps * 32 * 8, 0);
     for (int t = 0; t < threads; ++t) {
         Fiber& f = S.fibers[t];
         f.tid = Dim3{(unsigned)(t % S.block_dim.x), (unsigned)(t / S.block_dim.x % S.block_dim.y),

@@ -67,6 +67,17 @@ EMULATED = {
     "fma_f16x2": "{ return cuda_host::fma_f16x2(a, b, c); }",
     "unpack_half2": "{ lo = (u16)(h & 0xffff); hi = (u16)(h >> 16); }",
     "as_float": "{ return __uint_as_float(u); }",
+    "ld_shared_v4": "{ const uint4 v = cuda_host::load_shared<uint4>(addr); a = v.x; b = v.y; c = v.z; d = v.w; }",
+    "ldmatrix_x4_s": "{ cuda_host::ldmatrix_x4(a, addr); }",
+    "mma16816": "{ cuda_host::mma_m16n8k16(c, a, b0, b1, false); }",
+    "mma16816_bf16": "{ cuda_host::mma_m16n8k16(c, a, b0, b1, true); }",
+    "bf16_bits": "{ return cuda_host::bf16_round(f); }",
+    "fma_bf16x2": "{ return cuda_host::fma_bf16x2(a, b, c); }",
+    "pack_half2": "{ return (u32)cuda_host::f16_round(lo) | ((u32)cuda_host::f16_round(hi) << 16); }",
+    "pack_bf16x2": "{ return (u32)cuda_host::bf16_round(lo) | ((u32)cuda_host::bf16_round(hi) << 16); }",
+    "fence_gpu": "{}",  # one block runs at a time
+    "take_ticket": "{ return atomicAdd(ticket, 1); }",
+    "load_cg_f2": '{ return cuda_host::load_global<f32x2>(p, "ld.global.cg"); }',
 }
 
 _CFLAGS = ["-std=c++20", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing",

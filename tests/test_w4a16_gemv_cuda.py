@@ -2,8 +2,9 @@
 
 Selection takes it by default for fp16 batch-1 linears on a GPU (`VLMCTL_W4A16_GEMV_CUDA=0` turns it
 off; docs/benchmarks.md). Without a GPU: its configs' validity rules, that selection
-never returns it where it cannot run (the CPU, bf16, batches above 1) or with the switch off, and
-(where NVRTC is installed) that every config a sweep tries compiles for sm_90. `gpu`-marked tests run
+never returns it where it cannot run (the CPU, bf16, batches above 1) or with the switch off,
+(where NVRTC is installed) that every config a sweep tries compiles for sm_90, and (with a C++ compiler) its
+C++ and its ring variant's on the CPU (tests/cuda_host.py). `gpu`-marked tests run
 it against the dequantized fp32 reference (odd N and K, groups 32-128, bias, M > 1), check that it
 dequantizes exactly (one-hot activations pick single weights out) and that the switch selects it
 (table or rule), and that its shared-memory ring variant (`VLMCTL_W4A16_GEMV_RING`, a measurement

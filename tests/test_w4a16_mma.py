@@ -2,7 +2,8 @@
 
 Without a GPU: its configs' validity rules, its shared-memory sizing, that selection never picks it
 where it cannot run, and (where NVRTC is installed, e.g. `pip install nvidia-cuda-nvrtc`) that every
-template instance the tuned table names compiles for sm_90 without spilling. `gpu`-marked tests run
+template instance the tuned table names compiles for sm_90 without spilling. With a C++ compiler, its C++
+runs on the CPU (tests/cuda_host.py) against the reference, split-K included. `gpu`-marked tests run
 it against the dequantized fp32 reference (odd N, partial M tiles, both group sizes, bias, split-K),
 check that split-K results are deterministic, that a CUDA-graph replay gives the same output, and
 that `VLMCTL_W4A16_MMA=0` falls back to the Triton kernels.
@@ -18,6 +19,7 @@ import torch
 from vlmctl.runtime.kernels import cuda_rtc
 from vlmctl.runtime.kernels import w4a16 as W
 
+import cuda_host
 from w4a16_gpu_helpers import capture, random_packed, reference
 
 HAS_CUDA = torch.cuda.is_available()
@@ -143,10 +145,58 @@ def test_compile_error_carries_the_log():
         cuda_rtc.compile_cubin("__global__ void k() { undefined_thing(); }", ["k"], "sm_90")
 
 
-# ------------------------------------------------------------------------------------------ GPU
-
-
 TOL_BF16 = 2 * 2.0 ** -8  # bf16 keeps 8 significant bits
+
+# ------------------------------------------------------------------------------------------ on the host
+
+HOST = cuda_host.unavailable()
+
+
+@pytest.mark.skipif(HOST is not None, reason=f"the CUDA kernels cannot run on the host: {HOST}")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,k,g,cfg", [(200, 192, 64, _mma(16, 64, 4, 4, 1)), (72, 512, 128, _mma(32, 64, 4, 3, 3)),
+                                       (40, 256, 64, _mma(64, 64, 8, 6, 2, wm=2)),
+                                       (24, 512, 128, _mma(32, 64, 4, 3, 2, bk=256))], ids=str)
+def test_on_the_host_against_reference(dtype, n, k, g, cfg, monkeypatch):
+    """The kernel's C++ on the CPU (tests/cuda_host.py: its cp.async ring, ldmatrix and mma.sync emulated) through
+    its launcher: partial M tiles, odd N, groups 64 and 128, bias, split-K with the last block reducing; within
+    the reference's tolerance, and the same bits when the splits' blocks finish in another order."""
+    tol = TOL16 if dtype == torch.float16 else TOL_BF16
+    p = random_packed(n, k, g, seed=n + k, device="cpu")
+    gen = torch.Generator().manual_seed(1)
+    for m in (1, 17, 40):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        for bias in (None, torch.randn(n, generator=gen).to(dtype)):
+            ys = []
+            for seed in (0, 1):
+                monkeypatch.setattr(cuda_rtc, "load_kernel", cuda_host.HostRTC(guard=0, seed=seed).load_kernel)
+                y = torch.empty(m, n, dtype=dtype)
+                W._launch_mma(x, p, g, cfg, bias, y)
+                ys.append(y)
+            ref = reference(x, p, g, bias)
+            err = float((ys[0].float() - ref).norm() / ref.norm())
+            assert err <= tol, f"M={m}: relative error {err:.2e}"
+            assert torch.equal(ys[0], ys[1]), "split-K results must not depend on the blocks' order"
+
+
+@pytest.mark.skipif(HOST is not None, reason=f"the CUDA kernels cannot run on the host: {HOST}")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_on_the_host_dequantizes_exactly(dtype, monkeypatch):
+    """As the GPU test below: rows of the identity return dequantize(W).to(dtype) bit for bit."""
+    monkeypatch.setattr(cuda_rtc, "load_kernel", cuda_host.HostRTC(guard=0).load_kernel)
+    n, k, g = 64, 256, 128
+    p = random_packed(n, k, g, seed=7, device="cpu")
+    p["q4scales"] = p["q4scales"] * 700
+    wd = W.dequantize(p, g, dtype)
+    for k0 in range(0, k, 32):
+        x = torch.zeros(32, k, dtype=dtype)
+        x[torch.arange(32), k0 + torch.arange(32)] = 1
+        y = torch.empty(32, n, dtype=dtype)
+        W._launch_mma(x, p, g, _mma(32, 64, 4, 4, 3, bk=128), None, y)
+        assert torch.equal(y, wd[:, k0:k0 + 32].T.contiguous()), f"columns {k0}..{k0 + 31}"
+
+
+# ------------------------------------------------------------------------------------------ GPU
 
 
 @pytest.mark.gpu

@@ -4,7 +4,8 @@
 Selection takes it where the tuned table has an "mma_gemv" entry (on an H200: a 7B decoder's linears at
 batches 2-16), unless `VLMCTL_W4A16_MMA_GEMV=0`. Without a GPU: its configs' validity rules, its table
 entries and their round trip, the selection order (and that it is never picked where it cannot run), and
-(where NVRTC is installed) that every instance the table names compiles for sm_90. `gpu`-marked tests run
+(where NVRTC is installed) that every instance the table names compiles for sm_90; with a C++ compiler, its
+C++ on the CPU (tests/cuda_host.py) against the reference and dequantizing exactly. `gpu`-marked tests run
 it against the dequantized fp32 reference (odd N, K up to 11008, groups 32-256, batch rows past a block,
 bias, fp16 and bf16), check it dequantizes exactly (one-hot rows pick single weights out), that repeats
 and a CUDA-graph replay are bit-identical, and that the switch selects it. tests/test_pdl.py checks a
@@ -21,6 +22,7 @@ import torch
 from vlmctl.runtime.kernels import cuda_rtc
 from vlmctl.runtime.kernels import w4a16 as W
 
+import cuda_host
 from w4a16_gpu_helpers import capture, random_packed, reference
 
 HAS_CUDA = torch.cuda.is_available()
@@ -140,6 +142,54 @@ def test_tuned_and_bf16_instances_compile_for_sm90():
     cubin, lowered = cuda_rtc.compile_cubin(W.mma_source(), sorted(names), "sm_90")
     assert cubin[:4] == b"\x7fELF" and set(lowered) == names
     assert all(v.startswith("_Z14w4a16_mma_gemv") for v in lowered.values())
+
+
+# ------------------------------------------------------------------------------------------ on the host
+
+HOST = cuda_host.unavailable()
+
+
+@pytest.mark.skipif(HOST is not None, reason=f"the CUDA kernels cannot run on the host: {HOST}")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,k,g,cfg", [(72, 256, 32, _cfg(8, 8, 3)), (136, 512, 256, _cfg(16, 4, 2)),
+                                       (40, 384, 64, _cfg(8, 2, 4))], ids=str)
+def test_on_the_host_against_reference(dtype, n, k, g, cfg, monkeypatch):
+    """The kernel's C++ on the CPU (tests/cuda_host.py, its mma.sync and the packed layout emulated) through its
+    launcher: within the reference's tolerance for batch rows past a block and odd N, with and without bias, and
+    the same bits for another order of blocks and threads; x read only after the PDL wait."""
+    tol = TOL16 if dtype == torch.float16 else TOL_BF16
+    gen = torch.Generator().manual_seed(n * k + g)
+    p = random_packed(n, k, g, seed=n + k, device="cpu")
+    for m in (1, 2, 9, 17):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        for bias in (None, torch.randn(n, generator=gen).to(dtype)):
+            ys = []
+            for seed in (0, 1):
+                monkeypatch.setattr(cuda_rtc, "load_kernel", cuda_host.HostRTC(guard=0, seed=seed).load_kernel)
+                y = torch.empty(m, n, dtype=dtype)
+                W._launch_mma_gemv(x, p, g, cfg, bias, y)
+                ys.append(y)
+            ref = reference(x, p, g, bias)
+            err = float((ys[0].float() - ref).norm() / ref.norm())
+            assert err <= tol, f"M={m} bias={bias is not None}: relative error {err:.2e}"
+            assert torch.equal(ys[0], ys[1])
+
+
+@pytest.mark.skipif(HOST is not None, reason=f"the CUDA kernels cannot run on the host: {HOST}")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_on_the_host_dequantizes_exactly(dtype, monkeypatch):
+    """As the GPU test below: one-hot rows pick single weights out, dequantize(W).to(dtype) bit for bit."""
+    monkeypatch.setattr(cuda_rtc, "load_kernel", cuda_host.HostRTC(guard=0).load_kernel)
+    n, k, g = 32, 256, 128
+    p = random_packed(n, k, g, seed=7, device="cpu")
+    p["q4scales"] = p["q4scales"] * 700
+    wd = W.dequantize(p, g, dtype)
+    for k0 in range(0, k, 16):
+        x = torch.zeros(16, k, dtype=dtype)
+        x[torch.arange(16), k0 + torch.arange(16)] = 1
+        y = torch.empty(16, n, dtype=dtype)
+        W._launch_mma_gemv(x, p, g, _cfg(16, 4, 2), None, y)
+        assert torch.equal(y, wd[:, k0:k0 + 16].T.contiguous()), f"columns {k0}..{k0 + 15}"
 
 
 # ------------------------------------------------------------------------------------------ GPU

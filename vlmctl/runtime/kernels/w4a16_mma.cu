@@ -57,6 +57,10 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
 
+__device__ __forceinline__ void ld_shared_v4(u32& a, u32& b, u32& c, u32& d, u32 addr) {
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));
+}
+
 __device__ __forceinline__ void ldmatrix_x4_s(u32 (&a)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
@@ -181,6 +185,12 @@ __device__ __forceinline__ void pdl_wait() {
 
 __device__ __forceinline__ void fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
+__device__ __forceinline__ int take_ticket(int* ticket) {  // the count before this block's increment
+    int got;
+    asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(got) : "l"(ticket));
+    return got;
+}
+
 __device__ __forceinline__ f32x2 load_cg_f2(const float* p) {
     f32x2 v;
     asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
@@ -213,11 +223,7 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[MT][NT][4], int 
             }
         fence_gpu();
         __syncthreads();
-        if (tid == 0) {
-            int got;
-            asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(got) : "l"(ticket));
-            *is_last = got == splits - 1;
-        }
+        if (tid == 0) *is_last = take_ticket(ticket) == splits - 1;
         __syncthreads();
         if (!*is_last) return;
         fence_gpu();
@@ -397,10 +403,8 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
                     const u32 addr = wc + (j * 8 * WSW + sub * 8) * 4;
-                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                                 : "=r"(wv[j][0]), "=r"(wv[j][1]), "=r"(wv[j][2]), "=r"(wv[j][3]) : "r"(addr));
-                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                                 : "=r"(wv[j][4]), "=r"(wv[j][5]), "=r"(wv[j][6]), "=r"(wv[j][7]) : "r"(addr + 16));
+                    ld_shared_v4(wv[j][0], wv[j][1], wv[j][2], wv[j][3], addr);
+                    ld_shared_v4(wv[j][4], wv[j][5], wv[j][6], wv[j][7], addr + 16);
                 }
                 const u32 xs = xc + sub * 64 * 2;
                 u32 a[2][MT][4];
