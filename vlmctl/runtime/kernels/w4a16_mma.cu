@@ -49,13 +49,18 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 }
 
 __device__ __forceinline__ void cp_async16_s(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async4_s(u32 dst, const void* src, int bytes) {  // bytes < 4: the rest zero
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
 __device__ __forceinline__ void ld_shared_v4(u32& a, u32& b, u32& c, u32& d, u32 addr) {
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));
@@ -663,20 +668,6 @@ w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc,
 // Numerics: per lane and row the same dequantization, runs and order as w4a16_gemv: the same result bit
 // for bit, for the same rows per warp.
 
-__device__ __forceinline__ void ring_cp16(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void ring_cp4(u32 dst, const void* src, int bytes) {  // bytes < 4: the rest zero
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void ring_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void ring_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
-
 template <int RPW, int NW, int ST, int G>
 __global__ void __launch_bounds__(NW * 32)
 w4a16_gemv_ring(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
@@ -705,16 +696,16 @@ w4a16_gemv_ring(const u16* x, const u32* __restrict__ qw, const u16* __restrict_
         for (int r = 0; r < RPW; ++r) {
             const long long gi = (long long)rows[r] * KG + (cc * 32) / G;
             const long long sa = (gi * 2) & ~3LL, za = gi & ~3LL;
-            ring_cp16(slot + (r * 32 + lane) * 16, qw + (size_t)rows[r] * (K >> 3) + 4 * cc, valid);
-            ring_cp4(slot + RPW * 512 + (r * 32 + lane) * 4, reinterpret_cast<const unsigned char*>(sc) + sa,
+            cp_async16_s(slot + (r * 32 + lane) * 16, qw + (size_t)rows[r] * (K >> 3) + 4 * cc, valid);
+            cp_async4_s(slot + RPW * 512 + (r * 32 + lane) * 4, reinterpret_cast<const unsigned char*>(sc) + sa,
                      valid ? (int)min(4LL, s_bytes - sa) : 0);
-            ring_cp4(slot + RPW * 640 + (r * 32 + lane) * 4, zp + za, valid ? (int)min(4LL, z_bytes - za) : 0);
+            cp_async4_s(slot + RPW * 640 + (r * 32 + lane) * 4, zp + za, valid ? (int)min(4LL, z_bytes - za) : 0);
         }
     };
 #pragma unroll
     for (int b = 0; b < ST; ++b) {
         if (b < batches) issue(b);
-        ring_commit();
+        cp_async_commit();
     }
     pdl_wait();
     const u16* xr = x + (size_t)blockIdx.y * ldx;
@@ -735,7 +726,7 @@ w4a16_gemv_ring(const u16* x, const u32* __restrict__ qw, const u16* __restrict_
 #pragma unroll
             for (int j = 0; j < 4; ++j) xn[j] = ld_act16(xr + 32 * (c + 32) + 8 * j);
         }
-        ring_wait<ST - 1>();  // this lane's copies of batch b have landed
+        cp_async_wait<ST - 1>();  // this lane's copies of batch b have landed
         if (c < KC) {
             const unsigned char* slot = ring + (b % ST) * SLOT;
 #pragma unroll
@@ -748,7 +739,7 @@ w4a16_gemv_ring(const u16* x, const u32* __restrict__ qw, const u16* __restrict_
             }
         }
         if (b + ST < batches) issue(b + ST);  // into the slot just read (this lane's own bytes)
-        ring_commit();
+        cp_async_commit();
     }
     gemv_store_rows<RPW>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * N);
 }
