@@ -3,8 +3,11 @@
 A 7B AWQ decoder's 128 batch-1 linears (qkv, o, gate_up, down x 32 layers), each the CUDA GEMV launched with PDL
 (each waits for the one before, as in the step), as one CUDA graph, median of 15 replays, for ring depths 0 (the
 register GEMV) and the given ones, twice, interleaved; and each linear alone, 8 launches over distinct weights.
-Configs: the tuned table's (qkv, o, down on an H200), the CUDA GEMV's rule for gate_up (whose step runs the half2
-Triton GEMV with its act.mul). Each ring depth's outputs are checked equal to the register GEMV's, bit for bit.
+Configs: the tuned table's (qkv, o, down on an H200), the CUDA GEMV's rule for gate_up. Each ring depth's outputs
+are checked equal to the register GEMV's, bit for bit, the gate_up epilogue's (act·mul) too.
+"step chain": the same 128 linears as the decode step calls them, gate_up through `w4a16_act_mul` (SiLU in the
+epilogue): at depth 0 the shipped selection (the half2 Triton GEMV for gate_up), at depth N every linear on the
+ring, gate_up included (session 26's epilogue).
 
     OUT=results python benchmarks/w4a16_gemv_ring_gpu.py --stages 2 3 4 6   # -> $OUT/gemv_ring.json
 """
@@ -54,18 +57,28 @@ def main() -> None:
     depths = [0] + list(args.stages)
     set_stages(0)
     want = {nm: W.launch(xs[nm], layers[0][nm], G, cfg[nm]) for nm in SH}
+    want_act = W.launch(xs["gate_up"], layers[0]["gate_up"], G, cfg["gate_up"], act="silu")
     for s in args.stages:
         set_stages(s)
         for nm in SH:
             got = W.launch(xs[nm], layers[0][nm], G, cfg[nm])
             assert torch.equal(got, want[nm]), (s, nm)
+        assert torch.equal(W.launch(xs["gate_up"], layers[0]["gate_up"], G, cfg["gate_up"], act="silu"), want_act)
     print("every ring depth's outputs equal the register GEMV's", flush=True)
+
+    def step_call(L, nm):
+        if nm == "gate_up":
+            return lambda: W.w4a16_act_mul(xs[nm], L[nm], G, "silu")
+        return lambda: W.w4a16_linear(xs[nm], L[nm], G)
     for rep in range(2):  # twice, interleaved: the spread between repeats is the noise
         for s in depths:
             set_stages(s)
             t = graph_median_ms([lambda L=L, nm=nm: W.launch(xs[nm], L[nm], G, cfg[nm], out=ys[nm]) for L, nm in chain])
             res["chain_ms"].setdefault(str(s), []).append(t)
             print(f"rep {rep} ring {s}: 128 linears {t:.3f} ms ({int4 / t / 1e9:.2f} TB/s)", flush=True)
+            t = graph_median_ms([step_call(L, nm) for L, nm in chain])
+            res.setdefault("step_chain_ms", {}).setdefault(str(s), []).append(t)
+            print(f"rep {rep} ring {s}: step chain {t:.3f} ms ({int4 / t / 1e9:.2f} TB/s)", flush=True)
             for nm, (n, k) in SH.items():
                 fns = [lambda L=L, nm=nm: W.launch(xs[nm], L[nm], G, cfg[nm], out=ys[nm]) for L in layers[:8]]
                 us = graph_median_ms(fns) * 1e3 / 8

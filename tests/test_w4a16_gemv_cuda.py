@@ -193,6 +193,50 @@ def test_on_the_host_register_gemv_and_ring(n, k, g, cfg, monkeypatch):
         f"w4a16_gemv_ring<{rows}, {cfg.num_warps}, {st}, {g}>" for st in (2, 3, 8)}
 
 
+def _act_mul_reference(y, activation):
+    """act(gate) * up of a plain GEMV's fp16 output [M, N], rounded as the act·mul kernel rounds it, with the
+    activation in float64 (fused.py's formulas)."""
+    half = y.shape[1] // 2
+    g, u = y[:, :half].double(), y[:, half:].double()
+    if activation == "silu":
+        a = g / (1 + torch.exp(-g))
+    else:
+        inner = (0.7978845608028654 * (g + 0.044715 * g ** 3)).clamp(-15, 15)
+        a = 0.5 * g * (1 + torch.tanh(inner))
+    return (a.float().half().double() * u).float().half()
+
+
+@pytest.mark.skipif(HOST is not None, reason=f"the CUDA kernels cannot run on the host: {HOST}")
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("n,k,g,cfg", [(90, 1024, 128, _cfg(16, 4, 2)), (46, 96, 32, _cfg(4, 2, 1)),
+                                       (64, 2048, 64, _cfg(32, 4, 1))], ids=str)
+def test_on_the_host_act_mul_epilogue(n, k, g, cfg, activation, monkeypatch):
+    """The gate_up epilogue (`act=`) of both GEMVs on the CPU through their launcher: each warp's rows are gate rows and
+    their up rows N / 2 below, and it stores act(gate) * up rounded as the act·mul kernel rounds it: against
+    that kernel's formula applied to the plain GEMV's output, equal up to one fp16 rounding of the activation
+    (IEEE exp and division here, float64 in the reference), and the ring variant bit-equal to the register
+    GEMV. Odd N / 2 (a last warp half full), bias, groups 32-128."""
+    monkeypatch.setattr(cuda_rtc, "load_kernel", cuda_host.HostRTC(guard=0, seed=k).load_kernel)
+    monkeypatch.delenv("VLMCTL_W4A16_GEMV_RING", raising=False)
+    gen = torch.Generator().manual_seed(n + k)
+    p = random_packed(n, k, g, seed=n * k, device="cpu")
+    for bias in (None, torch.randn(n, generator=gen).half()):
+        x = torch.randn(1, k, generator=gen).half()
+        plain = torch.empty(1, n, dtype=torch.float16)
+        W._launch_gemv_cuda(x, p, g, cfg, bias, plain)
+        want = _act_mul_reference(plain, activation)
+        got = torch.empty(1, n // 2, dtype=torch.float16)
+        W._launch_gemv_cuda(x, p, g, cfg, bias, got, act=activation)
+        ulp = torch.finfo(torch.float16).eps * want.float().abs().clamp_min(2.0 ** -14)
+        assert bool(((got.float() - want.float()).abs() <= ulp).all())
+        assert (got == want).float().mean() >= 0.9
+        monkeypatch.setenv("VLMCTL_W4A16_GEMV_RING", "3")
+        ring = torch.empty(1, n // 2, dtype=torch.float16)
+        W._launch_gemv_cuda(x, p, g, cfg, bias, ring, act=activation)
+        assert torch.equal(ring, got)
+        monkeypatch.delenv("VLMCTL_W4A16_GEMV_RING")
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 
@@ -279,3 +323,33 @@ def test_gpu_gemv_cuda_is_selected_and_switchable(monkeypatch):
         assert W.select_config(1, n, k, 128, torch.bfloat16, dev).kernel != "gemv_cuda"
     y = W.w4a16_linear(x, p, 128)
     assert float((y.float() - ref).norm() / ref.norm()) <= TOL16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("stages", [0, 4])
+def test_gpu_act_mul_epilogue_and_its_selection(activation, stages, monkeypatch):
+    """The gate_up epilogue at the 7B shape against the plain GEMV followed by the act·mul kernel (within one
+    fp16 rounding of the activation: IEEE exp and division here, approximate in Triton), register and ring;
+    and with the ring switched on, `w4a16_act_mul` (the decoder's batch-1 gate_up) takes the CUDA GEMV."""
+    from vlmctl.runtime.kernels import fused
+
+    if stages:
+        monkeypatch.setenv("VLMCTL_W4A16_GEMV_RING", str(stages))
+    else:
+        monkeypatch.delenv("VLMCTL_W4A16_GEMV_RING", raising=False)
+    n, k, g = 22016, 4096, 128
+    p = random_packed(n, k, g, seed=11)
+    x = torch.randn(1, k, device="cuda").half()
+    cfg = W.heuristic_gemv_cuda_config(n, k, g)
+    want = fused.act_mul(W.launch(x, p, g, cfg), activation)
+    got = W.launch(x, p, g, cfg, act=activation)
+    ulp = torch.finfo(torch.float16).eps * want.float().abs().clamp_min(2.0 ** -14)
+    assert bool(((got.float() - want.float()).abs() <= ulp).all())
+    assert (got == want).float().mean() >= 0.9
+    fusedy = W.w4a16_act_mul(x, p, g, activation)
+    if stages:  # the ring takes gate_up too
+        assert torch.equal(fusedy, got)
+    else:  # the table's half2 GEMV, bit for bit the pair's
+        assert torch.equal(fusedy, want)

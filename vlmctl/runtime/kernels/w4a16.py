@@ -566,8 +566,9 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     n = qw.shape[0]
     if not config.valid_for(n, k, group_size):
         raise ValueError(f"{config} does not fit N={n} K={k} G={group_size}")
-    if act is not None and (config.kernel not in ACT_MUL_KERNELS or n % 2 or config.block_n % 2):
-        raise ValueError(f"act·mul runs in the epilogue of {ACT_MUL_KERNELS} configs with an even block_n, "
+    if act is not None and (config.kernel not in ACT_MUL_KERNELS or n % 2 or not _act_mul_tiles(config)):
+        raise ValueError(f"act·mul runs in the epilogue of {ACT_MUL_KERNELS} configs with an even block_n "
+                         "(the CUDA GEMV: even rows per warp), "
                          f"on an even N; not {describe(config)} with N={n}")
     if bias is not None and bias.dtype != x2.dtype:
         bias = bias.to(x2.dtype)
@@ -601,7 +602,7 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     if config.kernel == "gemv_cuda":
         if not gemv_cuda_runs(x2, qw):
             raise ValueError("the CUDA GEMV needs fp16 x on CUDA with 16-byte aligned rows and weights, and NVRTC")
-        _launch_gemv_cuda(x2, packed, group_size, config, bias, y)
+        _launch_gemv_cuda(x2, packed, group_size, config, bias, y, act)
         return y
     bk = config.block_k
     ngb, wpg = (bk // group_size, group_size // PACK) if bk >= group_size else (1, bk // PACK)
@@ -652,7 +653,15 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     return y
 
 
-ACT_MUL_KERNELS = ("gemv", "gemv_h2")  # the kernels whose epilogue can apply act(gate) * up
+ACT_MUL_KERNELS = ("gemv", "gemv_h2", "gemv_cuda")  # the kernels whose epilogue can apply act(gate) * up
+
+
+def _act_mul_tiles(config: Config) -> bool:
+    """Whether `config`'s tiles pair gate rows with their up rows: an even block_n (the CUDA GEMV: an even
+    number of rows per warp)."""
+    if config.kernel == "gemv_cuda":
+        return (config.block_n // config.num_warps) % 2 == 0
+    return config.block_n % 2 == 0
 
 
 def act_mul_fusion_enabled() -> bool:
@@ -664,10 +673,12 @@ def act_mul_fusion_enabled() -> bool:
 def w4a16_act_mul(x, packed: dict, group_size: int, activation: str, bias=None):
     """act(gate) * up of y = x @ W^T (+ bias) for a gate_up weight W [2I, K] (gate rows, then up rows)
     -> [..., I], computed in the GEMV's epilogue: no [.., 2I] intermediate and no act·mul kernel. Only
-    for one row (batch-1 decode) on a GPU, where selection picks one of the Triton GEMVs; None elsewhere
-    (checked before any selection, so batched steps pay nothing), and the caller runs the linear and the
-    act·mul kernel. Results equal that pair's bit for bit (the epilogue rounds gate and up to x's dtype
-    first, as the plain GEMV's output is)."""
+    for one row (batch-1 decode) on a GPU, where selection picks one of the Triton GEMVs (or, where the table
+    names it or its ring variant is switched on, the CUDA GEMV); None elsewhere (checked before any
+    selection, so batched steps pay nothing), and the caller runs the linear and the act·mul kernel.
+    The Triton GEMVs' results equal that pair's bit for bit (the epilogue rounds gate and up to x's dtype
+    first, as the plain GEMV's output is); the CUDA GEMV's may differ by one rounding of the activation
+    (its exp and division are IEEE, Triton's approximate)."""
     import torch
 
     qw = packed["q4weight"]
@@ -678,12 +689,24 @@ def w4a16_act_mul(x, packed: dict, group_size: int, activation: str, bias=None):
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    # the CUDA GEMV's rule is passed over here: on an H200 the half2 GEMV won gate_up at the 7B shape, and
-    # with the rule taking gate_up a 13B decode step was 4-5 % slower (docs/benchmarks.md, session 10)
-    cfg = select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device, cuda_gemv_rule=False)
-    if cfg.kernel not in ACT_MUL_KERNELS or cfg.block_n % 2:
+    cfg = _act_mul_config(x2, qw, group_size)
+    if cfg.kernel not in ACT_MUL_KERNELS or not _act_mul_tiles(cfg):
         return None
     return launch(x2, packed, group_size, cfg, bias, act=activation).reshape(*x.shape[:-1], n // 2)
+
+
+def _act_mul_config(x2, qw, group_size: int) -> Config:
+    """The config of a fused gate_up call. The CUDA GEMV's rule is passed over: on an H200 the half2 GEMV won
+    gate_up at the 7B shape, and with the rule taking gate_up a 13B decode step was 4-5 % slower
+    (docs/benchmarks.md, session 10). With its ring variant switched on (`VLMCTL_W4A16_GEMV_RING`, a
+    measurement) gate_up takes the CUDA GEMV too, so that all four linears run on the ring."""
+    n, k = qw.shape[0], qw.shape[1] * PACK
+    cfg = select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device, cuda_gemv_rule=False)
+    if gemv_ring_stages() and cfg.kernel != "gemv_cuda" and x2.shape[0] == 1 and gemv_cuda_runs(x2, qw) \
+            and _gemv_cuda_ok(x2.device) and (c := heuristic_gemv_cuda_config(n, k, group_size)).valid_for(
+                n, k, group_size):
+        return c
+    return cfg
 
 
 MMA_SOURCE = Path(__file__).with_name("w4a16_mma.cu")
@@ -743,14 +766,19 @@ def gemv_cuda_runs(x2, qw) -> bool:
             and cuda_rtc.available())
 
 
-def gemv_cuda_kernel_name(config: Config, group_size: int) -> str:
+def gemv_cuda_kernel_name(config: Config, group_size: int, act: str | None = None) -> str:
     """The template instance of `w4a16_mma.cu`'s w4a16_gemv that runs `config` (its ring variant's, with
-    `VLMCTL_W4A16_GEMV_RING`)."""
+    `VLMCTL_W4A16_GEMV_RING`); act ("silu", "gelu_tanh"): the one with the gate_up epilogue."""
     rpw = config.block_n // config.num_warps
     stages = gemv_ring_stages()
+    tail = ""
+    if act is not None:
+        from .fused import ACTIVATIONS
+
+        tail = f", {ACTIVATIONS[act]}"
     if stages:
-        return f"w4a16_gemv_ring<{rpw}, {config.num_warps}, {stages}, {group_size}>"
-    return f"w4a16_gemv<{rpw}, {config.num_warps}, {config.num_stages}, {group_size}>"
+        return f"w4a16_gemv_ring<{rpw}, {config.num_warps}, {stages}, {group_size}{tail}>"
+    return f"w4a16_gemv<{rpw}, {config.num_warps}, {config.num_stages}, {group_size}{tail}>"
 
 
 GEMV_RING_SLOT = 768  # bytes of a ring slot per row: 32 lanes x (16 bytes of codes, a scale word, a zero-point word)
@@ -773,7 +801,9 @@ def gemv_ring_shared_bytes(config: Config, stages: int) -> int:
     return config.num_warps * stages * (config.block_n // config.num_warps) * GEMV_RING_SLOT
 
 
-def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:
+def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y, act: str | None = None) -> None:
+    """act: a gate_up weight whose epilogue stores act(gate) * up (y [M, N / 2]; each warp's rows are gate rows
+    and their up rows, so a block covers half as many output rows)."""
     from . import cuda_rtc, pdl
 
     qw, s, z = (packed[key] for key in KEYS)
@@ -784,9 +814,10 @@ def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y
     if smem > MMA_MAX_SHARED:
         raise ValueError(f"VLMCTL_W4A16_GEMV_RING={stages}: {describe(config)} would need {smem} bytes of shared "
                          f"memory a block (at most {MMA_MAX_SHARED})")
-    kern = cuda_rtc.load_kernel(mma_source(), gemv_cuda_kernel_name(config, group_size), x2.device)
+    kern = cuda_rtc.load_kernel(mma_source(), gemv_cuda_kernel_name(config, group_size, act), x2.device)
+    rows = (n // 2, config.block_n // 2) if act is not None else (n, config.block_n)
     # PDL as for the Triton GEMVs: the kernel reads only weights, scales and zero points before its wait
-    kern.launch((triton_cdiv(n, config.block_n), m, 1), (32 * config.num_warps, 1, 1), smem,
+    kern.launch((triton_cdiv(*rows), m, 1), (32 * config.num_warps, 1, 1), smem,
                 [x2, qw, s, z, bias, y, n, k, x2.stride(0), int(bias is not None)], x2.device,
                 pdl=pdl.enabled(x2.device))
 

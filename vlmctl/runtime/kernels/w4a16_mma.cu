@@ -572,8 +572,32 @@ __device__ __forceinline__ void gemv_compute(const GemvBatch<RPW, KS>& b, float 
     }
 }
 
+// The GEMVs' gate_up epilogue (ACT >= 0: 0 SiLU, 1 GELU with the tanh approximation): a warp's RPW rows are
+// RPW / 2 gate rows and the up rows N / 2 below them, and it stores act(gate) * up, rounded as the act·mul
+// kernel rounds it (kernels/fused.py: gate and up to fp16, act(gate) in fp32 to fp16, the product to fp16).
+// `act_f32` follows fused.py's act_f32 formula; expf and the division are IEEE here where Triton's are
+// approximate, so a result may differ from the Triton GEMV's by one fp16 rounding.
+template <int ACT>
+__device__ __forceinline__ float act_f32(float g) {
+    if constexpr (ACT == 0) return g / (1.f + expf(-g));
+    const float inner = fminf(fmaxf(0.7978845608028654f * (g + 0.044715f * g * g * g), -15.f), 15.f);
+    const float th = 1.f - 2.f / (expf(2.f * inner) + 1.f);
+    return 0.5f * g * (1.f + th);
+}
+
+// The weight row that row slot r of a warp whose first output row is row0 reads: row0 + r, or with the gate_up
+// epilogue the gate row row0 + r (r < RPW / 2) or its up row. Rows past the end read the last row and are
+// not stored.
+template <int RPW, int ACT>
+__device__ __forceinline__ int gemv_weight_row(int row0, int r, int N) {
+    if constexpr (ACT < 0) return min(row0 + r, N - 1);
+    constexpr int H = RPW / 2;
+    return min(row0 + r % H, N / 2 - 1) + (r < H ? 0 : N / 2);
+}
+
 // the warp's row sums (each lane's share added across the warp), plus the bias, rounded to fp16 and stored
-template <int RPW>
+// (ACT >= 0: act(gate) * up of its RPW / 2 output rows from row0, y's rows N / 2 long)
+template <int RPW, int ACT>
 __device__ __forceinline__ void gemv_store_rows(float (&acc)[RPW], int lane, int row0, int N, const u16* bias,
                                                 int has_bias, u16* y) {
 #pragma unroll
@@ -582,11 +606,26 @@ __device__ __forceinline__ void gemv_store_rows(float (&acc)[RPW], int lane, int
         for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
     }
     if (lane == 0) {
+        if constexpr (ACT < 0) {
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-            const int n = row0 + r;
-            if (n < N) {
-                y[n] = f32_to_f16(acc[r] + (has_bias ? half_to_float(bias[n]) : 0.f));
+            for (int r = 0; r < RPW; ++r) {
+                const int n = row0 + r;
+                if (n < N) {
+                    y[n] = f32_to_f16(acc[r] + (has_bias ? half_to_float(bias[n]) : 0.f));
+                }
+            }
+        } else {
+            constexpr int H = RPW / 2;
+            const int half = N / 2;
+#pragma unroll
+            for (int r = 0; r < H; ++r) {
+                const int n = row0 + r;
+                if (n < half) {
+                    const float g = half_to_float(f32_to_f16(acc[r] + (has_bias ? half_to_float(bias[n]) : 0.f)));
+                    const float u = half_to_float(f32_to_f16(acc[r + H] + (has_bias ? half_to_float(bias[n + half])
+                                                                                       : 0.f)));
+                    y[n] = f32_to_f16(half_to_float(f32_to_f16(act_f32<ACT>(g))) * u);
+                }
             }
         }
     }
@@ -609,21 +648,21 @@ __device__ __forceinline__ void l2_prefetch_rows(const char* nxt, int rows, int 
 #define GEMV_NEXT_AT(w)
 #endif
 
-template <int RPW, int NW, int KS, int G>
+template <int RPW, int NW, int KS, int G, int ACT = -1>
 __global__ void __launch_bounds__(NW * 32)
 w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
            const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias GEMV_NEXT_PARAMS) {
     pdl_release();
     const int lane = threadIdx.x & 31;
-    const int row0 = (blockIdx.x * NW + (threadIdx.x >> 5)) * RPW;
+    const int row0 = (blockIdx.x * NW + (threadIdx.x >> 5)) * (ACT < 0 ? RPW : RPW / 2);  // its first output row
     const int KC = K >> 5;  // 32-k chunks of a row
     const int KG = K / G;
     const u32* rows[RPW];
     const u16* srow[RPW];
     const u8* zrow[RPW];
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {  // rows past N read row N - 1 and are not stored
-        const int n = min(row0 + r, N - 1);
+    for (int r = 0; r < RPW; ++r) {
+        const int n = gemv_weight_row<RPW, ACT>(row0, r, N);
         rows[r] = qw + (size_t)n * (K >> 3);
         srow[r] = sc + (size_t)n * KG;
         zrow[r] = zp + (size_t)n * KG;
@@ -647,7 +686,7 @@ w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc,
         gemv_compute(b, acc, c0 + 32 * KS, KC);
     }
     GEMV_NEXT_AT(2);
-    gemv_store_rows<RPW>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * N);
+    gemv_store_rows<RPW, ACT>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * (ACT < 0 ? N : N / 2));
 }
 
 
@@ -668,7 +707,7 @@ w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc,
 // Numerics: per lane and row the same dequantization, runs and order as w4a16_gemv: the same result bit
 // for bit, for the same rows per warp.
 
-template <int RPW, int NW, int ST, int G>
+template <int RPW, int NW, int ST, int G, int ACT = -1>
 __global__ void __launch_bounds__(NW * 32)
 w4a16_gemv_ring(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
                 const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias) {
@@ -676,7 +715,7 @@ w4a16_gemv_ring(const u16* x, const u32* __restrict__ qw, const u16* __restrict_
     constexpr int SLOT = RPW * (512 + 128 + 128);  // per slot: weights, scale words, zero-point words
     pdl_release();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = (blockIdx.x * NW + warp) * RPW;
+    const int row0 = (blockIdx.x * NW + warp) * (ACT < 0 ? RPW : RPW / 2);  // its first output row
     const int KC = K >> 5;  // 32-k chunks of a row
     const int KG = K / G;
     const int batches = (KC + 31) >> 5;  // a batch: chunk 32 b + lane of each row, for every lane
@@ -685,7 +724,7 @@ w4a16_gemv_ring(const u16* x, const u32* __restrict__ qw, const u16* __restrict_
     const u32 ring_addr = smem_addr(ring);
     int rows[RPW];
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) rows[r] = min(row0 + r, N - 1);  // rows past N read row N - 1, not stored
+    for (int r = 0; r < RPW; ++r) rows[r] = gemv_weight_row<RPW, ACT>(row0, r, N);
 
     auto issue = [&](int b) {
         const int c = 32 * b + lane;
@@ -741,7 +780,7 @@ w4a16_gemv_ring(const u16* x, const u32* __restrict__ qw, const u16* __restrict_
         if (b + ST < batches) issue(b + ST);  // into the slot just read (this lane's own bytes)
         cp_async_commit();
     }
-    gemv_store_rows<RPW>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * N);
+    gemv_store_rows<RPW, ACT>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * (ACT < 0 ? N : N / 2));
 }
 
 
