@@ -192,7 +192,10 @@ def functions(text: str) -> list[Function]:
 def host_source(source: str) -> str:
     """`source` preprocessed, its dynamic shared memory mapped to the emulated block's, its PTX helpers emulated
     and every other function with inline PTX made to fail the run if called."""
-    text = preprocess(source)
+    return _host_text(preprocess(source))
+
+
+def _host_text(text: str) -> str:
     text = re.sub(r"extern\s+__shared__\s+__align__\(\d+\)\s+([\w ]+?)\s+(\w+)\[\];",
                   r"\1* \2 = reinterpret_cast<\1*>(cuda_host::S.smem.data());", text)
     pieces, pos = [], 0
@@ -254,7 +257,7 @@ class HostKernel:
                     args.append(f"__uint_as_float((unsigned)a[{i}])")
                 else:
                     args.append(f"({typ})(int64_t)a[{i}]")
-            unit = (f'#include "cuda_host.h"\n{host_source(source)}\n'
+            unit = (f'#include "cuda_host.h"\n{_host_text(text)}\n'
                     f"static void vh_body(const uint64_t* a) {{ {instance}({', '.join(args)}); }}\n"
                     'extern "C" int vh_run(const uint64_t* a, unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
                     "size_t smem, uint64_t seed, void* g, const void* gr, size_t gb, const uint64_t* bufs, "
@@ -272,12 +275,13 @@ class HostKernel:
     def launch(self, grid: tuple, threads: int, shared_mem: int, args: list, seed: int = 0,
                guard: torch.Tensor | None = None) -> None:
         """Run the kernel over `grid` (1-3 ints) with `threads` threads a block. `args` as the kernel's parameters:
-        CPU tensors (contiguous) or None for pointers, ints, floats. `guard`: one of the tensor arguments, the
-        previous kernel's output: each block finds it 0xFF until its PDL wait. Tensors are written back."""
+        CPU tensors (contiguous; distinct tensors must not share memory, the same tensor may come twice) or None
+        for pointers, ints, floats. `guard`: one of the tensor arguments, the previous kernel's output: each block
+        finds it 0xFF until its PDL wait. Tensors are written back."""
         if len(args) != len(self.params):
             raise TypeError(f"{self.instance} takes {len(self.params)} arguments, got {len(args)}")
         grid = tuple(grid) + (1,) * (3 - len(grid))
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        tensors = list({id(a): a for a in args if isinstance(a, torch.Tensor)}.values())
         for t in tensors:
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("host kernels take contiguous CPU tensors")
