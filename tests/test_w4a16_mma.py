@@ -20,7 +20,7 @@ from vlmctl.runtime.kernels import cuda_rtc
 from vlmctl.runtime.kernels import w4a16 as W
 
 import cuda_host
-from w4a16_gpu_helpers import capture, random_packed, reference
+from w4a16_gpu_helpers import capture, check_exact_dequantization, on_host, random_packed, reference
 
 HAS_CUDA = torch.cuda.is_available()
 TOL16 = 2 * 2.0 ** -11
@@ -167,12 +167,7 @@ def test_on_the_host_against_reference(dtype, n, k, g, cfg, monkeypatch):
     for m in (1, 17, 40):
         x = torch.randn(m, k, generator=gen).to(dtype)
         for bias in (None, torch.randn(n, generator=gen).to(dtype)):
-            ys = []
-            for seed in (0, 1):
-                monkeypatch.setattr(cuda_rtc, "load_kernel", cuda_host.HostRTC(guard=0, seed=seed).load_kernel)
-                y = torch.empty(m, n, dtype=dtype)
-                W._launch_mma(x, p, g, cfg, bias, y)
-                ys.append(y)
+            ys = on_host(W._launch_mma, x, p, g, cfg, bias, n, monkeypatch)
             ref = reference(x, p, g, bias)
             err = float((ys[0].float() - ref).norm() / ref.norm())
             assert err <= tol, f"M={m}: relative error {err:.2e}"
@@ -183,17 +178,7 @@ def test_on_the_host_against_reference(dtype, n, k, g, cfg, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_on_the_host_dequantizes_exactly(dtype, monkeypatch):
     """As the GPU test below: rows of the identity return dequantize(W).to(dtype) bit for bit."""
-    monkeypatch.setattr(cuda_rtc, "load_kernel", cuda_host.HostRTC(guard=0).load_kernel)
-    n, k, g = 64, 256, 128
-    p = random_packed(n, k, g, seed=7, device="cpu")
-    p["q4scales"] = p["q4scales"] * 700
-    wd = W.dequantize(p, g, dtype)
-    for k0 in range(0, k, 32):
-        x = torch.zeros(32, k, dtype=dtype)
-        x[torch.arange(32), k0 + torch.arange(32)] = 1
-        y = torch.empty(32, n, dtype=dtype)
-        W._launch_mma(x, p, g, _mma(32, 64, 4, 4, 3, bk=128), None, y)
-        assert torch.equal(y, wd[:, k0:k0 + 32].T.contiguous()), f"columns {k0}..{k0 + 31}"
+    check_exact_dequantization(W._launch_mma, _mma(32, 64, 4, 4, 3, bk=128), dtype, 32, monkeypatch)
 
 
 # ------------------------------------------------------------------------------------------ GPU

@@ -1,5 +1,6 @@
-"""Shared by the GPU tests of the CUDA W4A16 kernels (test_w4a16_mma.py, test_w4a16_gemv_cuda.py):
-random packed weights, the fp32 reference, and capturing a call as a CUDA graph."""
+"""Shared by the tests of the CUDA W4A16 kernels (test_w4a16_mma.py, test_w4a16_mma_gemv.py,
+test_w4a16_gemv_cuda.py): random packed weights, the fp32 reference, capturing a call as a CUDA graph, and
+running a launcher's kernel on the host (tests/cuda_host.py)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,33 @@ def capture(fn):
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def on_host(launch, x, packed, g, config, bias, n, monkeypatch, seeds=(0, 1)) -> list:
+    """`launch(x, packed, g, config, bias, y)` (a W4A16 launcher) with its kernel run on the CPU
+    (tests/cuda_host.py), once per seed (an order of blocks, threads and copy arrivals); x is read only
+    after the PDL wait. Returns each run's y."""
+    import cuda_host
+
+    from vlmctl.runtime.kernels import cuda_rtc
+
+    out = []
+    for seed in seeds:
+        monkeypatch.setattr(cuda_rtc, "load_kernel", cuda_host.HostRTC(guard=0, seed=seed).load_kernel)
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+        launch(x, packed, g, config, bias, y)
+        out.append(y)
+    return out
+
+
+def check_exact_dequantization(launch, config, dtype, rows, monkeypatch, n=64, k=256, g=128):
+    """Rows of the identity pick single weights out: with one 1.0 per row a kernel must return
+    dequantize(W).to(dtype) bit for bit (its rounding, not just its tolerance); `rows` per call."""
+    p = random_packed(n, k, g, seed=7, device="cpu")
+    p["q4scales"] = p["q4scales"] * 700  # scales whose products need the final rounding to the dtype
+    wd = W.dequantize(p, g, dtype)
+    for k0 in range(0, k, rows):
+        x = torch.zeros(rows, k, dtype=dtype)
+        x[torch.arange(rows), k0 + torch.arange(rows)] = 1
+        (y,) = on_host(launch, x, p, g, config, None, n, monkeypatch, seeds=(0,))
+        assert torch.equal(y, wd[:, k0:k0 + rows].T.contiguous()), f"columns {k0}..{k0 + rows - 1}"
