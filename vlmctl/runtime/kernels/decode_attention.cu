@@ -389,13 +389,21 @@ decode_attention_rope(const u16* qkv, const float* __restrict__ cos_sin, const v
     }
     __syncthreads();
     if (!last_flag) return;
-    // each split's (max, sum) read once into shared memory (one round trip, all in parallel), turned into the
-    // splits' weights per head; then each output element loads its MAX_SPLITS predicated partials at once:
-    // a loop over the splits with a load per trip would wait one L2 round trip per split
+    // Two reads, requested together: every split's partial of this thread's first output element (into
+    // registers: MAX_SPLITS predicated loads at once, as a loop with a load per trip would wait one L2 round trip
+    // per split), and each split's (max, sum) (into shared memory), which become the splits' weights per head.
+    // The partials do not depend on the weights, so the merge waits one round trip, not two.
     float* sw = reinterpret_cast<float*>(smem);  // [GP][MAX_SPLITS]: m, then the weight exp2(m - max)
     float* sl = sw + GP * MAX_SPLITS;             // [GP][MAX_SPLITS]: l
     float* sden = sl + GP * MAX_SPLITS;           // [GP]
     const size_t base0 = ((size_t)seq * heads_total + (size_t)kvh * group) * num_splits;
+    float v[MAX_SPLITS];
+    auto load_partials = [&](int idx) {  // output element idx = (q head of the group, dim)
+        const float* pg = part + (base0 + (size_t)(idx / D) * num_splits) * D + idx % D;
+#pragma unroll
+        for (int sp = 0; sp < MAX_SPLITS; ++sp) v[sp] = sp < num_splits ? ld_cg(pg + (size_t)sp * D) : 0.f;
+    };
+    if (tid < group * D) load_partials(tid);
     for (int idx = tid; idx < group * num_splits; idx += NWARPS * 32) {
         const int g = idx / num_splits, sp = idx % num_splits;
         sw[g * MAX_SPLITS + sp] = ld_cg(ml + (base0 + idx) * 2);
@@ -417,10 +425,7 @@ decode_attention_rope(const u16* qkv, const float* __restrict__ cos_sin, const v
     __syncthreads();
     for (int idx = tid; idx < group * D; idx += NWARPS * 32) {
         const int g = idx / D, d = idx % D;
-        const float* pg = part + (base0 + (size_t)g * num_splits) * D + d;
-        float v[MAX_SPLITS];
-#pragma unroll
-        for (int sp = 0; sp < MAX_SPLITS; ++sp) v[sp] = sp < num_splits ? ld_cg(pg + (size_t)sp * D) : 0.f;
+        if (idx != tid) load_partials(idx);  // the later elements of a large group
         float a = 0.f;
 #pragma unroll
         for (int sp = 0; sp < MAX_SPLITS; ++sp)
