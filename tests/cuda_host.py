@@ -74,6 +74,7 @@ EMULATED = {
     "pack_bf16x2": "{ return (u32)cuda_host::bf16_round(lo) | ((u32)cuda_host::bf16_round(hi) << 16); }",
     "fence_gpu": "{}",  # one block runs at a time
     "take_ticket": "{ return atomicAdd(ticket, 1); }",
+    "take_ticket_acq_rel": "{ return atomicAdd(counter, 1); }",
     "load_cg_f2": '{ return cuda_host::load_global<f32x2>(p, "ld.global.cg"); }',
 }
 

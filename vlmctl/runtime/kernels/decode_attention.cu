@@ -148,6 +148,12 @@ __device__ __forceinline__ float ld_cg(const float* p) {  // another block's wri
     return v;
 }
 
+__device__ __forceinline__ int take_ticket_acq_rel(int* counter) {  // the count before this increment
+    int got;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(got) : "l"(counter) : "memory");
+    return got;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -380,13 +386,10 @@ decode_attention_rope(const u16* qkv, const float* __restrict__ cos_sin, const v
     if (!split_mode) return;
 
     // ---- the last split of (sequence, KV head) merges the splits' partials ----
-    __threadfence();  // this thread's partials are visible GPU-wide before the block's ticket is taken
+    // The block's partials are released by thread 0's ticket after the barrier (acq_rel: it also acquires the
+    // other splits' partials for the last block), as the Triton kernel's combine does; no fence per thread.
     __syncthreads();
-    if (tid == 0) {
-        const int ticket = atomicAdd(cnt + seq * n_kv + kvh, 1);
-        last_flag = ticket == num_splits - 1;
-        __threadfence();
-    }
+    if (tid == 0) last_flag = take_ticket_acq_rel(cnt + seq * n_kv + kvh) == num_splits - 1;
     __syncthreads();
     if (!last_flag) return;
     // Two reads, requested together: every split's partial of this thread's first output element (into
