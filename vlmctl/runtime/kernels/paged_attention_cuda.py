@@ -6,9 +6,11 @@ kernel's own arithmetic follow the qkv GEMV (the .cu file says why and what that
 
 `VLMCTL_ATTN_CUDA`: "0" (default) never; "1" for decode batches up to `MAX_BATCH`; "all" for every batch
 (measurements). `VLMCTL_ATTN_CUDA_EARLY`: "1" (default) reads ahead before the wait as described; "0" waits
-first (the A/B measurement of reading ahead). Off by default because it has not yet run on a GPU: it was written in a session without
-one (docs/benchmarks.md, session 25, says what is to be measured before it may become the default). With
-"1" or "all", tensors it cannot take are an error, not a silent fallback, so that a measurement measures it.
+first (the A/B measurement of reading ahead). Off by default because it has not yet run on a GPU: it was
+written in a session without one (docs/benchmarks.md, session 25, says what is to be measured before it may
+become the default). With "all" (the measurements' setting), tensors it cannot take are an error, not a
+silent fallback, so that a measurement measures it; "1", the setting that would become the default, leaves
+them to the Triton kernel (a GQA group above 8, a head size it has no instance for, no NVRTC).
 """
 
 from __future__ import annotations
@@ -99,15 +101,15 @@ def unsupported(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tenso
 
 
 def selected(qkv: torch.Tensor, *tensors, n_q: int, n_kv: int, num_splits: int = 1) -> bool:
-    """Whether `paged_decode_rope` takes this kernel for these tensors (`VLMCTL_ATTN_CUDA`); switched on where
-    it cannot run, an error."""
+    """Whether `paged_decode_rope` takes this kernel for these tensors (`VLMCTL_ATTN_CUDA`); with "all" where it
+    cannot run, an error; with "1", the Triton kernel."""
     m = mode()
     if m == "0" or (m == "1" and qkv.shape[0] > MAX_BATCH):
         return False
     why = unsupported(qkv, *tensors, n_q=n_q, n_kv=n_kv, num_splits=num_splits)
-    if why is not None:
-        raise ValueError(f"VLMCTL_ATTN_CUDA={m}, but the CUDA decode attention cannot run here: {why}")
-    return True
+    if why is not None and m == "all":
+        raise ValueError(f"VLMCTL_ATTN_CUDA=all, but the CUDA decode attention cannot run here: {why}")
+    return why is None
 
 
 def decode_rope(qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, out, part, ml, cnt,
