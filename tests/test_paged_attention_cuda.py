@@ -259,7 +259,10 @@ def test_decoder_steps_follow_the_triton_kernel(group, monkeypatch):
         lb, kb, vb = step("all", n + i)  # "all": never the Triton kernel in its place
         assert float((la - lb).abs().max()) <= 1e-2 * float(la.abs().max())
         assert float((ka - kb).abs().max()) <= 1e-2 * float(ka.abs().max())
-        assert torch.equal(va, vb)  # V is copied
+        assert float((va - vb).abs().max()) <= 1e-2 * float(va.abs().max())
+        # layer 0's V comes from the same embedding in both steps and is copied as it is; later layers' V
+        # follow the earlier layers' attention, whose sums differ in rounding
+        assert torch.equal(va[0], vb[0])
         agree += int(la.argmax() == lb.argmax())
         tok = int(la.argmax())
     assert agree >= 38
