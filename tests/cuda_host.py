@@ -47,7 +47,6 @@ EMULATED = {
     "smem_addr": "{ return cuda_host::smem_offset(p); }",
     "cp_async16": "{ cuda_host::cp_async(dst, src, valid ? 16 : 0, 16); }",
     "cp_async16_s": "{ cuda_host::cp_async(dst, src, valid ? 16 : 0, 16); }",
-    "cp_async4_s": "{ cuda_host::cp_async(dst, src, bytes, 4); }",
     "cp_async_commit": "{ cuda_host::cp_commit(); }",
     "cp_async_wait": "{ cuda_host::cp_wait_group(N); }",
     "cp_async_wait_all": "{ cuda_host::cp_wait_all(); }",

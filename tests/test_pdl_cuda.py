@@ -2,7 +2,7 @@
 PTX (NVRTC, no GPU needed): each waits for the previous kernel exactly once (griddepcontrol.wait) and lets the
 next one start exactly once; before its wait it writes no global memory (no st.global, atom, red), so it
 cannot overwrite what the kernel before it still reads. The W4A16 GEMVs load their first weights before the
-wait (ld.global), or, the ring variant, start copying them into shared memory (cp.async); the decode
+wait (ld.global), or, the mma kernel, start copying them into shared memory (cp.async); the decode
 attention reads its step inputs and starts the copies of its cached K/V tiles there (cp.async into shared
 memory), or, built to wait first (VLMCTL_ATTN_CUDA_EARLY=0), reads nothing before it, and writes the cache,
 its partials and its ticket after it.
@@ -30,7 +30,6 @@ def _kernels() -> dict:
     return {
         "gemv_cuda": (W.mma_source(), W.gemv_cuda_kernel_name(W.heuristic_gemv_cuda_config(4096, 4096, 128), 128),
                       "ld.global"),
-        "gemv_ring": (W.mma_source(), "w4a16_gemv_ring<8, 4, 4, 128>", "cp.async"),
         "mma_gemv": (W.mma_source(), W.mma_gemv_kernel_name(W.heuristic_mma_gemv_config(4096, 4096, 128), 128),
                      "ld.global"),
         "mma": (W.mma_source(), W.mma_kernel_name(W.heuristic_mma_config(4096, 4096, 128, 132, "float16"), 128),

@@ -674,7 +674,7 @@ def w4a16_act_mul(x, packed: dict, group_size: int, activation: str, bias=None):
     """act(gate) * up of y = x @ W^T (+ bias) for a gate_up weight W [2I, K] (gate rows, then up rows)
     -> [..., I], computed in the GEMV's epilogue: no [.., 2I] intermediate and no act·mul kernel. Only
     for one row (batch-1 decode) on a GPU, where selection picks one of the Triton GEMVs (or, where the table
-    names it or its ring variant is switched on, the CUDA GEMV); None elsewhere (checked before any
+    names it, the CUDA GEMV); None elsewhere (checked before any
     selection, so batched steps pay nothing), and the caller runs the linear and the act·mul kernel.
     The Triton GEMVs' results equal that pair's bit for bit (the epilogue rounds gate and up to x's dtype
     first, as the plain GEMV's output is); the CUDA GEMV's may differ by one rounding of the activation
@@ -698,15 +698,9 @@ def w4a16_act_mul(x, packed: dict, group_size: int, activation: str, bias=None):
 def _act_mul_config(x2, qw, group_size: int) -> Config:
     """The config of a fused gate_up call. The CUDA GEMV's rule is passed over: on an H200 the half2 GEMV won
     gate_up at the 7B shape, and with the rule taking gate_up a 13B decode step was 4-5 % slower
-    (docs/benchmarks.md, session 10). With its ring variant switched on (`VLMCTL_W4A16_GEMV_RING`, a
-    measurement) gate_up takes the CUDA GEMV too, so that all four linears run on the ring."""
+    (docs/benchmarks.md, session 10)."""
     n, k = qw.shape[0], qw.shape[1] * PACK
-    cfg = select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device, cuda_gemv_rule=False)
-    if gemv_ring_stages() and cfg.kernel != "gemv_cuda" and x2.shape[0] == 1 and gemv_cuda_runs(x2, qw) \
-            and _gemv_cuda_ok(x2.device) and (c := heuristic_gemv_cuda_config(n, k, group_size)).valid_for(
-                n, k, group_size):
-        return c
-    return cfg
+    return select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device, cuda_gemv_rule=False)
 
 
 MMA_SOURCE = Path(__file__).with_name("w4a16_mma.cu")
@@ -767,38 +761,15 @@ def gemv_cuda_runs(x2, qw) -> bool:
 
 
 def gemv_cuda_kernel_name(config: Config, group_size: int, act: str | None = None) -> str:
-    """The template instance of `w4a16_mma.cu`'s w4a16_gemv that runs `config` (its ring variant's, with
-    `VLMCTL_W4A16_GEMV_RING`); act ("silu", "gelu_tanh"): the one with the gate_up epilogue."""
+    """The template instance of `w4a16_mma.cu`'s w4a16_gemv that runs `config`; act ("silu", "gelu_tanh"): the
+    one with the gate_up epilogue."""
     rpw = config.block_n // config.num_warps
-    stages = gemv_ring_stages()
     tail = ""
     if act is not None:
         from .fused import ACTIVATIONS
 
         tail = f", {ACTIVATIONS[act]}"
-    if stages:
-        return f"w4a16_gemv_ring<{rpw}, {config.num_warps}, {stages}, {group_size}{tail}>"
     return f"w4a16_gemv<{rpw}, {config.num_warps}, {config.num_stages}, {group_size}{tail}>"
-
-
-GEMV_RING_SLOT = 768  # bytes of a ring slot per row: 32 lanes x (16 bytes of codes, a scale word, a zero-point word)
-
-
-def gemv_ring_stages() -> int:
-    """`VLMCTL_W4A16_GEMV_RING`: 0 (default) runs the register GEMV at batch 1; 2-8 its variant that streams
-    weights through a shared-memory ring of that many batches per warp (a measurement candidate: written in
-    session 25 without a GPU, not yet measured; docs/benchmarks.md)."""
-    v = os.environ.get("VLMCTL_W4A16_GEMV_RING", "0").strip().lower()
-    if v in ("", "0", "off", "false"):
-        return 0
-    if not v.isdigit() or not 2 <= int(v) <= 8:
-        raise ValueError(f"VLMCTL_W4A16_GEMV_RING={v!r}: expected 0 (off) or a ring depth of 2-8 batches")
-    return int(v)
-
-
-def gemv_ring_shared_bytes(config: Config, stages: int) -> int:
-    """Dynamic shared memory of the ring variant for `config`: a ring per warp."""
-    return config.num_warps * stages * (config.block_n // config.num_warps) * GEMV_RING_SLOT
 
 
 def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y, act: str | None = None) -> None:
@@ -809,15 +780,10 @@ def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y
     qw, s, z = (packed[key] for key in KEYS)
     m, k = x2.shape
     n = qw.shape[0]
-    stages = gemv_ring_stages()
-    smem = gemv_ring_shared_bytes(config, stages) if stages else 0
-    if smem > MMA_MAX_SHARED:
-        raise ValueError(f"VLMCTL_W4A16_GEMV_RING={stages}: {describe(config)} would need {smem} bytes of shared "
-                         f"memory a block (at most {MMA_MAX_SHARED})")
     kern = cuda_rtc.load_kernel(mma_source(), gemv_cuda_kernel_name(config, group_size, act), x2.device)
     rows = (n // 2, config.block_n // 2) if act is not None else (n, config.block_n)
     # PDL as for the Triton GEMVs: the kernel reads only weights, scales and zero points before its wait
-    kern.launch((triton_cdiv(*rows), m, 1), (32 * config.num_warps, 1, 1), smem,
+    kern.launch((triton_cdiv(*rows), m, 1), (32 * config.num_warps, 1, 1), 0,
                 [x2, qw, s, z, bias, y, n, k, x2.stride(0), int(bias is not None)], x2.device,
                 pdl=pdl.enabled(x2.device))
 

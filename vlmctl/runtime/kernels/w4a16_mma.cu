@@ -53,10 +53,6 @@ __device__ __forceinline__ void cp_async16_s(u32 dst, const void* src, bool vali
                  : "memory");
 }
 
-__device__ __forceinline__ void cp_async4_s(u32 dst, const void* src, int bytes) {  // bytes < 4: the rest zero
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>
@@ -686,100 +682,6 @@ w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc,
         gemv_compute(b, acc, c0 + 32 * KS, KC);
     }
     GEMV_NEXT_AT(2);
-    gemv_store_rows<RPW, ACT>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * (ACT < 0 ? N : N / 2));
-}
-
-
-
-// ---------------------------------------------------------------------------------------------------
-// w4a16_gemv_ring: the batch-1 GEMV above with its weights, scales and zero points streamed through a
-// shared-memory ring by cp.async instead of registers (a measurement candidate, `VLMCTL_W4A16_GEMV_RING`).
-//
-// Why: the register GEMV holds two batches of a warp's rows in registers (168-255 registers a thread for
-// the H200 table's configs), so an SM keeps 8-12 warps and 32-48 KB of weights in flight, near what Little's
-// law asks for the 2-2.4 TB/s it reaches at ~1.5-2 us of loaded DRAM latency (docs/benchmarks.md, sessions
-// 11 and 25). Copies into shared memory hold no registers: each warp has a private ring of ST slots,
-// a slot one batch (RPW rows x 32 chunks of 32 k, with each lane's scale and zero point), so ST batches
-// are in flight per warp, and all of them are requested before griddepcontrol.wait (weights only): at
-// K = 4096 four slots hold a warp's whole share of the linear. Each lane reads back only what it copied
-// itself, so no barrier is needed. Scales and zero points come as the aligned 4-byte word holding them
-// (cp.async copies 4, 8 or 16 bytes), cut short at the tensor's end.
-// Numerics: per lane and row the same dequantization, runs and order as w4a16_gemv: the same result bit
-// for bit, for the same rows per warp.
-
-template <int RPW, int NW, int ST, int G, int ACT = -1>
-__global__ void __launch_bounds__(NW * 32)
-w4a16_gemv_ring(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
-                const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias) {
-    extern __shared__ __align__(16) unsigned char gemv_ring_smem[];
-    constexpr int SLOT = RPW * (512 + 128 + 128);  // per slot: weights, scale words, zero-point words
-    pdl_release();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = (blockIdx.x * NW + warp) * (ACT < 0 ? RPW : RPW / 2);  // its first output row
-    const int KC = K >> 5;  // 32-k chunks of a row
-    const int KG = K / G;
-    const int batches = (KC + 31) >> 5;  // a batch: chunk 32 b + lane of each row, for every lane
-    const long long s_bytes = (long long)N * KG * 2, z_bytes = (long long)N * KG;
-    unsigned char* ring = gemv_ring_smem + warp * ST * SLOT;
-    const u32 ring_addr = smem_addr(ring);
-    int rows[RPW];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) rows[r] = gemv_weight_row<RPW, ACT>(row0, r, N);
-
-    auto issue = [&](int b) {
-        const int c = 32 * b + lane;
-        const bool valid = c < KC;
-        const int cc = valid ? c : 0;
-        const u32 slot = ring_addr + (b % ST) * SLOT;
-#pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-            const long long gi = (long long)rows[r] * KG + (cc * 32) / G;
-            const long long sa = (gi * 2) & ~3LL, za = gi & ~3LL;
-            cp_async16_s(slot + (r * 32 + lane) * 16, qw + (size_t)rows[r] * (K >> 3) + 4 * cc, valid);
-            cp_async4_s(slot + RPW * 512 + (r * 32 + lane) * 4, reinterpret_cast<const unsigned char*>(sc) + sa,
-                     valid ? (int)min(4LL, s_bytes - sa) : 0);
-            cp_async4_s(slot + RPW * 640 + (r * 32 + lane) * 4, zp + za, valid ? (int)min(4LL, z_bytes - za) : 0);
-        }
-    };
-#pragma unroll
-    for (int b = 0; b < ST; ++b) {
-        if (b < batches) issue(b);
-        cp_async_commit();
-    }
-    pdl_wait();
-    const u16* xr = x + (size_t)blockIdx.y * ldx;
-    float acc[RPW];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
-    u32x4 xn[4];  // the next batch's activations
-    if (lane < KC) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) xn[j] = ld_act16(xr + 32 * lane + 8 * j);
-    }
-    for (int b = 0; b < batches; ++b) {
-        const int c = 32 * b + lane;
-        u32x4 xc[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) xc[j] = xn[j];
-        if (c + 32 < KC) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) xn[j] = ld_act16(xr + 32 * (c + 32) + 8 * j);
-        }
-        cp_async_wait<ST - 1>();  // this lane's copies of batch b have landed
-        if (c < KC) {
-            const unsigned char* slot = ring + (b % ST) * SLOT;
-#pragma unroll
-            for (int r = 0; r < RPW; ++r) {
-                const u32x4 w = *reinterpret_cast<const u32x4*>(slot + (r * 32 + lane) * 16);
-                const long long gi = (long long)rows[r] * KG + (c * 32) / G;
-                const u32 sw = *reinterpret_cast<const u32*>(slot + RPW * 512 + (r * 32 + lane) * 4);
-                const u32 zw = *reinterpret_cast<const u32*>(slot + RPW * 640 + (r * 32 + lane) * 4);
-                gemv_chunk(acc[r], w, (gi & 1) ? sw >> 16 : sw & 0xFFFFu, (zw >> (8 * (int)(gi & 3))) & 0xFFu, xc);
-            }
-        }
-        if (b + ST < batches) issue(b + ST);  // into the slot just read (this lane's own bytes)
-        cp_async_commit();
-    }
     gemv_store_rows<RPW, ACT>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * (ACT < 0 ? N : N / 2));
 }
 
