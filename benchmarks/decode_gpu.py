@@ -479,7 +479,22 @@ def main():
             bw, args.attention_graph_batches, splits_list=args.attention_graph_splits, env_cases=args.attention_graph_env))
     dense_name = "fp16" if ACT == torch.float16 else "bf16"
     variants = [(dense_name, None)] + ([("awq", args.awq)] if args.awq else [])
+    # the environment every case starts from: what the command line set, never what an earlier case or variant
+    # left behind (before session 27 the second decoder's cases started from the first's last case)
+    all_cases = [dict(a.split("=", 1) for a in case.split()) for case in args.env_cases or []]
+    if args.env_ab:
+        all_cases.append({args.env_ab.split("=", 1)[0]: ""})
+    saved = {k: os.environ.get(k) for case in all_cases for k in case}
+
+    def restore_environment():
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
     for name, group in variants:
+        restore_environment()
         dec = make_decoder(cfg, sd, group)
         weight_bytes = sum(t.numel() * t.element_size() for t in _decoder_tensors(dec))
         blocks = size_cache(dec, max(args.batches))
@@ -495,14 +510,9 @@ def main():
             cases = [{var: v} for v in values.split(",")]
         else:
             cases = [dict(a.split("=", 1) for a in case.split()) for case in args.env_cases or []] or [None]
-        saved = {k: os.environ.get(k) for case in cases if case for k in case}
         for case in cases:
             if case is not None:
-                for k, v in saved.items():  # what an earlier case set does not carry over
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+                restore_environment()  # what an earlier case set does not carry over
                 os.environ.update(case)
                 dec._fused = False  # the fused batch-1 step is chosen again (VLMCTL_FUSED_STEP)
                 dec._graphs.clear()
