@@ -49,13 +49,8 @@ EMULATED = {
     "cp_async16_s": "{ cuda_host::cp_async(dst, src, valid ? 16 : 0, 16); }",
     "cp_async_commit": "{ cuda_host::cp_commit(); }",
     "cp_async_wait": "{ cuda_host::cp_wait_group(N); }",
-    "cp_async_wait_all": "{ cuda_host::cp_wait_all(); }",
-    "f16_to_f32": "{ return cuda_host::f16_to_f32(h); }",
     "half_to_float": "{ return cuda_host::f16_to_f32(h); }",
     "f32_to_f16": "{ return cuda_host::f16_round(f); }",
-    "f32_to_bf16": "{ return cuda_host::bf16_round(f); }",
-    "mul_rn": "{ return a * b; }",  # compiled with -ffp-contract=off: never fused
-    "ld_cg": '{ return cuda_host::load_global<float>(p, "ld.global.cg"); }',
     "ld_stream16": '{ return cuda_host::load_global<u32x4>(p, "ld.global.nc"); }',
     "ld_act16": '{ return cuda_host::load_global<u32x4>(p, "ld.global"); }',
     "sub_f16x2": "{ return cuda_host::sub_f16x2(a, b); }",
@@ -73,7 +68,6 @@ EMULATED = {
     "pack_bf16x2": "{ return (u32)cuda_host::bf16_round(lo) | ((u32)cuda_host::bf16_round(hi) << 16); }",
     "fence_gpu": "{}",  # one block runs at a time
     "take_ticket": "{ return atomicAdd(ticket, 1); }",
-    "take_ticket_acq_rel": "{ return atomicAdd(counter, 1); }",
     "load_cg_f2": '{ return cuda_host::load_global<f32x2>(p, "ld.global.cg"); }',
 }
 

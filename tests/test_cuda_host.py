@@ -1,5 +1,5 @@
 """tests/cuda_host.py, the CPU stand-in that runs the NVRTC kernels' CUDA C++ for the tests of
-decode_attention.cu and w4a16_mma.cu on machines without a GPU: small kernels written here show that it
+w4a16_mma.cu on machines without a GPU: small kernels written here show that it
 computes what CUDA computes where the code is right, and that it catches what it claims to catch: a missing
 barrier, a cp.async read before its wait, a read of the previous kernel's output before the PDL wait,
 threads waiting at barriers that cannot all complete, writes out of bounds, and a helper with more than one

@@ -186,12 +186,9 @@ def test_paged_decode_window_reference_is_explicit():
 @pytest.mark.parametrize("n_q,n_kv", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("splits", [1, 2, 4])  # 2: a split of two tiles (the first one loaded early)
 @pytest.mark.parametrize("window", [None, 7])
-def test_paged_decode_with_rope_and_append(dtype, n_q, n_kv, splits, window, monkeypatch):
-    """The fused decode kernel == rotary + KV append + attention as separate reference operations (the Triton
-    kernel; tests/test_paged_attention_cuda.py holds the CUDA one's tests)."""
+def test_paged_decode_with_rope_and_append(dtype, n_q, n_kv, splits, window):
+    """The fused decode kernel == rotary + KV append + attention as separate reference operations."""
     from vlmctl.runtime.kernels.paged_attention import paged_decode_rope, split_workspace
-
-    monkeypatch.setenv("VLMCTL_ATTN_CUDA", "0")
 
     g = torch.Generator().manual_seed(5)
     B, bs, maxb, d = 4, 8, 26, 32

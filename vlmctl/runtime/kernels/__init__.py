@@ -4,8 +4,6 @@ is free. Each kernel has a torch reference that the CPU runs and the tests compa
   fused            residual add + RMSNorm, rotary + KV append, SiLU·mul (references: runtime.ops)
   paged_attention  decode attention over the paged KV cache, optionally with the new token's rotary
                    and KV append folded in (references: runtime.ops)
-  paged_attention_cuda  the rotary + append + decode attention as a CUDA kernel (NVRTC) for small
-                   batches, opt-in with VLMCTL_ATTN_CUDA (decode_attention.cu; reference: the Triton kernel)
   gemv             dense GEMV for batch-1 decode (split-K in-kernel, optional SiLU·mul prologue),
                    used where the tuned table has the shape (w4a16.gemv_mode; reference: F.linear)
   w4a16            4-bit AWQ weights x fp16/bf16 activations: the packed on-device layout, the repack

@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import paged_attention_cuda as cuda_kernel
 from . import pdl
 from .compile_ahead import run as run_triton
 
@@ -299,8 +298,7 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
                       workspace: tuple | None = None, window: int | None = None) -> torch.Tensor:
     """Decode attention of qkv rows [B, (n_q + 2 n_kv) * d] (not yet rotated) with the rotary of the new
     token and its KV append done in the same kernel. context_lens count the new token; `window`:
-    attend only the last `window` positions. This module's Triton kernel runs it, or, switched on with
-    `VLMCTL_ATTN_CUDA` (off by default), the CUDA kernel of `paged_attention_cuda` for small batches."""
+    attend only the last `window` positions."""
     B = qkv.shape[0]
     D = k_cache.shape[3]
     group = n_q // n_kv
@@ -308,10 +306,6 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
     split = num_splits > 1
     part, ml, cnt = _partials(out, num_splits, workspace)
     fold = split and cnt is not None and combine_in_attention()
-    if (fold or not split) and cuda_kernel.selected(qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables,
-                                                    context_lens, n_q=n_q, n_kv=n_kv, num_splits=num_splits):
-        return cuda_kernel.decode_rope(qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens,
-                                       out, part, ml, cnt, scale, n_q, n_kv, num_splits, window)
     run_triton(
         _decode_rope_kernel, (B, n_kv, num_splits),
         qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, out, part, ml,
