@@ -283,11 +283,12 @@ def test_gpu_act_mul_epilogue_and_its_selection(activation):
     def ulp16(v):
         return eps * v.abs().clamp_min(2.0 ** -14)
 
-    # one fp16 rounding of the product and of the activation, plus the fp32 activations' own error: GELU's
-    # 1 + tanh cancels for a negative gate, which leaves both kernels a few fp32 units of |g| off there
-    act = (torch.nn.functional.silu(gate.double()) if activation == "silu"
-           else torch.nn.functional.gelu(gate.double(), approximate="tanh")).float()
-    tol = ulp16(want.float()) + up.abs() * (ulp16(act) + gate.abs() * 2.0 ** -20)
+    tol = ulp16(want.float())  # one fp16 rounding (SiLU met this on the H100, session 27 r2)
+    if activation == "gelu_tanh":
+        # plus one rounding of the activation and its fp32 error: 1 + tanh cancels for a negative gate, which
+        # leaves both kernels a few fp32 units of |g| off there (r2 failed the bound above)
+        act = torch.nn.functional.gelu(gate.double(), approximate="tanh").float()
+        tol = tol + up.abs() * (ulp16(act) + gate.abs() * 2.0 ** -20)
     over = ((got.float() - want.float()).abs() - tol).argmax()
     assert bool(((got.float() - want.float()).abs() <= tol).all()), \
         f"gate {gate.flatten()[over]}, up {up.flatten()[over]}: {got.flatten()[over]} != {want.flatten()[over]}"
