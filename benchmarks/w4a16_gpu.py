@@ -302,7 +302,8 @@ def main(argv=None):
         if clock.left() < 20:
             notes.append("step graph skipped: time budget spent")
         else:
-            step_rows += step_graphs(W, torch, shapes, g, layers, dtypes, int4_order, clock, notes)
+            step_rows += step_graphs(W, torch, shapes, g, layers, dtypes, int4_order, clock, notes,
+                                     with_gemlite=gemlite is not None)
 
     for n_ in notes:
         log("note:", n_)
@@ -315,8 +316,10 @@ def main(argv=None):
     return out
 
 
-def step_graphs(W, torch, shapes, g, layers, dtypes, int4_order, clock, notes):
-    """Time one decode step's linears (layers x 4, distinct weights) as one CUDA graph per (path, M)."""
+def step_graphs(W, torch, shapes, g, layers, dtypes, int4_order, clock, notes, with_gemlite=False):
+    """Time one decode step's linears (layers x 4, distinct weights) as one CUDA graph per (path, M).
+    with_gemlite: also gemlite's fp16 linears at M = 1, 2, 8 (per-call timing charges them their Python
+    dispatch, which a graph does not replay)."""
     rows = []
     dev = torch.device("cuda")
     sets = [{s: random_packed(n, k, g, 1000 + 10 * i + j, dev) for j, (s, (n, k)) in enumerate(shapes.items())}
@@ -366,6 +369,23 @@ def step_graphs(W, torch, shapes, g, layers, dtypes, int4_order, clock, notes):
                 except Exception as e:
                     notes.append(f"step graph torch-int4 M={m}: {type(e).__name__}: {e}")
             del preps
+        if dtype == torch.float16 and with_gemlite and clock.left() > 30:
+            try:
+                gl = [{s: gemlite_prepare(sets[i][s], g, dtype) for s in order} for i in range(layers)]
+            except Exception as e:
+                notes.append(f"step graph gemlite: {type(e).__name__}: {e}")
+                continue
+            for m in (1, 2, 8):
+                try:
+                    for s in order:  # its autotuning runs here, outside the capture
+                        gl[0][s](torch.randn(m, shapes[s][1], device=dev, dtype=dtype))
+                    t = run_graph(lambda i, s, x: (lambda: gl[i][s](x)), m, dtype)
+                    rows.append({"dtype": dn, "m": m, "path": "gemlite", "kind": "graph", "ms": t})
+                    log(f"step graph {dn} M={m:<3} gemlite {t:.3f} ms")
+                except Exception as e:
+                    notes.append(f"step graph gemlite M={m}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            del gl
+            torch.cuda.empty_cache()
     return rows
 
 
