@@ -499,6 +499,21 @@ __device__ __forceinline__ u32 x_pair(const u32x4& v, int t) {
     return t == 0 ? v.x : t == 1 ? v.y : t == 2 ? v.z : v.w;
 }
 
+#ifdef W4A16_GEMV_ABLATE
+// Measurement build (benchmarks/w4a16_gemv_ablate_gpu.py): parts of the GEMV left out, to find which of them holds
+// it below its loads' ceiling (session 11). Bits: 1 x not loaded (a per-lane constant), 2 scales and zero points
+// not loaded, 4 no dequantize or multiply (the words XORed into the sums), 8 the first batch's weights loaded after
+// the PDL wait. W4A16_GEMV_MAXREG: registers a thread at most (__maxnreg__), so that more warps fit an SM.
+#define GEMV_ABL(bit) ((W4A16_GEMV_ABLATE) & (bit))
+#else
+#define GEMV_ABL(bit) 0
+#endif
+#if defined(W4A16_GEMV_MAXREG) && W4A16_GEMV_MAXREG > 0
+#define GEMV_BOUNDS(NW) __maxnreg__(W4A16_GEMV_MAXREG)
+#else
+#define GEMV_BOUNDS(NW) __launch_bounds__((NW) * 32)
+#endif
+
 template <int RPW, int KS>
 struct GemvBatch {
     u32x4 w[KS][RPW];  // 32 codes of each row
@@ -518,8 +533,13 @@ __device__ __forceinline__ void gemv_load_weights(GemvBatch<RPW, KS>& b, const u
 #pragma unroll
             for (int r = 0; r < RPW; ++r) {
                 b.w[u][r] = ld_stream16(rows[r] + 4 * c);
-                b.s[u][r] = srow[r][(c * 32) / G];
-                b.z[u][r] = zrow[r][(c * 32) / G];
+                if constexpr (GEMV_ABL(2)) {
+                    b.s[u][r] = 0x3c00u;
+                    b.z[u][r] = 8u;
+                } else {
+                    b.s[u][r] = srow[r][(c * 32) / G];
+                    b.z[u][r] = zrow[r][(c * 32) / G];
+                }
             }
         }
     }
@@ -532,7 +552,14 @@ __device__ __forceinline__ void gemv_load_x(GemvBatch<RPW, KS>& b, const u16* xr
         const int c = c0 + 32 * u;
         if (c < KC) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) b.x[u][j] = ld_act16(xr + 32 * c + 8 * j);
+            for (int j = 0; j < 4; ++j) {
+                if constexpr (GEMV_ABL(1)) {
+                    const u32 v = 0x3c003c00u ^ (u32)((c + j) & 7);
+                    b.x[u][j] = u32x4{v, v, v, v};
+                } else {
+                    b.x[u][j] = ld_act16(xr + 32 * c + 8 * j);
+                }
+            }
         }
     }
 }
@@ -562,8 +589,20 @@ __device__ __forceinline__ void gemv_compute(const GemvBatch<RPW, KS>& b, float 
 #pragma unroll
     for (int u = 0; u < KS; ++u) {
         if (c0 + 32 * u < KC) {
+            if constexpr (GEMV_ABL(4)) {
+                u32 xx = 0;
 #pragma unroll
-            for (int r = 0; r < RPW; ++r) gemv_chunk(acc[r], b.w[u][r], b.s[u][r], b.z[u][r], b.x[u]);
+                for (int j = 0; j < 4; ++j) xx ^= b.x[u][j].x ^ b.x[u][j].y ^ b.x[u][j].z ^ b.x[u][j].w;
+#pragma unroll
+                for (int r = 0; r < RPW; ++r) {
+                    const u32x4& w = b.w[u][r];
+                    const u32 h = w.x ^ w.y ^ w.z ^ w.w ^ b.s[u][r] ^ b.z[u][r] ^ xx;
+                    acc[r] += __uint_as_float((h & 0x007fffffu) | 0x3f000000u);
+                }
+            } else {
+#pragma unroll
+                for (int r = 0; r < RPW; ++r) gemv_chunk(acc[r], b.w[u][r], b.s[u][r], b.z[u][r], b.x[u]);
+            }
         }
     }
 }
@@ -645,7 +684,7 @@ __device__ __forceinline__ void l2_prefetch_rows(const char* nxt, int rows, int 
 #endif
 
 template <int RPW, int NW, int KS, int G, int ACT = -1>
-__global__ void __launch_bounds__(NW * 32)
+__global__ void GEMV_BOUNDS(NW)
 w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
            const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias GEMV_NEXT_PARAMS) {
     pdl_release();
@@ -668,9 +707,10 @@ w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc,
 #pragma unroll
     for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
     GemvBatch<RPW, KS> a, b;
-    gemv_load_weights<RPW, KS, G>(a, rows, srow, zrow, lane, KC);
+    if constexpr (!GEMV_ABL(8)) gemv_load_weights<RPW, KS, G>(a, rows, srow, zrow, lane, KC);
     GEMV_NEXT_AT(1);
     pdl_wait();
+    if constexpr (GEMV_ABL(8)) gemv_load_weights<RPW, KS, G>(a, rows, srow, zrow, lane, KC);
     gemv_load_x(a, xr, lane, KC);
     for (int c0 = lane; c0 < KC; c0 += 64 * KS) {  // two batches per trip: a and b take turns
         gemv_load_weights<RPW, KS, G>(b, rows, srow, zrow, c0 + 32 * KS, KC);
