@@ -107,6 +107,25 @@ def test_every_candidate_compiles_for_sm90():
     assert all(v.startswith("_Z10w4a16_gemv") for v in lowered.values())
 
 
+@pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
+def test_register_cap_knob_builds_another_source_and_rejects_bad_values(monkeypatch):
+    """`VLMCTL_W4A16_GEMV_MAXREG` (a measurement knob) compiles the GEMV under a register cap from a source of
+    its own (so kernels built without it are not reused), the same string object on every call, and a value
+    outside 32-255 is one clear error."""
+    monkeypatch.delenv("VLMCTL_W4A16_GEMV_MAXREG", raising=False)
+    plain = W.mma_source()
+    monkeypatch.setenv("VLMCTL_W4A16_GEMV_MAXREG", "96")
+    capped = W.mma_source()
+    assert capped is W.mma_source() and capped != plain and capped.endswith(plain)
+    name = W.gemv_cuda_kernel_name(_cfg(32, 8, 2), 128)
+    cubin, lowered = cuda_rtc.compile_cubin(capped, [name], "sm_90")
+    assert cubin[:4] == b"\x7fELF" and lowered[name].startswith("_Z10w4a16_gemv")
+    for bad in ("12", "300", "many"):
+        monkeypatch.setenv("VLMCTL_W4A16_GEMV_MAXREG", bad)
+        with pytest.raises(ValueError, match="VLMCTL_W4A16_GEMV_MAXREG"):
+            W.mma_source()
+
+
 def _zero_packed(n, k, g=128):
     return {"q4weight": torch.zeros(n, k // 8, dtype=torch.int32), "q4scales": torch.zeros(n, k // g, dtype=torch.float16),
             "q4zeros": torch.zeros(n, k // g, dtype=torch.uint8)}
@@ -222,6 +241,21 @@ def test_gpu_gemv_cuda_matches_reference(n, k, g, cfg):
             assert y.shape == (m, n) and y.dtype == torch.float16
             assert float((y.float() - ref).norm() / ref.norm()) <= TOL16, (m, bias is not None)
             assert torch.equal(W.launch(x, p, g, cfg, bias), y)  # deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("cap", ["128", "64"])
+def test_gpu_register_capped_gemv_is_the_same_arithmetic(cap, monkeypatch):
+    """Under `VLMCTL_W4A16_GEMV_MAXREG` only the register allocation changes: the same sums in the same order,
+    so the same bits as the uncapped kernel (7B shapes, the configs the H200 table picks)."""
+    for (n, k), cfg in [((12288, 4096), _cfg(32, 4, 1)), ((4096, 4096), _cfg(8, 2, 2)), ((4096, 11008), _cfg(32, 8, 2))]:
+        p = random_packed(n, k, 128, seed=n + k)
+        x = torch.randn(1, k, device="cuda").half()
+        monkeypatch.delenv("VLMCTL_W4A16_GEMV_MAXREG", raising=False)
+        want = W.launch(x, p, 128, cfg)
+        monkeypatch.setenv("VLMCTL_W4A16_GEMV_MAXREG", cap)
+        assert torch.equal(W.launch(x, p, 128, cfg), want), (n, k)
 
 
 @pytest.mark.gpu

@@ -704,14 +704,24 @@ def _act_mul_config(x2, qw, group_size: int) -> Config:
 
 
 MMA_SOURCE = Path(__file__).with_name("w4a16_mma.cu")
-_MMA_TEXT: list = []
+_MMA_TEXT: dict = {}
 MMA_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may opt into on sm_80 / sm_90
 
 
 def mma_source() -> str:
-    if not _MMA_TEXT:
-        _MMA_TEXT.append(MMA_SOURCE.read_text())
-    return _MMA_TEXT[0]
+    """`w4a16_mma.cu`, with `VLMCTL_W4A16_GEMV_MAXREG=N` (a measurement knob, unset by default) capping the batch-1
+    CUDA GEMV at N registers a thread so that more of its warps fit an SM. Called on every launch: one string
+    object per setting, so that `cuda_rtc.load_kernel`'s key hashes it once."""
+    cap = os.environ.get("VLMCTL_W4A16_GEMV_MAXREG", "").strip()
+    text = _MMA_TEXT.get(cap)
+    if text is None:
+        text = MMA_SOURCE.read_text()
+        if cap:
+            if not cap.isdigit() or not 32 <= int(cap) <= 255:
+                raise ValueError(f"VLMCTL_W4A16_GEMV_MAXREG={cap!r}: a register count from 32 to 255, or unset")
+            text = f"#define W4A16_GEMV_MAXREG {int(cap)}\n" + text
+        _MMA_TEXT[cap] = text
+    return text
 
 
 def mma_available() -> bool:
