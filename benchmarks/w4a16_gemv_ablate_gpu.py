@@ -4,7 +4,9 @@ Session 11 measured the GEMV at ~2.2 TB/s a linear against ~4.2 TB/s for a kerne
 that only XORs them (`w4a16_stream_ceiling_gpu.py`), and a tensor-core GEMV with a third fewer instructions
 tied; session 27's ring GEMV (more bytes in flight) was slower. What was never measured is the GEMV itself with
 one part taken out at a time. This builds `w4a16_mma.cu` with W4A16_GEMV_ABLATE (bits: 1 x not loaded, 2 scales
-and zero points not loaded, 4 no dequantize or multiply, 8 the first batch loaded after the PDL wait) and
+and zero points not loaded, 4 no dequantize or multiply, 8 the first batch loaded after the PDL wait, 64 zero
+points not loaded; and two other arithmetics with the same sums to within fp16 rounding, whose error against the
+fp32 reference is printed: 16 (code - zero) . x with the scale once a run, 32 that with one shift a word) and
 W4A16_GEMV_MAXREG (registers a thread at most, so that more warps fit an SM), and times each build at the configs the
 decode step runs (gate_up plain, by the CUDA GEMV's rule or table):
 - per linear: a CUDA graph of 8 PDL launches over distinct weights, median of 15 replays, µs a call;
@@ -32,8 +34,10 @@ SH = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down":
 G = 128
 # (name, ablate bits, register cap: 0 none)
 BUILDS = [("shipped", 0, 0), ("no x", 1, 0), ("no s/z", 2, 0), ("no x, s/z", 3, 0), ("no math", 4, 0),
-          ("loads only", 7, 0), ("weights after wait", 8, 0), ("128 registers", 0, 128),
-          ("96 registers", 0, 96), ("64 registers", 0, 64)]
+          ("loads only", 7, 0), ("weights after wait", 8, 0), ("one s/z load", 64, 0), ("int dot", 16, 0),
+          ("int dot, 1 shift", 32, 0), ("128 registers", 0, 128), ("96 registers", 0, 96), ("64 registers", 0, 64)]
+# register caps: 2.7-6x slower per linear on an H100 (session 29), so only on request
+DEFAULT_BUILDS = [b[0] for b in BUILDS if b[2] == 0]
 # the H200 table's batch-1 configs (qkv, o, down) and the rule's, which gate_up takes plain
 H200_CONFIGS = [(32, 4, 1), (8, 2, 2), (32, 8, 2)]
 
@@ -67,7 +71,7 @@ def registers_offline(configs) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compile-only", action="store_true")
-    ap.add_argument("--builds", nargs="+", default=[b[0] for b in BUILDS], choices=[b[0] for b in BUILDS])
+    ap.add_argument("--builds", nargs="+", default=DEFAULT_BUILDS, choices=[b[0] for b in BUILDS])
     ap.add_argument("--repeats", type=int, default=2, help="chain timings, interleaved (their spread is the noise)")
     args = ap.parse_args()
     if args.compile_only:
@@ -108,16 +112,23 @@ def main() -> None:
             cuda_rtc._check_cuda(drv.cuFuncGetAttribute(ctypes.byref(regs), 4, kernel(build, nm).func), "registers")
             res["registers"][f"{build[0]} / {nm}"] = regs.value
 
-    # the build with nothing left out computes what the shipped kernel computes
+    # the build with nothing left out computes what the shipped kernel computes; the other arithmetics' error
+    res["rel_err"] = {}
     for nm, (n, k) in SH.items():
         p = random_packed(n, k, G, 7, dev)
         x = torch.randn(1, k, device=dev, dtype=torch.float16)
+        ref = x.float() @ W.dequantize(p, G, torch.float32).T
         y0 = torch.empty(1, n, device=dev, dtype=torch.float16)
         y1 = torch.empty_like(y0)
         W.launch(x, p, G, cfg[nm], out=y0)
         launch(BUILDS[0], nm, p, x, y1)
         torch.cuda.synchronize()
         assert torch.equal(y0, y1), nm
+        for build in [BUILDS[0]] + [b for b in builds if b[1] & 48]:
+            launch(build, nm, p, x, y1)
+            err = float((y1.float() - ref).norm() / ref.norm())
+            res["rel_err"][f"{build[0]} / {nm}"] = err
+            print(f"{nm:8s} {build[0]:20s} relative error against the fp32 reference {err:.2e}", flush=True)
 
     nws = 8
     for nm, (n, k) in SH.items():

@@ -503,7 +503,10 @@ __device__ __forceinline__ u32 x_pair(const u32x4& v, int t) {
 // Measurement build (benchmarks/w4a16_gemv_ablate_gpu.py): parts of the GEMV left out, to find which of them holds
 // it below its loads' ceiling (session 11). Bits: 1 x not loaded (a per-lane constant), 2 scales and zero points
 // not loaded, 4 no dequantize or multiply (the words XORed into the sums), 8 the first batch's weights loaded after
-// the PDL wait. W4A16_GEMV_MAXREG: registers a thread at most (__maxnreg__), so that more warps fit an SM.
+// the PDL wait, 64 zero points not loaded (one small load a row and chunk instead of two). Other arithmetic, same
+// sums to within fp16 rounding: 16 (code - zero) . x in fp16 runs and the scale once a run in fp32 (4 instructions
+// a pair of weights instead of 5); 32 that with the odd codes left in place (16 (code - zero) against x / 16: one
+// shift a word instead of three). W4A16_GEMV_MAXREG: registers a thread at most (__maxnreg__), so that more warps fit an SM.
 #define GEMV_ABL(bit) ((W4A16_GEMV_ABLATE) & (bit))
 #else
 #define GEMV_ABL(bit) 0
@@ -535,6 +538,9 @@ __device__ __forceinline__ void gemv_load_weights(GemvBatch<RPW, KS>& b, const u
                 b.w[u][r] = ld_stream16(rows[r] + 4 * c);
                 if constexpr (GEMV_ABL(2)) {
                     b.s[u][r] = 0x3c00u;
+                    b.z[u][r] = 8u;
+                } else if constexpr (GEMV_ABL(64)) {
+                    b.s[u][r] = srow[r][(c * 32) / G];
                     b.z[u][r] = 8u;
                 } else {
                     b.s[u][r] = srow[r][(c * 32) / G];
@@ -584,6 +590,39 @@ __device__ __forceinline__ void gemv_chunk(float& acc, const u32x4& w, u32 s, u3
     }
 }
 
+#ifdef W4A16_GEMV_ABLATE
+// bits 16 / 32: the codes minus the zero point (exact small integers in fp16) against x, the scale applied to each
+// run's sum in fp32; with 32, x16 holds x / 16 at the odd pairs, which meet 16 (code - zero)
+__device__ __forceinline__ void gemv_chunk_int(float& acc, const u32x4& w, u32 s, u32 z, const u32x4 (&x)[4],
+                                               const u32 (&x16)[8]) {
+    const u32 zf2 = (0x6400u | z) * 0x10001u;
+    const u32 zf16 = (0x6400u | (z << 4)) * 0x10001u;  // fp16 1024 + 16 zero, twice
+    const float sf = half_to_float((u16)s);
+    const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        u32 run = 0;
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+            const int j = 2 * h + jj;
+            if constexpr (GEMV_ABL(32)) {
+                const u32 lo = words[j], hi = words[j] >> 8;
+                run = fma_f16x2(sub_f16x2((lo & 0x000F000Fu) | 0x64006400u, zf2), x[j].x, run);
+                run = fma_f16x2(sub_f16x2((lo & 0x00F000F0u) | 0x64006400u, zf16), x16[2 * j], run);
+                run = fma_f16x2(sub_f16x2((hi & 0x000F000Fu) | 0x64006400u, zf2), x[j].z, run);
+                run = fma_f16x2(sub_f16x2((hi & 0x00F000F0u) | 0x64006400u, zf16), x16[2 * j + 1], run);
+            } else {
+#pragma unroll
+                for (int t = 0; t < 4; ++t)
+                    run = fma_f16x2(sub_f16x2(((words[j] >> (4 * t)) & 0x000F000Fu) | 0x64006400u, zf2),
+                                    x_pair(x[j], t), run);
+            }
+        }
+        acc += sf * half2_sum(run);
+    }
+}
+#endif
+
 template <int RPW, int KS>
 __device__ __forceinline__ void gemv_compute(const GemvBatch<RPW, KS>& b, float (&acc)[RPW], int c0, int KC) {
 #pragma unroll
@@ -599,6 +638,17 @@ __device__ __forceinline__ void gemv_compute(const GemvBatch<RPW, KS>& b, float 
                     const u32 h = w.x ^ w.y ^ w.z ^ w.w ^ b.s[u][r] ^ b.z[u][r] ^ xx;
                     acc[r] += __uint_as_float((h & 0x007fffffu) | 0x3f000000u);
                 }
+            } else if constexpr (GEMV_ABL(16) || GEMV_ABL(32)) {
+#ifdef W4A16_GEMV_ABLATE
+                u32 x16[8];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    x16[2 * j] = GEMV_ABL(32) ? mul_f16x2(b.x[u][j].y, 0x2C002C00u) : 0u;  // fp16 1/16, twice
+                    x16[2 * j + 1] = GEMV_ABL(32) ? mul_f16x2(b.x[u][j].w, 0x2C002C00u) : 0u;
+                }
+#pragma unroll
+                for (int r = 0; r < RPW; ++r) gemv_chunk_int(acc[r], b.w[u][r], b.s[u][r], b.z[u][r], b.x[u], x16);
+#endif
             } else {
 #pragma unroll
                 for (int r = 0; r < RPW; ++r) gemv_chunk(acc[r], b.w[u][r], b.s[u][r], b.z[u][r], b.x[u]);
