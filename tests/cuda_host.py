@@ -22,6 +22,7 @@ between blocks (they run one after another), registers, speed.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import mmap
@@ -241,6 +242,7 @@ class HostKernel:
         key = hashlib.sha1((source + instance + (HERE / "cuda_host.h").read_text()).encode()).hexdigest()[:16]
         if not HostKernel._dir:
             HostKernel._dir.append(tempfile.mkdtemp(prefix="vlmctl-cuda-host-"))
+            atexit.register(shutil.rmtree, HostKernel._dir[0], True)  # the loaded libraries may go once we exit
         lib = Path(HostKernel._dir[0], f"{key}.so")
         if not lib.exists():
             args = []

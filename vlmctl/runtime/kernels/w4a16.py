@@ -709,18 +709,18 @@ MMA_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may opt into on s
 
 
 def mma_source() -> str:
-    """`w4a16_mma.cu`, with `VLMCTL_W4A16_GEMV_MAXREG=N` (a measurement knob, unset by default) capping the batch-1
-    CUDA GEMV at N registers a thread so that more of its warps fit an SM. Called on every launch: one string
-    object per setting, so that `cuda_rtc.load_kernel`'s key hashes it once."""
-    cap = os.environ.get("VLMCTL_W4A16_GEMV_MAXREG", "").strip()
-    text = _MMA_TEXT.get(cap)
+    """`w4a16_mma.cu`; with `VLMCTL_W4A16_GEMV_DEQUANT_FIRST=1` (a measurement knob, off by default) the batch-1 CUDA
+    GEMV's arithmetic before session 29 (each weight dequantized to fp16 before its product). Called on every
+    launch: one string object per setting, so that `cuda_rtc.load_kernel`'s key hashes it once."""
+    old = os.environ.get("VLMCTL_W4A16_GEMV_DEQUANT_FIRST", "").strip()
+    text = _MMA_TEXT.get(old)
     if text is None:
+        if old not in ("", "0", "1"):
+            raise ValueError(f"VLMCTL_W4A16_GEMV_DEQUANT_FIRST={old!r}: 1, 0 or unset")
         text = MMA_SOURCE.read_text()
-        if cap:
-            if not cap.isdigit() or not 32 <= int(cap) <= 255:
-                raise ValueError(f"VLMCTL_W4A16_GEMV_MAXREG={cap!r}: a register count from 32 to 255, or unset")
-            text = f"#define W4A16_GEMV_MAXREG {int(cap)}\n" + text
-        _MMA_TEXT[cap] = text
+        if old == "1":
+            text = "#define W4A16_GEMV_DEQUANT_FIRST 1\n" + text
+        _MMA_TEXT[old] = text
     return text
 
 

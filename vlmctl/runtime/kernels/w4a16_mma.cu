@@ -457,9 +457,11 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
 // loaded into registers while the current one is computed. No shared memory, no barrier, no split-K:
 // lanes add up by shuffles at the end. A chunk never straddles a group (G is a multiple of 32), so it
 // takes one scale and one zero point.
-// Numerics as the Triton half2 GEMV ("gemv_h2"): every pair dequantized exactly and rounded once
-// (dequant2), products summed with fma.f16x2 in runs of two words (8 products per half), runs and
-// lanes in fp32.
+// Numerics (since session 29; gemv_chunk): code - zero exact in fp16 at a scale of 1/128, products with x
+// summed with fma.f16x2 in runs of two words (8 products per half), each run's sum times 128 * scale added
+// in fp32, runs and lanes in fp32. Before, as the Triton half2 GEMV ("gemv_h2"): every weight dequantized
+// and rounded to fp16 first (dequant2): 4.75 instructions a pair of weights against 3.25 now
+// (W4A16_GEMV_DEQUANT_FIRST builds it, for the A/B in docs/benchmarks.md, session 29).
 // PDL: weights, scales and zero points of the first batch are loaded before griddepcontrol.wait; x
 // after it, y at the end.
 
@@ -503,18 +505,10 @@ __device__ __forceinline__ u32 x_pair(const u32x4& v, int t) {
 // Measurement build (benchmarks/w4a16_gemv_ablate_gpu.py): parts of the GEMV left out, to find which of them holds
 // it below its loads' ceiling (session 11). Bits: 1 x not loaded (a per-lane constant), 2 scales and zero points
 // not loaded, 4 no dequantize or multiply (the words XORed into the sums), 8 the first batch's weights loaded after
-// the PDL wait, 64 zero points not loaded (one small load a row and chunk instead of two). Other arithmetic, same
-// sums to within fp16 rounding: 16 (code - zero) . x in fp16 runs and the scale once a run in fp32 (4 instructions
-// a pair of weights instead of 5); 32 that with the odd codes left in place (16 (code - zero) against x / 16: one
-// shift a word instead of three). W4A16_GEMV_MAXREG: registers a thread at most (__maxnreg__), so that more warps fit an SM.
+// the PDL wait, 64 zero points not loaded (one small load a row and chunk instead of two).
 #define GEMV_ABL(bit) ((W4A16_GEMV_ABLATE) & (bit))
 #else
 #define GEMV_ABL(bit) 0
-#endif
-#if defined(W4A16_GEMV_MAXREG) && W4A16_GEMV_MAXREG > 0
-#define GEMV_BOUNDS(NW) __maxnreg__(W4A16_GEMV_MAXREG)
-#else
-#define GEMV_BOUNDS(NW) __launch_bounds__((NW) * 32)
 #endif
 
 template <int RPW, int KS>
@@ -571,8 +565,12 @@ __device__ __forceinline__ void gemv_load_x(GemvBatch<RPW, KS>& b, const u16* xr
 }
 
 // one row's 32 codes of a chunk (w; its group's scale bits s and zero point z) against the chunk's 32
-// activations x, added to acc in two runs of two words
+// activations x, added to acc in two runs of two words. A magic exponent puts a code at 1/128 a unit of the
+// mantissa: 8 + code / 128 for the codes at bits 0-3 of a byte (0x4800), 0.5 + code / 128 for those at bits 4-7
+// (0x3800), so one shift a word reaches all four pairs and one subtraction leaves (code - zero) / 128 exact.
+// At that scale a run (8 products a half of at most 15 / 128 * 65504) cannot overflow for any fp16 x.
 __device__ __forceinline__ void gemv_chunk(float& acc, const u32x4& w, u32 s, u32 z, const u32x4 (&x)[4]) {
+#ifdef W4A16_GEMV_DEQUANT_FIRST
     const u32 zf2 = (0x6400u | z) * 0x10001u;  // fp16 1024 + zero, twice
     const u32 s2 = s * 0x10001u;
     const u32 words[4] = {w.x, w.y, w.z, w.w};
@@ -588,40 +586,27 @@ __device__ __forceinline__ void gemv_chunk(float& acc, const u32x4& w, u32 s, u3
         }
         acc += half2_sum(run);
     }
-}
-
-#ifdef W4A16_GEMV_ABLATE
-// bits 16 / 32: the codes minus the zero point (exact small integers in fp16) against x, the scale applied to each
-// run's sum in fp32; with 32, x16 holds x / 16 at the odd pairs, which meet 16 (code - zero)
-__device__ __forceinline__ void gemv_chunk_int(float& acc, const u32x4& w, u32 s, u32 z, const u32x4 (&x)[4],
-                                               const u32 (&x16)[8]) {
-    const u32 zf2 = (0x6400u | z) * 0x10001u;
-    const u32 zf16 = (0x6400u | (z << 4)) * 0x10001u;  // fp16 1024 + 16 zero, twice
-    const float sf = half_to_float((u16)s);
+#else
+    const u32 zlo = (0x4800u | z) * 0x10001u;         // fp16 8 + zero / 128, twice
+    const u32 zhi = (0x3800u | (z << 4)) * 0x10001u;  // fp16 0.5 + zero / 128, twice
+    const float s128 = half_to_float((u16)s) * 128.f;  // exact
     const u32 words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < 2; ++h) {  // runs of two words
         u32 run = 0;
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
             const int j = 2 * h + jj;
-            if constexpr (GEMV_ABL(32)) {
-                const u32 lo = words[j], hi = words[j] >> 8;
-                run = fma_f16x2(sub_f16x2((lo & 0x000F000Fu) | 0x64006400u, zf2), x[j].x, run);
-                run = fma_f16x2(sub_f16x2((lo & 0x00F000F0u) | 0x64006400u, zf16), x16[2 * j], run);
-                run = fma_f16x2(sub_f16x2((hi & 0x000F000Fu) | 0x64006400u, zf2), x[j].z, run);
-                run = fma_f16x2(sub_f16x2((hi & 0x00F000F0u) | 0x64006400u, zf16), x16[2 * j + 1], run);
-            } else {
-#pragma unroll
-                for (int t = 0; t < 4; ++t)
-                    run = fma_f16x2(sub_f16x2(((words[j] >> (4 * t)) & 0x000F000Fu) | 0x64006400u, zf2),
-                                    x_pair(x[j], t), run);
-            }
+            const u32 lo = words[j], hi = words[j] >> 8;  // pair t: bits 4t and 4t + 16
+            run = fma_f16x2(sub_f16x2((lo & 0x000F000Fu) | 0x48004800u, zlo), x[j].x, run);  // t = 0
+            run = fma_f16x2(sub_f16x2((lo & 0x00F000F0u) | 0x38003800u, zhi), x[j].y, run);  // t = 1
+            run = fma_f16x2(sub_f16x2((hi & 0x000F000Fu) | 0x48004800u, zlo), x[j].z, run);  // t = 2
+            run = fma_f16x2(sub_f16x2((hi & 0x00F000F0u) | 0x38003800u, zhi), x[j].w, run);  // t = 3
         }
-        acc += sf * half2_sum(run);
+        acc += s128 * half2_sum(run);
     }
-}
 #endif
+}
 
 template <int RPW, int KS>
 __device__ __forceinline__ void gemv_compute(const GemvBatch<RPW, KS>& b, float (&acc)[RPW], int c0, int KC) {
@@ -638,17 +623,6 @@ __device__ __forceinline__ void gemv_compute(const GemvBatch<RPW, KS>& b, float 
                     const u32 h = w.x ^ w.y ^ w.z ^ w.w ^ b.s[u][r] ^ b.z[u][r] ^ xx;
                     acc[r] += __uint_as_float((h & 0x007fffffu) | 0x3f000000u);
                 }
-            } else if constexpr (GEMV_ABL(16) || GEMV_ABL(32)) {
-#ifdef W4A16_GEMV_ABLATE
-                u32 x16[8];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    x16[2 * j] = GEMV_ABL(32) ? mul_f16x2(b.x[u][j].y, 0x2C002C00u) : 0u;  // fp16 1/16, twice
-                    x16[2 * j + 1] = GEMV_ABL(32) ? mul_f16x2(b.x[u][j].w, 0x2C002C00u) : 0u;
-                }
-#pragma unroll
-                for (int r = 0; r < RPW; ++r) gemv_chunk_int(acc[r], b.w[u][r], b.s[u][r], b.z[u][r], b.x[u], x16);
-#endif
             } else {
 #pragma unroll
                 for (int r = 0; r < RPW; ++r) gemv_chunk(acc[r], b.w[u][r], b.s[u][r], b.z[u][r], b.x[u]);
@@ -734,7 +708,7 @@ __device__ __forceinline__ void l2_prefetch_rows(const char* nxt, int rows, int 
 #endif
 
 template <int RPW, int NW, int KS, int G, int ACT = -1>
-__global__ void GEMV_BOUNDS(NW)
+__global__ void __launch_bounds__(NW * 32)
 w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
            const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias GEMV_NEXT_PARAMS) {
     pdl_release();
