@@ -108,13 +108,13 @@ def test_every_candidate_compiles_for_sm90():
 
 
 @pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
-def test_dequant_first_knob_builds_another_source_and_rejects_bad_values(monkeypatch):
-    """`VLMCTL_W4A16_GEMV_DEQUANT_FIRST=1` (a measurement knob) compiles the GEMV's arithmetic before session 29
-    from a source of its own (so kernels built without it are not reused), the same string object on every
-    call; any value but 1, 0 or unset is one clear error."""
-    monkeypatch.delenv("VLMCTL_W4A16_GEMV_DEQUANT_FIRST", raising=False)
+def test_scale_per_run_knob_builds_another_source_and_rejects_bad_values(monkeypatch):
+    """`VLMCTL_W4A16_GEMV_SCALE_PER_RUN=1` (opt-in) compiles the GEMV's other arithmetic from a source of its own
+    (so kernels built without it are not reused), the same string object on every call; any value but 1, 0 or
+    unset is one clear error."""
+    monkeypatch.delenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", raising=False)
     plain = W.mma_source()
-    monkeypatch.setenv("VLMCTL_W4A16_GEMV_DEQUANT_FIRST", "1")
+    monkeypatch.setenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", "1")
     first = W.mma_source()
     assert first is W.mma_source() and first != plain and first.endswith(plain)
     name = W.gemv_cuda_kernel_name(_cfg(32, 8, 2), 128)
@@ -124,8 +124,8 @@ def test_dequant_first_knob_builds_another_source_and_rejects_bad_values(monkeyp
         assert lowered[name].startswith("_Z10w4a16_gemv")
     assert ptx[True] != ptx[False]
     for bad in ("2", "yes"):
-        monkeypatch.setenv("VLMCTL_W4A16_GEMV_DEQUANT_FIRST", bad)
-        with pytest.raises(ValueError, match="VLMCTL_W4A16_GEMV_DEQUANT_FIRST"):
+        monkeypatch.setenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", bad)
+        with pytest.raises(ValueError, match="VLMCTL_W4A16_GEMV_SCALE_PER_RUN"):
             W.mma_source()
 
 
@@ -157,11 +157,13 @@ HOST = cuda_host.unavailable()
 @pytest.mark.parametrize("n,k,g,cfg", [(45, 96, 32, _cfg(8, 8, 1)), (33, 4160, 64, _cfg(16, 4, 2)),
                                        (64, 2048, 128, _cfg(32, 4, 1)), (17, 1024, 128, _cfg(4, 2, 4)),
                                        (40, 1152, 128, _cfg(16, 8, 4))], ids=str)
-def test_on_the_host_register_gemv(n, k, g, cfg, monkeypatch):
+@pytest.mark.parametrize("per_run", ["0", "1"], ids=["dequant", "scale-per-run"])
+def test_on_the_host_register_gemv(n, k, g, cfg, per_run, monkeypatch):
     """The GEMV's C++ runs on the CPU (tests/cuda_host.py) through its launcher, within the reference's
     tolerance (its emulated fp16 arithmetic checked against the real one) and the same bits for another order
     of its warps: odd N, a last batch of chunks cut short, groups 32-128, bias, M = 1 and 3, x read only after
-    the PDL wait (it holds NaN until then)."""
+    the PDL wait (it holds NaN until then); both arithmetics (`VLMCTL_W4A16_GEMV_SCALE_PER_RUN`)."""
+    monkeypatch.setenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", per_run)
     gen = torch.Generator().manual_seed(n + k)
     p = random_packed(n, k, g, seed=n * k, device="cpu")
     for m in (1, 3):
@@ -249,9 +251,9 @@ def test_gpu_gemv_cuda_matches_reference(n, k, g, cfg):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_both_arithmetics_against_the_reference_and_large_activations(monkeypatch):
-    """The GEMV's arithmetic (code - zero at 1/128, the scale once a run) and the one before session 29
-    (`VLMCTL_W4A16_GEMV_DEQUANT_FIRST=1`) at the 7B shapes and the H200 table's configs, within the fp16
-    tolerance of the fp32 reference; and no overflow with activations near fp16's largest values."""
+    """The GEMV's arithmetic (each weight dequantized) and `VLMCTL_W4A16_GEMV_SCALE_PER_RUN=1`'s (code - zero at
+    1/128, the scale once a run) at the 7B shapes and the H200 table's configs, within the fp16 tolerance of the
+    fp32 reference; and the latter without overflow at fp16's largest activations."""
     cases = [((12288, 4096), _cfg(32, 4, 1)), ((4096, 4096), _cfg(8, 2, 2)), ((4096, 11008), _cfg(32, 8, 2)),
              ((22016, 4096), _cfg(16, 4, 2))]
     for (n, k), cfg in cases:
@@ -260,10 +262,10 @@ def test_gpu_both_arithmetics_against_the_reference_and_large_activations(monkey
         x = torch.randn(1, k, device="cuda", generator=gen).half()
         ref = reference(x, p, 128, None)
         for knob in ("0", "1"):
-            monkeypatch.setenv("VLMCTL_W4A16_GEMV_DEQUANT_FIRST", knob)
+            monkeypatch.setenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", knob)
             y = W.launch(x, p, 128, cfg)
             assert float((y.float() - ref).norm() / ref.norm()) <= TOL16, (n, k, knob)
-    monkeypatch.delenv("VLMCTL_W4A16_GEMV_DEQUANT_FIRST")
+    monkeypatch.setenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", "1")
     n, k = 256, 4096
     p = random_packed(n, k, 128, seed=3)
     p["q4weight"][:] = -1  # every code 15
