@@ -5,8 +5,8 @@ that only XORs them (`w4a16_stream_ceiling_gpu.py`), and a tensor-core GEMV with
 tied; session 27's ring GEMV (more bytes in flight) was slower. What was never measured is the GEMV itself with
 one part taken out at a time. This builds `w4a16_mma.cu` with W4A16_GEMV_ABLATE (bits: 1 x not loaded, 2 scales
 and zero points not loaded, 4 no dequantize or multiply, 8 the first batch loaded after the PDL wait, 64 zero
-points not loaded) or W4A16_GEMV_SCALE_PER_RUN (the opt-in arithmetic: the scale once a run of products, whose
-error against the fp32 reference is printed beside the shipped one's), and times each build at the configs the
+points not loaded) or W4A16_GEMV_SCALE_PER_RUN=0 (the arithmetic before session 29: each weight dequantized
+before its product, whose error against the fp32 reference is printed beside the shipped one's), and times each build at the configs the
 decode step runs (gate_up plain, by the CUDA GEMV's rule or table):
 - per linear: a CUDA graph of 8 PDL launches over distinct weights, median of 15 replays, µs a call;
 - the step's 128 linears (32 layers) as one graph with PDL, ms.
@@ -31,16 +31,16 @@ from vlmctl.runtime.kernels import w4a16 as W
 
 SH = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
 G = 128
-# (name, ablate bits, the scale once a run)
-BUILDS = [("shipped", 0, False), ("scale per run", 0, True), ("no x", 1, False), ("no s/z", 2, False),
+# (name, ablate bits, each weight dequantized first: the arithmetic before session 29)
+BUILDS = [("shipped", 0, False), ("dequant each", 0, True), ("no x", 1, False), ("no s/z", 2, False),
           ("no x, s/z", 3, False), ("no math", 4, False), ("loads only", 7, False), ("weights after wait", 8, False),
           ("one s/z load", 64, False)]
 # the H200 table's batch-1 configs (qkv, o, down) and the rule's, which gate_up takes plain
 H200_CONFIGS = [(32, 4, 1), (8, 2, 2), (32, 8, 2)]
 
 
-def source(bits: int, per_run: bool) -> str:
-    return f"#define W4A16_GEMV_ABLATE {bits}\n" + ("#define W4A16_GEMV_SCALE_PER_RUN 1\n" if per_run else "") \
+def source(bits: int, dequant_each: bool) -> str:
+    return f"#define W4A16_GEMV_ABLATE {bits}\n" + ("#define W4A16_GEMV_SCALE_PER_RUN 0\n" if dequant_each else "") \
         + W.mma_source()
 
 
@@ -51,8 +51,8 @@ def registers_offline(configs) -> dict:
     cuobj = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     names = sorted({W.gemv_cuda_kernel_name(c, G) for c in configs})
     out = {}
-    for build, bits, per_run in BUILDS:
-        cubin, lowered = cuda_rtc.compile_cubin(source(bits, per_run), names, "sm_90")
+    for build, bits, each in BUILDS:
+        cubin, lowered = cuda_rtc.compile_cubin(source(bits, each), names, "sm_90")
         with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
             f.write(cubin)
             f.flush()
@@ -91,8 +91,8 @@ def main() -> None:
     print("configs:", {nm: W.describe(c) for nm, c in cfg.items()}, flush=True)
 
     def kernel(build, nm):
-        _, bits, per_run = build
-        return cuda_rtc.load_kernel(source(bits, per_run), W.gemv_cuda_kernel_name(cfg[nm], G), dev)
+        _, bits, each = build
+        return cuda_rtc.load_kernel(source(bits, each), W.gemv_cuda_kernel_name(cfg[nm], G), dev)
 
     def launch(build, nm, p, x, y):
         c = cfg[nm]

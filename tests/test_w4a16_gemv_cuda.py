@@ -109,12 +109,15 @@ def test_every_candidate_compiles_for_sm90():
 
 @pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
 def test_scale_per_run_knob_builds_another_source_and_rejects_bad_values(monkeypatch):
-    """`VLMCTL_W4A16_GEMV_SCALE_PER_RUN=1` (opt-in) compiles the GEMV's other arithmetic from a source of its own
-    (so kernels built without it are not reused), the same string object on every call; any value but 1, 0 or
-    unset is one clear error."""
-    monkeypatch.delenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", raising=False)
-    plain = W.mma_source()
+    """`VLMCTL_W4A16_GEMV_SCALE_PER_RUN=0` compiles the GEMV's arithmetic before session 29 from a source of its own
+    (so kernels built without it are not reused), the same string object on every call; 1 is the default; any
+    other value is one clear error."""
     monkeypatch.setenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", "1")
+    default = W.mma_source()
+    monkeypatch.delenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN")
+    plain = W.mma_source()
+    assert plain == default and "W4A16_GEMV_SCALE_PER_RUN" not in plain.split("\n", 1)[0]
+    monkeypatch.setenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", "0")
     first = W.mma_source()
     assert first is W.mma_source() and first != plain and first.endswith(plain)
     name = W.gemv_cuda_kernel_name(_cfg(32, 8, 2), 128)
@@ -251,9 +254,10 @@ def test_gpu_gemv_cuda_matches_reference(n, k, g, cfg):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_both_arithmetics_against_the_reference_and_large_activations(monkeypatch):
-    """The GEMV's arithmetic (each weight dequantized) and `VLMCTL_W4A16_GEMV_SCALE_PER_RUN=1`'s (code - zero at
-    1/128, the scale once a run) at the 7B shapes and the H200 table's configs, within the fp16 tolerance of the
-    fp32 reference; and the latter without overflow at fp16's largest activations."""
+    """The GEMV's arithmetic (code - zero at 1/128, the scale once a run) and the one before session 29
+    (`VLMCTL_W4A16_GEMV_SCALE_PER_RUN=0`: each weight dequantized) at the 7B shapes and the H200 table's configs,
+    within the fp16 tolerance of the fp32 reference; and the default without overflow at fp16's largest
+    activations."""
     cases = [((12288, 4096), _cfg(32, 4, 1)), ((4096, 4096), _cfg(8, 2, 2)), ((4096, 11008), _cfg(32, 8, 2)),
              ((22016, 4096), _cfg(16, 4, 2))]
     for (n, k), cfg in cases:
@@ -265,7 +269,7 @@ def test_gpu_both_arithmetics_against_the_reference_and_large_activations(monkey
             monkeypatch.setenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", knob)
             y = W.launch(x, p, 128, cfg)
             assert float((y.float() - ref).norm() / ref.norm()) <= TOL16, (n, k, knob)
-    monkeypatch.setenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", "1")
+    monkeypatch.delenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN")
     n, k = 256, 4096
     p = random_packed(n, k, 128, seed=3)
     p["q4weight"][:] = -1  # every code 15

@@ -709,17 +709,18 @@ MMA_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may opt into on s
 
 
 def mma_source() -> str:
-    """`w4a16_mma.cu`; with `VLMCTL_W4A16_GEMV_SCALE_PER_RUN=1` (opt-in, not yet measured in the decode step) the
-    batch-1 CUDA GEMV applies each group's scale once a run of products instead of to every weight. Called on
-    every launch: one string object per setting, so that `cuda_rtc.load_kernel`'s key hashes it once."""
+    """`w4a16_mma.cu`; with `VLMCTL_W4A16_GEMV_SCALE_PER_RUN=0` the batch-1 CUDA GEMV's arithmetic before session 29
+    (each weight dequantized to fp16 before its product, instead of each group's scale applied once a run of
+    products; kept for A/B runs). Called on every launch: one string object per setting, so that
+    `cuda_rtc.load_kernel`'s key hashes it once."""
     knob = os.environ.get("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", "").strip()
     text = _MMA_TEXT.get(knob)
     if text is None:
         if knob not in ("", "0", "1"):
-            raise ValueError(f"VLMCTL_W4A16_GEMV_SCALE_PER_RUN={knob!r}: 1, 0 or unset")
+            raise ValueError(f"VLMCTL_W4A16_GEMV_SCALE_PER_RUN={knob!r}: 1 (the default), 0 or unset")
         text = MMA_SOURCE.read_text()
-        if knob == "1":
-            text = "#define W4A16_GEMV_SCALE_PER_RUN 1\n" + text
+        if knob == "0":
+            text = "#define W4A16_GEMV_SCALE_PER_RUN 0\n" + text
         _MMA_TEXT[knob] = text
     return text
 

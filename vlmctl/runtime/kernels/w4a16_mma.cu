@@ -457,12 +457,11 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
 // loaded into registers while the current one is computed. No shared memory, no barrier, no split-K:
 // lanes add up by shuffles at the end. A chunk never straddles a group (G is a multiple of 32), so it
 // takes one scale and one zero point.
-// Numerics as the Triton half2 GEMV ("gemv_h2"): every pair dequantized exactly and rounded once
-// (dequant2), products summed with fma.f16x2 in runs of two words (8 products per half), runs and
-// lanes in fp32. W4A16_GEMV_SCALE_PER_RUN (opt-in until measured in the decode step: docs/benchmarks.md,
-// session 29) builds a cheaper arithmetic instead: code - zero exact in fp16 at a scale of 1/128, its products
-// with x summed in the runs, each run's sum times 128 * scale added in fp32 (3.25 instructions a pair of
-// weights against 4.75).
+// Numerics (since session 29): code - zero exact in fp16 at a scale of 1/128, its products with x summed with
+// fma.f16x2 in runs of two words (8 products per half), each run's sum times 128 * scale added in fp32, runs and
+// lanes in fp32: 3.25 instructions a pair of weights. W4A16_GEMV_SCALE_PER_RUN=0 builds the arithmetic before,
+// the Triton half2 GEMV's ("gemv_h2"): every pair dequantized and rounded to fp16 first (dequant2), 4.75
+// instructions a pair; the AWQ batch-1 step was 2-4 % slower with it (docs/benchmarks.md, session 29).
 // PDL: weights, scales and zero points of the first batch are loaded before griddepcontrol.wait; x
 // after it, y at the end.
 
@@ -566,13 +565,13 @@ __device__ __forceinline__ void gemv_load_x(GemvBatch<RPW, KS>& b, const u16* xr
 }
 
 // one row's 32 codes of a chunk (w; its group's scale bits s and zero point z) against the chunk's 32
-// activations x, added to acc in two runs of two words. With W4A16_GEMV_SCALE_PER_RUN a magic exponent puts a
-// code at 1/128 a unit of the mantissa: 8 + code / 128 for the codes at bits 0-3 of a byte (0x4800), 0.5 + code /
+// activations x, added to acc in two runs of two words. A magic exponent puts a code at 1/128 a unit of the
+// mantissa: 8 + code / 128 for the codes at bits 0-3 of a byte (0x4800), 0.5 + code /
 // 128 for those at bits 4-7 (0x3800), so one shift a word reaches all four pairs and one subtraction leaves
 // (code - zero) / 128 exact; at that scale a run (8 products a half of at most 15 / 128 * 65504) cannot overflow
 // for any fp16 x.
 __device__ __forceinline__ void gemv_chunk(float& acc, const u32x4& w, u32 s, u32 z, const u32x4 (&x)[4]) {
-#ifndef W4A16_GEMV_SCALE_PER_RUN
+#if defined(W4A16_GEMV_SCALE_PER_RUN) && !W4A16_GEMV_SCALE_PER_RUN
     const u32 zf2 = (0x6400u | z) * 0x10001u;  // fp16 1024 + zero, twice
     const u32 s2 = s * 0x10001u;
     const u32 words[4] = {w.x, w.y, w.z, w.w};
