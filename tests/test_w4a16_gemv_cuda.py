@@ -126,6 +126,8 @@ def test_scale_per_run_knob_builds_another_source_and_rejects_bad_values(monkeyp
         ptx[text is first], lowered = cuda_rtc.compile_ptx(text, [name], "sm_90")
         assert lowered[name].startswith("_Z10w4a16_gemv")
     assert ptx[True] != ptx[False]
+    monkeypatch.setenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", "off")
+    assert W.mma_source() == first
     for bad in ("2", "yes"):
         monkeypatch.setenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", bad)
         with pytest.raises(ValueError, match="VLMCTL_W4A16_GEMV_SCALE_PER_RUN"):
@@ -184,6 +186,27 @@ def test_on_the_host_register_gemv(n, k, g, cfg, per_run, monkeypatch):
             assert torch.equal(outs[0], outs[1]), (m, bias is not None)
     rows = cfg.block_n // cfg.num_warps
     assert set(rtc.launched) == {f"w4a16_gemv<{rows}, {cfg.num_warps}, {cfg.num_stages}, {g}>"}
+
+
+@pytest.mark.skipif(HOST is not None, reason=f"the CUDA kernels cannot run on the host: {HOST}")
+@pytest.mark.parametrize("per_run", ["0", "1"], ids=["dequant", "scale-per-run"])
+def test_on_the_host_gemv_dequantizes_exactly(per_run, monkeypatch):
+    """As `test_gpu_gemv_cuda_dequantizes_exactly`, on the CPU: one-hot activation rows pick single weights out,
+    so each output must be dequantize(W).half() bit for bit, in both arithmetics (the default's (code - zero) /
+    128 * 1.0 * (128 * scale) is exact in fp32 before its one rounding)."""
+    monkeypatch.setenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", per_run)
+    rtc = cuda_host.HostRTC(guard=0, seed=3)
+    monkeypatch.setattr(cuda_rtc, "load_kernel", rtc.load_kernel)
+    n, k, g = 48, 256, 128
+    p = random_packed(n, k, g, seed=7, device="cpu")
+    p["q4scales"] = p["q4scales"] * 700  # products that need the final rounding to fp16
+    wd = W.dequantize(p, g, torch.float16)
+    for k0 in range(0, k, 32):
+        x = torch.zeros(32, k, dtype=torch.float16)
+        x[torch.arange(32), k0 + torch.arange(32)] = 1
+        y = torch.empty(32, n, dtype=torch.float16)
+        W._launch_gemv_cuda(x, p, g, _cfg(16, 4, 2), None, y)
+        assert torch.equal(y, wd[:, k0:k0 + 32].T.contiguous()), f"columns {k0}..{k0 + 31}"
 
 
 def _act_mul_reference(y, activation):

@@ -713,11 +713,12 @@ def mma_source() -> str:
     (each weight dequantized to fp16 before its product, instead of each group's scale applied once a run of
     products; kept for A/B runs). Called on every launch: one string object per setting, so that
     `cuda_rtc.load_kernel`'s key hashes it once."""
-    knob = os.environ.get("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", "").strip()
+    knob = os.environ.get("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", "").strip().lower()
+    knob = {"off": "0", "false": "0", "on": "1", "true": "1"}.get(knob, knob)  # the other switches' words
     text = _MMA_TEXT.get(knob)
     if text is None:
         if knob not in ("", "0", "1"):
-            raise ValueError(f"VLMCTL_W4A16_GEMV_SCALE_PER_RUN={knob!r}: 1 (the default), 0 or unset")
+            raise ValueError(f"VLMCTL_W4A16_GEMV_SCALE_PER_RUN={knob!r}: expected 1 (the default), 0, on or off")
         text = MMA_SOURCE.read_text()
         if knob == "0":
             text = "#define W4A16_GEMV_SCALE_PER_RUN 0\n" + text
