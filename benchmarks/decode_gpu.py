@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 import torch
+from gpu_timing import copy_bandwidth  # noqa: F401  (also used as decode_gpu.copy_bandwidth)
 
 MAX_SEQ = 2048 + 512  # recipe defaults: max_input_len + max_output_len
 DEV = "cuda"
@@ -81,21 +82,6 @@ def runtime_tensors(spec, sd: dict, dtype) -> dict:
             out[template.format(i=i) if i is not None else template] = torch.cat([sd[p] for p in parts]).to(dtype)
     return out
 
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (median of 20)."""
-    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(25):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1000)
-    del a, b
-    return 2 * (2 << 30) / float(np.median(times[5:]))
 
 
 def make_decoder(cfg, sd, awq_group: int | None):

@@ -4,6 +4,8 @@ falls behind the GPU, as the mma kernel's ctypes launches did: docs/benchmarks.m
 
 from __future__ import annotations
 
+import statistics
+
 
 def graph_median_ms(fns, replays: int = 15) -> float:
     """Run the calls `fns` once on a side stream (compiles, allocates), capture them as one CUDA graph,
@@ -32,3 +34,22 @@ def graph_median_ms(fns, replays: int = 15) -> float:
         times.append(start.elapsed_time(end))
     del graph
     return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB, bytes read + written per second (median of 20 after 5 warm-ups): the
+    bandwidth bound the benchmarks quote, measured on the card at hand rather than taken from a data sheet."""
+    import torch
+
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(25):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1000)
+    del a, b
+    return 2 * (2 << 30) / statistics.median(times[5:])

@@ -13,7 +13,8 @@ down 4096x11008; group 128; fp16 and bf16; M in 1 2 4 8 16 32 64 128 512 2048. S
      so the weights come from HBM: vlmctl (tuned), vlmctl untuned heuristic, torch's built-in int4
      (`_weight_int4pack_mm`, bf16 only), gemlite if importable (fp16), dequantize + cuBLAS, and the
      fp16/bf16 cuBLAS linear on dense weights. TB/s = weight bytes read / time (int4 codes + scales +
-     zero points for the int4 paths, 2 bytes per weight for cuBLAS); % of 4.26 TB/s (H200 HBM3e).
+     zero points for the int4 paths, 2 bytes per weight for cuBLAS); % of the card's device-to-device copy
+     bandwidth, measured at the start (`gpu_timing.copy_bandwidth`; 4.1-4.3 TB/s on an H200, 2.95-3.0 on an H100).
   4. the decode step: per path, the sum over all 32 layers' 4 linears of the per-op medians, and a
      CUDA graph replaying 32 layers x 4 linears with 32 distinct weight sets (3.6 GB int4, 13 GB
      fp16), so nothing stays in L2 between layers as in a real decode step.
@@ -31,10 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_timing import graph_median_ms  # noqa: E402  (benchmarks/, this script's directory)
+from gpu_timing import copy_bandwidth, graph_median_ms  # noqa: E402  (benchmarks/, this script's directory)
 from gpu_weights import random_packed  # noqa: E402
 
-HBM_TBPS = 4.26
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
 SMOKE_SHAPES = {"qkv": (96, 64), "o": (64, 64), "gate_up": (176, 64), "down": (64, 128)}
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 512, 2048]
@@ -158,8 +158,9 @@ def main(argv=None):
     except Exception as e:  # optional
         gemlite, gemlite_version = None, f"not importable ({type(e).__name__}: {e})"
     name = torch.cuda.get_device_name() if not smoke else "cpu (Triton interpreter)"
+    bound_tbps = copy_bandwidth() / 1e12 if not smoke else float("nan")  # the smoke run's % is meaningless
     meta = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "gemlite": gemlite_version,
-            "group_size": g, "hbm_tbps": HBM_TBPS, "smoke": smoke}
+            "group_size": g, "copy_tbps": None if smoke else bound_tbps, "smoke": smoke}
     log(f"device {name}; torch {torch.__version__}; triton {triton.__version__}; gemlite {gemlite_version}")
     results, sweep_log, step_rows, notes = [], {}, [], []
 
@@ -249,12 +250,12 @@ def main(argv=None):
                         row["rel_err"] = rel_err(fn(), ref)
                         t = bench(fn)
                         row.update(ms=t, tbps=nbytes / (t * 1e-3) / 1e12)
-                        row["pct_hbm"] = 100 * row["tbps"] / HBM_TBPS
+                        row["pct_copy"] = 100 * row["tbps"] / bound_tbps
                     except Exception as e:
                         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                     results.append(row)
             prep_int4 = prep_gl = None  # free before the next shape
-        log(f"\n{dn}: per-op median time (us) / TB/s / % of {HBM_TBPS} TB/s / rel err")
+        log(f"\n{dn}: per-op median time (us) / TB/s / % of this card's copy bandwidth ({bound_tbps:.2f} TB/s) / rel err")
         pnames = sorted({r["path"] for r in results if r["dtype"] == dn},
                         key=lambda p_: ["vlmctl", "vlmctl-untuned", "torch-int4", "gemlite", "dequant+cublas",
                                         "cublas-dense"].index(p_))
@@ -270,7 +271,7 @@ def main(argv=None):
                     elif "error" in r:
                         cells.append(f"{'error':>30}")
                     else:
-                        cells.append(f"{r['ms'] * 1e3:9.1f} {r['tbps']:5.2f} {r['pct_hbm']:4.0f}% {r['rel_err']:8.1e}")
+                        cells.append(f"{r['ms'] * 1e3:9.1f} {r['tbps']:5.2f} {r['pct_copy']:4.0f}% {r['rel_err']:8.1e}")
                 log("    " + f"{m:>5} " + "".join(cells))
         log(f"  per decode step, {layers} layers x (qkv + o + gate_up + down), sum of per-op medians (ms):")
         for m in ms:
