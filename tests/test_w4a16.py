@@ -15,6 +15,7 @@ shapes and check CUDA-graph capture.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -195,6 +196,35 @@ def test_tuned_table_round_trip(tmp_path):
     finally:
         W._TUNED.clear()
         W._TUNED.update(before)
+
+
+
+def test_table_setting_reads_another_table_or_none(monkeypatch, tmp_path):
+    """VLMCTL_W4A16_TABLE: a table file read in place of the shipped one (its entries decide), off (the rules
+    decide), a path that is not a file (a clear error); unset again, the shipped table is back."""
+    monkeypatch.delenv("VLMCTL_W4A16_TABLE", raising=False)
+    shipped = W.select_config(1, 4096, 4096, 128, torch.float32)
+    rule = W.heuristic_config(1, 4096, 4096, 128)
+    pinned = W.Config("gemv", 16, 256, 1, 4, 2, 2)
+    assert pinned not in (shipped, rule)
+    table = tmp_path / "mine.json"
+    table.write_text(json.dumps({"format": W.FORMAT, "entries": [
+        {"device": "cpu", "bucket": 1, "n": 4096, "k": 4096, "group_size": 128, "dtype": "float32",
+         "config": dataclasses.asdict(pinned)}]}))
+    try:
+        monkeypatch.setenv("VLMCTL_W4A16_TABLE", str(table))
+        assert W.tuned_table_source() == str(table)
+        assert W.select_config(1, 4096, 4096, 128, torch.float32) == pinned
+        assert W.select_config(1, 4096, 11008, 128, torch.float32) == W.heuristic_config(1, 4096, 11008, 128)
+        monkeypatch.setenv("VLMCTL_W4A16_TABLE", "off")
+        assert W.select_config(1, 4096, 4096, 128, torch.float32) == rule
+        monkeypatch.setenv("VLMCTL_W4A16_TABLE", str(tmp_path / "missing.json"))
+        with pytest.raises(ValueError, match="VLMCTL_W4A16_TABLE"):
+            W.select_config(1, 4096, 4096, 128, torch.float32)
+    finally:
+        monkeypatch.delenv("VLMCTL_W4A16_TABLE")
+    assert W.select_config(1, 4096, 4096, 128, torch.float32) == shipped
+    assert W.tuned_table_source() == str(W.TUNED_TABLE)
 
 
 # ------------------------------------------------------------------------------------------ kernels

@@ -16,7 +16,8 @@ on the tensor cores for 2-16 rows ("mma_gemv": where the table names it, on an H
 at batches 2-16, and by a rule at 2-8 rows elsewhere; `VLMCTL_W4A16_MMA_GEMV=0` turns it off),
 with split-K reduced in-kernel (deterministic, no memset). Which runs is `select_config(M, N, K, G,
 dtype)`: a measured table (`w4a16_tuned.json` beside this file, per GPU name, written by
-`benchmarks/w4a16_gpu.py --table-out`) or else heuristics. Every launch is CUDA-graph capturable
+`benchmarks/w4a16_gpu.py --table-out` and `benchmarks/w4a16_gemv_gpu.py`; `VLMCTL_W4A16_TABLE=FILE` reads another
+table in its place, `=off` none) or else heuristics. Every launch is CUDA-graph capturable
 once `warmup()` has compiled the kernels and sized the split-K workspace for the shapes in use.
 """
 
@@ -52,7 +53,8 @@ _TUNED: dict = {}  # (device name, bucket, N, K, G, dtype name) -> Config
 _TUNED_H2: dict = {}  # the same for the half2 GEMV ("variant": "h2" in the table), per gemv_mode()
 _TUNED_CUDA: dict = {}  # and for the CUDA GEMV ("variant": "cuda"), where it can run
 _TUNED_MMA_GEMV: dict = {}  # and for the tensor-core GEMV ("variant": "mma_gemv"), unless switched off
-_TUNED_LOADED = False
+_TUNED_SOURCE: str | None = None  # the table file the tables above were loaded from ("" for none)
+_TUNED_ENV: str | None = None  # the VLMCTL_W4A16_TABLE setting that source was resolved from
 _VARIANT_TABLES = {"h2": _TUNED_H2, "cuda": _TUNED_CUDA, "mma_gemv": _TUNED_MMA_GEMV}
 _SM_COUNT: dict = {}
 
@@ -394,17 +396,42 @@ def _device_name(device) -> str:
     return _DEVICE_NAME[idx]
 
 
+def tuned_table_source() -> str:
+    """The table file selection reads: `VLMCTL_W4A16_TABLE` (a path; "off", "none" or "0": no table, the rules
+    only), else the shipped `w4a16_tuned.json`; "" for none. A table measured on a GPU model the shipped one
+    lacks (`benchmarks/w4a16_gemv_gpu.py` writes one) can be used this way without touching the install."""
+    env = os.environ.get("VLMCTL_W4A16_TABLE", "").strip()
+    if env.lower() in ("off", "none", "0"):
+        return ""
+    if env:
+        if not Path(env).is_file():
+            raise ValueError(f"VLMCTL_W4A16_TABLE={env!r} is not a file (a tuned W4A16 table, or off)")
+        return env
+    return str(TUNED_TABLE) if TUNED_TABLE.is_file() else ""
+
+
 def _load_tuned_table() -> None:
-    global _TUNED_LOADED
-    if _TUNED_LOADED:
+    """Load the table `tuned_table_source` names, once per setting of VLMCTL_W4A16_TABLE (selection runs on every
+    eager launch, so an unchanged setting costs one dictionary lookup): when the source changes, the tables (and
+    any `set_config` pins) are replaced by the new one's entries."""
+    global _TUNED_SOURCE, _TUNED_ENV
+    env = os.environ.get("VLMCTL_W4A16_TABLE")
+    if _TUNED_SOURCE is not None and env == _TUNED_ENV:
         return
-    _TUNED_LOADED = True
-    if TUNED_TABLE.is_file():
-        load_tuned(TUNED_TABLE)
+    source = tuned_table_source()
+    _TUNED_ENV = env
+    if source == _TUNED_SOURCE:
+        return
+    for table in (_TUNED, *_VARIANT_TABLES.values()):
+        table.clear()
+    _TUNED_SOURCE = source
+    if source:
+        load_tuned(source)
 
 
 def load_tuned(path) -> int:
-    """Merge a tuned table (JSON written by `save_tuned`); return how many entries it held."""
+    """Merge a tuned table (JSON written by `save_tuned`) into the one in use; return how many entries it held."""
+    _load_tuned_table()  # first, so that loading the table in use later does not drop these entries
     data = json.loads(Path(path).read_text())
     for e in data.get("entries", []):
         key = (e["device"], int(e["bucket"]), int(e["n"]), int(e["k"]), int(e["group_size"]), e["dtype"])
@@ -428,6 +455,7 @@ def set_config(m: int, n: int, k: int, group_size: int, dtype, config: Config, d
     """Pin the config used for (bucket(m), N, K, G, dtype) on this device's GPU model."""
     if not config.valid_for(n, k, group_size):
         raise ValueError(f"{config} does not fit N={n} K={k} G={group_size}")
+    _load_tuned_table()  # first, so that loading the table in use later does not drop the pin
     table = {"gemv_h2": _TUNED_H2, "gemv_cuda": _TUNED_CUDA, "mma_gemv": _TUNED_MMA_GEMV}.get(config.kernel, _TUNED)
     table[(_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))] = config
 
@@ -1237,4 +1265,4 @@ __all__ = ["FORMAT", "KEYS", "ORDER", "PACK", "PREFILL_DEQUANT_MIN_M", "Config",
            "heuristic_gemv_cuda_config", "heuristic_h2_config", "heuristic_mma_config", "heuristic_mma_gemv_config",
            "launch", "load_tuned",
            "pack", "repack_awq_gemm", "repack_gemm_tensors", "save_tuned", "select_config", "set_config",
-           "triton_available", "tune", "unpack", "w4a16_linear", "warmup", "weight_bytes"]
+           "triton_available", "tune", "tuned_table_source", "unpack", "w4a16_linear", "warmup", "weight_bytes"]
