@@ -2,6 +2,7 @@
 config sweep against the half2 Triton GEMV and cuBLAS, and a step graph of a decoder's linears.
 
     OUT=results python benchmarks/w4a16_gemv_gpu.py [--models llava-1.5-7b qwen2-vl-7b ...] [--quick]
+        [--all-shapes-in-table]
 
 1. correctness: shapes with odd N and K (K = 96 .. 11008, groups 32, 64 and 128) x M 1 and 3 x bias x
    every swept config, against x @ dequantize(W)^T in fp32 (relative Frobenius error; the half2 GEMV's
@@ -185,10 +186,11 @@ for model in models:
         f"cuda rule {t_rule:.3f}, half2 {t_h2:.3f} ({int4 / t_h2 / 1e9:.2f} TB/s), cuBLAS fp16 {t_cub:.3f}")
     torch.cuda.empty_cache()
 
-# the table this run proposes: the best CUDA config for each swept 7B shape where it beat the half2 GEMV
+# the table this run proposes: the best CUDA config for each swept 7B shape (every swept shape with
+# --all-shapes-in-table) where it beat the half2 GEMV
 for (n, k), c in best.items():
     sw = next(v for v in res["sweep"].values() if (v["n"], v["k"]) == (n, k))
-    if (n, k) not in MODELS["llava-1.5-7b"].values():
+    if (n, k) not in MODELS["llava-1.5-7b"].values() and "--all-shapes-in-table" not in args:
         continue
     if sw["top"][0][1] < sw["half2"][1]:
         W.set_config(1, n, k, 128, DT, c, dev)
