@@ -155,7 +155,8 @@ for model in models:
         byt = n * k / 2 + n * k / 128 * 3
         res["sweep"][f"{model}:{name}"] = dict(n=n, k=k, half2=(W.describe(hc), t_h2), cublas=t_cub,
                                                rule=(W.describe(rule), t_rule),
-                                               top=[(W.describe(c), t) for t, c in timed[:8]])
+                                               top=[(W.describe(c), t) for t, c in timed[:8]],
+                                               all=[(W.describe(c), t) for t, c in timed])  # for rules across shapes
         log(f"{model:14s} {name:8s}: cuda {timed[0][0]:6.1f} us ({byt / timed[0][0] / 1e6:.2f} TB/s) "
             f"{W.describe(timed[0][1])} | rule {t_rule:6.1f} | half2 {t_h2:6.1f} ({byt / t_h2 / 1e6:.2f} TB/s, "
             f"{W.describe(hc)}) | cublas fp16 {t_cub:6.1f}")
