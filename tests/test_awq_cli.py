@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -98,6 +101,14 @@ def test_quantize_and_eval_cli(tmp_path, capsys):
     assert math.isfinite(q["perplexity"]) and q["perplexity"] != f["perplexity"]
     _, o, _ = cli("eval", "ppl", out, "--data", data, "--seq-len", "32", "--samples", "3", capsys=capsys)
     assert o.startswith("perplexity: ")
+    # a VLMCTL_* kernel setting with a bad value (this one is read when the W4A16 kernels' module is imported,
+    # which loading an AWQ model does) is a setting like an option: one line naming it, exit code 2
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "VLMCTL_W4A16_DEQUANT_MIN_M": "lots"}
+    proc = subprocess.run([sys.executable, "-m", "vlmctl", "eval", "ppl", str(out), "--data", str(data),
+                           "--seq-len", "32", "--samples", "3"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")] == \
+        ["error: VLMCTL_W4A16_DEQUANT_MIN_M='lots': expected an integer"], proc.stderr
 
     code, _, err = cli("quantize", src, "-o", out, capsys=capsys, expect=None)  # exists
     assert code == 5 and "already exists" in err and "Traceback" not in err

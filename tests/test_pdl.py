@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from vlmctl.errors import OptionError
 from w4a16_gpu_helpers import capture
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
@@ -67,7 +69,7 @@ def test_switch(monkeypatch):
     monkeypatch.setenv("VLMCTL_PDL", "off")
     assert pdl.mode() == "0"
     monkeypatch.setenv("VLMCTL_PDL", "sometimes")
-    with pytest.raises(ValueError, match="VLMCTL_PDL"):
+    with pytest.raises(OptionError, match="VLMCTL_PDL"):
         pdl.mode()
     monkeypatch.delenv("VLMCTL_PDL")
     assert pdl.l2_prefetch_blocks("int4") == pdl.DEFAULT_L2_PREFETCH["int4"]
@@ -75,7 +77,7 @@ def test_switch(monkeypatch):
     assert pdl.l2_prefetch_blocks("fp16") == 3
     for bad in ("-1", "lots"):
         monkeypatch.setenv("VLMCTL_L2_PREFETCH", bad)
-        with pytest.raises(ValueError, match="VLMCTL_L2_PREFETCH"):
+        with pytest.raises(OptionError, match="VLMCTL_L2_PREFETCH"):
             pdl.l2_prefetch_blocks("int4")
 
 

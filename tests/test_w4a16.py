@@ -23,6 +23,7 @@ import sys
 import pytest
 import torch
 
+from vlmctl.errors import OptionError
 from vlmctl.formats.awq_gemm import dequantize_gemm, pack_gemm
 from vlmctl.runtime.kernels import w4a16 as W
 
@@ -219,7 +220,7 @@ def test_table_setting_reads_another_table_or_none(monkeypatch, tmp_path):
         monkeypatch.setenv("VLMCTL_W4A16_TABLE", "off")
         assert W.select_config(1, 4096, 4096, 128, torch.float32) == rule
         monkeypatch.setenv("VLMCTL_W4A16_TABLE", str(tmp_path / "missing.json"))
-        with pytest.raises(ValueError, match="VLMCTL_W4A16_TABLE"):
+        with pytest.raises(OptionError, match="VLMCTL_W4A16_TABLE"):
             W.select_config(1, 4096, 4096, 128, torch.float32)
     finally:
         monkeypatch.delenv("VLMCTL_W4A16_TABLE")

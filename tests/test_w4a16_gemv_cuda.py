@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vlmctl.errors import OptionError
 from vlmctl.runtime.kernels import cuda_rtc
 from vlmctl.runtime.kernels import w4a16 as W
 
@@ -130,7 +131,7 @@ def test_scale_per_run_knob_builds_another_source_and_rejects_bad_values(monkeyp
     assert W.mma_source() == first
     for bad in ("2", "yes"):
         monkeypatch.setenv("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", bad)
-        with pytest.raises(ValueError, match="VLMCTL_W4A16_GEMV_SCALE_PER_RUN"):
+        with pytest.raises(OptionError, match="VLMCTL_W4A16_GEMV_SCALE_PER_RUN"):
             W.mma_source()
 
 

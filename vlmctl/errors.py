@@ -28,7 +28,8 @@ class RecipeError(VlmctlError):
 
 
 class OptionError(VlmctlError):
-    """A command-line option has a value the command cannot use (a port out of range, a negative limit)."""
+    """A command-line option has a value the command cannot use (a port out of range, a negative limit), or a
+    VLMCTL_* environment setting one the runtime cannot (`VLMCTL_PDL=sometimes`, a table file that is missing)."""
 
     exit_code = 2
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from .settings import env_int
+
 SOURCE = Path(__file__).with_name("decode_step.cu")
 CONSUMER_WARPS = 8
 SLOT_CAP = 48 * 1024  # a tile of 16 rows if it fits in this, else 8 rows
@@ -132,8 +134,8 @@ class FusedStep:
         self.x_bytes = -(-max(2 * max(ks), CONSUMER_WARPS * (grp + 2) * 256) // 256) * 256
         misc = (2 * CONSUMER_WARPS * 16 + CONSUMER_WARPS) * 4 + CONSUMER_WARPS * 64 + 8
         self.nslot = min(8, (SMEM_MAX - self.x_bytes - misc - 16 * 8) // self.slot_bytes)
-        if os.environ.get("VLMCTL_FUSED_STEP_SLOTS"):  # measurements: fewer slots, less of the step read ahead
-            self.nslot = min(self.nslot, int(os.environ["VLMCTL_FUSED_STEP_SLOTS"]))
+        # VLMCTL_FUSED_STEP_SLOTS, for measurements: fewer slots, less of the step read ahead
+        self.nslot = min(self.nslot, env_int("VLMCTL_FUSED_STEP_SLOTS", self.nslot, minimum=1))
         if self.nslot < 1:
             raise ValueError(f"a {self.slot_bytes}-byte tile does not fit in shared memory beside the x buffer")
         self.smem = self.nslot * self.slot_bytes + self.x_bytes + misc + 16 * self.nslot

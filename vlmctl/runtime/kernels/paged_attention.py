@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import OptionError
 from . import pdl
 from .compile_ahead import run as run_triton
 
@@ -284,7 +285,7 @@ def combine_in_attention() -> bool:
     launches the combine kernel after it, as before session 19 (for A/B measurements)."""
     v = os.environ.get("VLMCTL_ATTN_COMBINE", "1").strip()
     if v not in ("0", "1"):
-        raise ValueError(f"VLMCTL_ATTN_COMBINE={v!r}: expected 0 or 1")
+        raise OptionError(f"VLMCTL_ATTN_COMBINE={v!r}: expected 0 or 1")
     return v == "1"
 
 

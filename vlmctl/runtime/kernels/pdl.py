@@ -27,6 +27,9 @@ import os
 import triton
 import triton.language as tl
 
+from ...errors import OptionError
+from .settings import env_int
+
 try:  # Triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
     from triton.language.extra.cuda import gdc_wait as _gdc_wait
@@ -46,7 +49,7 @@ def mode() -> str:
     m = os.environ.get("VLMCTL_PDL", "auto").strip().lower() or "auto"
     m = {"off": "0", "on": "1", "false": "0", "true": "1"}.get(m, m)
     if m not in MODES:
-        raise ValueError(f"VLMCTL_PDL={m!r}: expected auto, 0 or 1")
+        raise OptionError(f"VLMCTL_PDL={m!r}: expected auto, 0 or 1")
     return m
 
 
@@ -63,7 +66,7 @@ def enabled(device) -> bool:
         major, _ = torch.cuda.get_device_capability(device)
         _SUPPORTED[key] = major >= 9 and _gdc_wait is not None
     if m == "1" and not _SUPPORTED[key]:
-        raise RuntimeError(f"VLMCTL_PDL=1 but {device} cannot use programmatic dependent launch "
+        raise OptionError(f"VLMCTL_PDL=1 but {device} cannot use programmatic dependent launch "
                            "(it needs compute capability 9.0+ and Triton >= 3.3)")
     return _SUPPORTED[key]
 
@@ -72,14 +75,7 @@ def l2_prefetch_blocks(weights: str) -> int:
     """K blocks of weights per program that a batch-1 GEMV bulk-prefetches into L2 before its `wait`
     when launched with PDL: `DEFAULT_L2_PREFETCH[weights]` ("int4" or "fp16"), or `VLMCTL_L2_PREFETCH`
     for both (0: none; for A/B measurements)."""
-    v = os.environ.get("VLMCTL_L2_PREFETCH", str(DEFAULT_L2_PREFETCH[weights])).strip()
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"VLMCTL_L2_PREFETCH={v!r}: expected a number of K blocks (0: off)") from None
-    if n < 0:
-        raise ValueError(f"VLMCTL_L2_PREFETCH={v!r}: expected a number of K blocks >= 0")
-    return n
+    return env_int("VLMCTL_L2_PREFETCH", DEFAULT_L2_PREFETCH[weights], minimum=0)
 
 
 def launch_kwargs(device) -> dict:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 from .compile_ahead import compiling_only, warm
 from .compile_ahead import run as run_triton
+from ...errors import OptionError
+from .settings import env_int
 from ...formats.w4a16 import (FORMAT, KEYS, ORDER, PACK, check_packed, dequantize, pack, repack_awq_gemm,
                               repack_gemm_tensors, unpack, weight_bytes)
 
@@ -41,7 +43,7 @@ MAGIC16 = 0x64006400  # two fp16 1024.0: OR a code into each half to read 1024 +
 # Prefill batches with at least this many rows dequantize to a scratch weight and call cuBLAS
 # (an FP16 GEMM at M rows costs ~2*M*N*K flops against a fixed dequantize cost of writing N*K*2 bytes).
 # Provisional until an H200 run of benchmarks/w4a16_gpu.py measures the crossover; a tuned table overrides it.
-PREFILL_DEQUANT_MIN_M = int(os.environ.get("VLMCTL_W4A16_DEQUANT_MIN_M", "1024"))
+PREFILL_DEQUANT_MIN_M = env_int("VLMCTL_W4A16_DEQUANT_MIN_M", 1024, minimum=1)
 TUNED_TABLE = Path(__file__).with_name("w4a16_tuned.json")
 
 _WS: dict = {}  # device -> {"ws": fp32 split-K partials, "cnt": int32 tile counters, "deq": scratch weight}
@@ -277,7 +279,7 @@ def gemv_mode() -> str:
     have no entry; "cublas" neither (cuBLAS, and the fp32-unpack GEMV for W4A16)."""
     mode = os.environ.get("VLMCTL_GEMV", "auto").strip().lower() or "auto"
     if mode not in GEMV_MODES:
-        raise ValueError(f"VLMCTL_GEMV={mode!r}: expected one of {', '.join(GEMV_MODES)}")
+        raise OptionError(f"VLMCTL_GEMV={mode!r}: expected one of {', '.join(GEMV_MODES)}")
     return mode
 
 
@@ -405,7 +407,7 @@ def tuned_table_source() -> str:
         return ""
     if env:
         if not Path(env).is_file():
-            raise ValueError(f"VLMCTL_W4A16_TABLE={env!r} is not a file (a tuned W4A16 table, or off)")
+            raise OptionError(f"VLMCTL_W4A16_TABLE={env!r} is not a file (a tuned W4A16 table, or off)")
         return env
     return str(TUNED_TABLE) if TUNED_TABLE.is_file() else ""
 
@@ -746,7 +748,7 @@ def mma_source() -> str:
     text = _MMA_TEXT.get(knob)
     if text is None:
         if knob not in ("", "0", "1"):
-            raise ValueError(f"VLMCTL_W4A16_GEMV_SCALE_PER_RUN={knob!r}: expected 1 (the default), 0, on or off")
+            raise OptionError(f"VLMCTL_W4A16_GEMV_SCALE_PER_RUN={knob!r}: expected 1 (the default), 0, on or off")
         text = MMA_SOURCE.read_text()
         if knob == "0":
             text = "#define W4A16_GEMV_SCALE_PER_RUN 0\n" + text
