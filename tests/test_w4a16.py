@@ -222,6 +222,15 @@ def test_table_setting_reads_another_table_or_none(monkeypatch, tmp_path):
         monkeypatch.setenv("VLMCTL_W4A16_TABLE", str(tmp_path / "missing.json"))
         with pytest.raises(OptionError, match="VLMCTL_W4A16_TABLE"):
             W.select_config(1, 4096, 4096, 128, torch.float32)
+        for name, text in (("broken.json", "{\"format\": "), ("other.json", json.dumps({"format": "gemv/1"})),
+                           ("list.json", "[]")):
+            (tmp_path / name).write_text(text)
+            monkeypatch.setenv("VLMCTL_W4A16_TABLE", str(tmp_path / name))
+            for _ in range(2):  # refused again on the next selection, not left as an empty table
+                with pytest.raises(OptionError, match="is not a W4A16 tuned table"):
+                    W.select_config(1, 4096, 4096, 128, torch.float32)
+        monkeypatch.setenv("VLMCTL_W4A16_TABLE", str(table))
+        assert W.select_config(1, 4096, 4096, 128, torch.float32) == pinned
     finally:
         monkeypatch.delenv("VLMCTL_W4A16_TABLE")
     assert W.select_config(1, 4096, 4096, 128, torch.float32) == shipped

@@ -428,13 +428,23 @@ def _load_tuned_table() -> None:
         table.clear()
     _TUNED_SOURCE = source
     if source:
-        load_tuned(source)
+        try:
+            load_tuned(source)
+        except (ValueError, KeyError, TypeError) as e:  # a file that is not such a table (JSON errors are ValueErrors)
+            for table in (_TUNED, *_VARIANT_TABLES.values()):
+                table.clear()
+            _TUNED_SOURCE = _TUNED_ENV = None  # asked again next time, and refused again
+            raise OptionError(f"VLMCTL_W4A16_TABLE={source!r} is not a W4A16 tuned table "
+                              f"({type(e).__name__}: {e})") from None
 
 
 def load_tuned(path) -> int:
     """Merge a tuned table (JSON written by `save_tuned`) into the one in use; return how many entries it held."""
     _load_tuned_table()  # first, so that loading the table in use later does not drop these entries
     data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {data.get('format') if isinstance(data, dict) else None!r}, "
+                         f"expected {FORMAT!r}")
     for e in data.get("entries", []):
         key = (e["device"], int(e["bucket"]), int(e["n"]), int(e["k"]), int(e["group_size"]), e["dtype"])
         _VARIANT_TABLES.get(e.get("variant"), _TUNED)[key] = Config(**e["config"])
