@@ -30,12 +30,12 @@ import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .compile_ahead import compiling_only, warm
-from .compile_ahead import run as run_triton
 from ...errors import OptionError
-from .settings import env_int
 from ...formats.w4a16 import (FORMAT, KEYS, ORDER, PACK, check_packed, dequantize, pack, repack_awq_gemm,
                               repack_gemm_tensors, unpack, weight_bytes)
+from .compile_ahead import compiling_only, warm
+from .compile_ahead import run as run_triton
+from .settings import env_int
 
 log = logging.getLogger("vlmctl.runtime")
 MAGIC = 0x4B000000  # float32 2**23: OR a code into its mantissa to read it as 2**23 + code
@@ -434,8 +434,8 @@ def _load_tuned_table() -> None:
             for table in (_TUNED, *_VARIANT_TABLES.values()):
                 table.clear()
             _TUNED_SOURCE = _TUNED_ENV = None  # asked again next time, and refused again
-            raise OptionError(f"VLMCTL_W4A16_TABLE={source!r} is not a W4A16 tuned table "
-                              f"({type(e).__name__}: {e})") from None
+            what = f"VLMCTL_W4A16_TABLE={source!r}" if env and env.strip() else f"the shipped table {source}"
+            raise OptionError(f"{what} is not a W4A16 tuned table ({type(e).__name__}: {e})") from None
 
 
 def load_tuned(path) -> int:
