@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vlmctl.errors import OptionError
 from vlmctl.runtime.kernels import gemv as G
 
 HAS_CUDA = torch.cuda.is_available()
@@ -100,7 +101,7 @@ def test_configs_and_table_round_trip(tmp_path, monkeypatch):
         monkeypatch.setenv("VLMCTL_GEMV", mode)
         assert not G.preferred(torch.zeros(4096, 4096, dtype=torch.float16))  # CPU weights: never
     monkeypatch.setenv("VLMCTL_GEMV", "fast")
-    with pytest.raises(ValueError, match="VLMCTL_GEMV"):
+    with pytest.raises(OptionError, match="VLMCTL_GEMV"):
         G.preferred(torch.zeros(8, 8))
     monkeypatch.delenv("VLMCTL_GEMV", raising=False)
     for name, (n, k) in LLAVA_7B.items():
