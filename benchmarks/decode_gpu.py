@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 import torch
-from gpu_timing import copy_bandwidth  # noqa: F401  (also used as decode_gpu.copy_bandwidth)
+from gpu_timing import copy_bandwidth  # also read as decode_gpu.copy_bandwidth (fused_step_gpu.py)
 
 MAX_SEQ = 2048 + 512  # recipe defaults: max_input_len + max_output_len
 DEV = "cuda"
