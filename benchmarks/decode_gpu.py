@@ -34,6 +34,8 @@ SHAPE = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads":
 SHAPES = {"llava-1.5-7b": (SHAPE, 32),
           "qwen2-vl-7b": ({"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
                            "num_key_value_heads": 4, "vocab_size": 152064}, 28),
+          "mistral-7b": ({"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                          "num_key_value_heads": 8, "vocab_size": 32064}, 32),
           "llava-1.5-13b": ({"hidden_size": 5120, "intermediate_size": 13824, "num_attention_heads": 40,
                              "vocab_size": 32064}, 40)}
 SMOKE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,

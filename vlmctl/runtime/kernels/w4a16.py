@@ -307,12 +307,32 @@ def heuristic_h2_config(m: int, n: int, k: int, group_size: int, sms: int = 132)
     return None
 
 
-def heuristic_gemv_cuda_config(n: int, k: int, group_size: int) -> Config:
-    """The CUDA GEMV's config where the tuned table has none: 4 rows per warp, 4 warps, 2 chunks per lane
-    and row in flight. In an H200 sweep within 7 % of the best config for each linear of a 7B decoder
-    with hidden size 4096 (qkv 12.9 vs 12.0 µs, o 5.3 vs 5.5, gate_up 21.6 vs 20.4, down 10.9 vs 10.6),
-    within 14 % at hidden sizes 3584 and 5120 (docs/benchmarks.md, session 9)."""
-    return Config("gemv_cuda", block_n=16, num_warps=4, num_stages=2)
+# Warps of the CUDA GEMV one SM holds, set by its registers a thread (sm_90, NVRTC 13: 4 rows x 2 chunks in
+# flight 255 registers, 2 rows x 1 chunk 96; `benchmarks/w4a16_gemv_ablate_gpu.py --compile-only` prints them).
+_GEMV_CUDA_WARPS_PER_SM = {(4, 2): 8, (2, 1): 20}
+
+
+def _gemv_cuda_idle_chunks(k: int, chunks_in_flight: int) -> int:
+    """32-k chunks a lane's last batch leaves empty: a batch is 32 lanes x `chunks_in_flight` chunks of a row."""
+    batch = 32 * chunks_in_flight
+    return -(k // 32) % batch
+
+
+def heuristic_gemv_cuda_config(n: int, k: int, group_size: int, sms: int = 132) -> Config:
+    """The CUDA GEMV's config where the tuned table has none (4 warps a block), chosen by waves of resident warps.
+    4 rows x 2 chunks in flight (255 registers, 8 warps an SM) where its N / 4 warps fit one wave: o and down of
+    7B-class models. Else 2 rows x 1 chunk (20 warps an SM) where N / 2 warps fit one wave: a second, partial wave
+    of the first config made LLaVA-1.5-13B's o and down 21-25 % slower a call, and the AWQ batch-1 step 6 %.
+    Else (qkv of 7B and larger models: several waves either way) 4 rows, with 1 chunk in flight where 2 would
+    leave more of the last batch empty (K = 5120: 13B's qkv) and 2 otherwise. Measured in the AWQ batch-1 decode
+    step on an H100 (docs/benchmarks.md, session 31); its one known miss is Qwen2-VL-7B's qkv (N 4608, the second
+    branch), 2 % of that step slower than 4 rows x 2 chunks, which the tuned table covers."""
+    if -(-n // 4) <= _GEMV_CUDA_WARPS_PER_SM[(4, 2)] * sms:
+        return Config("gemv_cuda", block_n=16, num_warps=4, num_stages=2)
+    if -(-n // 2) <= _GEMV_CUDA_WARPS_PER_SM[(2, 1)] * sms:
+        return Config("gemv_cuda", block_n=8, num_warps=4, num_stages=1)
+    chunks = 1 if _gemv_cuda_idle_chunks(k, 2) > _gemv_cuda_idle_chunks(k, 1) else 2
+    return Config("gemv_cuda", block_n=16, num_warps=4, num_stages=chunks)
 
 
 def gemv_cuda_candidate_configs(n: int, k: int, group_size: int) -> list[Config]:
@@ -491,7 +511,8 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None, *
     for c in measured:
         if c is not None and c.valid_for(n, k, group_size):
             return c
-    if cuda_gemv and cuda_gemv_rule and (c := heuristic_gemv_cuda_config(n, k, group_size)).valid_for(n, k, group_size):
+    if cuda_gemv and cuda_gemv_rule and (c := heuristic_gemv_cuda_config(n, k, group_size, _sm_count(device))) \
+            .valid_for(n, k, group_size):
         return c
     if half2 and (c := heuristic_h2_config(m, n, k, group_size, _sm_count(device))) is not None \
             and c.valid_for(n, k, group_size):
