@@ -325,8 +325,10 @@ def heuristic_gemv_cuda_config(n: int, k: int, group_size: int, sms: int = 132) 
     of the first config made LLaVA-1.5-13B's o and down 21-25 % slower a call, and the AWQ batch-1 step 6 %.
     Else (qkv of 7B and larger models: several waves either way) 4 rows, with 1 chunk in flight where 2 would
     leave more of the last batch empty (K = 5120: 13B's qkv) and 2 otherwise. Measured in the AWQ batch-1 decode
-    step on an H100 (docs/benchmarks.md, session 31); its one known miss is Qwen2-VL-7B's qkv (N 4608, the second
-    branch), 2 % of that step slower than 4 rows x 2 chunks, which the tuned table covers."""
+    step on an H100, and within 7 % of the fastest config a call at every qkv, o and down of an H200 sweep
+    (docs/benchmarks.md, session 31). Its one known miss is Qwen2-VL-7B's qkv (N 4608, the second branch): the
+    fastest a call alone, but that step is 2 % slower with it than with 4 rows x 2 chunks on both cards, which the
+    tuned table names."""
     if -(-n // 4) <= _GEMV_CUDA_WARPS_PER_SM[(4, 2)] * sms:
         return Config("gemv_cuda", block_n=16, num_warps=4, num_stages=2)
     if -(-n // 2) <= _GEMV_CUDA_WARPS_PER_SM[(2, 1)] * sms:
