@@ -43,16 +43,11 @@ def run(kernel, grid, *args, **kwargs):
 
 
 def workers() -> int:
-    """Compile threads: `VLMCTL_COMPILE_WORKERS`, else up to 8 (one per CPU core)."""
-    env = os.environ.get("VLMCTL_COMPILE_WORKERS", "").strip()
-    if env:
-        try:
-            return max(1, int(env))
-        except ValueError:
-            from ...errors import OptionError  # one line and exit code 2 from the CLI, not an engine failure
+    """Compile threads: `VLMCTL_COMPILE_WORKERS` (1 or more; anything else is an OptionError: one line and exit
+    code 2 from the CLI, not an engine failure), else up to 8 (one per CPU core)."""
+    from .settings import env_int
 
-            raise OptionError(f"VLMCTL_COMPILE_WORKERS must be an integer, not {env!r}") from None
-    return max(1, min(8, os.cpu_count() or 1))
+    return env_int("VLMCTL_COMPILE_WORKERS", max(1, min(8, os.cpu_count() or 1)), minimum=1)
 
 
 def _async_compile_mode():
