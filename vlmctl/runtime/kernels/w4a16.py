@@ -322,11 +322,11 @@ def heuristic_gemv_cuda_config(n: int, k: int, group_size: int, sms: int = 132) 
     """The CUDA GEMV's config where the tuned table has none (4 warps a block), chosen by waves of resident warps.
     4 rows x 2 chunks in flight (255 registers, 8 warps an SM) where its N / 4 warps fit one wave: o and down of
     7B-class models. Else 2 rows x 1 chunk (20 warps an SM) where N / 2 warps fit one wave: a second, partial wave
-    of the first config made LLaVA-1.5-13B's o and down 21-25 % slower a call, and the AWQ batch-1 step 6 %.
+    of the first config made a 13B decoder's o and down (N 5120) 12-26 % slower a call, and its AWQ batch-1 step 6 %.
     Else (qkv of 7B and larger models: several waves either way) 4 rows, with 1 chunk in flight where 2 would
     leave more of the last batch empty (K = 5120: 13B's qkv) and 2 otherwise. Measured in the AWQ batch-1 decode
     step on an H100, and within 7 % of the fastest config a call at every qkv, o and down of an H200 sweep
-    (docs/benchmarks.md, session 31). Its one known miss is Qwen2-VL-7B's qkv (N 4608, the second branch): the
+    (docs/benchmarks.md, session 31). Its one known miss is a qkv of N 4608 by K 3584 (the second branch): the
     fastest a call alone, but that step is 2 % slower with it than with 4 rows x 2 chunks on both cards, which the
     tuned table names."""
     if -(-n // 4) <= _GEMV_CUDA_WARPS_PER_SM[(4, 2)] * sms:
