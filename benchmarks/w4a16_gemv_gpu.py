@@ -15,7 +15,10 @@ config sweep against the half2 Triton GEMV and cuBLAS, and a step graph of a dec
 Selection takes the CUDA GEMV by default (VLMCTL_W4A16_GEMV_CUDA=0 turns it off); in the decode step:
 `python benchmarks/decode_gpu.py --batches 1 --awq --env-ab VLMCTL_W4A16_GEMV_CUDA=0,1`.
 Writes $OUT/gemv_cuda.json and $OUT/w4a16_tuned.json (the shipped table plus, per swept 7B shape, the
-best CUDA config where it beat the half2 GEMV).
+best CUDA config where it beat the half2 GEMV). Those are per-call bests: confirm a table in the decode step
+before shipping it (`decode_gpu.py --model M --awq --batches 1 --env-variants awq --env-cases
+"VLMCTL_W4A16_TABLE=" "VLMCTL_W4A16_TABLE=$OUT/w4a16_tuned.json"`, interleaved): in session 31 a qkv's per-call best
+(21 % faster a call) made its step 2 % slower (docs/benchmarks.md).
 """
 import json
 import os
