@@ -21,7 +21,8 @@ def test_workers_setting(monkeypatch):
     assert compile_ahead.workers() == 3
     from vlmctl.errors import OptionError
 
-    for bad, why in (("many", "expected an integer"), ("0", "expected an integer >= 1"), ("-2", "expected an integer >= 1")):
+    for bad, why in (("many", "expected an integer"), ("0", "expected an integer >= 1"),
+                     ("-2", "expected an integer >= 1")):
         monkeypatch.setenv("VLMCTL_COMPILE_WORKERS", bad)
         with pytest.raises(OptionError, match=f"VLMCTL_COMPILE_WORKERS='{bad}': {why}"):
             compile_ahead.workers()
