@@ -2,7 +2,7 @@
 config sweep against the half2 Triton GEMV and cuBLAS, and a step graph of a decoder's linears.
 
     OUT=results python benchmarks/w4a16_gemv_gpu.py [--models llava-1.5-7b qwen2-vl-7b ...] [--quick]
-        [--all-shapes-in-table]
+        [--all-shapes-in-table] [--behind-norm]
 
 1. correctness: shapes with odd N and K (K = 96 .. 11008, groups 32, 64 and 128) x M 1 and 3 x bias x
    every swept config, against x @ dequantize(W)^T in fp32 (relative Frobenius error; the half2 GEMV's
@@ -10,6 +10,11 @@ config sweep against the half2 Triton GEMV and cuBLAS, and a step graph of a dec
 2. sweep: per linear of each model and every config of `gemv_cuda_candidate_configs`, CUDA graphs of 8
    launches over distinct weights (more bytes than L2 keeps), median of 15 replays; against what the
    shipped table selects with the CUDA GEMV off (the half2 GEMV) and cuBLAS on the dense fp16 weight.
+   --behind-norm also times each config as the step runs qkv and gate_up: each launch behind the residual add +
+   RMSNorm that writes its x (PDL lets the GEMV load its first weights while that short kernel runs; graphs of
+   8 such pairs, the norms alone subtracted), gate_up with its act·mul epilogue; qkv's and gate_up's best (and
+   table entry) are then taken from those times. In session 32 Qwen2-VL-7B's qkv ran 21 % faster a call at 2
+   rows x 1 chunk alone, yet its step was 3-4 % slower than at 4 rows x 2 chunks, and only with PDL on.
 3. step graph: 32 layers x 4 linears (distinct weights) as one CUDA graph at M = 1: the sweep's best CUDA
    config per shape, the untuned rule (`heuristic_gemv_cuda_config`), the half2 GEMV, cuBLAS dense.
 Selection takes the CUDA GEMV by default (VLMCTL_W4A16_GEMV_CUDA=0 turns it off); in the decode step:
@@ -32,6 +37,7 @@ from gpu_timing import graph_median_ms  # noqa: E402
 from gpu_weights import random_packed  # noqa: E402
 from vlmctl.runtime.kernels import cuda_rtc, pdl  # noqa: E402
 from vlmctl.runtime.kernels import w4a16 as W  # noqa: E402
+from vlmctl.runtime.kernels.fused import add_rms_norm  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp")
 os.environ.setdefault("VLMCTL_CACHE_DIR", "/var/tmp/vlmctl-cache")
@@ -49,6 +55,8 @@ args = sys.argv[1:]
 models = args[args.index("--models") + 1:] if "--models" in args else ["llava-1.5-7b"]
 models = [m for m in models if not m.startswith("--")]
 QUICK = "--quick" in args
+BEHIND_NORM = "--behind-norm" in args
+NORMED = ("qkv", "gate_up")  # the linears whose step predecessor is the residual add + RMSNorm
 res = {"correct": [], "sweep": {}, "step": {}}
 
 
@@ -81,6 +89,12 @@ CANDS = W.gemv_cuda_candidate_configs(4096, 4096, 128)
 if QUICK:
     CANDS = [c for c in CANDS if c.num_stages == 2]
 precompile(CANDS + [W.heuristic_gemv_cuda_config(4096, 4096, 128)], (32, 64, 128))
+if BEHIND_NORM:  # gate_up's candidates with the act·mul epilogue
+    t = time.perf_counter()
+    cap = torch.cuda.get_device_capability()
+    n_act = cuda_rtc.precompile(W.mma_source(), [W.gemv_cuda_kernel_name(c, 128, "silu") for c in CANDS
+                                                 if W._act_mul_tiles(c)], f"sm_{cap[0]}{cap[1]}")
+    log(f"compiled {n_act} act·mul kernels in {time.perf_counter() - t:.1f}s")
 
 # ------------------------------------------------------------------ correctness
 cases = [(4096, 4096, 128), (4096, 11008, 128), (22016, 4096, 128), (203, 4096, 64), (72, 128, 128), (45, 96, 32), (1000, 3584, 128),
@@ -145,6 +159,23 @@ for model in models:
         def per_call(c):
             return graph_median_ms([lambda p=p: W.launch(x, p, 128, c, out=y) for p in ps]) * 1e3 / NWS
 
+        hid = torch.randn(1, k, device=dev, dtype=DT)  # the norm's input and residual (the step's hidden state)
+        res_in = torch.randn(1, k, device=dev, dtype=DT)
+        norm_w = torch.rand(k, device=dev, dtype=DT) + 0.5
+        act = "silu" if name == "gate_up" else None
+        y_act = torch.empty(1, n // 2 if act else n, device=dev, dtype=DT)
+
+        def norm():
+            add_rms_norm(hid, norm_w, 1e-6, residual=res_in, out=x)
+
+        t_norms = graph_median_ms([norm] * NWS) * 1e3 / NWS if BEHIND_NORM and name in NORMED else None
+
+        def behind_norm(c):  # µs a call: (norm, GEMV) pairs less the norms alone
+            def pair(p):
+                norm()
+                W.launch(x, p, 128, c, out=y_act, act=act)
+            return graph_median_ms([lambda p=p: pair(p) for p in ps]) * 1e3 / NWS - t_norms
+
         hc = without_cuda_gemv(lambda: W.select_config(1, n, k, 128, DT, dev))
         h2_pick[(n, k)] = hc
         t_h2 = per_call(hc)
@@ -160,6 +191,16 @@ for model in models:
                                                rule=(W.describe(rule), t_rule),
                                                top=[(W.describe(c), t) for t, c in timed[:8]],
                                                all=[(W.describe(c), t) for t, c in timed])  # for rules across shapes
+        if t_norms is not None:
+            cands = [c for c in CANDS if c.valid_for(n, k, 128) and (act is None or W._act_mul_tiles(c))]
+            normed = sorted(((behind_norm(c), c) for c in cands), key=lambda t: t[0])
+            h2n = without_cuda_gemv(lambda: W.select_config(1, n, k, 128, DT, dev, act_mul=act is not None))
+            t_h2n = behind_norm(h2n)
+            best[(n, k)] = normed[0][1]
+            res["sweep"][f"{model}:{name}"].update(norm_alone=t_norms, act=act, half2_behind_norm=(W.describe(h2n), t_h2n),
+                                                   behind_norm=[(W.describe(c), t) for t, c in normed])
+            log(f"{model:14s} {name:8s}: behind a norm ({t_norms:.1f} us alone{', act·mul' if act else ''}): "
+                f"{', '.join(f'{W.describe(c)} {t:.1f}' for t, c in normed[:4])} | half2 {t_h2n:.1f}")
         log(f"{model:14s} {name:8s}: cuda {timed[0][0]:6.1f} us ({byt / timed[0][0] / 1e6:.2f} TB/s) "
             f"{W.describe(timed[0][1])} | rule {t_rule:6.1f} | half2 {t_h2:6.1f} ({byt / t_h2 / 1e6:.2f} TB/s, "
             f"{W.describe(hc)}) | cublas fp16 {t_cub:6.1f}")
@@ -196,7 +237,9 @@ for (n, k), c in best.items():
     sw = next(v for v in res["sweep"].values() if (v["n"], v["k"]) == (n, k))
     if (n, k) not in MODELS["llava-1.5-7b"].values() and "--all-shapes-in-table" not in args:
         continue
-    if sw["top"][0][1] < sw["half2"][1]:
+    ours, theirs = ((sw["behind_norm"][0][1], sw["half2_behind_norm"][1]) if "behind_norm" in sw
+                    else (sw["top"][0][1], sw["half2"][1]))
+    if ours < theirs:
         W.set_config(1, n, k, 128, DT, c, dev)
     else:  # no CUDA entry: the half2 GEMV's entry answers
         W._TUNED_CUDA.pop((W._device_name(dev), 1, n, k, 128, "float16"), None)

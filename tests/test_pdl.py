@@ -81,6 +81,26 @@ def test_switch(monkeypatch):
             pdl.l2_prefetch_blocks("int4")
 
 
+def test_attention_launch_switch(monkeypatch):
+    """`VLMCTL_ATTN_PDL=0` (a measurement): the decode attention stays compiled with PDL, so that the o
+    projection after it may still start early, but is launched as a plain dependent of qkv; where PDL is off
+    it changes nothing; any other value is one OptionError."""
+    from vlmctl.runtime.kernels import paged_attention as pa
+    from vlmctl.runtime.kernels import pdl
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(pdl, "launch_kwargs", lambda device: {"PDL": True, "launch_pdl": True})
+    monkeypatch.delenv("VLMCTL_ATTN_PDL", raising=False)
+    assert pa._decode_launch_kwargs(cpu) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("VLMCTL_ATTN_PDL", "0")
+    assert pa._decode_launch_kwargs(cpu) == {"PDL": True}
+    monkeypatch.setattr(pdl, "launch_kwargs", lambda device: {"PDL": False})
+    assert pa._decode_launch_kwargs(cpu) == {"PDL": False}
+    monkeypatch.setenv("VLMCTL_ATTN_PDL", "later")
+    with pytest.raises(OptionError, match="VLMCTL_ATTN_PDL"):
+        pa._decode_launch_kwargs(cpu)
+
+
 def _chain(kind: str):
     """RMSNorm -> GEMV, eight times, each GEMV's output the next norm's input (4096 x 4096 weights); one row,
     or five for the tensor-core GEMV ("mma_gemv")."""

@@ -599,14 +599,14 @@ def test_gpu_act_mul_at_7b_gate_up_and_in_a_graph(dtype, activation, monkeypatch
     g = 128
     p = _case(n, k, g, seed=3, device="cuda")
     x = torch.randn(1, k, device="cuda", dtype=dtype)
-    if W.select_config(1, n, k, g, dtype, x.device, cuda_gemv_rule=False).kernel not in W.ACT_MUL_KERNELS:
+    if W.select_config(1, n, k, g, dtype, x.device, act_mul=True).kernel not in W.ACT_MUL_KERNELS:
         assert W.w4a16_act_mul(x, p, g, activation) is None
         monkeypatch.setenv("VLMCTL_W4A16_MMA_GEMV", "0")
-        assert W.select_config(1, n, k, g, dtype, x.device, cuda_gemv_rule=False).kernel in W.ACT_MUL_KERNELS
+        assert W.select_config(1, n, k, g, dtype, x.device, act_mul=True).kernel in W.ACT_MUL_KERNELS
     W.warmup([p], g, [1], dtype, "cuda", act_mul=[p], activation=activation)
     # The pair runs the fused call's config: on a card without table entries (an H100) a plain gate_up call
     # takes the CUDA GEMV's rule, which the fused call passes over, and two kernels sum in different orders.
-    cfg = W.select_config(1, n, k, g, dtype, x.device, cuda_gemv_rule=False)
+    cfg = W.select_config(1, n, k, g, dtype, x.device, act_mul=True)
     if cfg.kernel == "gemv_cuda":
         # this card's table gives gate_up the CUDA GEMV (an H100 since session 30), whose epilogue rounds act
         # differently from the act·mul kernel (tests/test_w4a16_gemv_cuda.py bounds it against that pair): here

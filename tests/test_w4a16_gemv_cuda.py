@@ -119,21 +119,27 @@ def test_selection_never_returns_gemv_cuda_where_it_cannot_run(monkeypatch):
 
 def test_selection_order_with_and_without_the_cuda_rule(monkeypatch):
     """Where the CUDA GEMV may run (the capability probe answers yes here): a table entry wins; an
-    untabled shape takes its rule, or with cuda_gemv_rule=False (a gate_up fused with its act·mul) the
-    half2 GEMV's rule; a tabled CUDA entry is kept either way."""
+    untabled shape takes its rule, or with act_mul=True (a gate_up fused with its act·mul) the act·mul rule:
+    4 rows a warp, 2 warps, 1 chunk in flight (session 32's step A/B on an H100); a tabled CUDA entry is kept
+    either way. Without the CUDA GEMV both fall to the half2 GEMV's rule."""
     monkeypatch.setattr(W, "_gemv_cuda_ok", lambda device: True)
     g = 128
     untabled = (4104, 4096)
     assert W.select_config(1, *untabled, g, torch.float16) == W.heuristic_gemv_cuda_config(*untabled, g)
-    assert W.select_config(1, *untabled, g, torch.float16, cuda_gemv_rule=False).kernel == "gemv_h2"
+    assert W.select_config(1, *untabled, g, torch.float16, act_mul=True) == _cfg(8, 2, 1)
+    assert W.heuristic_gemv_cuda_config(*untabled, g) != _cfg(8, 2, 1)  # so the line above tells them apart
+    assert W._act_mul_tiles(_cfg(8, 2, 1))  # its warps hold gate rows with their up rows
     saved = dict(W._TUNED_CUDA)
     try:
         W.set_config(1, *untabled, g, torch.float16, _cfg(16, 4, 2))
-        for rule in (True, False):
-            assert W.select_config(1, *untabled, g, torch.float16, cuda_gemv_rule=rule) == _cfg(16, 4, 2)
+        for act_mul in (True, False):
+            assert W.select_config(1, *untabled, g, torch.float16, act_mul=act_mul) == _cfg(16, 4, 2)
     finally:
         W._TUNED_CUDA.clear()
         W._TUNED_CUDA.update(saved)
+    monkeypatch.setattr(W, "_gemv_cuda_ok", lambda device: False)
+    for act_mul in (True, False):
+        assert W.select_config(1, *untabled, g, torch.float16, act_mul=act_mul).kernel == "gemv_h2"
 
 
 def test_gemv_cuda_is_on_unless_switched_off(monkeypatch):
@@ -427,14 +433,11 @@ def test_gpu_act_mul_epilogue_and_its_selection(activation):
             f"gate {gate.flatten()[over]}, up {up.flatten()[over]}: {got.flatten()[over]} != {want.flatten()[over]}"
         assert (got == want).float().mean() >= 0.9
 
-    cfg = W.heuristic_gemv_cuda_config(n, k, g)
-    check_epilogue(cfg, W.launch(x, p, g, cfg, act=activation))
+    for cfg in (W.heuristic_gemv_cuda_config(n, k, g), W.heuristic_gemv_cuda_act_mul_config()):
+        check_epilogue(cfg, W.launch(x, p, g, cfg, act=activation))
     fusedy = W.w4a16_act_mul(x, p, g, activation)
     chosen = W._act_mul_config(x, p["q4weight"], g)
     table_cuda = W._TUNED_CUDA.get((W._device_name(x.device), 1, n, k, g, "float16"))
-    if table_cuda is not None:  # the table's CUDA GEMV, with its epilogue (an H100 since session 30)
-        assert chosen == table_cuda
-        check_epilogue(chosen, fusedy)
-    else:  # the table's half2 GEMV (an H200) or its rule
-        assert chosen.kernel in ("gemv", "gemv_h2")
-        assert torch.equal(fusedy, fused.act_mul(W.launch(x, p, g, chosen), activation))
+    # the table's CUDA GEMV (both cards since session 31), else the act·mul rule's
+    assert chosen == (table_cuda or W.heuristic_gemv_cuda_act_mul_config())
+    check_epilogue(chosen, fusedy)

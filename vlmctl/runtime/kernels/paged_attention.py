@@ -289,6 +289,17 @@ def combine_in_attention() -> bool:
     return v == "1"
 
 
+def _decode_launch_kwargs(device) -> dict:
+    """PDL launch arguments of the step's decode attention. `VLMCTL_ATTN_PDL=0` (a measurement, session 32):
+    compiled with PDL, so that it still lets the o projection start early, but launched only once the qkv GEMV
+    before it has completed, so that none of its programs waits on an SM while qkv's blocks still run."""
+    kw = pdl.launch_kwargs(device)
+    v = os.environ.get("VLMCTL_ATTN_PDL", "1").strip()
+    if v not in ("0", "1"):
+        raise OptionError(f"VLMCTL_ATTN_PDL={v!r}: expected 1 (the default) or 0")
+    return {"PDL": True} if v == "0" and kw.get("launch_pdl") else kw
+
+
 def fused_rope_supported(head_dim: int, dtype) -> bool:
     return head_dim in (32, 64, 128, 256) and dtype in (torch.float16, torch.bfloat16)
 
@@ -314,7 +325,7 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group,
         num_splits, n_q, n_kv, window or 0, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=64 if D <= 128 else 32, SPLIT=split, HAS_WINDOW=window is not None,
-        COMBINE=fold, BLOCK_S=combine_width(num_splits), num_warps=4, num_stages=2, **pdl.launch_kwargs(qkv.device))
+        COMBINE=fold, BLOCK_S=combine_width(num_splits), num_warps=4, num_stages=2, **_decode_launch_kwargs(qkv.device))
     if split and not fold:
         _combine(part, ml, out, num_splits)
     return out

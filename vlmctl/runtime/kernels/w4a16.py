@@ -337,6 +337,16 @@ def heuristic_gemv_cuda_config(n: int, k: int, group_size: int, sms: int = 132) 
     return Config("gemv_cuda", block_n=16, num_warps=4, num_stages=chunks)
 
 
+def heuristic_gemv_cuda_act_mul_config() -> Config:
+    """The CUDA GEMV's config for a gate_up fused with its act·mul where the tuned table has none: 4 rows a warp
+    (2 gate rows and their up rows), 2 warps a block, 1 chunk in flight. In the AWQ batch-1 decode step on an
+    H100 with no table it was 4-5 % faster than the half2 Triton GEMV for LLaVA-1.5-7B's and Qwen2-VL-7B's gate_up
+    and level for Mistral-7B's and LLaVA-1.5-13B's, where `heuristic_gemv_cuda_config` (2 chunks in flight at
+    those shapes) was level or slower; 1 chunk is also what the per-call sweeps put in 7 of the 8 tuned gate_up
+    entries of both cards (docs/benchmarks.md, session 32)."""
+    return Config("gemv_cuda", block_n=8, num_warps=2, num_stages=1)
+
+
 def gemv_cuda_candidate_configs(n: int, k: int, group_size: int) -> list[Config]:
     """What a sweep tries for the CUDA GEMV: rows per warp x warps x chunks in flight (at most 8 rows x
     chunks a lane, which keeps a lane's two batches of registers under the 255-register limit)."""
@@ -495,9 +505,9 @@ def set_config(m: int, n: int, k: int, group_size: int, dtype, config: Config, d
 
 
 def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None, *,
-                  cuda_gemv_rule: bool = True) -> Config:
-    """The config for y = x W^T at this shape: measured entries, then the untuned rules. cuda_gemv_rule=False:
-    the CUDA GEMV only where the table has it (a gate_up fused with its act·mul keeps a Triton GEMV)."""
+                  act_mul: bool = False) -> Config:
+    """The config for y = x W^T at this shape: measured entries, then the untuned rules. act_mul: the call is a
+    gate_up fused with its act·mul, whose CUDA GEMV rule is `heuristic_gemv_cuda_act_mul_config`."""
     _load_tuned_table()
     key = (_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))
     half2 = bucket(m) == 1 and _dtype_name(dtype) == "float16" and gemv_mode() != "cublas"
@@ -513,8 +523,8 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None, *
     for c in measured:
         if c is not None and c.valid_for(n, k, group_size):
             return c
-    if cuda_gemv and cuda_gemv_rule and (c := heuristic_gemv_cuda_config(n, k, group_size, _sm_count(device))) \
-            .valid_for(n, k, group_size):
+    if cuda_gemv and (c := (heuristic_gemv_cuda_act_mul_config() if act_mul else
+                            heuristic_gemv_cuda_config(n, k, group_size, _sm_count(device)))).valid_for(n, k, group_size):
         return c
     if half2 and (c := heuristic_h2_config(m, n, k, group_size, _sm_count(device))) is not None \
             and c.valid_for(n, k, group_size):
@@ -759,11 +769,11 @@ def w4a16_act_mul(x, packed: dict, group_size: int, activation: str, bias=None):
 
 
 def _act_mul_config(x2, qw, group_size: int) -> Config:
-    """The config of a fused gate_up call. The CUDA GEMV's rule is passed over: on an H200 the half2 GEMV won
-    gate_up at the 7B shape, and with the rule taking gate_up a 13B decode step was 4-5 % slower
-    (docs/benchmarks.md, session 10)."""
+    """The config of a fused gate_up call: the table's, else the act·mul rules (session 10 had found the plain
+    CUDA GEMV rule of that time 4-5 % slower than the half2 GEMV on a 13B gate_up; session 32 measured the act·mul
+    rule now used against both)."""
     n, k = qw.shape[0], qw.shape[1] * PACK
-    return select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device, cuda_gemv_rule=False)
+    return select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device, act_mul=True)
 
 
 MMA_SOURCE = Path(__file__).with_name("w4a16_mma.cu")
