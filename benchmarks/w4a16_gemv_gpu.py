@@ -13,8 +13,9 @@ config sweep against the half2 Triton GEMV and cuBLAS, and a step graph of a dec
    --behind-norm also times each config as the step runs qkv and gate_up: each launch behind the residual add +
    RMSNorm that writes its x (PDL lets the GEMV load its first weights while that short kernel runs; graphs of
    8 such pairs, the norms alone subtracted), gate_up with its act·mul epilogue; qkv's and gate_up's best (and
-   table entry) are then taken from those times. In session 32 Qwen2-VL-7B's qkv ran 21 % faster a call at 2
-   rows x 1 chunk alone, yet its step was 3-4 % slower than at 4 rows x 2 chunks, and only with PDL on.
+   table entry) are then taken from those times. It does not settle every config: Qwen2-VL-7B's qkv ranks 2 rows x
+   1 chunk first alone and behind a norm, yet its step is 3-4 % slower than at 4 rows x 2 chunks, a difference that
+   comes from the decode attention after qkv launching early under PDL (docs/benchmarks.md, session 32).
 3. step graph: 32 layers x 4 linears (distinct weights) as one CUDA graph at M = 1: the sweep's best CUDA
    config per shape, the untuned rule (`heuristic_gemv_cuda_config`), the half2 GEMV, cuBLAS dense.
 Selection takes the CUDA GEMV by default (VLMCTL_W4A16_GEMV_CUDA=0 turns it off); in the decode step:

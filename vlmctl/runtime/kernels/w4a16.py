@@ -328,7 +328,7 @@ def heuristic_gemv_cuda_config(n: int, k: int, group_size: int, sms: int = 132) 
     step on an H100, and within 7 % of the fastest config a call at every qkv, o and down of an H200 sweep
     (docs/benchmarks.md, session 31). Its one known miss is a qkv of N 4608 by K 3584 (the second branch): the
     fastest a call alone, but that step is 2 % slower with it than with 4 rows x 2 chunks on both cards, which the
-    tuned table names."""
+    tuned table names: only 4 x 2 gains from the decode attention after it starting early under PDL (session 32)."""
     if -(-n // 4) <= _GEMV_CUDA_WARPS_PER_SM[(4, 2)] * sms:
         return Config("gemv_cuda", block_n=16, num_warps=4, num_stages=2)
     if -(-n // 2) <= _GEMV_CUDA_WARPS_PER_SM[(2, 1)] * sms:
