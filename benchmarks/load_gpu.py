@@ -44,6 +44,7 @@ def child(engine: str, kv_cache_tokens: int | None = None) -> None:
     t_import = time.perf_counter() - t_import
     compiles: dict[str, int] = {}
     builds: dict[str, int] = {}
+    nvrtc: dict[str, int] = {}
     phase = ["(outside a phase)"]
     original = engine_mod.Engine._load_phase
 
@@ -76,6 +77,7 @@ def child(engine: str, kv_cache_tokens: int | None = None) -> None:
 
             hook_runtime.jit_cache_hook = per_phase
             count_c_builds(builds, phase)
+        count_nvrtc_compiles(nvrtc, phase)
         try:
             opts = {"kv_cache_tokens": kv_cache_tokens} if kv_cache_tokens else {}
             eng = engine_mod.Engine(Path(engine), **opts)
@@ -90,7 +92,7 @@ def child(engine: str, kv_cache_tokens: int | None = None) -> None:
 
     print(json.dumps({"code": str(Path(vlmctl.__file__).parent), "engine_s": round(total, 3), "import_s": round(t_import, 3), "phases_s": eng.load_seconds,
                       "other_s": round(other, 3), "triton_compiles": len(seen), "triton_compiles_per_phase": compiles,
-                      "c_builds_per_phase": builds,
+                      "c_builds_per_phase": builds, "nvrtc_compiles_per_phase": nvrtc,
                       "triton_kernels": sorted({k.split("[")[0][:200] for k in seen})}), flush=True)
 
 
@@ -113,6 +115,24 @@ def count_c_builds(builds: dict, phase: list) -> None:
         return inner(*a, **k)
 
     build._build = counted
+
+
+def count_nvrtc_compiles(compiles: dict, phase: list) -> None:
+    """Count each CUDA kernel NVRTC compiles (a miss of vlmctl's on-disk kernel cache) under the phase running at the
+    time (`phase[0]`): wraps `cuda_rtc.compile_cubin`, which the cache calls on a miss."""
+    import threading
+
+    from vlmctl.runtime.kernels import cuda_rtc
+
+    inner = cuda_rtc.compile_cubin
+    lock = threading.Lock()
+
+    def counted(*a, **k):
+        with lock:
+            compiles[phase[0]] = compiles.get(phase[0], 0) + 1
+        return inner(*a, **k)
+
+    cuda_rtc.compile_cubin = counted
 
 
 def load_once(engine: Path, env: dict) -> dict:
@@ -185,7 +205,8 @@ def main() -> None:
                           f"{r['process_s']:.1f} s), Triton compiles {r['triton_compiles']}: "
                           + ", ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items()) + f", other {r['other_s']:.2f}"
                           + f"  | compiles per phase {r['triton_compiles_per_phase']}"
-                          + f", C builds per phase {r.get('c_builds_per_phase')}", flush=True)
+                          + f", C builds per phase {r.get('c_builds_per_phase')}"
+                          + f", NVRTC compiles per phase {r.get('nvrtc_compiles_per_phase')}", flush=True)
     for case in args.env_cases:
         for cache in ("cold", "warm"):
             line = []

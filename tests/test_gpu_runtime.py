@@ -319,7 +319,8 @@ def test_serving_compiles_no_triton_kernel_after_load(which, graphs, request):
 def test_load_compiles_its_triton_kernels_in_one_parallel_pass(which, request, tmp_path):
     """A new process on an empty Triton cache (`benchmarks/load_gpu.py --child`): every Triton kernel the engine
     compiles while it loads is compiled in its "compile kernels" phase, on a thread pool, and its launcher built
-    there; the phases after it (decode graphs, prefill kernels, warm steps) find each one compiled."""
+    there, as is every NVRTC kernel of the packed linears; the phases after it (decode graphs, prefill kernels,
+    warm steps) find each one compiled."""
     import json
     import os
     import subprocess
@@ -346,3 +347,5 @@ def test_load_compiles_its_triton_kernels_in_one_parallel_pass(which, request, t
     builds = r["c_builds_per_phase"]
     assert builds.get("compile kernels"), r
     assert not set(builds) & {"decode graphs", "prefill kernels", "warm steps"}, builds
+    # and so are the packed linears' NVRTC kernels, the fused gate_up's act·mul epilogue among them (session 32)
+    assert not set(r["nvrtc_compiles_per_phase"]) & {"decode graphs", "prefill kernels", "warm steps"}, r

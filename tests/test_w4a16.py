@@ -797,6 +797,33 @@ def test_cuda_build_names_every_nvrtc_kernel(monkeypatch):
     assert W.precompile_selected([(4096, 4096)], 128, [1, 256], torch.float16, cpu) == 0  # nothing to compile off the GPU
 
 
+def test_precompile_selected_includes_the_fused_gate_up(monkeypatch):
+    """The load's parallel NVRTC pass also compiles the CUDA GEMV with the act·mul epilogue that a fused gate_up
+    will run at one row (the table's config or the act·mul rule), for the decoder's activation; not for other
+    row counts. Without a GPU: the device's probes answer as an sm_90 card's and the compiles are recorded."""
+    from vlmctl.runtime.kernels import cuda_rtc
+
+    compiled = []
+    monkeypatch.setattr(cuda_rtc, "available", lambda: True)
+    monkeypatch.setattr(cuda_rtc, "precompile", lambda src, names, arch: compiled.append((arch, set(names))) or len(names))
+    monkeypatch.setattr(W, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(W, "_gemv_cuda_ok", lambda device: True)
+    dev = torch.device("cuda")
+    n, k = LLAVA_7B["gate_up"]
+    untabled = (n + 16, k)  # a gate_up no table names: the act·mul rule
+    monkeypatch.setenv("VLMCTL_W4A16_TABLE", "off")
+    W.precompile_selected([untabled, LLAVA_7B["down"]], 128, [1], torch.float16, dev, act_mul_shapes=[untabled],
+                          activation="gelu_tanh")
+    names = set().union(*(ns for _, ns in compiled))
+    assert W.gemv_cuda_kernel_name(W.heuristic_gemv_cuda_act_mul_config(), 128, "gelu_tanh") in names
+    assert W.gemv_cuda_kernel_name(W.heuristic_gemv_cuda_config(*untabled, 128), 128) in names  # its plain call
+    assert all(arch == "sm_90" for arch, _ in compiled)
+    compiled.clear()
+    W.precompile_selected([untabled], 128, [2], torch.float16, dev, act_mul_shapes=[untabled])
+    # no epilogue kernel (the GEMV's fifth template argument) for a batch that does not fuse
+    assert not {name for _, ns in compiled for name in ns if name.startswith("w4a16_gemv<") and name.count(",") == 4}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_warmup_loads_every_selected_nvrtc_kernel():

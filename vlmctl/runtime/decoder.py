@@ -863,13 +863,15 @@ class TorchDecoder:
         if packed and compile_ahead.available():
             from .kernels.w4a16 import PACK, precompile_selected, prefill_buckets
 
-            shapes, _, group_size = packed
+            shapes, gate_up, group_size = packed
             dims = {(p["q4weight"].shape[0], p["q4weight"].shape[1] * PACK) for p, _ in shapes}
+            gate_up_dims = {(p["q4weight"].shape[0], p["q4weight"].shape[1] * PACK) for p, _ in gate_up}
             rows = buckets + prefill_buckets(max_rows, buckets)
 
             def precompile():  # NVRTC runs outside the GIL, beside the Triton compiles below
                 try:
-                    precompile_selected(dims, group_size, rows, self.dtype, self.device)
+                    precompile_selected(dims, group_size, rows, self.dtype, self.device, act_mul_shapes=gate_up_dims,
+                                        activation=self.activation)
                 except Exception:  # the warm-ups compile whatever this did not, and raise there
                     pass
 

@@ -1178,10 +1178,12 @@ def cuda_build(config: Config, group_size: int, dtype, device) -> tuple[str, str
     return None
 
 
-def precompile_selected(shapes, group_size: int, m_values, dtype, device) -> int:
+def precompile_selected(shapes, group_size: int, m_values, dtype, device, *, act_mul_shapes=(),
+                        activation: str = "silu") -> int:
     """Compile (into the on-disk cache, several NVRTC compilations at a time) the CUDA kernels that selection
-    picks for these (N, K) shapes and row counts; returns how many there were. On a cold cache a 7B decoder's
-    kernels compiled one by one at their first calls (serially, ~0.2-1 s each)."""
+    picks for these (N, K) shapes and row counts, and for the gate_up shapes `act_mul_shapes` the kernel with the
+    `activation` epilogue that `w4a16_act_mul` runs at one row; returns how many there were. On a cold cache a 7B
+    decoder's kernels compiled one by one at their first calls (serially, ~0.2-1 s each)."""
     import torch
 
     from . import cuda_rtc
@@ -1196,6 +1198,12 @@ def precompile_selected(shapes, group_size: int, m_values, dtype, device) -> int
             b = cuda_build(select_config(m, n, k, group_size, dtype, device), group_size, dtype, device)
             if b is not None:
                 builds.setdefault((b[0], f"sm_{major}{minor}{b[2]}"), set()).add(b[1])
+    if 1 in m_values:
+        for n, k in act_mul_shapes:
+            c = select_config(1, n, k, group_size, dtype, device, act_mul=True)
+            if c.kernel == "gemv_cuda" and _act_mul_tiles(c) and n % 2 == 0:
+                builds.setdefault((mma_source(), f"sm_{major}{minor}"), set()).add(
+                    gemv_cuda_kernel_name(c, group_size, activation))
     return sum(cuda_rtc.precompile(src, names, arch) for (src, arch), names in builds.items())
 
 
@@ -1241,7 +1249,9 @@ def warmup(packed_list, group_size: int, m_values, dtype, device=None, *, act_mu
         if packed_list:
             dev0 = torch.device(device) if device is not None else packed_list[0]["q4weight"].device
             precompile_selected({(p["q4weight"].shape[0], p["q4weight"].shape[1] * PACK) for p in packed_list},
-                                group_size, m_values, dtype, dev0)
+                                group_size, m_values, dtype, dev0, activation=activation,
+                                act_mul_shapes={(p["q4weight"].shape[0], p["q4weight"].shape[1] * PACK)
+                                                for p in act_mul})
 
     warm(calls, call, gpu=any(c[-1].type == "cuda" for c in calls), prepare=precompile)
     if device is not None and torch.device(device).type == "cuda":
