@@ -340,8 +340,8 @@ def heuristic_gemv_cuda_config(n: int, k: int, group_size: int, sms: int = 132) 
 def heuristic_gemv_cuda_act_mul_config() -> Config:
     """The CUDA GEMV's config for a gate_up fused with its act·mul where the tuned table has none: 4 rows a warp
     (2 gate rows and their up rows), 2 warps a block, 1 chunk in flight. In the AWQ batch-1 decode step on an
-    H100 with no table it was 4-5 % faster than the half2 Triton GEMV for LLaVA-1.5-7B's and Qwen2-VL-7B's gate_up
-    and level for Mistral-7B's and LLaVA-1.5-13B's, where `heuristic_gemv_cuda_config` (2 chunks in flight at
+    H100 with no table it was 3-5 % faster than the half2 Triton GEMV at gate_ups of 22016 x 4096 and 37888 x 3584
+    and level at 28672 x 4096 and 27648 x 5120, where `heuristic_gemv_cuda_config` (2 chunks in flight at most of
     those shapes) was level or slower; 1 chunk is also what the per-call sweeps put in 7 of the 8 tuned gate_up
     entries of both cards (docs/benchmarks.md, session 32)."""
     return Config("gemv_cuda", block_n=8, num_warps=2, num_stages=1)
