@@ -278,7 +278,8 @@ def _act_mul_reference(y, activation):
 @pytest.mark.skipif(HOST is not None, reason=f"the CUDA kernels cannot run on the host: {HOST}")
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("n,k,g,cfg", [(90, 1024, 128, _cfg(16, 4, 2)), (46, 96, 32, _cfg(4, 2, 1)),
-                                       (64, 2048, 64, _cfg(32, 4, 1))], ids=str)
+                                       (64, 2048, 64, _cfg(32, 4, 1)),
+                                       (70, 512, 64, W.heuristic_gemv_cuda_act_mul_config())], ids=str)
 def test_on_the_host_act_mul_epilogue(n, k, g, cfg, activation, monkeypatch):
     """The gate_up epilogue (`act=`) of both GEMVs on the CPU through their launcher: each warp's rows are gate rows and
     their up rows N / 2 below, and it stores act(gate) * up rounded as the act·mul kernel rounds it: against
