@@ -98,6 +98,35 @@ def test_gemv_cuda_rule_against_recorded_h100_runs():
         assert W.heuristic_gemv_cuda_config(n, k, 128) == _pinned(fastest, n, k), (n, k)
 
 
+ACT_MUL_RUNS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h100-2026-12-05h"
+
+
+def test_gemv_cuda_act_mul_rule_against_recorded_h100_runs():
+    """The fused gate_up's untuned rule against session 32's H100 step A/Bs (docs/benchmarks.md): run b, with no
+    table ("off": the rule) against gate_up entries on the half2 GEMV's rule (what it took before) and the plain
+    CUDA rule. Never slower than the half2 GEMV beyond the 0.04 ms the same configs differ by, 0.05 ms or more
+    faster at two of the four shapes, and faster than the plain rule; the config is the one run a measured as 4
+    rows x 2 warps x 1 chunk. Every gate_up entry of the shipped table holds 1 chunk too."""
+    rule = W.heuristic_gemv_cuda_act_mul_config()
+    measured = json.loads((ACT_MUL_RUNS / "tables" / "gu_w2s1.json").read_text())["entries"]
+    assert {W.Config(**e["config"]) for e in measured} == {rule}
+    faster = 0
+    for model in ("llava-1.5-7b", "qwen2-vl-7b", "mistral-7b", "llava-1.5-13b"):
+        runs: dict[str, list] = {}
+        for r in json.loads((ACT_MUL_RUNS / f"b_gu_{model}.json").read_text())["rows"]:
+            if r["variant"] == "awq":
+                runs.setdefault(Path(r["env"]["VLMCTL_W4A16_TABLE"]).name, []).append(r["gpu_ms_per_step"])
+        assert max(runs["off"]) <= min(runs["gu_h2.json"]) + 0.04, (model, runs)
+        mean = {name: sum(v) / len(v) for name, v in runs.items()}
+        assert mean["off"] < mean["gu_rule.json"], (model, mean)
+        faster += mean["off"] <= mean["gu_h2.json"] - 0.05
+    assert faster >= 2
+    shipped = json.loads(W.TUNED_TABLE.read_text())["entries"]
+    gate_ups = [e for e in shipped if e.get("variant") == "cuda" and (e["n"], e["k"]) in
+                {(22016, 4096), (37888, 3584), (28672, 4096), (27648, 5120)}]
+    assert len(gate_ups) == 7 and all(e["config"]["num_stages"] == 1 for e in gate_ups)
+
+
 def test_selection_never_returns_gemv_cuda_where_it_cannot_run(monkeypatch):
     """A table entry for the CUDA GEMV is skipped on the CPU (no CUDA device) even when asked for, and the
     untuned rules do not pick it there either; bf16 and batches above 1 never take it."""

@@ -342,7 +342,7 @@ def heuristic_gemv_cuda_act_mul_config() -> Config:
     (2 gate rows and their up rows), 2 warps a block, 1 chunk in flight. In the AWQ batch-1 decode step on an
     H100 with no table it was 3-5 % faster than the half2 Triton GEMV at gate_ups of 22016 x 4096 and 37888 x 3584
     and level at 28672 x 4096 and 27648 x 5120, where `heuristic_gemv_cuda_config` (2 chunks in flight at most of
-    those shapes) was level or slower; 1 chunk is also what the per-call sweeps put in 7 of the 8 tuned gate_up
+    those shapes) was level or slower; 1 chunk is also what the per-call sweeps put in all 7 tuned gate_up
     entries of both cards (docs/benchmarks.md, session 32)."""
     return Config("gemv_cuda", block_n=8, num_warps=2, num_stages=1)
 
