@@ -96,43 +96,37 @@ def child(engine: str, kv_cache_tokens: int | None = None) -> None:
                       "triton_kernels": sorted({k.split("[")[0][:200] for k in seen})}), flush=True)
 
 
-def count_c_builds(builds: dict, phase: list) -> None:
-    """Count each C extension Triton builds with gcc (a kernel's launcher, its driver's utilities) under the
-    phase running at the time (`phase[0]`). Wraps `triton.runtime.build._build`, where Triton 3.x calls the C
-    compiler; a Triton without it is not counted."""
+def count_calls_per_phase(owner, attr: str, counts: dict, phase: list) -> None:
+    """Wrap `owner.attr` so that each call (from any thread) counts under the phase running at the time
+    (`phase[0]`)."""
     import threading
 
-    from triton.runtime import build
-
-    inner = getattr(build, "_build", None)
-    if inner is None:
-        return
+    inner = getattr(owner, attr)
     lock = threading.Lock()
 
     def counted(*a, **k):
         with lock:
-            builds[phase[0]] = builds.get(phase[0], 0) + 1
+            counts[phase[0]] = counts.get(phase[0], 0) + 1
         return inner(*a, **k)
 
-    build._build = counted
+    setattr(owner, attr, counted)
+
+
+def count_c_builds(builds: dict, phase: list) -> None:
+    """Count each C extension Triton builds with gcc (a kernel's launcher, its driver's utilities) per phase:
+    `triton.runtime.build._build` is where Triton 3.x calls the C compiler; a Triton without it is not counted."""
+    from triton.runtime import build
+
+    if getattr(build, "_build", None) is not None:
+        count_calls_per_phase(build, "_build", builds, phase)
 
 
 def count_nvrtc_compiles(compiles: dict, phase: list) -> None:
-    """Count each CUDA kernel NVRTC compiles (a miss of vlmctl's on-disk kernel cache) under the phase running at the
-    time (`phase[0]`): wraps `cuda_rtc.compile_cubin`, which the cache calls on a miss."""
-    import threading
-
+    """Count each CUDA kernel NVRTC compiles (a miss of vlmctl's on-disk kernel cache, which then calls
+    `cuda_rtc.compile_cubin`) per phase."""
     from vlmctl.runtime.kernels import cuda_rtc
 
-    inner = cuda_rtc.compile_cubin
-    lock = threading.Lock()
-
-    def counted(*a, **k):
-        with lock:
-            compiles[phase[0]] = compiles.get(phase[0], 0) + 1
-        return inner(*a, **k)
-
-    cuda_rtc.compile_cubin = counted
+    count_calls_per_phase(cuda_rtc, "compile_cubin", compiles, phase)
 
 
 def load_once(engine: Path, env: dict) -> dict:

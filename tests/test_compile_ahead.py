@@ -169,6 +169,7 @@ def test_load_bench_child_reports_every_phase(tiny_llava_engine, tmp_path):
     assert list(r["phases_s"]) == ["processor", "decoder weights", "vision", "compile kernels", "decode graphs",
                                    "prefill kernels", "warm steps"]
     assert r["engine_s"] >= sum(r["phases_s"].values()) - 0.01 and r["triton_compiles_per_phase"] == {}
+    assert r["nvrtc_compiles_per_phase"] == {}  # counted (the GPU test reads it), and nothing compiles here
 
 
 def test_a_launcher_that_cannot_be_built_ahead_leaves_the_compile_as_it_is(monkeypatch):
