@@ -604,11 +604,11 @@ def test_gpu_act_mul_at_7b_gate_up_and_in_a_graph(dtype, activation, monkeypatch
         monkeypatch.setenv("VLMCTL_W4A16_MMA_GEMV", "0")
         assert W.select_config(1, n, k, g, dtype, x.device, act_mul=True).kernel in W.ACT_MUL_KERNELS
     W.warmup([p], g, [1], dtype, "cuda", act_mul=[p], activation=activation)
-    # The pair runs the fused call's config: on a card without table entries (an H100) a plain gate_up call
-    # takes the CUDA GEMV's rule, which the fused call passes over, and two kernels sum in different orders.
+    # The pair runs the fused call's config: on a card without table entries a plain gate_up call takes the CUDA
+    # GEMV's plain rule and the fused call its act·mul rule (another config), and the two sum in different orders.
     cfg = W.select_config(1, n, k, g, dtype, x.device, act_mul=True)
     if cfg.kernel == "gemv_cuda":
-        # this card's table gives gate_up the CUDA GEMV (an H100 since session 30), whose epilogue rounds act
+        # the CUDA GEMV (this card's table entry, or the act·mul rule where it has none), whose epilogue rounds act
         # differently from the act·mul kernel (tests/test_w4a16_gemv_cuda.py bounds it against that pair): here
         # the fused call must be that config's epilogue, eager and replayed
         want = W.launch(x, p, g, cfg, act=activation)
