@@ -1,0 +1,32 @@
+"""benchmarks/decode_gpu.py on the CPU (--smoke): what its GPU runs depend on beyond the figures it prints."""
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+from pathlib import Path
+
+
+def test_each_decoder_is_freed_before_the_next_is_built(monkeypatch):
+    """The fp16 decoder, with a KV pool sized to most of the GPU, must be gone before the AWQ decoder is
+    built. In session 33 a `--without` variant's lambda held it as a default argument, and on an H200 the AWQ
+    build ran out of memory."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import decode_gpu as D
+
+    built = []
+    make = D.make_decoder
+
+    def tracked(*args, **kwargs):
+        gc.collect()
+        alive = [ref for ref in built if ref() is not None]
+        assert not alive, "an earlier decoder is still referenced while the next one is built"
+        dec = make(*args, **kwargs)
+        built.append(weakref.ref(dec))
+        return dec
+
+    monkeypatch.setattr(D, "make_decoder", tracked)
+    monkeypatch.setattr(sys, "argv", ["decode_gpu.py", "--smoke", "--awq", "--batches", "1", "--steps", "2",
+                                      "--hf-batches", "--without", "norms", "--attn-splits", "2"])
+    D.main()
+    assert len(built) == 2  # fp16, then AWQ
