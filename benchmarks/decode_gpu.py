@@ -345,7 +345,39 @@ WITHOUT = {
     "norms": "the RMSNorms",
     # each layer's decode attention (rotary, KV append, attention): o reads q as it came out of qkv
     "attention": "the decode attention",
+    # the attention's work but not its place in the chain: a PDL kernel between qkv and o that copies q to o's
+    # input, so that "without attention-work" less "without attention" is what the boundary alone costs
+    "attention-work": "the decode attention's work",
 }
+
+
+try:  # the kernel of `--without attention-work` (GPU only)
+    import triton
+    import triton.language as tl
+
+    from vlmctl.runtime.kernels import pdl as _pdl
+
+    @triton.jit
+    def _pass_q_kernel(src, dst, stride, D: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl.release(PDL)
+        _pdl.wait(PDL)
+        b, h = tl.program_id(0), tl.program_id(1)
+        offs = tl.arange(0, D)
+        tl.store(dst + (b * tl.num_programs(1) + h) * D + offs, tl.load(src + b * stride + h * D + offs))
+except ImportError:
+    _pass_q_kernel = None
+
+
+def _pass_q(qkv, n_q: int, d: int):
+    """Measurement only: q of qkv [B, (n_q + 2 n_kv) * d] copied to a new [B, n_q, d] by a kernel launched as the
+    decode attention is (programmatic dependent launch where the attention uses it), one program per q head."""
+    from vlmctl.runtime.kernels import paged_attention
+
+    if qkv.device.type != "cuda":
+        return qkv[:, :n_q * d].reshape(qkv.shape[0], n_q, d).clone()
+    out = torch.empty((qkv.shape[0], n_q, d), dtype=qkv.dtype, device=qkv.device)
+    _pass_q_kernel[(qkv.shape[0], n_q)](qkv, out, qkv.stride(0), D=d, **paged_attention._decode_launch_kwargs(qkv.device))
+    return out
 
 
 @contextlib.contextmanager
@@ -363,6 +395,13 @@ def left_out(dec, part: str):
         real = ops.paged_decode_rope
         nq, d = dec.n_heads, dec.head_dim
         ops.paged_decode_rope = lambda qkv, *a, **k: qkv[:, :nq * d].view(qkv.shape[0], nq, d)
+        try:
+            yield
+        finally:
+            ops.paged_decode_rope = real
+    elif part == "attention-work":
+        real = ops.paged_decode_rope
+        ops.paged_decode_rope = lambda qkv, *a, **k: _pass_q(qkv, dec.n_heads, dec.head_dim)
         try:
             yield
         finally:
