@@ -340,6 +340,92 @@ def profile_graph_steps(dec, batch: int, prompt_len: int, top: int = 30) -> None
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60))
 
 
+def chain_contributions(kernels: list[tuple[str, float, float]]) -> list[float]:
+    """What each kernel of one step adds to the step's span, for kernels (name, start, end) in launch order:
+    the first its duration, each later one how far its end passes the latest end before it (0 when it ends
+    inside another's time). With programmatic dependent launch a kernel starts before the one it waits for
+    ends, so its own duration overstates what it costs the step; these sum to the step's span."""
+    out, frontier = [], None
+    for _, start, end in kernels:
+        out.append(end - start if frontier is None else max(0.0, end - frontier))
+        frontier = end if frontier is None else max(frontier, end)
+    return out
+
+
+def split_steps(kernels: list[tuple[str, float, float]], gap: float) -> list[list[tuple[str, float, float]]]:
+    """Kernels sorted by start, cut into steps wherever nothing runs for more than `gap` (the caller
+    synchronizes and idles between steps)."""
+    steps, frontier = [], None
+    for k in sorted(kernels, key=lambda k: k[1]):
+        if frontier is None or k[1] - frontier > gap:
+            steps.append([])
+        steps[-1].append(k)
+        frontier = k[2] if frontier is None else max(frontier, k[2])
+    return steps
+
+
+def timeline(dec, batch: int, prompt_len: int, steps: int = 12) -> dict:
+    """Kernel start/end times of replayed decode-step graphs (torch.profiler's trace) and what each kernel adds
+    to the step's span (`chain_contributions`), by kernel name and for one layer in the middle. The profiler may
+    slow the step a little; the figures are shares, read beside the step's timed figure."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    bench_vlmctl(dec, batch, prompt_len, 4, graphs=True)  # captured and warm
+    bs = dec.block_size
+    per_seq = -(-(prompt_len + 8) // bs)
+    tables = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(batch)]
+    toks = np.zeros(batch, dtype=np.int64)
+    lens = np.full(batch, prompt_len, dtype=np.int64)
+    slots = np.array([tables[q][prompt_len // bs] * bs + prompt_len % bs for q in range(batch)], dtype=np.int64)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            dec.decode(toks, lens.copy(), slots, tables, lens + 1)
+            sync()
+            time.sleep(0.002)  # a gap that cuts the trace into steps
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        with open(f"{tmp}/trace.json") as f:
+            events = json.load(f)["traceEvents"]
+    kernels = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+               if e.get("cat") == "kernel"]
+    runs = [r for r in split_steps(kernels, gap=500.0) if len(r) > 8][1:]  # the first replay may be cold
+    n = min(len(r) for r in runs)
+    runs = [r[:n] for r in runs if len(r) == n]
+    contrib = [chain_contributions(r) for r in runs]
+    span = float(np.median([r[-1][2] - r[0][1] for r in runs]))
+    by_name: dict = {}
+    for r, c in zip(runs, contrib):
+        for (name, start, end), ci in zip(r, c):
+            row = by_name.setdefault(name, [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += end - start
+            row[2] += ci
+    k = len(runs)
+    names = sorted(by_name, key=lambda nm: -by_name[nm][2])
+    print(f"--- timeline of graphed steps at batch {batch}: {k} steps of {n} kernels, span {span:.1f} us ---")
+    print(f"{'kernel':<60}{'calls':>7}{'own us':>10}{'adds us':>10}  (per step)")
+    for nm in names:
+        calls, own, add = by_name[nm]
+        print(f"{nm[:59]:<60}{calls / k:>7.0f}{own / k:>10.1f}{add / k:>10.1f}")
+    norms = [i for i, kk in enumerate(runs[0]) if "rms_norm" in kk[0]]
+    layer = []
+    if len(norms) >= 4:
+        mid = (len(norms) // 4) * 2  # an input norm in the middle layer: its layer runs to the norm two after
+        lo, hi = norms[mid], norms[mid + 2]
+        for i in range(lo, hi):
+            own = float(np.median([r[i][2] - r[i][1] for r in runs]))
+            add = float(np.median([c[i] for c in contrib]))
+            layer.append({"kernel": runs[0][i][0], "own_us": own, "adds_us": add})
+        print("--- one layer in the middle, median over steps ---")
+        for row in layer:
+            print(f"{row['kernel'][:59]:<60}{row['own_us']:>10.1f}{row['adds_us']:>10.1f}")
+    return {"batch": batch, "steps": k, "kernels_per_step": n, "span_us": span, "layer": layer,
+            "by_name": {nm: {"calls": by_name[nm][0] / k, "own_us": by_name[nm][1] / k, "adds_us": by_name[nm][2] / k}
+                        for nm in names}}
+
+
 WITHOUT = {
     # every RMSNorm (the 2 per layer and the final one): the norm's input passes through, nothing launched
     "norms": "the RMSNorms",
@@ -484,6 +570,9 @@ def main():
     ap.add_argument("--awq", type=int, nargs="?", const=128, default=None, help="also the AWQ decoder (group size)")
     ap.add_argument("--attention", action="store_true", help="also time decode attention alone")
     ap.add_argument("--profile", type=int, nargs="*", default=[], help="batch sizes to profile (kernel table)")
+    ap.add_argument("--timeline", type=int, nargs="*", default=[],
+                    help="batch sizes whose graphed steps to trace: what each kernel adds to the step's span "
+                    "(with PDL a kernel's own time overlaps the one before it); after the timings, as the profiles")
     ap.add_argument("--graph-profile", type=int, nargs="*", default=[],
                     help="batch sizes whose graphed steps to profile (kernel table), after every timing of a "
                     "decoder and under its last --env-cases case")
@@ -593,6 +682,8 @@ def main():
         time_measurement_variants(dec, name, args, rows)
         # the profiles come last: in session 33 the variants timed after a graph profile in the same process ran
         # 0.1-0.2 ms a step slower than without one before them (not taken apart; the profiler's CUPTI is suspect)
+        for b in args.timeline:
+            rows.append({"impl": "timeline", "variant": name, **timeline(dec, b, args.prompt_len)})
         for b in args.graph_profile:
             profile_graph_steps(dec, b, args.prompt_len)
         for b in args.profile:

@@ -44,3 +44,18 @@ def test_attention_work_left_out_keeps_a_kernel_that_passes_q(monkeypatch, trito
     out = torch.empty(3, n_q, d, device=triton_device)
     D._pass_q_kernel[(3, n_q)](qkv, out, qkv.stride(0), D=d)
     assert torch.equal(out, qkv[:, :n_q * d].reshape(3, n_q, d))
+
+
+def test_timeline_charges_each_kernel_what_it_adds_to_the_span(monkeypatch):
+    """`--timeline`'s arithmetic on hand-made traces: a kernel launched early (PDL) is charged only for how far
+    its end passes the latest end before it, one that ends inside another's time for nothing, and the charges
+    sum to the step's span; idle gaps longer than `gap` cut the trace into steps."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import decode_gpu as D
+
+    step = [("norm", 0.0, 2.0), ("qkv", 1.0, 12.0), ("attn", 5.0, 20.0), ("o", 6.0, 19.0), ("norm", 19.5, 21.0)]
+    assert D.chain_contributions(step) == [2.0, 10.0, 8.0, 0.0, 1.0]
+    assert sum(D.chain_contributions(step)) == step[-1][2] - step[0][1]
+    later = [(name, start + 1000.0, end + 1000.0) for name, start, end in step]
+    assert D.split_steps(later[::-1] + step, gap=500.0) == [step, later]
+    assert D.split_steps(step + later, gap=2000.0) == [step + later]
