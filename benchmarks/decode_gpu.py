@@ -391,6 +391,9 @@ def timeline(dec, batch: int, prompt_len: int, steps: int = 12) -> dict:
     kernels = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
                if e.get("cat") == "kernel"]
     runs = [r for r in split_steps(kernels, gap=500.0) if len(r) > 8][1:]  # the first replay may be cold
+    if not runs:
+        raise SystemExit(f"--timeline: the profiler's trace held {len(kernels)} kernel events, not {steps} steps' "
+                         "worth; nothing to attribute")
     n = min(len(r) for r in runs)
     runs = [r[:n] for r in runs if len(r) == n]
     contrib = [chain_contributions(r) for r in runs]
