@@ -317,9 +317,9 @@ def test_allowed_hosts_resolving_to_private_addresses_are_refused(srv):
 # ---- item 9 -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path,body,param", [
     ("/chat/completions", '{"messages": [{"role": "user", "content": "hi \\ud800 there"}], "max_tokens": 2}',
-     "messages.0.content"),
+     "messages[0].content"),
     ("/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
-     "messages.0.content"),
+     "messages[0].content"),
     ("/completions", '{"prompt": "a\\ud83d", "max_tokens": 2}', "prompt"),
     ("/completions", '{"prompt": "a", "stop": ["\\ud800"], "max_tokens": 2}', "stop"),
 ])

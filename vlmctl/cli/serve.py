@@ -32,6 +32,9 @@ def serve_command(
                                        help="Longest image side accepted, in pixels (default 16384)"),
     max_image_aspect_ratio: float = typer.Option(None, "--max-image-aspect-ratio", min=1.0,
                                                  help="Largest long-side/short-side ratio accepted (default 200)"),
+    max_image_pixels: int = typer.Option(None, "--max-image-pixels", min=1,
+                                         help="Most pixels (width x height) one image may have, checked on its "
+                                              "header before decoding (default 67108864, 8192x8192)"),
     feature_cache_size: int = typer.Option(256, "--feature-cache-size", min=0, help="Images whose features are "
                                            "cached"),
     allowed_local_media_path: Path = typer.Option(None, "--allowed-local-media-path",
@@ -132,7 +135,8 @@ def serve_command(
                             vision_batch_size=vision_batch_size, vision_overlap=vision_overlap, cuda_graphs=cuda_graphs,
                             feature_cache_size=feature_cache_size, max_stop_sequences=max_stop_sequences,
                             image_limits=ImageLimits.with_overrides(max_side=max_image_side,
-                                                                    max_aspect_ratio=max_image_aspect_ratio),
+                                                                    max_aspect_ratio=max_image_aspect_ratio,
+                                                                    max_pixels=max_image_pixels),
                             video_limits=VideoLimits.with_overrides(max_videos_per_request=max_videos,
                                                                     max_frames=max_video_frames))
     app = load_app(engine_dir, config, options)

@@ -53,7 +53,7 @@ from ..host import cuda_graphs_allowed, resolve_device
 from ..media.video import VideoLimits
 from ..models.base import EncodedPrompt
 from ..models.registry import get_family
-from .image_limits import ImageLimits
+from .image_limits import ImageLimits, decode_image
 from .kv_cache import BlockPool, image_row_tokens
 from .request import FINISHED, RUNNING, Completion, Request, StepEvent
 from .sampling import SamplingParams, make_generator, sample
@@ -144,6 +144,7 @@ def _max_images(value: int | None, built: int, backend: str, vision_backend: str
 
 
 class Engine:
+    _longest_token: int | None = None  # characters of the vocabulary's longest entry (computed at first use)
     _vision_ahead = 0  # images the vision worker may encode ahead of admission (0: no worker)
 
     def __init__(self, engine_dir: Path, options: EngineOptions | None = None, **overrides):
@@ -337,6 +338,7 @@ class Engine:
         """`videos`: media.video.Video objects, in the order of the messages' video parts.
         `tools`: OpenAI function tools (models/tool_calls.normalize_tools) for the chat template
         to show; only for an engine whose `tool_format()` is not None."""
+        self._check_text_size(sum(_text_chars(m.get("content")) for m in messages))
         max_images = self.limits.max_images_per_request
         if len(images) > max_images:
             raise LimitError(f"{len(images)} images in one request; this engine accepts at most {max_images}")
@@ -404,8 +406,20 @@ class Engine:
     def encode_text(self, text: str) -> EncodedPrompt:
         if not text:  # a BOS alone is not a prompt either (and without one there is nothing to prefill)
             raise InputError("the prompt is empty; give at least one character of text")
+        self._check_text_size(len(text))
         ids = self.tokenizer(text)["input_ids"]
         return EncodedPrompt(token_ids=list(ids), images=[], image_placeholder_id=-1, text=text)
+
+    def _check_text_size(self, chars: int) -> None:
+        """Refuse text that cannot fit in max_input_len tokens before tokenizing it (tens of MB take the
+        tokenizer seconds, while other requests wait): no token stands for more characters than the
+        vocabulary's longest entry (twice that, for normalizers that drop characters)."""
+        if self._longest_token is None:
+            self._longest_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        most = 2 * self._longest_token * self.limits.max_input_len
+        if chars > most:
+            raise LimitError(f"the prompt's text has {chars} characters, more than {self.limits.max_input_len} tokens "
+                             f"(this engine's max_input_len) can hold")
 
     def check_limits(self, prompt: EncodedPrompt, params: SamplingParams) -> None:
         n, lim = len(prompt.token_ids), self.limits
@@ -542,12 +556,15 @@ class Engine:
         events: list[StepEvent] = []
         with self._lock:
             aborts, self._aborts = self._aborts, set()
+            aborted = []
             for rid in aborts:
                 req = self._requests.pop(rid, None)
                 if req is not None and req.status != FINISHED:
                     req.finished, req.finish_reason = True, "abort"
                     self._release_extras(req)
-                    self.scheduler.finish(req)
+                    aborted.append(req)
+            if aborted:
+                self.scheduler.finish_many(aborted)
             scheduled, _ = self.scheduler.schedule()
             if self._vision_ahead:
                 self._encode_ahead()  # for the requests this step leaves waiting
@@ -926,18 +943,21 @@ class Engine:
         return self.generate([self.encode(messages, images, videos=videos)], params, on_event)[0]
 
 
-def load_image(path: str | Path):
-    """Open an image file with a clear error for missing or non-image files."""
-    from PIL import Image, UnidentifiedImageError
+def _text_chars(content) -> int:
+    """Characters of a chat message's text (string content or text parts)."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
 
+
+def load_image(path: str | Path, limits: ImageLimits | None = None):
+    """Open an image file with a clear error for missing, non-image or oversized files (`limits`,
+    default ImageLimits(), checked on the header before the pixels are decoded)."""
     p = Path(path)
     if not p.exists():
         raise InputError(f"{path}: no such image file")
     if not p.is_file():
         raise InputError(f"{path}: not a file")
-    try:
-        img = Image.open(p)
-        img.load()
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise InputError(f"{path}: not a readable image ({type(e).__name__})") from None
-    return img.convert("RGB")
+    return decode_image(p, str(path), limits)

@@ -73,15 +73,19 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         """Take a request out (finished, aborted or failed) and give its blocks back."""
-        if req.status == RUNNING:
-            self.running.remove(req)
-        elif req.status == WAITING:
-            try:
-                self.waiting.remove(req)
-            except ValueError:
-                pass
-        req.status = FINISHED
-        self._free(req)
+        self.finish_many([req])
+
+    def finish_many(self, reqs: list[Request]) -> None:
+        """`finish` for many at once, in one pass over each queue: a client that drops a request of a
+        thousand sequences must not cost a thousand scans of the waiting queue."""
+        gone = {id(r) for r in reqs}
+        if any(r.status == RUNNING for r in reqs):
+            self.running = [r for r in self.running if id(r) not in gone]
+        if any(r.status == WAITING for r in reqs):
+            self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+        for req in reqs:
+            req.status = FINISHED
+            self._free(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -2,7 +2,8 @@
 
 app.py wires the application together; endpoints.py holds the two completion endpoints, which
 use openai_fields.py (every OpenAI request field and vlmctl's decision), openai_request.py (body ->
-engine work), render.py (events -> OpenAI objects) and streaming.py (whole or SSE); schema.py holds
+engine work), render.py (events -> OpenAI objects; token_bytes.py a token's exact bytes for logprobs)
+and streaming.py (whole or SSE); schema.py holds
 the request/response models, errors.py the OpenAI-shaped errors, middleware.py the API-key guard
 and the access log, logs.py the log format and the periodic stats line, media.py the image
 loading under the server's media policy, async_engine.py the engine's step thread, metrics.py the

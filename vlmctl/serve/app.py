@@ -24,6 +24,7 @@ from . import schema as S
 from .async_engine import AsyncEngine
 from .endpoints import ServeContext, chat_completion, completion
 from .errors import error_response, install_error_handlers
+from .openai_request import check_model
 from .logs import StatsReporter
 from .media import MediaPolicy
 from .metrics import ServerMetrics
@@ -77,7 +78,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app.add_middleware(AccessLogMiddleware, log_text=config.log_requests_text)
     install_error_handlers(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not aeng.alive:
             return error_response(503, "engine is not running", "service_unavailable", None, "engine_unavailable")
@@ -98,10 +99,17 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card():  # `root` names the model, not the engine's directory on the server's disk
+        return S.ModelCard(id=model_name, root=model_name, max_model_len=engine.limits.max_seq_len)
+
     @app.get("/v1/models")
     async def models():
-        card = S.ModelCard(id=model_name, root=str(engine.engine_dir), max_model_len=engine.limits.max_seq_len)
-        return S.ModelList(data=[card]).model_dump()
+        return S.ModelList(data=[model_card()]).model_dump()
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        check_model(S.ModelRef(model=model), model_name)
+        return model_card().model_dump()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -54,6 +54,7 @@ def _jobs(prompt, params, n: int) -> list:
 
 async def chat_completion(ctx: ServeContext, request: Request):
     engine, aeng = ctx.engine, ctx.aeng
+    created = S.now()  # every object of the response carries the request's start, as OpenAI's do
     body = await parse_body(request, S.ChatCompletionRequest, "chat")
     check_model(body, ctx.model_name)
     check_stream_options(body)
@@ -78,7 +79,8 @@ async def chat_completion(ctx: ServeContext, request: Request):
         if len(video_urls) > vlimit:
             raise APIError(400, f"{len(video_urls)} videos in one request; this engine accepts at most {vlimit}",
                            param="messages", code="limit_exceeded")
-    images = await asyncio.gather(*(load_image_url(u, ctx.config.media, f"image {i + 1}")
+    images = await asyncio.gather(*(load_image_url(u, ctx.config.media, f"image {i + 1}",
+                                                   limits=ctx.engine.image_limits)
                                     for i, u in enumerate(urls)))
     videos = await asyncio.gather(*(load_video_url(u, ctx.config.media, f"video {i + 1}")
                                     for i, u in enumerate(video_urls)))
@@ -94,23 +96,23 @@ async def chat_completion(ctx: ServeContext, request: Request):
     request.state.access = AccessInfo(rid, stream.requests)
     choices = {r.id: ChatChoice(i, r, engine, logprobs=bool(body.logprobs), tools=tools)
                for i, r in enumerate(stream.requests)}
-    model = ctx.model_name
+    head = {"id": rid, "created": created, "model": ctx.model_name}  # the same on every object of the response
     if not body.stream:
         await collect(request, stream, choices)
-        resp = S.ChatCompletionResponse(id=rid, model=model, choices=[c.final() for c in choices.values()],
+        resp = S.ChatCompletionResponse(**head, choices=[c.final() for c in choices.values()],
                                         usage=usage_of(stream.requests))
         return JSONResponse(resp.model_dump())
     usage = None
     if body.stream_options and body.stream_options.include_usage:
-        usage = lambda: S.ChatCompletionChunk(id=rid, model=model, choices=[],  # noqa: E731
-                                              usage=usage_of(stream.requests))
-    return sse_response(stream, choices, lambda parts: S.ChatCompletionChunk(id=rid, model=model, choices=parts),
-                        first=[S.ChatCompletionChunk(id=rid, model=model, choices=[c.first()])
-                               for c in choices.values()], usage=usage)
+        usage = lambda: S.ChatCompletionChunk(**head, choices=[], usage=usage_of(stream.requests))  # noqa: E731
+    return sse_response(stream, choices, lambda parts: S.ChatCompletionChunk(**head, choices=parts),
+                        first=[S.ChatCompletionChunk(**head, choices=[c.first()]) for c in choices.values()],
+                        usage=usage)
 
 
 async def completion(ctx: ServeContext, request: Request):
     engine, aeng = ctx.engine, ctx.aeng
+    created = S.now()  # every object of the response carries the request's start, as OpenAI's do
     body = await parse_body(request, S.CompletionRequest, "completions")
     check_model(body, ctx.model_name)
     check_stream_options(body)
@@ -126,6 +128,9 @@ async def completion(ctx: ServeContext, request: Request):
         raise APIError(400, f"best_of ({best_of}) must be at least n ({n})", param="best_of")
     if best_of > n and body.stream:
         raise APIError(400, "best_of > n cannot be streamed (the best are known only at the end)", param="best_of")
+    if len(texts) * best_of > S.MAX_SEQUENCES:
+        raise APIError(400, f"{len(texts)} prompts x {best_of} samples each is {len(texts) * best_of} sequences; one "
+                       f"request may ask for at most {S.MAX_SEQUENCES}", param="prompt" if len(texts) > 1 else "n")
     grammar = response_format_spec(body.response_format)
     await compile_grammar(aeng, engine, grammar, "response_format")
     jobs = []
@@ -139,7 +144,7 @@ async def completion(ctx: ServeContext, request: Request):
     stream = aeng.submit_group(jobs, ids)
     request.state.access = AccessInfo(rid, stream.requests)
     choices = {r.id: CompletionChoice(i, r, engine, logprobs=body.logprobs) for i, r in enumerate(stream.requests)}
-    model = ctx.model_name
+    head = {"id": rid, "created": created, "model": ctx.model_name}
     if not body.stream:
         await collect(request, stream, choices)
         out = list(choices.values())
@@ -148,12 +153,9 @@ async def completion(ctx: ServeContext, request: Request):
             for i, c in enumerate(out):
                 c.index = i
         # usage counts every sample generated, best_of's candidates included (as OpenAI bills them)
-        resp = S.CompletionResponse(id=rid, model=model, choices=[c.final() for c in out],
-                                    usage=usage_of(stream.requests))
+        resp = S.CompletionResponse(**head, choices=[c.final() for c in out], usage=usage_of(stream.requests))
         return JSONResponse(resp.model_dump())
     usage = None
     if body.stream_options and body.stream_options.include_usage:
-        usage = lambda: S.CompletionResponse(id=rid, model=model, choices=[],  # noqa: E731
-                                             usage=usage_of(stream.requests))
-    return sse_response(stream, choices, lambda parts: S.CompletionResponse(id=rid, model=model, choices=parts),
-                        usage=usage)
+        usage = lambda: S.CompletionResponse(**head, choices=[], usage=usage_of(stream.requests))  # noqa: E731
+    return sse_response(stream, choices, lambda parts: S.CompletionResponse(**head, choices=parts), usage=usage)

@@ -5,6 +5,7 @@ failure of a route that shape with the right status (400 bad input, 404 unknown 
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -29,17 +30,57 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(S.error_body(message, type_, param, code), status_code=status)
 
 
+def _field_path(loc) -> str:
+    """pydantic's error location as the request's own path, e.g. `messages[0].content[0].text`: list
+    indexes in brackets, without the union branches pydantic adds (`function-after[...]`, `list[...]`)
+    or the tag value it adds after a tagged union's member."""
+    out, after_tagged = "", False
+    for x in loc:
+        if x == "body":
+            continue
+        if isinstance(x, int):
+            out += f"[{x}]"
+            continue
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", x) or x in _TYPE_NAMES or x[:1].isupper():
+            after_tagged = after_tagged or "tagged-union[" in x
+            continue
+        if after_tagged:  # the member's tag value (e.g. "text"), not a field
+            after_tagged = False
+            continue
+        out += f".{x}" if out else x
+    return out
+
+
+# names pydantic gives union branches of plain types
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
+
+
 def validation_error(errs: list[dict]) -> APIError:
-    """pydantic's errors -> one 400 naming the first field at fault."""
-    first = errs[0] if errs else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    if first.get("type") == "json_invalid":
+    """pydantic's errors -> one 400 naming the field at fault. A union reports one error per branch: the
+    deepest path is the branch the value was meant for (a content list, not the string it is not); where
+    branches end at the same path, their complaints are joined ("a valid string, or a valid list")."""
+    if not errs:
+        return APIError(400, "the request body does not match the API's schema")
+    if errs[0].get("type") == "json_invalid":
+        first = errs[0]
         return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
-    parts = []
-    for e in errs[:5]:
-        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
-        parts.append(f"{where}: {e.get('msg')}")
-    return APIError(400, "; ".join(parts), param=".".join(loc) or None)
+    paths = [_field_path(e.get("loc", ())) for e in errs]
+    depth = [p.count(".") + p.count("[") for p in paths]
+    best = max(range(len(errs)), key=lambda i: (depth[i], -i))
+    where = paths[best]
+    here = [e for p, e in zip(paths, errs) if p == where]
+    # a branch whose type fits but whose value does not (a string with a lone surrogate) says more than
+    # the branches of other types
+    fitting = [e for e in here if not str(e.get("type", "")).endswith("_type")]
+    msgs = []
+    for e in fitting or here:
+        m = str(e.get("msg")).removeprefix("Value error, ")
+        if m not in msgs:
+            msgs.append(m)
+    msg = msgs[0]
+    for m in msgs[1:]:
+        msg += ", or " + m.removeprefix("Input should be ") if m.startswith("Input should be ") else f"; {m}"
+    return APIError(400, f"{where or 'body'}: {msg}", param=where or None)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -66,8 +107,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else
-                              "invalid_request_error")
+        # OpenAI answers an unknown route as it does an unknown model: invalid_request_error; a 405 keeps
+        # starlette's Allow header
+        resp = error_response(exc.status_code, str(exc.detail))
+        resp.headers.update(exc.headers or {})
+        return resp
 
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):

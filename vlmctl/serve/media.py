@@ -7,9 +7,11 @@ cap counted while the body streams, and with no redirects to other hosts. An all
 resolve to public addresses only (no loopback, link-local, private or reserved ranges, unless
 `allow_private_addresses`), and the connection goes to the address that was checked, so a DNS
 answer that changes between check and connect cannot redirect it. `file://` URLs are read only
-when they resolve (symlinks followed) inside `allowed_local_path`. Every failure is an
-`InputError` (HTTP 400) whose message says which image and why. Videos follow the same policy
-with their own byte cap (`max_video_bytes`); decoding them is media/video.py's. No audio.
+when they resolve (symlinks followed) inside `allowed_local_path`; a refusal names the path the
+client sent, never what it resolves to. An image's size (the engine's `ImageLimits`: side, pixel
+count, aspect ratio) is checked on its header, before any pixel is decoded. Every failure is an `InputError`
+(HTTP 400) whose message says which image and why. Videos follow the same policy with their own
+byte cap (`max_video_bytes`); decoding them is media/video.py's. No audio.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pathlib import Path
 from urllib.parse import unquote, urljoin, urlsplit
 
 from ..errors import InputError
+from ..runtime.image_limits import ImageLimits
+from ..runtime.image_limits import decode_image as decode_checked
 
 MAX_REDIRECTS = 3
 
@@ -43,18 +47,9 @@ class MediaPolicy:
         return any(host == d.lower().rstrip(".") for d in self.allowed_domains)
 
 
-def decode_image(data: bytes, what: str):
-    """Bytes -> RGB PIL image; undecodable or oversized (decompression bomb) data is an InputError."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        img = Image.open(io.BytesIO(data))
-        img.load()
-        return img.convert("RGB")
-    except Image.DecompressionBombError as e:
-        raise InputError(f"{what}: image is too large ({e})") from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-        raise InputError(f"{what}: the data is not a decodable image ({type(e).__name__})") from None
+def decode_image(data: bytes, what: str, limits: ImageLimits | None = None):
+    """Bytes -> RGB PIL image (`runtime.image_limits.decode_image`: sizes checked on the header)."""
+    return decode_checked(io.BytesIO(data), what, limits, "the data is not a decodable image")
 
 
 def parse_data_url(url: str, what: str, kind: str = "image") -> bytes:
@@ -89,13 +84,14 @@ def read_local(url: str, policy: MediaPolicy, what: str, max_bytes: int | None =
         path = Path(raw).resolve()
     except (OSError, ValueError) as e:
         raise InputError(f"{what}: not a usable local path ({type(e).__name__})") from None
+    # messages name the path the client sent: the resolved one may be a symlink's target outside the root
     if not path.is_relative_to(root):
-        raise InputError(f"{what}: {path} is outside the allowed local media path {root}")
+        raise InputError(f"{what}: {raw} resolves outside the allowed local media path {policy.allowed_local_path}")
     if not path.is_file():
-        raise InputError(f"{what}: {path}: no such file")
+        raise InputError(f"{what}: {raw}: no such file")
     size, cap = path.stat().st_size, max_bytes or policy.max_bytes
     if size > cap:
-        raise InputError(f"{what}: {path} is {size} bytes, over the {cap}-byte media cap")
+        raise InputError(f"{what}: {raw} is {size} bytes, over the {cap}-byte media cap")
     return path.read_bytes()
 
 
@@ -200,7 +196,8 @@ async def fetch_remote(url: str, policy: MediaPolicy, what: str, client=None, ma
             await client.aclose()
 
 
-async def load_image_url(url: str, policy: MediaPolicy, what: str = "image", client=None):
+async def load_image_url(url: str, policy: MediaPolicy, what: str = "image", client=None,
+                         limits: ImageLimits | None = None):
     """An image_url (data:, http(s):, file:) -> RGB PIL image. Decoding runs off the event loop."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
@@ -213,7 +210,7 @@ async def load_image_url(url: str, policy: MediaPolicy, what: str = "image", cli
         raise InputError(f"{what}: unsupported image URL (use a data:, http(s): or file: URL)")
     if len(data) > policy.max_bytes:
         raise InputError(f"{what}: {len(data)} bytes, over the {policy.max_bytes}-byte media cap")
-    return await asyncio.to_thread(decode_image, data, what)
+    return await asyncio.to_thread(decode_image, data, what, limits)
 
 
 async def load_video_url(url: str, policy: MediaPolicy, what: str = "video", client=None):

@@ -37,14 +37,37 @@ from .openai_fields import check_request
 _SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a json_schema's name
 
 
+# Deeper bodies are refused before anything walks them recursively (the field checks, pydantic, the grammar
+# compiler would each hit Python's recursion limit); a JSON schema this deep is far beyond real ones.
+MAX_JSON_DEPTH = 100
+
+
+def _nested_deeper(value, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
 async def parse_body(request, model_cls, endpoint: str):
     """The raw JSON body checked field by field against OpenAI's schema (openai_fields.py), then
     validated by `model_cls`: an APIError 400 naming the first field at fault otherwise."""
     raw = await request.body()
     try:
         body = json.loads(raw)
+        too_deep = _nested_deeper(body, MAX_JSON_DEPTH)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:  # too deep for the parser itself
+        too_deep = True
+    if too_deep:
+        raise APIError(400, f"the JSON body nests arrays and objects more than {MAX_JSON_DEPTH} deep")
     try:
         check_request(body, endpoint)
     except InputError as e:
@@ -58,7 +81,7 @@ async def parse_body(request, model_cls, endpoint: str):
 def check_model(body, model_name: str) -> None:
     if body.model is not None and body.model != model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
-                       "not_found_error", "model", "model_not_found")
+                       "invalid_request_error", "model", "model_not_found")
 
 
 def check_stream_options(body) -> None:
@@ -73,8 +96,8 @@ def choice_seed(seed: int | None, i: int) -> int | None:
 def sampling_params(engine, body, prompt_len: int, max_tokens: int | None, logprobs: int | None,
                     grammar: GrammarSpec | None = None) -> SamplingParams:
     """The parameters of choice 0 (see `choice_seed` for the others)."""
-    if max_tokens is None:
-        room = engine.limits.max_seq_len - prompt_len
+    if max_tokens is None:  # as much as fits: the sequence limit, and the whole KV pool where it is smaller
+        room = min(engine.limits.max_seq_len, engine.limits.kv_cache_tokens or engine.limits.max_seq_len) - prompt_len
         max_tokens = max(1, min(engine.limits.max_output_len, room))
     lp = LogitsParams.from_request(presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                    repetition_penalty=body.repetition_penalty, min_p=body.min_p,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from . import schema as S
 from .async_engine import token_appended
+from .token_bytes import token_bytes_of
 
 
 def usage_of(requests) -> S.Usage:
@@ -34,6 +35,11 @@ class _Choice:
     def _token(self, tid: int) -> str:
         return self.engine.tokenizer.decode([tid])
 
+    def _bytes(self, tid: int) -> list[int]:
+        """The token's own bytes (token_bytes.py), which for part of a UTF-8 character are not the
+        UTF-8 of its decoded text (U+FFFD)."""
+        return list(token_bytes_of(self.engine.tokenizer)(tid))
+
     def _appended(self, events) -> list:
         return [ev for ev in events if token_appended(ev, self.engine.eos_ids)]
 
@@ -49,10 +55,13 @@ class ChatChoice(_Choice):
             self.parser = ToolCallStreamParser(tools.fmt, tools.names)
 
     def _logprob(self, ev) -> S.TokenLogprob:
-        tok = self._token(ev.token_id)
-        tops = [S.TopLogprob(token=(t := self._token(i)), logprob=lp, bytes=list(t.encode()))
+        # `token` is the token decoded alone (U+FFFD for part of a character, as OpenAI's); `bytes` is
+        # exact, so that a client can join consecutive tokens' bytes into the characters they split.
+        # top_logprobs is the top k only: the sampled token is this entry's own token/logprob.
+        tops = [S.TopLogprob(token=self._token(i), logprob=lp, bytes=self._bytes(i))
                 for i, lp in (ev.top_logprobs or [])]
-        return S.TokenLogprob(token=tok, logprob=ev.logprob, bytes=list(tok.encode()), top_logprobs=tops)
+        return S.TokenLogprob(token=self._token(ev.token_id), logprob=ev.logprob, bytes=self._bytes(ev.token_id),
+                              top_logprobs=tops)
 
     def _finish_reason(self, has_calls: bool) -> str | None:
         reason = self.request.finish_reason
@@ -123,8 +132,16 @@ class CompletionChoice(_Choice):
                 lp.token_logprobs.append(ev.logprob)
                 lp.text_offset.append(self._offset)
                 if self.logprobs:
+                    # OpenAI's completions always report the sampled token here too: up to k + 1
+                    # entries. Two ids that decode alike share a key: the likelier (first) one keeps it.
+                    tops = list(ev.top_logprobs or [])
+                    if all(i != ev.token_id for i, _ in tops):
+                        tops.append((ev.token_id, ev.logprob))
+                    top: dict[str, float] = {}
+                    for i, v in tops:
+                        top.setdefault(self._token(i), v)
                     lp.top_logprobs = lp.top_logprobs or []
-                    lp.top_logprobs.append({self._token(i): v for i, v in (ev.top_logprobs or [])})
+                    lp.top_logprobs.append(top)
             self._offset += len(ev.text_delta)
 
     def delta(self, events) -> list[S.CompletionChoice]:

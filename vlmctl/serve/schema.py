@@ -19,10 +19,15 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 # OpenAI's own limit of choices per request
 MAX_N = 128
+# vlmctl's limit of sequences one request queues (completions: prompts x best_of): a 2 KB body must not
+# fan out into tens of thousands of requests
+MAX_SEQUENCES = 1024
 
 
 class _Req(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a wrong JSON type is a 400, as OpenAI answers it ("5" is not an integer, "yes" not a boolean,
+    # true not a count); an integer still passes where a number is expected
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 def _unicode_text(value: str) -> str:
@@ -123,7 +128,7 @@ class ChatMessage(_Req):
 
 
 class StreamOptions(_Req):
-    include_usage: bool = False
+    include_usage: bool | None = False  # null counts as not sent
 
 
 class SamplingFields(_Req):
@@ -134,7 +139,7 @@ class SamplingFields(_Req):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)  # extension
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # a 64-bit seed: a larger one would wrap onto another
     stop: Text | list[Text] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -283,6 +288,11 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class ModelRef(BaseModel):
+    """The model a request names (`GET /v1/models/{model}`)."""
+    model: str
 
 
 class ModelCard(BaseModel):
