@@ -52,11 +52,14 @@ def test_same_image_hits_the_feature_cache(tiny_llava_engine):
     (("--url", "http://127.0.0.1:9", "ENGINE"), "not both"),
     (("ENGINE", "--image-size", "big"), "WIDTHxHEIGHT"),
     (("ENGINE", "-c", "0"), "concurrency"),
+    # the images are made before the engine sees them: 100000x100000 would be 28 GiB of RGB
+    (("ENGINE", "--image-size", "100000x100000", "-n", "1"), "longest side accepted is 16384"),
 ])
 def test_bench_bad_arguments(tiny_llava_engine, capsys, args, fragment):
+    """Command-line mistakes exit 2 (README's table) with one line, before anything is built."""
     args = [str(tiny_llava_engine) if a == "ENGINE" else a for a in args]
     code, _, err = cli("bench", *args, capsys=capsys, expect=None)
-    assert code != 0 and fragment in err
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, (code, err)
 
 
 def test_url_bench_unreachable_server_is_a_clear_error(capsys):

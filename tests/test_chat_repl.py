@@ -203,18 +203,37 @@ def test_one_shot_sampling_options(tiny_llava_engine, tmp_path, capsys):
     assert got["text"].startswith("{")
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--json-object", "--json-schema", "s.json"], "give one of them"),
-    (["--json-schema", "missing.json"], "cannot read"),
-    (["--json-schema", "bad.json"], "not a JSON file"),
-    (["--json-schema", "refused.json"], "cannot be used"),
-    (["--presence-penalty", "3"], "between -2 and 2"),
-    (["--min-p", "1.5"], "min_p"),
+# README's exit codes: 2 for a command line that cannot be used (a value out of range, options that exclude each
+# other), 5 for an input (here a schema file) that cannot be
+@pytest.mark.parametrize("args, fragment, exit_code", [
+    (["--json-object", "--json-schema", "s.json"], "give one of them", 2),
+    (["--json-schema", "missing.json"], "cannot read", 5),
+    (["--json-schema", "bad.json"], "not a JSON file", 5),
+    (["--json-schema", "refused.json"], "cannot be used", 5),
+    (["--presence-penalty", "3"], "--presence-penalty must be between -2 and 2", 2),
+    (["--min-p", "1.5"], "--min-p", 2),
+    (["--temperature", "-1"], "--temperature", 2),
+    (["--top-p", "0"], "--top-p", 2),
+    (["--top-k", "-3"], "--top-k", 2),
+    (["--repetition-penalty", "0"], "--repetition-penalty", 2),
+    (["--kv-cache-tokens", "1"], "--kv-cache-tokens", 2),
+    (["--vision-backend", "bogus"], "--vision-backend", 2),
+    (["--json-object", "--json"], None, 0),
 ])
-def test_bad_sampling_options_are_one_line_errors(tiny_llava_engine, tmp_path, capsys, monkeypatch, args, fragment):
+def test_bad_sampling_options_are_one_line_errors(tiny_llava_engine, tmp_path, capsys, monkeypatch, args, fragment,
+                                                  exit_code):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "s.json").write_text('{"type": "object"}')
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "refused.json").write_text('{"type": "string", "pattern": "(["}')
-    code, _, err = cli("chat", tiny_llava_engine, "-p", "hi", *args, capsys=capsys, expect=None)
-    assert code == 5 and fragment in err and err.strip().startswith("error:") and len(err.strip().splitlines()) == 1
+    code, _, err = cli("chat", tiny_llava_engine, "-p", "hi", "--max-tokens", "4", *args, capsys=capsys, expect=None)
+    if fragment is None:  # the control: the same command with usable options
+        assert code == 0, err
+        return
+    assert code == exit_code and fragment in err and err.strip().startswith("error:"), (code, err)
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_json_without_a_prompt_is_a_command_line_error(tiny_llava_engine, capsys):
+    code, _, err = cli("chat", tiny_llava_engine, "--json", capsys=capsys, expect=None)
+    assert code == 2 and "--json needs --prompt" in err

@@ -272,10 +272,25 @@ def test_build_cache_does_not_trust_a_changed_file(tiny_llava_engine, engine_cop
     (("--max-image-side", "0"), 2, "--max-image-side"),
     (("--media-timeout", "0"), 2, "--media-timeout"),
     (("--feature-cache-size", "-1"), 2, "--feature-cache-size"),
+    (("--vision-backend", "bogus"), 2, "--vision-backend"),
+    (("--kv-cache-tokens", "1"), 2, "--kv-cache-tokens"),
+    (("--host", "999.1.1.1"), 2, "--host '999.1.1.1': not an address"),
+    (("--host", "192.0.2.1"), 2, "cannot listen there"),  # TEST-NET-1: never this machine's
 ])
 def test_serve_refuses_unusable_options_before_listening(tiny_llava_engine, args, code, fragment):
     proc = run("serve", tiny_llava_engine, "--port", free_port(), *args, timeout=120)
     assert_one_line(proc, code, fragment)
+
+
+def test_serve_refuses_a_port_in_use_before_loading(tiny_llava_engine):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        proc = run("serve", tiny_llava_engine, "--port", port, timeout=120)
+    assert_one_line(proc, 2, f"--port {port}: cannot listen there")
 
 
 def test_engine_batch_rule_is_the_same_for_every_backend(tiny_llava_engine):
@@ -428,3 +443,25 @@ def test_readme_quickstart_downloads_with_hf_and_warns_about_group_size():
     assert "huggingface-cli" not in readme
     awq = readme.split("## AWQ", 1)[1].split("\n## ", 1)[0]
     assert "group_size" in awq and "64" in awq and "576" in awq
+
+
+# ---- progress where stderr is not a terminal -----------------------------------------------------
+def test_stages_report_progress_in_a_log(tiny_llava, tmp_path):
+    """A CI log (stderr a pipe) gets plain progress lines from the long stages, where bars would show
+    nothing at all, and an error is still one line, with no blank line before it."""
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_llava)
+    proc = run("build", recipe, "-o", tmp_path / "e")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert any(re.fullmatch(r"convert: splitting tensors: 0/\d+", line) for line in lines), lines
+    assert "export-vision: validating on ONNX Runtime ..." in lines
+    assert not any("\x1b[" in line for line in lines), "terminal control codes in a log"
+    bad = run("convert", tmp_path / "nope", "-o", tmp_path / "c")
+    assert bad.returncode == 3 and bad.stderr.startswith("error: "), repr(bad.stderr)
+
+
+def test_interactive_chat_checks_max_tokens_before_the_first_turn(tiny_llava_engine):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([str(VLMCTL), "chat", str(tiny_llava_engine), "--max-tokens", "100000"], input="hi\nhello\n",
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert_one_line(proc, 5, "--max-tokens 100000 exceeds this engine's max_output_len")

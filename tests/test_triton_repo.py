@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import trtllm_contract as C
-from vlmctl.errors import EngineError, InputError, UnsupportedModelError
+from vlmctl.errors import EngineError, InputError, OptionError, UnsupportedModelError
 from vlmctl.export import triton_repo as TR
 from vlmctl.models.registry import FAMILIES, family_class
 
@@ -461,15 +461,16 @@ def test_what_the_stock_path_cannot_serve_is_refused(trtllm_engine, pythons, tmp
     _refused(["export-triton", str(eng), "-o", str(tmp_path / "r")], InputError.exit_code, "--kv-cache-fraction",
              tmp_path / "r")
     _refused(["export-triton", str(trtllm_engine), "-o", str(tmp_path / "r"), "--kv-cache-fraction", "0.9"],
-             InputError.exit_code, "below 0.9", tmp_path / "r")
+             OptionError.exit_code, "below 0.9", tmp_path / "r")
     eng = _variant(trtllm_engine, tmp_path / "next")
     (eng / "convert" / "family.json").write_text(json.dumps({"family": "llava_next"}))
     _refused(["export-triton", str(eng), "-o", str(tmp_path / "r")], UnsupportedModelError.exit_code,
              "do not serve the llava_next family", tmp_path / "r")
+    # the command line's own mistakes exit 2 (README's table)
     _refused(["export-triton", str(trtllm_engine), "-o", str(tmp_path / "r"), "--mount", "relative"],
-             InputError.exit_code, "--mount", tmp_path / "r")
+             OptionError.exit_code, "--mount", tmp_path / "r")
     _refused(["export-triton", str(trtllm_engine), "-o", str(tmp_path / "r"), "--stock-models", "all_models"],
-             InputError.exit_code, "must be absolute", tmp_path / "r")
+             OptionError.exit_code, "must be absolute", tmp_path / "r")
 
 
 def test_without_tensorrt_llm_or_tensorrt_nothing_is_written(trtllm_engine, pythons, tmp_path, monkeypatch):

@@ -36,19 +36,24 @@ def bench_command(
     json_: bool = JsonOption,
 ):
     from ..measure.bench import BenchConfig, bench_engine, bench_url
-    from ..errors import InputError
+    from ..errors import InputError, OptionError
 
     if (engine_dir is None) == (url is None):
-        raise InputError("give an ENGINE_DIR (offline) or --url (a running server), not both")
+        raise OptionError("give an ENGINE_DIR (offline) or --url (a running server), not both" if url else
+                          "give an ENGINE_DIR (offline) or --url (a running server)")
     try:
         w, h = (int(x) for x in image_size.lower().split("x"))
     except ValueError:
-        raise InputError(f"--image-size {image_size!r}: expected WIDTHxHEIGHT, e.g. 224x224") from None
+        raise OptionError(f"--image-size {image_size!r}: expected WIDTHxHEIGHT, e.g. 224x224") from None
     levels = list(concurrency or [8])
-    configs = [BenchConfig(num_requests=num_requests, concurrency=c, images_per_request=images, image_size=(w, h),
-                           prompt_len=prompt_len, output_len=output_len, temperature=temperature,
-                           same_image=same_image, seed=seed, run=i, warmup=warmup).validate()
-               for i, c in enumerate(levels)]
+    try:  # the command line's values: exit 2
+        configs = [BenchConfig(num_requests=num_requests, concurrency=c, images_per_request=images,
+                               image_size=(w, h), prompt_len=prompt_len, output_len=output_len,
+                               temperature=temperature, same_image=same_image, seed=seed, run=i,
+                               warmup=warmup).validate()
+                   for i, c in enumerate(levels)]
+    except InputError as e:
+        raise OptionError(e.message) from None
     engine = None
     if engine_dir is not None:
         from ..host import configure_threads, resolve_device

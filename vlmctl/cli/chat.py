@@ -13,7 +13,7 @@ def chat_command(
     prompt: str = typer.Option(None, "--prompt", "-p", help="Ask one question and exit (non-interactive)"),
     image: list[Path] = typer.Option(None, "--image", "-i", help="Image file (repeatable)"),
     video: list[Path] = typer.Option(None, "--video", help="Video file (repeatable; for the families that take "
-                                     "videos, README's model table; needs PyAV: pip install 'vlmctl[video]')"),
+                                     "videos, README's model table; needs PyAV: pip install 'vlmctl\\[video]')"),
     system: str = typer.Option(None, "--system", help="System message (interactive: /system TEXT changes it)"),
     max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="Maximum new tokens"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 (and anything below 1e-5) is greedy"),
@@ -42,7 +42,7 @@ def chat_command(
     json_: bool = typer.Option(False, "--json", help="Print {text, token_ids, prompt_tokens, completion_tokens, "
                                                      "finish_reason}"),
 ):
-    from ..errors import InputError
+    from ..errors import InputError, LimitError, OptionError
     from ..host import configure_threads, resolve_device
     from ..media.video import load_video
     from ..repl import run, user_message
@@ -51,23 +51,30 @@ def chat_command(
     from ..runtime.sampling import SamplingParams
 
     if json_schema is not None and json_object:
-        raise InputError("--json-schema and --json-object: give one of them")
+        raise OptionError("--json-schema and --json-object: give one of them")
+    if prompt is None and json_:
+        raise OptionError("--json needs --prompt (the interactive chat has no JSON form)")
     grammar = schema_file_spec(json_schema) if json_schema is not None else \
         GrammarSpec.json_object() if json_object else None
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                            stop=list(stop or []), min_p=min_p, presence_penalty=presence_penalty,
-                            frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
-                            grammar=grammar).validate()
+    try:  # the sampling options' ranges are the command line's (exit 2), not a request's
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                stop=list(stop or []), min_p=min_p, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                                grammar=grammar).validate()
+    except InputError as e:  # "temperature must be ..." -> "--temperature must be ..."
+        name = e.message.split(" ", 1)[0]
+        raise OptionError("--" + name.replace("_", "-") + e.message[len(name):] if name.isidentifier()
+                          else e.message) from None
     images = [load_image(p) for p in image or []]  # bad paths fail before the engine loads
     videos = [load_video(p) for p in video or []]
-    if prompt is None and json_:
-        raise InputError("--json needs --prompt (the interactive chat has no JSON form)")
     device = resolve_device(device)
     configure_threads(threads)
     engine = Engine(engine_dir, EngineOptions(device=device, kv_cache_tokens=kv_cache_tokens,
                                               vision_backend=vision_backend))
     if grammar is not None:
         engine.compile_grammar(grammar)  # a schema the grammar engine refuses fails now, not at the first answer
+    if max_tokens > engine.limits.max_output_len:  # now, not at every turn of the interactive chat
+        raise LimitError(f"--max-tokens {max_tokens} exceeds this engine's max_output_len {engine.limits.max_output_len}")
     if not json_:
         kv = f", KV cache {engine.limits.kv_cache_tokens} tokens" if engine.limits.kv_cache_tokens else ""
         console.print(f"[dim]{engine.model_name}: {engine.device}, vision {engine.vision_summary}{kv}[/dim]")

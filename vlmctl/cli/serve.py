@@ -112,7 +112,10 @@ def serve_command(
     device = resolve_device(device)
     configure_threads(threads)
 
+    from ..serve import check_listen_address
     from ..serve.logs import configure_logging
+
+    check_listen_address(host, port)
 
     configure_logging(log_level, log_format)  # before the engine loads: its warnings go the same way
 

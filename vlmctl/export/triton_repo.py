@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
-from ..errors import (BackendUnavailableError, CheckpointError, EngineError, InputError, StageError,
+from ..errors import (BackendUnavailableError, CheckpointError, EngineError, InputError, OptionError, StageError,
                       UnsupportedModelError)
 from ..formats.triton_config import ModelConfig, Step, Tensor
 from ..formats.workdir import EngineDir, WorkDir
@@ -149,8 +149,9 @@ def read_engine(engine_dir: Path, *, kv_cache_fraction: float | None = None) -> 
     fraction = kv_cache_fraction if kv_cache_fraction is not None else \
         float(llm.get("kv_cache_free_gpu_memory_fraction", 0.8))
     if not 0 < fraction < KV_FRACTION_LIMIT:
-        raise InputError(f"KV-cache memory fraction {fraction}: must be above 0 and below {KV_FRACTION_LIMIT} (the "
-                         "vision engine shares GPU 0 with the decoder); pass --kv-cache-fraction")
+        error = OptionError if kv_cache_fraction is not None else InputError  # the command line's (2), the recipe's (5)
+        raise error(f"KV-cache memory fraction {fraction}: must be above 0 and below {KV_FRACTION_LIMIT} (the vision "
+                    "engine shares GPU 0 with the decoder); pass --kv-cache-fraction")
     vision = (read_manifest(ed.build_vision) or {}).get("settings", {})
     backend_version = str((read_manifest(ed.build_llm) or {}).get("backend_version") or "")
     parallel = llm.get("parallel") or {}
@@ -446,7 +447,7 @@ def parse_mounts(mounts: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
     for m in mounts or ():
         host, sep, server = m.partition("=")
         if not sep or not host or not server.startswith("/"):
-            raise InputError(f"--mount {m!r}: expected HOST_DIR=SERVER_DIR (an absolute path as the server sees it)")
+            raise OptionError(f"--mount {m!r}: expected HOST_DIR=SERVER_DIR (an absolute path as the server sees it)")
         out.append((str(Path(host).resolve()), server.rstrip("/") or "/"))
     return sorted(out, key=lambda hs: -len(hs[0]))
 
@@ -465,7 +466,7 @@ def check_stock_models(stock_models: str) -> bool:
     src = Path(stock_models)
     if not src.is_dir():
         if not src.is_absolute():
-            raise InputError(f"--stock-models {stock_models}: no such directory here (a path that only the server "
+            raise OptionError(f"--stock-models {stock_models}: no such directory here (a path that only the server "
                              "has must be absolute)")
         return False
     missing = [f for files in STOCK_FILES.values() for f in files if not (src / f).is_file()]

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..errors import InputError
+from ..runtime.image_limits import ImageLimits
 from ..progress import Progress, ensure
 
 WORDS = ("the a picture image shows red blue green small large cat dog sky tree house car road person "
@@ -53,6 +54,8 @@ class BenchConfig:
             raise InputError("images, prompt length and warmup must be >= 0")
         if min(self.image_size) < 1:
             raise InputError(f"image size {self.image_size} must be positive")
+        # the images are made in memory before any engine sees them: the default limits, checked first
+        ImageLimits().check(self.image_size, "image size")
         return self
 
 

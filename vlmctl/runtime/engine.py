@@ -92,6 +92,22 @@ class EngineOptions:
     image_limits: ImageLimits | None = None  # width, height and aspect-ratio caps before preprocessing
     video_limits: VideoLimits | None = None  # videos per request, frames, pixels, decode bounds
 
+    def validate(self) -> "EngineOptions":
+        """The options' own ranges, checked before anything loads: an OptionError (exit 2) names the option."""
+        from .vision import BACKENDS
+
+        if self.vision_backend not in BACKENDS:
+            raise OptionError(f"--vision-backend: unknown vision backend {self.vision_backend!r} (choose from "
+                              f"{', '.join(BACKENDS)})")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise OptionError(f"--kv-cache-tokens must be at least the block size {self.block_size} "
+                              f"(got {self.kv_cache_tokens})")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise OptionError(f"--gpu-memory-utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
+        if self.max_stop_sequences < 0:
+            raise OptionError(f"--max-stop-sequences must be >= 0 (got {self.max_stop_sequences})")
+        return self
+
 
 @dataclass(frozen=True)
 class EngineLimits:
@@ -153,11 +169,9 @@ class Engine:
             if not hasattr(opts, k):
                 raise TypeError(f"unknown engine option {k!r}")
             setattr(opts, k, v)
-        self.options = opts
+        self.options = opts.validate()
         engine_dir = Path(engine_dir)
         check_engine_files(engine_dir)
-        if opts.max_stop_sequences < 0:
-            raise LimitError(f"max_stop_sequences must be >= 0 (got {opts.max_stop_sequences})")
         self.max_stop_sequences = opts.max_stop_sequences
         self.image_limits = (opts.image_limits or ImageLimits()).validate()
         self.video_limits = (opts.video_limits or VideoLimits()).validate()
@@ -311,13 +325,9 @@ class Engine:
         bs = opts.block_size
         per_token = self.decoder.kv_bytes_per_token()
         if opts.kv_cache_tokens is not None:
-            if opts.kv_cache_tokens < bs:
-                raise InputError(f"--kv-cache-tokens must be at least the block size {bs}")
             return -(-opts.kv_cache_tokens // bs) + 1
         if self.device.type != "cuda":
             return -(-max_batch * max_seq // bs) + 1
-        if not 0 < opts.gpu_memory_utilization <= 1:
-            raise InputError(f"--gpu-memory-utilization must be in (0, 1] (got {opts.gpu_memory_utilization})")
         free, total = torch.cuda.mem_get_info(self.device)
         spec = self.decoder.spec
         # activations of the largest step (hidden, qkv, gate|up rows) and logits, plus vision and slack

@@ -13,7 +13,27 @@ Prometheus metrics. Nothing here is imported by `vlmctl --help`.
 from .app import ServerConfig, create_app, load_app
 from .media import MediaPolicy
 
-__all__ = ["MediaPolicy", "ServerConfig", "create_app", "load_app", "run_server"]
+__all__ = ["MediaPolicy", "ServerConfig", "check_listen_address", "create_app", "load_app", "run_server"]
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """OptionError unless this machine can listen on host:port now (a name that does not resolve, an
+    address that is not this machine's, a port in use): checked before the engine loads, for minutes."""
+    import socket
+
+    from ..errors import OptionError
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise OptionError(f"--host {host!r}: not an address to listen on ({getattr(e, 'strerror', None) or e})") \
+            from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise OptionError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
 
 
 def run_server(app, host: str = "127.0.0.1", port: int = 23333, *, shutdown_timeout_s: float = 30.0,
