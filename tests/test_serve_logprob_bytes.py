@@ -79,6 +79,11 @@ def test_joined_token_bytes_are_the_texts_utf8(tokenizer):
         assert b"".join(bytes(e.bytes) for e in entries) == spelled(text).encode("utf-8"), text
         # the alternatives carry the same bytes as the same tokens sampled
         assert [t.bytes for t in entries[0].top_logprobs] == [e.bytes for e in entries[:3]]
+    # where no character is split, the tokens' texts join into the text (a SentencePiece token keeps the
+    # space its '▁' stands for, which decoding it alone drops)
+    plain = "hello world, a plain sentence with spaces."
+    entries = chat_logprobs(tok, tok.encode(plain, add_special_tokens=False))
+    assert "".join(e.token for e in entries) == spelled(plain)
     # the texts do split characters across tokens here: such a token's text is U+FFFD, its bytes are not
     ids = [i for text in TEXTS for i in tok.encode(text, add_special_tokens=False)]
     partial = [e for e in chat_logprobs(tok, ids) if "\ufffd" in e.token]

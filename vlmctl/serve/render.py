@@ -33,7 +33,10 @@ class _Choice:
         self.events.extend(events)
 
     def _token(self, tid: int) -> str:
-        return self.engine.tokenizer.decode([tid])
+        """The token's text: its own bytes as UTF-8 (U+FFFD for part of a character, as OpenAI's). Not
+        decode([tid]), which drops a SentencePiece token's leading space: the tokens would not join
+        back into the text."""
+        return bytes(token_bytes_of(self.engine.tokenizer)(tid)).decode("utf-8", errors="replace")
 
     def _bytes(self, tid: int) -> list[int]:
         """The token's own bytes (token_bytes.py), which for part of a UTF-8 character are not the
