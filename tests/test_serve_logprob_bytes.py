@@ -183,6 +183,9 @@ def test_completion_top_logprobs_hold_the_sampled_token(srv, client, stream):
         assert top[tok] >= v - 1e-6  # its own logprob, or a likelier token's that decodes the same
         assert list(top.values()) == sorted(top.values(), reverse=True)
     assert any(len(top) == k + 1 for top in tops)  # the seed does sample outside the top k
+    # logprobs=0: the sampled token alone
+    lp0 = client.completions.create(**{**kw, "logprobs": 0}).choices[0].logprobs
+    assert [list(top) for top in lp0.top_logprobs] == [[t] for t in lp0.tokens]
     # chat: the sampled token is the entry itself; top_logprobs is the top k
     r = client.chat.completions.create(model=model_of(srv), messages=USER, max_tokens=48, temperature=2.0, seed=5,
                                        logprobs=True, top_logprobs=k, extra_body={"ignore_eos": True})

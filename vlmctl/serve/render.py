@@ -134,7 +134,7 @@ class CompletionChoice(_Choice):
                 lp.tokens.append(tok)
                 lp.token_logprobs.append(ev.logprob)
                 lp.text_offset.append(self._offset)
-                if self.logprobs:
+                if self.logprobs is not None:  # 0 too: the sampled token alone
                     # OpenAI's completions always report the sampled token here too: up to k + 1
                     # entries. Two ids that decode alike share a key: the likelier (first) one keeps it.
                     tops = list(ev.top_logprobs or [])
