@@ -216,7 +216,7 @@ def test_quantize_a_work_directory(tiny_llava, tmp_path, capsys):
     assert recipe["quantization"]["method"] == "awq" and recipe["quantization"]["group_size"] == 32
     assert cli_json("quantize", wd, *args, capsys=capsys)["cached"]
     code, _, err = cli("quantize", wd, "-o", tmp_path / "elsewhere", capsys=capsys, expect=None)
-    assert code == 5 and "work directory" in err and not (tmp_path / "elsewhere").exists()  # InputError
+    assert code == 2 and "work directory" in err and not (tmp_path / "elsewhere").exists()  # the command line
     llm = cli_json("build-llm", wd, "--json", capsys=capsys)
     cfg = json.loads((wd / "build-llm" / "config.json").read_text())
     assert cfg["decoder"]["quantization"]["method"] == "awq" and llm["info"]["quantization"] == "awq"

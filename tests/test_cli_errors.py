@@ -74,8 +74,7 @@ def test_corrupt_safetensors(tiny_llava, tmp_path, capsys):
     (ck / "model.safetensors").write_bytes(data[: len(data) // 2])
     code, _, err = cli("convert", ck, "-o", tmp_path / "w", capsys=capsys, expect=3)
     assert "model.safetensors" in err and ("not a valid safetensors" in err or "cannot be read" in err)
-    assert not (tmp_path / "w" / "convert").exists()
-    assert not any(p.name.startswith(".convert.tmp") for p in (tmp_path / "w").iterdir())
+    assert not (tmp_path / "w").exists()  # convert made the directory, and a failure leaves nothing of it
 
 
 def test_missing_and_non_image_paths(tiny_llava_engine, tmp_path, capsys):

@@ -36,7 +36,7 @@ SHARED_FLOOR = 0  # the only floor whose members import one another
 # (wire schema, the field tables, media loading, metrics, logging, the engine's async wrapper), the
 # OpenAI-shaped errors, what the endpoints are made of, the endpoints, the app's wiring.
 SERVE_FLOORS = [
-    {"schema", "openai_fields", "media", "metrics", "logs", "async_engine"},
+    {"schema", "openai_fields", "media", "metrics", "logs", "async_engine", "token_bytes"},
     {"errors"},
     {"middleware", "openai_request", "render", "streaming"},
     {"endpoints"},

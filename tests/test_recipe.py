@@ -54,3 +54,47 @@ def test_bundled_recipes_all_validate():
 def test_missing_recipe_file(tmp_path):
     with pytest.raises(RecipeError, match="no such recipe"):
         load_recipe(tmp_path / "absent.yaml")
+
+
+# ---- --set values and keys that must not slip through -------------------------------------------
+@pytest.mark.parametrize("item,fragment", [
+    ("vision.validate_batch_size=yes", "vision.validate_batch_size: expected a number, got the boolean true"),
+    ("limits.max_batch_size=true", "limits.max_batch_size: expected a number, got the boolean true"),
+    ("decoder.backend=on", "decoder.backend: expected text, got the boolean true"),
+    ("name=../../escape", "not a plain name"),
+    ("name=a/b", "not a plain name"),
+    ("base_dir=/etc", "base_dir: unknown key"),
+    ("profiles=[nonexistent]", "unknown profile 'nonexistent'"),
+])
+def test_overrides_that_would_have_slipped_through_are_errors(item, fragment):
+    from vlmctl.errors import RecipeError
+    from vlmctl.recipe import load_recipe
+
+    with pytest.raises(RecipeError) as e:
+        load_recipe("demo", [item])
+    assert fragment in e.value.message, e.value.message
+
+
+def test_text_keys_take_the_text_as_typed_and_profiles_from_an_override():
+    from vlmctl.recipe import load_recipe
+
+    assert load_recipe("demo", ["name=123"]).name == "123"
+    assert load_recipe("demo", ["name=on"]).name == "on"
+    assert load_recipe("demo", ["quantization.calibration.data=null"]).quantization.calibration.data is None
+    assert load_recipe("demo", ["vision.max_rel_error=1e-3"]).vision.max_rel_error == 1e-3
+    plain = load_recipe("demo")
+    assert plain.quantization.method == "none"
+    awq = load_recipe("demo", ["profiles=[awq]"])  # the profile is merged, not only listed
+    assert awq.profiles == ["awq"] and awq.quantization.method == "awq"
+
+
+def test_a_recipe_may_name_one_profile_without_a_list_and_may_not_set_base_dir(tmp_path):
+    from vlmctl.errors import RecipeError
+    from vlmctl.recipe import load_recipe
+
+    (tmp_path / "one.yaml").write_text("name: one\nsource: x\nprofiles: fp32-cpu\n")
+    r = load_recipe(tmp_path / "one.yaml")
+    assert r.profiles == ["fp32-cpu"] and r.dtype == "float32"
+    (tmp_path / "bd.yaml").write_text("name: bd\nsource: x\nbase_dir: /etc\n")
+    with pytest.raises(RecipeError, match="base_dir: unknown key"):
+        load_recipe(tmp_path / "bd.yaml")

@@ -438,8 +438,9 @@ def test_stock_files_are_copied_from_a_local_all_models_directory(exported, pyth
 def _refused(args, expect_code, needle, out):
     code, _, err = cli(*args)
     assert code == expect_code, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in err, err
+    lines = err.strip().splitlines()  # progress lines of the work done, then one error line
+    assert lines[-1].startswith("error: ") and needle in lines[-1], err
+    assert not any(line.startswith("error: ") for line in lines[:-1]), err
     assert not Path(out).exists()
 
 

@@ -8,7 +8,9 @@ pipeline):
   family.json the family module that reads it
 
 Every tensor is checked against the names, shapes and dtypes the architecture expects;
-unknown or missing tensors fail the stage.
+unknown or missing tensors fail the stage. So do a config.json that transformers refuses (checked
+first) and a tokenizer or processor that does not load as the engine loads it (checked last, on the
+converted files, before the stage is published): a CheckpointError naming the source's file.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ import shutil
 from pathlib import Path
 
 from .checkpoint import ShardWriter, iter_tensors
-from .errors import CheckpointError
+from .errors import CheckpointError, VlmctlError
 from .formats.awq_gemm import AwqGemmConfig
 from .formats.workdir import Workspace
-from .models.base import DECODER, VISION
+from .models.base import DECODER, VISION, ProcessorFileError, VLMFamily, config_refusals, refusal_text
 from .models.registry import detect_family, read_config
 from .progress import Progress, ensure
 
@@ -34,13 +36,31 @@ PROCESSOR_FILES = TOKENIZER_FILES + ("processor_config.json", "preprocessor_conf
 DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
-def expected_tensors(family, config_dict: dict) -> dict[str, tuple[tuple[int, ...], bool]]:
-    """name -> (shape, may_be_absent) for the whole VLM, from a meta-device instance of the HF class."""
+def load_source_config(src: Path) -> tuple[dict, VLMFamily]:
+    """(config.json, family) of a whole-VLM checkpoint, once transformers has built its config: a
+    config.json it refuses (a hidden size its heads do not divide, a string where an int goes) is one
+    CheckpointError naming the file, for every family, before any tensor is read."""
+    config = read_config(src)
+    where = str(Path(src) / "config.json")
+    family = detect_family(config, where=where)
+    family.load_hf_config(config, where)
+    return config, family
+
+
+def expected_tensors(family, config_dict: dict, where: str = "config.json") -> dict[str, tuple[tuple[int, ...], bool]]:
+    """name -> (shape, may_be_absent) for the whole VLM, from a meta-device instance of the HF class.
+    A config that transformers cannot build the model from (an activation or rope type it does not know)
+    is a CheckpointError naming `where`."""
     import torch
 
-    config = family.hf_config(config_dict)
-    with torch.device("meta"):
-        model = family.hf_model_class()(config)
+    config = family.load_hf_config(config_dict, where)
+    model_class = family.hf_model_class()
+    try:
+        with torch.device("meta"):
+            model = model_class(config)
+    except config_refusals() as e:
+        raise CheckpointError(f"{where}: transformers cannot build {model_class.__name__} from it "
+                              f"({refusal_text(e)})") from e
     tied = set()
     if family.ties_lm_head(config_dict):  # then lm_head may be absent: it is the word embedding
         tied = {k for k in model.state_dict() if k.endswith("lm_head.weight")}
@@ -52,8 +72,7 @@ def read_vlm_decoder(src: Path) -> tuple[dict, dict]:
     causal-LM name). Float or AWQ (vlmctl's whole-VLM AWQ checkpoint keeps the vision modules float and
     lists them in `modules_to_not_convert`): the text config then declares the decoder's AWQ settings."""
     src = Path(src)
-    config = read_config(src)
-    family = detect_family(config, where=str(src / "config.json"))
+    config, family = load_source_config(src)
     tensors = {}
     for key, tensor, _ in iter_tensors(src):
         part, name = family.split_key(family.canonical_key(key))
@@ -78,9 +97,8 @@ def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: P
     src = Path(src)
     if not src.is_dir():
         raise CheckpointError(f"{src}: no such checkpoint directory")
-    config = read_config(src)
-    family = detect_family(config, where=str(src / "config.json"))
-    expected = expected_tensors(family, config)
+    config, family = load_source_config(src)
+    expected = expected_tensors(family, config, str(src / "config.json"))
     target = getattr(torch, DTYPES[dtype])
 
     ws = Workspace(Path(out))
@@ -139,6 +157,27 @@ def convert_checkpoint(src: Path, out: Path, dtype: str = "float16", progress: P
         raise CheckpointError(f"{src}: no tokenizer files (tokenizer.json or tokenizer.model)")
     if image_settings:
         family.apply_image_settings(proc, image_settings)
+    check_processor(family, ws, src)
     ws.write_family({"family": family.name, "architecture": config["architectures"][0],
                      "decoder_model_type": text_cfg["model_type"], "dtype": dtype})
     return {"family": family.name, "vision_tensors": counts[VISION], "decoder_tensors": counts[DECODER]}
+
+
+def check_processor(family, ws: Workspace, src: Path) -> None:
+    """Load the tokenizer, chat template and image processor from the converted files as the engine will
+    (`family.load_processor` on processor/ and vision/, what runtime/engine.py's `_load` calls), so that
+    files transformers cannot load fail the stage (before it is published) with one CheckpointError naming
+    the source checkpoint's file, instead of an engine that builds and then cannot load. processor/ holds
+    copies of the source's files under the same names."""
+    try:
+        family.load_processor(ws.processor, ws.vision)
+    except ProcessorFileError as e:
+        raise CheckpointError(e.describe(src)) from e
+    except CheckpointError as e:  # the family's own checks, about the copy: name the source
+        raise CheckpointError(e.message.replace(str(ws.processor), str(src))) from e
+    except VlmctlError:
+        raise
+    except Exception as e:  # anything else the processor's set-up reads (a processor_config.json that is not JSON)
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{src}: the processor cannot be loaded from the checkpoint's files "
+                              f"({type(e).__name__}: {first})") from e

@@ -4,8 +4,11 @@ Each stage is a function of (recipe, work directory) that declares its settings 
 (content hashes of upstream outputs) and does its work through `formats.artifacts.run_stage`, which
 provides the cache and atomic publication. `build()` runs them in order. The work directory
 (formats/workdir.py) also keeps `recipe.json`, the resolved recipe, so stand-alone stage commands
-reuse it. `quantize()` is `vlmctl quantize` for any source: a work directory's stage, or a
-stand-alone output published the same atomic way.
+reuse it; a command writes it only once its stages succeeded, so a failed command leaves the recipe
+as it was. `run_stage_alone()` is a stage subcommand: it refuses to build on an earlier stage whose
+output is out of date for the recipe (the same cache keys `plan` compares). `quantize()` is
+`vlmctl quantize` for any source: a work directory's stage, or a stand-alone output published the
+same atomic way.
 """
 
 from __future__ import annotations
@@ -13,14 +16,16 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import BackendUnavailableError, InputError, RecipeError, StageError
+from .errors import (BackendUnavailableError, CheckpointError, InputError, OptionError, RecipeError, StageError,
+                     UnsupportedModelError)
 from .formats.artifacts import (StageResult, atomic_dir, cache_status, hash_tree, read_manifest, run_stage,
                                 stage_part_hash)
-from .formats.workdir import CHECKPOINT, RECIPE_FILE, STAGES, WorkDir, Workspace, classify
+from .formats.workdir import CHECKPOINT, MANIFEST, RECIPE_FILE, STAGES, WorkDir, Workspace, classify
 from .models.decoders import is_decoder_config
 from .models.registry import detect_family, get_family, read_config
 from .progress import Progress, ensure
@@ -28,6 +33,8 @@ from .recipe import Recipe, resolve_source
 
 
 def save_recipe(workdir: Path, recipe: Recipe) -> None:
+    """Write `recipe.json` (atomically). Callers write it after their stages succeeded, never before."""
+    workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     data = recipe.public_dict()
     data["base_dir"] = recipe.base_dir
@@ -145,12 +152,18 @@ def _spec_convert(recipe: Recipe, workdir: Path, progress: Progress | None, dry:
     # Source hashes are remembered by (size, mtime) so a cache hit does not re-read a 14 GB checkpoint.
     src_hash = hash_tree(src, [p for p in src.rglob("*") if p.is_file() and ".cache" not in p.parts],
                          stat_cache=WorkDir(workdir).source_hashes, save_cache=not dry)
+    settings = _convert_settings(recipe)
+    image = settings.get("image", {})
+    return StageSpec("convert", workdir, settings, {"source": src_hash},
+                     lambda out: convert_checkpoint(src, out, recipe.dtype, progress, image_settings=image))
+
+
+def _convert_settings(recipe: Recipe) -> dict:
     settings: dict = {"dtype": recipe.dtype}
     image = recipe.image.model_dump(exclude_none=True)
     if image:  # only when set, so engines built without it keep their cache key
         settings["image"] = image
-    return StageSpec("convert", workdir, settings, {"source": src_hash},
-                     lambda out: convert_checkpoint(src, out, recipe.dtype, progress, image_settings=image))
+    return settings
 
 
 def _spec_quantize(recipe: Recipe, workdir: Path, progress: Progress | None, dry: bool = False):
@@ -339,6 +352,16 @@ class PlanItem:
     reason: str
 
 
+def _stage_status(recipe: Recipe, workdir: Path, stage: str) -> "tuple[StageSpec, bool, str] | None":
+    """(spec, cache hit?, why) of one stage for this recipe, as `build` would decide it; None for a stage the
+    recipe skips. Writes nothing. StageError when an output the stage reads is not there."""
+    spec = _SPECS[stage](recipe, workdir, None, dry=True)
+    if isinstance(spec, StageResult):
+        return None
+    cached, reason = cache_status(workdir, stage, spec.settings, spec.inputs)
+    return spec, cached, reason
+
+
 def plan(recipe: Recipe, workdir: Path, until: str | None = None, force: bool = False) -> list[PlanItem]:
     """What `build` would do, without doing it: per stage, whether it runs and why. Reads the source
     (its stat-cached hashes) and the manifests; writes nothing. A missing source is the same error
@@ -359,11 +382,10 @@ def plan(recipe: Recipe, workdir: Path, until: str | None = None, force: bool = 
             item = PlanItem(s, True, f"its input {upstream[0]} runs first")
         else:
             try:
-                spec = _SPECS[s](recipe, workdir, None, dry=True)
+                _, cached, reason = _stage_status(recipe, workdir, s)
             except StageError:  # an upstream output it reads is not there
                 item = PlanItem(s, True, "no output yet")
             else:
-                cached, reason = cache_status(workdir, s, spec.settings, spec.inputs)
                 item = PlanItem(s, not cached, reason)
         if item.will_run:
             runs.add(s)
@@ -371,25 +393,158 @@ def plan(recipe: Recipe, workdir: Path, until: str | None = None, force: bool = 
     return items
 
 
+# ---- a stage on its own (the stage subcommands) ----------------------------------------------
+_UNSET = object()
+# Where a stage's recorded settings live in a recipe (for messages): export-vision's opset is vision.opset.
+_SETTING_PREFIX = {"quantize": "quantization.", "export-vision": "vision."}
+
+
+def _first_difference(old, new, key: str = ""):
+    """(dotted key, old value, new value) of the first setting that differs, or None."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for k in list(new) + [k for k in old if k not in new]:
+            d = _first_difference(old.get(k, _UNSET), new.get(k, _UNSET), f"{key}{k}.")
+            if d is not None:
+                return d
+        return None
+    return None if old == new else (key[:-1], old, new)
+
+
+def _show(value) -> str:
+    if value is _UNSET or value is None:
+        return "unset"
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _stale_reason(stage: str, manifest: dict, settings: dict, inputs: dict | None, reason: str) -> str:
+    """Why `stage`'s output (its manifest) is not what this recipe would make, in the recipe's words."""
+    from . import __version__
+
+    diff = _first_difference(manifest.get("settings") or {}, settings)
+    if diff is not None:
+        key, old, new = diff
+        name = key if key == "dtype" else _SETTING_PREFIX.get(stage, "") + key
+        return f"{stage}'s output was made with {name} {_show(old)}; this recipe asks for {_show(new)}"
+    old_inputs = manifest.get("inputs") or {}
+    for k, v in (inputs or {}).items():
+        if old_inputs.get(k) != v:
+            what = "the source checkpoint" if (stage, k) == ("convert", "source") else f"its input {k}"
+            return f"{stage}'s output is out of date: {what} changed since it ran"
+    if manifest.get("tool_version") != __version__:
+        return f"{stage}'s output was made by vlmctl {manifest.get('tool_version')} (this is {__version__})"
+    return f"{stage}'s output is out of date ({reason})"
+
+
+def _inputs_of(stage: str, recipe: Recipe) -> list[str]:
+    """Every earlier stage whose output `stage` reads, directly or through another, in stage order."""
+    need: set[str] = set()
+    todo = list(_UPSTREAM[stage])
+    while todo:
+        u = todo.pop()
+        if u not in need:
+            need.add(u)
+            todo.extend(_UPSTREAM[u])
+    if recipe.quantization.method == "none":
+        need.discard("quantize")
+    return [s for s in STAGES if s in need]
+
+
+def check_inputs(recipe: Recipe, workdir: Path, stage: str) -> None:
+    """Refuse (StageError, exit 7) to run `stage` on its own when an earlier stage it reads has not run, or
+    made its output for other settings or inputs than this recipe gives: the stages `build` would re-run
+    first (the same cache keys). A convert whose source checkpoint is gone (an engine copied without it)
+    is judged by its settings alone."""
+    workdir = Path(workdir)
+    for u in _inputs_of(stage, recipe):
+        manifest = read_manifest(workdir / u)
+        if manifest is None:
+            what = (f"quantization.method is {recipe.quantization.method} but stage 'quantize' has not run here"
+                    if u == "quantize" else f"stage {u!r} has not run here")
+            raise StageError(f"{workdir}: {what}: run `vlmctl {u}` (or `vlmctl build`) first")
+        try:
+            status = _stage_status(recipe, workdir, u)
+        except (CheckpointError, UnsupportedModelError):
+            if u != "convert":
+                raise
+            settings = _convert_settings(recipe)  # the source cannot be read here: compare what can be
+            status = (None, manifest.get("settings") == settings, "its settings changed")
+            inputs = None
+        else:
+            settings, inputs = status[0].settings, status[0].inputs
+        if not status[1]:
+            raise StageError(f"{workdir}: {_stale_reason(u, manifest, settings, inputs, status[2])}: "
+                             f"run `vlmctl {u}` (or `vlmctl build`) first")
+
+
+def run_stage_alone(stage: str, workdir: Path, overrides: list[str] | None = None, *, force: bool = False,
+                    progress: Progress | None = None) -> StageResult:
+    """A stage subcommand (`vlmctl build-llm WORKDIR --set ...`): the work directory's recipe plus `overrides`;
+    refuses when an earlier stage's output is out of date for that recipe (`check_inputs`), after the stage's
+    own settings were checked (a backend or family refusal stays one even once the inputs are rebuilt); the
+    recipe with the overrides is saved only after the stage succeeded."""
+    workdir = Path(workdir)
+    recipe = load_workdir_recipe(workdir, overrides)
+    spec = _SPECS[stage](recipe, workdir, progress)
+    check_inputs(recipe, workdir, stage)
+    res = _run(spec, force)
+    if overrides:
+        save_recipe(workdir, recipe)
+    return res
+
+
+@contextmanager
+def _new_directory_undone_on_failure(workdir: Path):
+    """A work directory this command creates is removed again when the command fails before any stage
+    published an output there (what it would leave is the source-hash cache and an empty directory)."""
+    workdir = Path(workdir)
+    existed = workdir.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed and workdir.is_dir() and not any((workdir / s / MANIFEST).is_file() for s in STAGES):
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
+
+
+def convert(recipe: Recipe, workdir: Path, *, force: bool = False, progress: Progress | None = None) -> StageResult:
+    """`vlmctl convert`: the convert stage, then the recipe saved (only when it succeeded)."""
+    workdir = Path(workdir)
+    with _new_directory_undone_on_failure(workdir):
+        res = stage_convert(recipe, workdir, force=force, progress=progress)
+    save_recipe(workdir, recipe)
+    return res
+
+
 def build(recipe: Recipe, workdir: Path, *, until: str | None = None, force: bool = False,
           progress: Progress | None = None, on_stage: Callable[[StageResult], None] | None = None) -> list[StageResult]:
-    """Run every stage in order (up to `until`); each is skipped when its cache key matches."""
+    """Run every stage in order (up to `until`); each is skipped when its cache key matches. The recipe is
+    saved once every stage succeeded: a failed build leaves the work directory's recipe as it was (the
+    stages it finished stay, as cache)."""
     if until is not None and until not in STAGES:
         raise RecipeError(f"--until {until!r}: unknown stage (stages: {', '.join(STAGES)})")
     progress = ensure(progress)
     workdir = Path(workdir)
-    save_recipe(workdir, recipe)
     results = []
     stages = STAGES[: STAGES.index(until) + 1] if until else STAGES
-    for stage in stages:
-        t0 = time.perf_counter()
-        res = STAGE_FUNCS[stage](recipe, workdir, force=force, progress=progress)
-        if not res.cached and not res.skipped:
-            res.seconds = time.perf_counter() - t0
-        results.append(res)
-        if on_stage:
-            on_stage(res)
+    with _new_directory_undone_on_failure(workdir):
+        for stage in stages:
+            t0 = time.perf_counter()
+            res = STAGE_FUNCS[stage](recipe, workdir, force=force, progress=progress)
+            if not res.cached and not res.skipped:
+                res.seconds = time.perf_counter() - t0
+            results.append(res)
+            if on_stage:
+                on_stage(res)
+    save_recipe(workdir, recipe)
     return results
+
+
+def next_stage(recipe: Recipe, until: str | None) -> str | None:
+    """The stage after `until` that this recipe's engine still needs (None when `until` completes it)."""
+    if until is None:
+        return None
+    rest = [s for s in STAGES[STAGES.index(until) + 1:] if s != "quantize" or recipe.quantization.method != "none"]
+    return rest[0] if rest else None
 
 
 # ---- quantize outside the stage graph ------------------------------------------------------
@@ -403,13 +558,16 @@ def quantize(source: Path, output: Path | None, overrides: list[str] | None = No
     source = Path(source)
     wd = WorkDir(source)
     if wd.recipe_file.exists():
-        if output is not None:
-            raise InputError(f"{source} is a work directory: its output goes to {wd.quantize.root} (drop -o)")
-        recipe = load_workdir_recipe(source, overrides)
-        save_recipe(source, recipe)
-        return stage_quantize(recipe, source, force=force, progress=progress)
+        if output is not None:  # the command line's mistake: the directory is a fine source without -o
+            raise OptionError(f"{source} is a work directory: its output goes to {wd.quantize.root} (drop -o), "
+                              f"or give its conversion workspace {wd.convert.root} to quantize into {output}")
+        return run_stage_alone("quantize", source, overrides, force=force, progress=progress)
+    if not source.exists():
+        raise CheckpointError(f"{source}: no such directory")
+    if not source.is_dir():
+        raise CheckpointError(f"{source} is a file; expected a checkpoint, workspace or work directory")
     if output is None:
-        raise InputError("-o/--output is required unless SOURCE is a work directory")
+        raise OptionError("-o/--output is required unless SOURCE is a work directory")
     from .recipe import recipe_from_source
 
     recipe = recipe_from_source(str(source), overrides)
@@ -433,9 +591,14 @@ def quantize_into(source: Path, output: Path, recipe: Recipe, *, force: bool = F
         if classify(source) == CHECKPOINT and not is_decoder_config(read_config(source)):
             # a whole VLM: converted (in the recipe's dtype) into a workspace inside the output, then dropped
             from .convert import convert_checkpoint
+            from .quant.awq import check_group_size_for_config
             from .quant.awq_vlm import quantize_workspace
 
-            detect_family(read_config(source), where=str(source / "config.json"))  # a clear error when unsupported
+            config = read_config(source)
+            family = detect_family(config, where=str(source / "config.json"))  # a clear error when unsupported
+            # the language model's sizes are in the config: a group size that cannot work fails here, before
+            # minutes of converting (the per-layer check, with the same message, runs again on the weights)
+            check_group_size_for_config(family.text_config_dict(config), settings)
             ws = Workspace(tmp / ".convert")
             try:
                 convert_checkpoint(source, ws.root, recipe.dtype, progress)

@@ -9,11 +9,14 @@ the key path.
 from __future__ import annotations
 
 import os
+import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import CheckpointError, RecipeError
 
@@ -31,8 +34,25 @@ RECIPES_DIR = Path(os.environ.get("VLMCTL_RECIPES_DIR") or _bundled("recipes"))
 CONFIGS_DIR = Path(os.environ.get("VLMCTL_CONFIGS_DIR") or _bundled("configs"))
 
 
+def _types_of(annotation) -> tuple:
+    """The plain types an annotation allows (`int | None` -> (int, NoneType))."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return tuple(t for a in typing.get_args(annotation) for t in _types_of(a))
+    return (typing.get_origin(annotation) or annotation,)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value, info):
+        # YAML reads yes/no/true/on as booleans, which pydantic would take for 1 and 0
+        kinds = _types_of(cls.model_fields[info.field_name].annotation)
+        if isinstance(value, bool) and bool not in kinds:
+            what = "a number" if int in kinds or float in kinds else "text"
+            raise ValueError(f"expected {what}, got the boolean {str(value).lower()}")
+        return value
 
 
 class CalibrationSettings(_Strict):
@@ -113,6 +133,15 @@ class Recipe(_Strict):
     # Where the recipe came from: relative paths in it are resolved against this directory.
     base_dir: str = Field(".", exclude=True)
 
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        # it names the default output directory (engines/NAME): a path in it would put the engine elsewhere
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+            raise ValueError(f"{name!r} is not a plain name: use letters, digits, '.', '_' and '-', starting with a "
+                             "letter or digit")
+        return name
+
     @model_validator(mode="after")
     def _check(self) -> "Recipe":
         if self.limits.max_input_len + self.limits.max_output_len > 1 << 20:
@@ -182,14 +211,33 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
+def _is_text_key(parts: list[str]) -> bool:
+    """Whether the recipe key `parts` holds text (`name`, `source`, `quantization.calibration.data`)."""
+    model: Any = Recipe
+    for i, p in enumerate(parts):
+        field = getattr(model, "model_fields", {}).get(p)
+        if field is None:
+            return False
+        kinds = _types_of(field.annotation)
+        if i == len(parts) - 1:
+            return str in kinds
+        model = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
+    return False
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
-    """`a.b.c=value` -> (["a", "b", "c"], value parsed as a YAML scalar)."""
+    """`a.b.c=value` -> (["a", "b", "c"], value parsed as a YAML scalar; for a key that holds text, the
+    text as typed: `--set name=123` names the model "123")."""
     if "=" not in item:
         raise RecipeError(f"--set {item!r}: expected dotted.key=value")
     key, raw = item.split("=", 1)
     parts = [p for p in key.strip().split(".")]
     if not key.strip() or any(not p for p in parts):
         raise RecipeError(f"--set {item!r}: empty key")
+    if parts == ["base_dir"]:
+        raise RecipeError("--set base_dir: unknown key")
+    if _is_text_key(parts) and raw.strip() not in ("null", "~"):  # null still unsets an optional one
+        return parts, raw.strip()
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -218,7 +266,7 @@ def _format_validation_error(origin: str, err: ValidationError) -> str:
         elif e["type"] == "missing":
             msgs.append(f"{loc}: required key is missing")
         else:
-            msg = e["msg"]
+            msg = e["msg"].removeprefix("Value error, ")
             if "input" in e and e["type"] not in ("value_error",) and not isinstance(e["input"], (dict, list)):
                 msg += f" (got {e['input']!r})"
             msgs.append(f"{loc}: {msg}")
@@ -239,6 +287,12 @@ def find_recipe(name_or_path: str) -> Path:
 def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) -> Recipe:
     path = find_recipe(str(name_or_path))
     data = _read_yaml(path)
+    if "base_dir" in data:  # a field of the loaded recipe (where it came from), not a key a recipe sets
+        raise RecipeError(f"{path}: base_dir: unknown key")
+    parsed = [parse_override(item) for item in overrides or []]
+    for parts, value in parsed:
+        if parts == ["profiles"]:  # profiles are merged underneath the recipe: the override decides which
+            data = {**data, "profiles": value}
     profiles = data.get("profiles", []) or []
     if isinstance(profiles, str):
         profiles = [profiles]
@@ -252,8 +306,8 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) ->
             raise RecipeError(f"{path}: profiles: unknown profile {prof!r} (known: {known})")
         merged = _deep_merge(merged, _read_yaml(prof_path))
     merged = _deep_merge(merged, data)
-    for item in overrides or []:
-        parts, value = parse_override(item)
+    merged["profiles"] = profiles
+    for parts, value in parsed:
         _apply_override(merged, parts, value)
     merged["base_dir"] = str(path.resolve().parent)
     origin = str(path) + (" (with --set overrides)" if overrides else "")
@@ -302,8 +356,9 @@ def resolve_source(recipe: Recipe) -> Path:
 
             return Path(snapshot_download(src, local_files_only=True))
         except Exception:
-            raise CheckpointError(
-                f"source: {src} is neither a local directory nor in the local Hugging Face cache "
-                f"(vlmctl never downloads; fetch it first with `hf download {src}`)"
-            ) from None
-    raise CheckpointError(f"source: {src}: no such directory")
+            if not local.parent.is_dir():  # `dir/name` where dir exists is a path, not a hub id
+                raise CheckpointError(
+                    f"source: {src} is neither a local directory nor in the local Hugging Face cache "
+                    f"(vlmctl never downloads; fetch it first with `hf download {src}`)"
+                ) from None
+    raise CheckpointError(f"source: no such directory: {local}")

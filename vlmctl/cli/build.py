@@ -5,7 +5,7 @@ from pathlib import Path
 
 import typer
 
-from .common import JsonOption, SetOption, console, out, print_json, progress_for, render_stage
+from .common import JsonOption, SetOption, command_line_sets, console, out, print_json, progress_for, render_stage
 
 
 def build_command(
@@ -20,10 +20,10 @@ def build_command(
     json_: bool = JsonOption,
 ):
     from ..host import configure_threads
-    from ..pipeline import build, plan
+    from ..pipeline import build, next_stage, plan
     from ..recipe import load_recipe
 
-    recipe = load_recipe(recipe_path, overrides)
+    recipe = load_recipe(recipe_path, command_line_sets(overrides))
     output = output or Path("engines") / recipe.name
     if until is not None:
         from ..errors import RecipeError
@@ -51,7 +51,14 @@ def build_command(
         results = build(recipe, output, until=until, force=force, progress=progress,
                         on_stage=None if json_ else render_stage)
     total = time.perf_counter() - t0
+    pending = next_stage(recipe, until)  # --until stopped before the engine was complete
     if json_:
-        print_json({"engine_dir": str(output), "seconds": round(total, 3), "stages": [r.to_json() for r in results]})
+        done = {"engine_dir": str(output), "seconds": round(total, 3), "complete": pending is None}
+        if pending:
+            done["next_stage"] = pending
+        print_json({**done, "stages": [r.to_json() for r in results]})
+    elif pending:
+        console.print(f"[bold]built up to {until}:[/bold] {output} ({total:.1f}s); not an engine yet: the next "
+                      f"stage is {pending} (`vlmctl {pending} {output}`, or `vlmctl build` without --until)")
     else:
         console.print(f"[bold]engine ready:[/bold] {output} ({total:.1f}s) — try `vlmctl chat {output}`")

@@ -13,6 +13,4 @@ def build_llm_command(
     force: bool = typer.Option(False, "--force", help="Re-run even if the cache says nothing changed"),
     json_: bool = JsonOption,
 ):
-    from ..pipeline import stage_build_llm
-
-    run_stage_command(stage_build_llm, workdir, overrides, force, json_)
+    run_stage_command("build-llm", workdir, overrides, force, json_)

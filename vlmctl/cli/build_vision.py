@@ -13,6 +13,4 @@ def build_vision_command(
     force: bool = typer.Option(False, "--force", help="Re-run even if the cache says nothing changed"),
     json_: bool = JsonOption,
 ):
-    from ..pipeline import stage_build_vision
-
-    run_stage_command(stage_build_vision, workdir, overrides, force, json_)
+    run_stage_command("build-vision", workdir, overrides, force, json_)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 import typer
@@ -49,6 +50,40 @@ class RichProgress:
         self._progress.console.print(message)
 
 
+class PlainProgress:
+    """Implements vlmctl.progress.Progress for a stderr that is not a terminal (a CI log, a file): a line
+    when a task starts, and for a counted task one at each tenth reached at least 5 s after the last line,
+    with the time so far; no redrawn bars."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def task(self, description: str, total: float | None = None):
+        start = time.monotonic()
+        state = {"done": 0.0, "tenths": 0, "shown": start}
+        self.log(f"{description} ..." if not total else f"{description}: 0/{total:g}")
+
+        class _Task:
+            def advance(task, amount: float = 1.0) -> None:
+                state["done"] += amount
+                tenths = int(10 * state["done"] / total) if total else 0
+                now = time.monotonic()
+                if tenths > state["tenths"] and now - state["shown"] >= 5:
+                    state["tenths"], state["shown"] = tenths, now
+                    self.log(f"{description}: {state['done']:g}/{total:g} ({time.monotonic() - start:.0f}s)")
+
+            def done(task) -> None:
+                pass
+
+        return _Task()
+
+    def log(self, message: str) -> None:
+        console.print(message, markup=False, highlight=False)
+
+
 class _NoProgress:
     def __enter__(self):
         return None
@@ -58,8 +93,11 @@ class _NoProgress:
 
 
 def progress_for(json_mode: bool):
-    """A context manager giving a progress reporter (None in --json mode)."""
-    return _NoProgress() if json_mode else RichProgress()
+    """A context manager giving a progress reporter (None in --json mode): bars on a terminal, plain
+    lines elsewhere (a CI log would get nothing from bars that only a terminal redraws)."""
+    if json_mode:
+        return _NoProgress()
+    return RichProgress() if console.is_terminal else PlainProgress()
 
 
 def print_json(obj: Any) -> None:
@@ -79,15 +117,42 @@ def render_stage(res) -> None:
             console.print(f"  [yellow]note:[/yellow] {note}")
 
 
-def run_stage_command(stage_fn, workdir, overrides, force: bool, json_: bool) -> None:
-    """The body of every stand-alone stage command: the work directory's recipe (+ --set), run, report."""
-    from ..pipeline import load_workdir_recipe, save_recipe
+def command_line_sets(overrides: list[str] | None) -> list[str]:
+    """`--set` items as typed, with the paths among them made absolute against the current directory: a path
+    typed on the command line is relative to where it was typed, while the recipe resolves its own values
+    against its file's directory (and a work directory's saved recipe against that). `source` stays as
+    typed when it reads as a hub id (`org/name`, no such local directory or parent directory here);
+    `quantization.calibration.data` when it reads as a dataset name (no such file here, no file suffix)."""
+    import os
+    from pathlib import Path
 
-    recipe = load_workdir_recipe(workdir, overrides)
-    if overrides:
-        save_recipe(workdir, recipe)
+    from ..quant.calibration import _looks_like_file
+    from ..recipe import parse_override
+
+    items = []
+    for item in overrides or []:
+        parts, value = parse_override(item)
+        if isinstance(value, str) and value and parts in (["source"], ["quantization", "calibration", "data"]):
+            path = Path(os.path.expanduser(value))
+            here = Path.cwd() / path
+            if parts == ["source"]:
+                hub_id = value.count("/") == 1 and not value.startswith((".", "/", "~"))
+                local = not hub_id or here.exists() or here.parent.is_dir()
+            else:
+                local = here.exists() or _looks_like_file(value)
+            if local and not path.is_absolute():
+                item = f"{item.split('=', 1)[0]}={os.path.abspath(here)}"
+        items.append(item)
+    return items
+
+
+def run_stage_command(stage: str, workdir, overrides, force: bool, json_: bool) -> None:
+    """The body of every stand-alone stage command: the work directory's recipe (+ --set), run, report
+    (pipeline.run_stage_alone: stale inputs refused, the recipe saved only on success)."""
+    from ..pipeline import run_stage_alone
+
     with progress_for(json_) as progress:
-        res = stage_fn(recipe, workdir, force=force, progress=progress)
+        res = run_stage_alone(stage, workdir, command_line_sets(overrides), force=force, progress=progress)
     if json_:
         print_json(res.to_json())
     else:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import typer
 
-from .common import JsonOption, SetOption, print_json, progress_for, render_stage
+from .common import JsonOption, SetOption, command_line_sets, print_json, progress_for, render_stage
 
 
 def convert_command(
@@ -15,14 +15,13 @@ def convert_command(
     force: bool = typer.Option(False, "--force", help="Re-run even if the cache says nothing changed"),
     json_: bool = JsonOption,
 ):
-    from ..pipeline import save_recipe, stage_convert
+    from ..pipeline import convert
     from ..recipe import load_recipe, recipe_from_source
 
-    sets = list(overrides or []) + ([f"dtype={dtype}"] if dtype else [])
+    sets = command_line_sets(overrides) + ([f"dtype={dtype}"] if dtype else [])
     recipe = load_recipe(source, sets) if source.endswith((".yaml", ".yml")) else recipe_from_source(source, sets)
-    save_recipe(output, recipe)
     with progress_for(json_) as progress:
-        res = stage_convert(recipe, output, force=force, progress=progress)
+        res = convert(recipe, output, force=force, progress=progress)  # saves the recipe once converted
     if json_:
         print_json(res.to_json())
     else:

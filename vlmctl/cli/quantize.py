@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .common import JsonOption, SetOption, console, print_json, progress_for, render_stage
+from .common import JsonOption, SetOption, command_line_sets, console, print_json, progress_for, render_stage
 
 
 def quantize_command(
@@ -46,6 +46,7 @@ def quantize_command(
     sets += list(overrides or [])
     if dtype:
         sets.append(f"dtype={dtype}")
+    sets = command_line_sets(sets)  # --calib-data FILE is relative to the current directory, in every form
 
     from ..pipeline import quantize
 

@@ -206,6 +206,19 @@ class VLMFamily(abc.ABC):
     def hf_config(self, config_dict: dict):
         """The transformers config object for the whole VLM."""
 
+    def load_hf_config(self, config_dict: dict, where: str = "config.json"):
+        """`hf_config`, with what transformers refuses in the values of a checkpoint's config (a hidden size
+        its heads do not divide, a string where an int goes, an unknown sub-config model type) as one
+        CheckpointError naming `where`. Every family's source config goes through here before anything
+        else reads it (convert.load_source_config)."""
+        from ..errors import CheckpointError
+
+        try:
+            return self.hf_config(config_dict)
+        except config_refusals() as e:
+            raise CheckpointError(f"{where}: transformers refuses this {self.architectures[0]} config "
+                                  f"({refusal_text(e)})") from e
+
     @abc.abstractmethod
     def hf_model_class(self):
         """transformers' class of the whole VLM (the reference, and the tensor inventory convert checks)."""
@@ -381,9 +394,22 @@ class FamilyProcessor(abc.ABC):
         self.family = family
         self.processor_dir = Path(processor_dir)
         self.config = read_json(self.processor_dir / "config.json")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.processor_dir))
-        self.chat_template = load_chat_template(self.processor_dir, self.tokenizer)
-        self.image_processor = self.load_image_processor()
+        self.tokenizer = self._load_part("tokenizer", lambda: AutoTokenizer.from_pretrained(str(self.processor_dir)))
+        self.chat_template = self._load_part("chat template",
+                                             lambda: load_chat_template(self.processor_dir, self.tokenizer))
+        self.image_processor = self._load_part("image processor", self.load_image_processor)
+
+    def _load_part(self, part: str, load):
+        """`load()`, where transformers' failure to read the part's files becomes a ProcessorFileError naming
+        the file at fault (vlmctl's own errors pass as they are)."""
+        from ..errors import VlmctlError
+
+        try:
+            return load()
+        except VlmctlError:
+            raise
+        except Exception as e:  # tokenizers raises plain Exception for a tokenizer.json it cannot parse
+            raise ProcessorFileError(part, self.processor_dir, e) from e
 
     def load_image_processor(self):
         """The checkpoint's image processor (transformers' Auto class unless the family names one)."""
@@ -571,3 +597,91 @@ def split_on_placeholders(text: str, marks: dict[str, str]) -> tuple[list[str], 
 def read_json(path: Path) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+# ---- what transformers refuses ------------------------------------------------------------------
+def config_refusals() -> tuple[type[BaseException], ...]:
+    """What building a transformers config (or a model from it) raises for values it refuses: ValueError
+    and TypeError (its own checks, e.g. an unknown sub-config model type), KeyError (a rope type or an
+    activation it does not know), and huggingface_hub's strict-dataclass validation errors (transformers
+    5's configs are strict dataclasses: a field of the wrong type, a class validator such as
+    `validate_architecture`). Not StrictDataclassDefinitionError: that is a broken class, a bug."""
+    found: list[type[BaseException]] = [ValueError, TypeError, KeyError]
+    try:
+        from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
+    except ImportError:  # a huggingface_hub without strict dataclasses raises none of them
+        pass
+    else:
+        found += [StrictDataclassFieldValidationError, StrictDataclassClassValidationError]
+    return tuple(found)
+
+
+def refusal_text(e: BaseException, limit: int = 300) -> str:
+    """What transformers said, on one line of at most `limit` characters: a strict-dataclass error by its
+    cause (the validator's own words), a KeyError as `KeyError: 'key'`, others by their message."""
+    if type(e).__name__.startswith("StrictDataclass") and e.__cause__ is not None:
+        e = e.__cause__
+    text = " ".join(str(e).split()[:limit])  # one line, however many transformers wrote
+    if isinstance(e, KeyError) or not text:  # a KeyError's message is only the key
+        text = f"{type(e).__name__}: {text}".rstrip(": ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# The files each processor part is read from, in the order that names the one at fault.
+PART_FILES: dict[str, tuple[str, ...]] = {
+    "tokenizer": ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json",
+                  "special_tokens_map.json", "added_tokens.json"),
+    "chat template": ("chat_template.jinja", "chat_template.json", "processor_config.json", "tokenizer_config.json"),
+    "image processor": ("processor_config.json", "preprocessor_config.json"),
+}
+_MISSING = {
+    "tokenizer": "no tokenizer.json, tokenizer.model or vocab.json",
+    "chat template": "no chat template file",
+    "image processor": "no preprocessor_config.json, nor an image_processor entry in processor_config.json",
+}
+
+
+class ProcessorFileError(Exception):
+    """transformers cannot load a part of an engine's or workspace's processor (the tokenizer, the chat
+    template, the image processor) from its files. Not a VlmctlError: whose fault it is depends on who
+    loads. `vlmctl convert` blames the source checkpoint (a CheckpointError naming the source's file,
+    `describe(src)`); the engine, its own damaged files (its EngineError points to `vlmctl verify`).
+
+    `file`: the name of the file at fault, or None where the part has no file at all."""
+
+    def __init__(self, part: str, processor_dir: Path, cause: BaseException):
+        self.part = part
+        self.processor_dir = Path(processor_dir)
+        self.file = file_at_fault(self.processor_dir, part)
+        if self.file is None:
+            self.detail = _MISSING.get(part, f"no {part} files")
+        else:
+            first = (str(cause).strip().splitlines() or [""])[0][:200]
+            self.detail = f"{type(cause).__name__}: {first}" if first else type(cause).__name__
+        super().__init__(self.describe(Path(processor_dir)))
+
+    def describe(self, directory: Path) -> str:
+        """The one-line message with the file in `directory` (the converted copy's source, say)."""
+        where = Path(directory) / self.file if self.file else Path(directory)
+        detail = self.detail.replace(str(self.processor_dir), str(directory))  # transformers names the path it read
+        return f"{where}: the {self.part} cannot be loaded ({detail})"
+
+
+def file_at_fault(processor_dir: Path, part: str) -> str | None:
+    """Which of `part`'s files a failed load blames: one that is not JSON where JSON belongs, else the one
+    transformers reads first (the image processor: processor_config.json's `image_processor` entry, else
+    preprocessor_config.json); None when there is none."""
+    names = [n for n in PART_FILES.get(part, ()) if (processor_dir / n).is_file()]
+    parsed: dict[str, Any] = {}
+    for n in names:
+        if n.endswith(".json"):
+            try:
+                parsed[n] = json.loads((processor_dir / n).read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                return n
+    if part == "image processor":
+        nested = parsed.get("processor_config.json")
+        if isinstance(nested, dict) and "image_processor" in nested:
+            return "processor_config.json"
+        return "preprocessor_config.json" if "preprocessor_config.json" in names else None
+    return names[0] if names else None

@@ -151,10 +151,7 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
     layers = skeleton.get_submodule(family.layer_prefix)
     n_layers = len(layers)
     parent = skeleton.get_submodule(family.layer_prefix.rsplit(".", 1)[0]) if "." in family.layer_prefix else skeleton
-    for kind in dict.fromkeys(kinds):  # one layer of each kind that gets quantized, before any real work
-        i = kinds.index(kind)
-        if kind != "cross_attention" or quantize_cross:
-            check_group_size(layers[i], family, group_size, f"{family.layer_prefix}.{i}", family.groups_for(kind))
+    _check_layer_group_sizes(family, layers, kinds, group_size, quantize_cross)  # before any real work
 
     tokens = calib_ids
     cal = settings.calibration
@@ -270,6 +267,32 @@ def quantize_causal_lm(src_dir: Path, out_dir: Path, settings, base_dir: Path | 
         "device": str(dev), "search_delta_dtype": str(delta_dtype).replace("torch.", "") if delta_dtype else "float32",
         "wall_s": round(time.perf_counter() - t0, 2), "peak_rss_mib": round(peak_rss_mib(), 1),
     }
+
+
+def _check_layer_group_sizes(family, layers, kinds: list[str], group_size: int, quantize_cross: bool) -> None:
+    """`check_group_size` on one layer of each kind that gets quantized (InputError naming the linear)."""
+    for kind in dict.fromkeys(kinds):
+        i = kinds.index(kind)
+        if kind != "cross_attention" or quantize_cross:
+            check_group_size(layers[i], family, group_size, f"{family.layer_prefix}.{i}", family.groups_for(kind))
+
+
+def check_group_size_for_config(text_cfg: dict, settings) -> None:
+    """The group-size check `quantize_causal_lm` makes, from the decoder's config alone (a causal LM's
+    config.json, or a VLM family's `text_config_dict`): on the layers of a skeleton on the meta device,
+    so nothing is read or allocated. Lets a caller fail before converting a whole VLM first."""
+    import torch
+    import transformers
+
+    from ..models.decoders import decoder_family, decoder_spec, hf_text_config
+
+    family = decoder_family(text_cfg.get("model_type", ""))
+    spec = decoder_spec(text_cfg)
+    kinds = [spec.layer_types[i] if spec.layer_types else "full" for i in range(spec.num_layers)]
+    with torch.device("meta"):
+        skeleton = getattr(transformers, family.causal_lm_class)(hf_text_config(text_cfg))
+    _check_layer_group_sizes(family, skeleton.get_submodule(family.layer_prefix), kinds, settings.group_size,
+                             getattr(settings, "cross_attention", "float") == "quantize")
 
 
 def _float_forward(layer, src: dict, dev, x, kwargs: dict, chunk: int, src_dir: Path, i: int):

@@ -66,6 +66,10 @@ def quantize_workspace(workspace: Workspace, out_dir: Path, settings, base_dir: 
     out = QuantizeOutput(Path(out_dir))
     if not (workspace.llm / "config.json").exists():
         raise CheckpointError(f"{workspace.root}: not a conversion workspace (no llm/config.json)")
+    from ..checkpoint import read_config_json
+    from .awq import check_group_size_for_config
+
+    check_group_size_for_config(read_config_json(workspace.llm), settings)  # before calibration's image features
     from .vlm_calibration import cross_attention_calibration, image_text_embeddings, read_image_text_records
 
     cal = settings.calibration
