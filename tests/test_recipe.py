@@ -98,3 +98,15 @@ def test_a_recipe_may_name_one_profile_without_a_list_and_may_not_set_base_dir(t
     (tmp_path / "bd.yaml").write_text("name: bd\nsource: x\nbase_dir: /etc\n")
     with pytest.raises(RecipeError, match="base_dir: unknown key"):
         load_recipe(tmp_path / "bd.yaml")
+
+
+def test_a_directory_named_like_a_bundled_recipe_does_not_hide_it(tmp_path, monkeypatch):
+    from vlmctl.errors import RecipeError
+    from vlmctl.recipe import load_recipe
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()
+    assert load_recipe("demo").name == "demo"
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(RecipeError, match="mine: a directory, not a recipe file"):
+        load_recipe("mine")

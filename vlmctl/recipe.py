@@ -276,11 +276,14 @@ def _format_validation_error(origin: str, err: ValidationError) -> str:
 def find_recipe(name_or_path: str) -> Path:
     """A path, or the name of a bundled recipe (`NAME` -> recipes/NAME.yaml)."""
     p = Path(name_or_path)
-    if p.exists():
+    if p.is_file():
         return p
     for cand in (RECIPES_DIR / name_or_path, RECIPES_DIR / f"{name_or_path}.yaml"):
-        if cand.exists():
+        if cand.is_file():  # a bundled recipe, also where a directory here has its name
             return cand
+    if p.is_dir():
+        raise RecipeError(f"{name_or_path}: a directory, not a recipe file (and no bundled recipe of that name; see "
+                          "`vlmctl recipes`)")
     raise RecipeError(f"{name_or_path}: no such recipe file (and no bundled recipe of that name; see `vlmctl recipes`)")
 
 
