@@ -224,3 +224,16 @@ def test_quantize_a_work_directory(tiny_llava, tmp_path, capsys):
     ws = cli_json("quantize", wd / "convert", "-o", tmp_path / "q", *args, capsys=capsys)
     assert ws["output"] == str(tmp_path / "q") and (tmp_path / "q" / "vlm" / "config.json").exists()
     assert not list(tmp_path.glob(".q.*"))
+
+
+def test_eval_command_line_mistakes_have_readmes_exit_codes(tiny_llava_engine, tmp_path, capsys):
+    from conftest import cli
+
+    data = tmp_path / "t.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    code, _, err = cli("eval", "ppl", tmp_path / "nothere", "--data", data, capsys=capsys, expect=None)
+    assert code == 3 and "no such model directory" in err  # a missing directory is a checkpoint problem
+    # a window longer than the model's positions: one line (it was an IndexError from the rotary table)
+    code, _, err = cli("eval", "ppl", tiny_llava_engine, "--data", data, "--seq-len", "100000", "--samples", "1",
+                       capsys=capsys, expect=None)
+    assert code == 2 and "--seq-len 100000: longer than this model's" in err and "Traceback" not in err, err

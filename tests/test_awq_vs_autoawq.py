@@ -83,3 +83,18 @@ def test_cli_impl_autoawq(tmp_path, capsys):
     assert q["quant_method"] == "awq" and q["group_size"] == GROUP and str(q["version"]).lower() == "gemm"
     logits = TorchDecoder.from_hf_dir(tmp_path / "q").logits(heldout_ids(src))
     assert torch.isfinite(logits).all()
+
+
+def test_cli_impl_autoawq_on_shapes_it_cannot_take_is_one_line(tmp_path, capsys):
+    """AutoAWQ's clip search asserts that a linear's outputs come in 64s: one KV head of 32 dims fails it,
+    which is one error line (exit 4, naming the way out), not AutoAWQ's traceback."""
+    from conftest import cli
+
+    _need_autoawq()
+    src = make_tiny_llama(tmp_path / "src", kv_heads=1)
+    code, _, err = cli("quantize", "--awq", src, "-o", tmp_path / "q", "--impl", "autoawq", "--group-size", GROUP,
+                       "--calib-data", calib_file(tmp_path), "--calib-samples", 2, "--calib-seq-len", 32,
+                       capsys=capsys, expect=None)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 4 and len(lines) == 1 and "quantization.impl: vlmctl" in lines[0], err
+    assert "Traceback" not in err and not (tmp_path / "q").exists()

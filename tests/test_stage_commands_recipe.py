@@ -191,3 +191,20 @@ def test_quantize_command_line_mistakes_have_readmes_exit_codes(tiny_llava, eng,
     (tmp_path / "file").write_text("x")
     cli("quantize", tmp_path / "file", "-o", tmp_path / "q", capsys=capsys, expect=3)
     assert not (tmp_path / "q").exists()
+
+
+# ---- the output may not be the source ---------------------------------------------------------------
+def test_build_and_convert_refuse_an_output_in_the_source(tiny_llava, tmp_path, capsys):
+    src = tmp_path / "ck"
+    shutil.copytree(tiny_llava, src)
+    before = sorted(p.name for p in src.iterdir())
+    recipe = write_recipe(tmp_path / "r.yaml", src)
+    for args in (("build", recipe, "-o", src), ("build", recipe, "-o", src / "engine"), ("convert", src, "-o", src)):
+        code, _, err = cli(*args, capsys=capsys, expect=None)
+        assert code == 2 and "is the source checkpoint" in one_error(err), err
+    assert sorted(p.name for p in src.iterdir()) == before  # nothing written among the checkpoint's files
+
+
+def test_a_bad_set_on_a_stage_command_is_named_as_an_override(eng, capsys):
+    code, _, err = cli("export-vision", eng, "--set", "vision.opset=10", capsys=capsys, expect=2)
+    assert "(with --set overrides): vision.opset" in one_error(err), err

@@ -59,7 +59,8 @@ def load_workdir_recipe(workdir: Path, overrides: list[str] | None = None) -> Re
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        raise RecipeError(_format_validation_error(str(path), e)) from None
+        origin = str(path) + (" (with --set overrides)" if overrides else "")  # as load_recipe says it
+        raise RecipeError(_format_validation_error(origin, e)) from None
 
 
 def _family(workdir: Path):
@@ -506,9 +507,23 @@ def _new_directory_undone_on_failure(workdir: Path):
         raise
 
 
+def _check_output_outside_source(recipe: Recipe, workdir: Path) -> None:
+    """The work directory may not be the source checkpoint or lie inside it: its stages would be written
+    among the checkpoint's files, and the source's hash (the convert cache key) would take them in."""
+    try:
+        src = resolve_source(recipe).resolve()
+    except (CheckpointError, RecipeError):
+        return  # the convert stage says what is wrong with the source
+    out = Path(workdir).resolve()
+    if out == src or out.is_relative_to(src):
+        raise OptionError(f"-o {workdir}: the output directory is the source checkpoint {src} or inside it; "
+                          "give a directory of its own")
+
+
 def convert(recipe: Recipe, workdir: Path, *, force: bool = False, progress: Progress | None = None) -> StageResult:
     """`vlmctl convert`: the convert stage, then the recipe saved (only when it succeeded)."""
     workdir = Path(workdir)
+    _check_output_outside_source(recipe, workdir)
     with _new_directory_undone_on_failure(workdir):
         res = stage_convert(recipe, workdir, force=force, progress=progress)
     save_recipe(workdir, recipe)
@@ -524,6 +539,7 @@ def build(recipe: Recipe, workdir: Path, *, until: str | None = None, force: boo
         raise RecipeError(f"--until {until!r}: unknown stage (stages: {', '.join(STAGES)})")
     progress = ensure(progress)
     workdir = Path(workdir)
+    _check_output_outside_source(recipe, workdir)
     results = []
     stages = STAGES[: STAGES.index(until) + 1] if until else STAGES
     with _new_directory_undone_on_failure(workdir):

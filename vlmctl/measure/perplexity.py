@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Callable
 
-from ..errors import CheckpointError, InputError
+from ..errors import CheckpointError, InputError, OptionError
 from ..formats.awq_gemm import quantization_method
 from ..formats.torch_layout import is_layout
 from ..formats.workdir import QUANTIZED, WORKDIR, WORKSPACE, WorkDir, Workspace, classify, has_tokenizer
@@ -61,8 +61,8 @@ def find_decoder_dir(model: Path) -> tuple[Path, Path]:
     Hugging Face causal-LM or VLM directory (float or AWQ GEMM).
     """
     model = Path(model)
-    if not model.is_dir():
-        raise InputError(f"{model}: no such model directory")
+    if not model.is_dir():  # README: a missing directory is a checkpoint problem (exit 3), as convert says
+        raise CheckpointError(f"{model}: no such model directory")
     kind = classify(model)
     if kind == WORKDIR:
         wd = WorkDir(model)
@@ -114,7 +114,8 @@ def load_logits_fn(model: Path, dtype: str = "float32", device: str = "cpu") -> 
         kind = "hf"
     if not has_tokenizer(tok_dir):
         raise CheckpointError(f"{model}: no tokenizer found (looked in {tok_dir})")
-    return dec.logits, tok_dir, {"kind": kind, "decoder_dir": str(d), "quantization": quant}
+    return dec.logits, tok_dir, {"kind": kind, "decoder_dir": str(d), "quantization": quant,
+                                 "max_positions": dec.spec.max_position_embeddings}
 
 
 def evaluate_perplexity(model: Path, data: str, seq_len: int = 512, samples: int | None = None,
@@ -126,6 +127,10 @@ def evaluate_perplexity(model: Path, data: str, seq_len: int = 512, samples: int
     from ..quant.calibration import load_eval_tokens
 
     logits_fn, tok_dir, info = load_logits_fn(model, dtype=dtype, device=device)
+    most = info.pop("max_positions")
+    if seq_len > most:  # positions past the model's own have no rotary angle (and were never trained)
+        raise OptionError(f"--seq-len {seq_len}: longer than this model's {most} positions "
+                          "(max_position_embeddings)")
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     ids = load_eval_tokens(data, tokenizer, base_dir)
     n_windows = ids.numel() // seq_len if samples is None else min(samples, ids.numel() // seq_len)

@@ -125,10 +125,18 @@ def quantize_with_autoawq(src_dir: Path, out_dir: Path, settings, base_dir: Path
     task = progress.task("awq (AutoAWQ): quantizing", total=None)
     model = AutoAWQForCausalLM.from_pretrained(str(src_dir), torch_dtype=getattr(torch, dtype), device_map=None)
     quant_config = {"zero_point": True, "q_group_size": settings.group_size, "w_bit": settings.bits, "version": "GEMM"}
-    model.quantize(tokenizer, quant_config=quant_config, calib_data=tokens.tolist(),
-                   max_calib_samples=tokens.shape[0], max_calib_seq_len=tokens.shape[1],
-                   duo_scaling=settings.duo_scaling,
-                   **({"quantizer_cls": fixed_quantizer_cls()} if fix_cpu_backup else {}))
+    try:
+        model.quantize(tokenizer, quant_config=quant_config, calib_data=tokens.tolist(),
+                       max_calib_samples=tokens.shape[0], max_calib_seq_len=tokens.shape[1],
+                       duo_scaling=settings.duo_scaling,
+                       **({"quantizer_cls": fixed_quantizer_cls()} if fix_cpu_backup else {}))
+    except AssertionError as e:  # AutoAWQ asserts on shapes it cannot take (its clip search: outputs in 64s)
+        where = e.__traceback__
+        while where.tb_next is not None:
+            where = where.tb_next
+        raise UnsupportedModelError(f"AutoAWQ {autoawq_version()} cannot quantize this model's shapes (its check at "
+                                    f"{Path(where.tb_frame.f_code.co_filename).name}:{where.tb_lineno} failed); use "
+                                    "quantization.impl: vlmctl") from None
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_quantized(str(out_dir))
     task.done()
