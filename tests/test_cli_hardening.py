@@ -438,6 +438,17 @@ def test_readme_exit_codes_cover_every_error_and_signal():
     assert used | {0, 2, 130, 143} <= codes
 
 
+def test_readme_models_table_names_every_bundled_recipe():
+    from vlmctl.recipe import list_recipes
+
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("## Supported models", 1)[1].strip().split("\n\n", 1)[0]
+    named = {name for row in re.findall(r"^\| [^|]+\| [^|]+\| ([^|]+)\|", table, re.M)
+             for name in re.findall(r"[a-z0-9][a-z0-9.-]+[a-z0-9]", row)}
+    missing = sorted(r["name"] for r in list_recipes() if r["name"] not in named)
+    assert not missing, f"bundled recipes the Supported models table does not name: {missing}"
+
+
 def test_readme_quickstart_downloads_with_hf_and_warns_about_group_size():
     readme = (REPO / "README.md").read_text()
     quick = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
