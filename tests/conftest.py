@@ -110,6 +110,25 @@ def tiny_llava_engine(tiny_llava, tmp_path_factory) -> Path:
     return d / "engine"
 
 
+def serve_engine(engine_dir: Path, **load_app_kwargs):
+    """The body of a module's `srv` fixture: `vlmctl serve`'s app for `engine_dir` (no stats lines) on a real
+    uvicorn server on 127.0.0.1; yields (url, app) and stops the server after the module."""
+    from test_serve import start_uvicorn
+    from vlmctl.serve import ServerConfig, load_app
+
+    app = load_app(engine_dir, ServerConfig(stats_interval_s=0), **load_app_kwargs)
+    url, stop = start_uvicorn(app)
+    yield url, app
+    stop()
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_llava_engine):
+    """The session's tiny engine served for batches of 8: (url, app). A module that needs other settings
+    defines its own `srv` (e.g. with `serve_engine`)."""
+    yield from serve_engine(tiny_llava_engine, max_batch_size=8)
+
+
 def hf_processor_image_defaults(processor_cls) -> dict:
     """The image settings a transformers processor passes over its image processor's own: a class
     attribute from transformers ~5.20 on, the defaults of its kwargs class before."""

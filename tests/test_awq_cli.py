@@ -237,3 +237,21 @@ def test_eval_command_line_mistakes_have_readmes_exit_codes(tiny_llava_engine, t
     code, _, err = cli("eval", "ppl", tiny_llava_engine, "--data", data, "--seq-len", "100000", "--samples", "1",
                        capsys=capsys, expect=None)
     assert code == 2 and "--seq-len 100000: longer than this model's" in err and "Traceback" not in err, err
+
+
+def test_eval_dtype_other_than_the_engines_is_refused(tiny_llava_engine, tiny_llava, tmp_path, capsys):
+    """--dtype is for Hugging Face directories: an engine runs in the dtype it was built in, so another --dtype
+    is one line and exit 2 (it was ignored without a word); the engine's own dtype is accepted."""
+    data = tmp_path / "t.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    args = ("--data", data, "--seq-len", "32", "--samples", "2")
+    code, out, err = cli("eval", "ppl", tiny_llava_engine, *args, "--dtype", "float16", capsys=capsys, expect=2)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err and "perplexity" not in out, err
+    assert errors[0] == (f"error: --dtype float16: {tiny_llava_engine} is an engine built in float32; --dtype applies "
+                         "to Hugging Face directories only (drop it, or rebuild the engine with --set dtype=...)")
+    same = cli_json("eval", "ppl", tiny_llava_engine, *args, "--dtype", "float32", "--json", capsys=capsys)
+    default = cli_json("eval", "ppl", tiny_llava_engine, *args, "--json", capsys=capsys)
+    assert same["kind"] == "engine" and same["perplexity"] == default["perplexity"]
+    hf = cli_json("eval", "ppl", tiny_llava, *args, "--dtype", "bfloat16", "--json", capsys=capsys)  # HF: honored
+    assert hf["kind"] == "hf-vlm" and math.isfinite(hf["perplexity"])

@@ -242,6 +242,23 @@ def test_verify_checks_every_files_sha256(engine_copy):
     assert_one_line(run("verify", engine_copy / "nope"), 8, "no such engine directory")
 
 
+def test_verify_warns_of_files_no_manifest_lists(engine_copy):
+    """A file no manifest lists is a warning line each, not a failure: the listed files are what verify
+    vouches for (a fresh engine has none unlisted)."""
+    assert "warning:" not in run("verify", engine_copy).stderr  # a fresh engine has no file outside its manifests
+    (engine_copy / "notes.txt").write_text("mine")
+    (engine_copy / "build-llm" / "extra.bin").write_bytes(b"\0" * 8)
+    (engine_copy / "logs").mkdir()
+    (engine_copy / "logs" / "a.log").write_text("x")
+    proc = run("verify", engine_copy)
+    assert proc.returncode == 0 and "error:" not in proc.stderr, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: {rel} is in no manifest (not written by a stage; not checked)"
+                        for rel in ("logs/", "notes.txt", "build-llm/extra.bin")], proc.stderr
+    report = json.loads(run("verify", engine_copy, "--json").stdout)
+    assert report["ok"] and report["unlisted"] == ["logs/", "notes.txt", "build-llm/extra.bin"]
+
+
 def test_build_cache_does_not_trust_a_changed_file(tiny_llava_engine, engine_copy, capsys):
     recipe = recipe_of(tiny_llava_engine)
     first = cli_json("build", recipe, "-o", engine_copy, "--json", capsys=capsys)

@@ -17,23 +17,11 @@ import jsonschema
 import pytest
 import torch
 
-from test_serve import start_uvicorn
-
 openai = pytest.importorskip("openai")
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_llava_engine):
-    from vlmctl.serve import ServerConfig, load_app
-
-    app = load_app(tiny_llava_engine, ServerConfig(stats_interval_s=0), max_batch_size=8)
-    url, stop = start_uvicorn(app)
-    yield url, app
-    stop()
-
-
 @pytest.fixture()
-def client(srv):
+def client(srv):  # srv: conftest's (the tiny engine served for batches of 8)
     return openai.OpenAI(base_url=srv[0] + "/v1", api_key="none", max_retries=0, timeout=120)
 
 

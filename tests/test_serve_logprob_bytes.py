@@ -22,7 +22,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from test_serve import start_uvicorn
 from test_stopping import make_sentencepiece_style_tokenizer
 from tiny_models import make_qwen_tokenizer, make_tokenizer
 
@@ -103,18 +102,8 @@ def test_byte_fallback_tokens_are_their_byte():
 
 
 # ---- against a real server ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def srv(tiny_llava_engine):
-    from vlmctl.serve import ServerConfig, load_app
-
-    app = load_app(tiny_llava_engine, ServerConfig(stats_interval_s=0), max_batch_size=8)
-    url, stop = start_uvicorn(app)
-    yield url, app
-    stop()
-
-
 @pytest.fixture()
-def client(srv):
+def client(srv):  # srv: conftest's (the tiny engine served for batches of 8)
     return openai.OpenAI(base_url=srv[0] + "/v1", api_key="none", max_retries=0, timeout=120)
 
 

@@ -9,19 +9,14 @@ import json
 import httpx
 import pytest
 
-from test_serve import start_uvicorn
+from conftest import serve_engine
 
 openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
 def srv(tiny_llava_engine):
-    from vlmctl.serve import ServerConfig, load_app
-
-    app = load_app(tiny_llava_engine, ServerConfig(stats_interval_s=0), max_batch_size=4)
-    url, stop = start_uvicorn(app)
-    yield url, app
-    stop()
+    yield from serve_engine(tiny_llava_engine, max_batch_size=4)  # conftest's srv, for batches of 4
 
 
 def post(srv, path: str, body, **kw) -> httpx.Response:

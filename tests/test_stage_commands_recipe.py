@@ -1,7 +1,8 @@
 """Stage commands and the work directory's recipe: a failed command leaves recipe.json as it was (A), a
 stage refuses out-of-date inputs (B), `build --until` says what it built (C), command-line paths are
 relative to the current directory (D), quantize checks the group size before converting (E), and
-quantize's command-line mistakes have README's exit codes (F). All through the real CLI, in-process,
+quantize's command-line mistakes have README's exit codes (F). `verify` and `chat` on an engine that
+`build --until` left incomplete name the stages still to run (C). All through the real CLI, in-process,
 on copies of the session's tiny engine."""
 
 from __future__ import annotations
@@ -124,6 +125,54 @@ def test_build_until_says_the_engine_is_not_complete(eng, tiny_llava_engine, cap
     assert res["complete"] is True and "next_stage" not in res
     _, _, err = cli("build", recipe, "-o", eng, capsys=capsys)
     assert "engine ready" in err
+
+
+@pytest.fixture(scope="module")
+def until_convert(tiny_llava_engine, tmp_path_factory) -> Path:
+    """A work directory made by `vlmctl build RECIPE --until convert` (only convert/ and recipe.json)."""
+    out = tmp_path_factory.mktemp("until") / "part"
+    cli("build", recipe_of(tiny_llava_engine), "-o", out, "--until", "convert")
+    return out
+
+
+def test_verify_names_every_stage_still_to_run(until_convert, eng, capsys):
+    """verify lists every stage an engine still lacks, export-vision too (it was left out, and an engine
+    without export-vision/ passed), and names the next stage as `build --until` does."""
+    code, out, err = cli("verify", until_convert, "--json", capsys=capsys, expect=8)
+    report = json.loads(out)
+    assert [p for s in report["stages"] for p in s["problems"]] == [
+        f"{s}/ is missing (the stage has not run here)" for s in ("export-vision", "build-vision", "build-llm")]
+    missing = [s["stage"] for s in report["stages"] if s["missing"]]
+    assert missing == ["export-vision", "build-vision", "build-llm"]  # quantization.method none: no quantize
+    assert report["complete"] is False and report["next_stage"] == "export-vision" and not report["ok"]
+    line = one_error(err)
+    assert "incomplete engine (built up to convert; missing export-vision, build-vision, build-llm)" in line
+    assert f"the next stage is export-vision (`vlmctl export-vision {until_convert}`" in line
+    _, out, err = cli("verify", until_convert, capsys=capsys, expect=8)
+    assert "export-vision: not run" in out and "export-vision/ is missing" in err
+
+    shutil.rmtree(eng / "export-vision")  # a stage gone from the middle of a finished engine (verify passed it)
+    code, out, err = cli("verify", eng, "--json", capsys=capsys, expect=None)
+    assert code == 8 and "incomplete engine (missing export-vision)" in one_error(err)
+    assert json.loads(out)["next_stage"] == "export-vision"
+    # a recipe that quantizes needs quantize/ as well
+    saved = json.loads((eng / "recipe.json").read_text())
+    saved["quantization"]["method"] = "awq"
+    (eng / "recipe.json").write_text(json.dumps(saved))
+    report = json.loads(cli("verify", eng, "--json", capsys=capsys, expect=8)[1])
+    assert [s["stage"] for s in report["stages"] if s["missing"]] == ["quantize", "export-vision"]
+
+
+def test_chat_on_an_incomplete_engine_names_the_next_stage(until_convert, eng, capsys):
+    _, _, err = cli("chat", until_convert, "--prompt", "hi", "--json", capsys=capsys, expect=8)
+    line = one_error(err)
+    assert "damaged" not in line and "incomplete engine (built up to convert;" in line
+    assert f"the next stage is export-vision (`vlmctl export-vision {until_convert}`" in line
+    shutil.rmtree(eng / "build-llm")  # what `build --until build-vision` leaves
+    _, _, err = cli("chat", eng, "--prompt", "hi", "--json", capsys=capsys, expect=8)
+    line = one_error(err)
+    assert "incomplete engine (built up to build-vision; missing build-llm)" in line
+    assert f"the next stage is build-llm (`vlmctl build-llm {eng}`" in line
 
 
 # ---- D: paths typed on the command line are relative to the current directory -------------------

@@ -17,7 +17,8 @@ def ppl_command(
     data: str = typer.Option(..., "--data", help=".txt or .jsonl file (or a datasets NAME:CONFIG@SPLIT, config and split optional)"),
     seq_len: int = typer.Option(512, "--seq-len", min=2, help="Tokens per window"),
     samples: int = typer.Option(None, "--samples", min=1, help="Windows to score (default: all)"),
-    dtype: str = typer.Option("float32", "--dtype", help="Compute dtype for HF directories"),
+    dtype: str = typer.Option(None, "--dtype", help="Compute dtype for HF directories (default: float32); an engine "
+                              "runs in the dtype it was built in (another --dtype is refused)"),
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
     threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: the usable CPUs minus "
                                                               "one)"),
@@ -26,7 +27,7 @@ def ppl_command(
     from ..errors import OptionError
     from ..measure.perplexity import evaluate_perplexity
 
-    if dtype not in ("float32", "float16", "bfloat16"):
+    if dtype is not None and dtype not in ("float32", "float16", "bfloat16"):
         raise OptionError(f"--dtype {dtype!r}: expected float32, float16 or bfloat16")
     from ..host import configure_threads, resolve_device
 

@@ -48,8 +48,8 @@ def _register() -> None:
         chat.chat_command)
     app.command("serve", help="OpenAI-compatible HTTP server on an engine directory.")(serve.serve_command)
     app.command("bench", help="Benchmark an engine or a running server.")(bench.bench_command)
-    app.command("verify", help="Check every file of an engine directory against its manifests (SHA-256).")(
-        verify.verify_command)
+    app.command("verify", help=verify.HELP, short_help="Check every file of an engine directory against its "
+                "manifests (SHA-256).")(verify.verify_command)
     app.add_typer(eval.eval_app, name="eval", help="Evaluate a model (perplexity).")
 
 

@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterator
 
 from .. import __version__
 from ..errors import EngineError, StageError
-from .workdir import ENGINE_STAGES, MANIFEST, STAGES, not_an_engine
+from .workdir import (ENGINE_STAGES, MANIFEST, RECIPE_FILE, SOURCE_HASHES, STAGES, WorkDir, incomplete_engine,
+                      not_an_engine)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -280,18 +281,18 @@ def require_stage(workdir: Path, stage: str) -> dict:
 
 
 # ---- engine directory integrity ----------------------------------------------------------------
-def _stage_problems(stage_dir: Path, deep: bool) -> tuple[int, list[str]]:
-    """(files checked, problems) of one stage directory against its manifest."""
+def _stage_problems(stage_dir: Path, deep: bool) -> tuple[int, list[str], list[str]]:
+    """(files checked, problems, files the manifest does not list) of one stage directory against its manifest."""
     path = stage_dir / MANIFEST
     stage = stage_dir.name
     if not path.is_file():
-        return 0, [f"{stage}/{MANIFEST} is missing"]
+        return 0, [f"{stage}/{MANIFEST} is missing"], []
     try:
         manifest = json.loads(path.read_text())
         files = manifest["files"]
         entries = [(str(f["path"]), int(f["bytes"]), str(f["sha256"])) for f in files]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
-        return 0, [f"{stage}/{MANIFEST} is unreadable or not a vlmctl manifest"]
+        return 0, [f"{stage}/{MANIFEST} is unreadable or not a vlmctl manifest"], []
     problems = []
     for rel, size, digest in entries:
         p = stage_dir / rel
@@ -303,35 +304,56 @@ def _stage_problems(stage_dir: Path, deep: bool) -> tuple[int, list[str]]:
             problems.append(f"{stage}/{rel} is {actual} bytes; the manifest says {size}")
         elif deep and sha256_file(p) != digest:
             problems.append(f"{stage}/{rel} does not match its SHA-256 in the manifest")
-    return len(entries), problems
+    listed = {rel for rel, _, _ in entries} | {MANIFEST}
+    unlisted = sorted(f"{stage}/{rel}" for rel in (p.relative_to(stage_dir).as_posix() for p in stage_dir.rglob("*")
+                                                   if p.is_file()) if rel not in listed)
+    return len(entries), problems, unlisted
+
+
+def _unlisted_top_level(engine_dir: Path) -> list[str]:
+    """Entries of the work directory itself that no stage wrote: not a stage directory, recipe.json or the
+    source-hash cache (a directory is named once, with a trailing /)."""
+    known = set(STAGES) | {RECIPE_FILE, SOURCE_HASHES}
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in engine_dir.iterdir() if p.name not in known)
 
 
 def verify_engine(engine_dir: Path, deep: bool = True) -> dict:
     """Check every file every stage manifest lists: sizes, and with `deep` their SHA-256.
 
-    Returns {"engine_dir", "ok", "checked": "sha256"|"size", "stages": [{"stage", "files", "problems"}]}.
-    Stages an engine needs (convert, build-vision, build-llm) must be there; the others are checked
-    when present."""
+    Returns {"engine_dir", "ok", "checked": "sha256"|"size", "complete", "next_stage", "stages": [{"stage",
+    "files", "problems", "missing"}], "unlisted"}. Every stage a complete engine has run (WorkDir.needed_stages:
+    all of them, quantize when the recipe quantizes) must be there: one missing is a problem, and
+    "next_stage" names the first; other stages are checked when present. "unlisted": files in the directory
+    that no manifest lists (nothing checks them; they do not make the report fail)."""
     engine_dir = Path(engine_dir)
-    stages = []
+    wd = WorkDir(engine_dir)
+    needed, missing = wd.needed_stages(), wd.missing_stages()
+    stages, unlisted = [], _unlisted_top_level(engine_dir)
     for name in STAGES:
         d = engine_dir / name
         if not d.is_dir():
-            if name in ENGINE_STAGES:
-                stages.append({"stage": name, "files": 0, "problems": [f"{name}/ is missing"]})
+            if name in needed:
+                stages.append({"stage": name, "files": 0, "missing": True,
+                               "problems": [f"{name}/ is missing (the stage has not run here)"]})
             continue
-        n, problems = _stage_problems(d, deep)
-        stages.append({"stage": name, "files": n, "problems": problems})
+        n, problems, extra = _stage_problems(d, deep)
+        stages.append({"stage": name, "files": n, "missing": False, "problems": problems})
+        unlisted += extra
     return {"engine_dir": str(engine_dir), "ok": not any(s["problems"] for s in stages),
-            "checked": "sha256" if deep else "size", "stages": stages}
+            "checked": "sha256" if deep else "size", "complete": not missing,
+            "next_stage": missing[0] if missing else None, "stages": stages, "unlisted": unlisted}
 
 
 def check_engine_files(engine_dir: Path) -> None:
-    """The start-up check of chat and serve: every listed file present with its recorded size (a stat
-    per file, no reading). Raises one EngineError naming the first problem."""
+    """The start-up check of chat and serve: every needed stage there (else the stage to run next is named),
+    and every listed file present with its recorded size (a stat per file, no reading). Raises one
+    EngineError naming the first problem."""
     engine_dir = Path(engine_dir)
     if not engine_dir.is_dir() or not any((engine_dir / s).is_dir() for s in ENGINE_STAGES):
         raise EngineError(not_an_engine(engine_dir))
+    incomplete = incomplete_engine(engine_dir)
+    if incomplete is not None:
+        raise EngineError(incomplete)
     report = verify_engine(engine_dir, deep=False)
     if report["ok"]:
         return

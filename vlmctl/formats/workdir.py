@@ -17,7 +17,9 @@ its `manifest.json` (formats/artifacts.py):
                   engine's description, export/trtllm.py) and the weights or engine it names
 
 An engine directory is a work directory whose engine stages (convert, build-vision, build-llm) ran;
-`EngineDir` is the view chat, serve, bench, eval and export-triton take of it.
+`EngineDir` is the view chat, serve, bench, eval and export-triton take of it. A complete one has run every
+stage its recipe needs (`WorkDir.needed_stages`: all, quantize only when the recipe quantizes); one that
+has not (`build --until STAGE`) is incomplete, and `incomplete_engine` names the next stage to run.
 
 Not here: what the files hold (their own modules in formats/), running and caching stages
 (pipeline.py, formats/artifacts.py).
@@ -196,6 +198,27 @@ class WorkDir:
     def is_engine(self) -> bool:
         return self.llm_config.is_file() and self.convert.family_file.is_file()
 
+    def saved_quantization(self) -> str | None:
+        """quantization.method of the saved recipe.json (pipeline.save_recipe writes it), or None when there is
+        no readable one."""
+        try:
+            method = json.loads(self.recipe_file.read_text())["quantization"]["method"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+            return None
+        return method if isinstance(method, str) else None
+
+    def needed_stages(self) -> tuple[str, ...]:
+        """The stages a complete engine of this directory has run, in order: every stage, quantize only when the
+        saved recipe quantizes (without a readable recipe.json: when quantize/ is there)."""
+        method = self.saved_quantization()
+        quantized = (self.root / "quantize").is_dir() if method is None else method != "none"
+        return tuple(s for s in STAGES if s != "quantize" or quantized)
+
+    def missing_stages(self) -> list[str]:
+        """The needed stages whose directory is not there (a stage publishes its directory only when it
+        succeeded, so a missing one has not run)."""
+        return [s for s in self.needed_stages() if not (self.root / s).is_dir()]
+
 
 class EngineDir(WorkDir):
     """An engine directory, checked on opening: its decoder config and family record are there."""
@@ -217,6 +240,27 @@ class EngineDir(WorkDir):
 
 def not_an_engine(path: Path) -> str:
     return f"{path}: not a vlmctl engine directory (run `vlmctl build RECIPE -o {path}`)"
+
+
+def stage_command(stage: str, path: Path) -> str:
+    """The command line that runs one stage in the work directory `path`."""
+    return f"vlmctl convert SRC -o {path}" if stage == "convert" else f"vlmctl {stage} {path}"
+
+
+def incomplete_engine(path: Path) -> str | None:
+    """What chat, serve and verify say of a work directory whose engine stages have not all run (e.g. one
+    built with `vlmctl build --until STAGE`): the stages missing and the next one to run, as `build --until`
+    names it. None when every needed stage's directory is there."""
+    wd = WorkDir(path)
+    needed, missing = wd.needed_stages(), wd.missing_stages()
+    if not missing:
+        return None
+    first = missing[0]
+    done = [s for s in needed if s not in missing]
+    # `build --until S` leaves every stage after S unbuilt; a stage removed from the middle is only missing
+    built = f"built up to {done[-1]}; " if done and list(needed[needed.index(first):]) == missing else ""
+    return (f"{path}: incomplete engine ({built}missing {', '.join(missing)}): the next stage is {first} "
+            f"(`{stage_command(first, path)}`, or `vlmctl build RECIPE -o {path}` for the rest)")
 
 
 def classify(path: Path) -> str:

@@ -91,13 +91,20 @@ def _is_whole_vlm(cfg: dict) -> bool:
     return True
 
 
-def load_logits_fn(model: Path, dtype: str = "float32", device: str = "cpu") -> tuple[Callable, Path, dict]:
-    """(logits_fn, tokenizer directory, description) for `model` (see `find_decoder_dir`)."""
+def load_logits_fn(model: Path, dtype: str | None = None, device: str = "cpu") -> tuple[Callable, Path, dict]:
+    """(logits_fn, tokenizer directory, description) for `model` (see `find_decoder_dir`).
+
+    `dtype` is the compute dtype of a Hugging Face directory (default float32). An engine's decoder runs in
+    the dtype it was built in: another `dtype` is refused (OptionError), not silently ignored."""
     from ..runtime.decoder import TorchDecoder
 
     d, tok_dir = find_decoder_dir(model)
     cfg = json.loads((d / "config.json").read_text())
     if is_layout(cfg):
+        built = cfg.get("dtype")
+        if dtype is not None and dtype != built:
+            raise OptionError(f"--dtype {dtype}: {model} is an engine built in {built}; --dtype applies to Hugging "
+                              "Face directories only (drop it, or rebuild the engine with --set dtype=...)")
         dec = TorchDecoder.load(d, device=device, max_seq=16)
         kind = "engine"
         quant = (cfg.get("decoder", {}).get("quantization") or {}).get("method", "none")
@@ -105,11 +112,11 @@ def load_logits_fn(model: Path, dtype: str = "float32", device: str = "cpu") -> 
         from ..convert import read_vlm_decoder
 
         text_cfg, tensors = read_vlm_decoder(d)
-        dec = TorchDecoder.from_hf_tensors(text_cfg, tensors, dtype=dtype, device=device, max_seq=16)
+        dec = TorchDecoder.from_hf_tensors(text_cfg, tensors, dtype=dtype or "float32", device=device, max_seq=16)
         quant = quantization_method(text_cfg) or "none"
         kind = "hf-vlm"
     else:
-        dec = TorchDecoder.from_hf_dir(d, dtype=dtype, device=device, max_seq=16)
+        dec = TorchDecoder.from_hf_dir(d, dtype=dtype or "float32", device=device, max_seq=16)
         quant = quantization_method(cfg) or "none"
         kind = "hf"
     if not has_tokenizer(tok_dir):
@@ -119,9 +126,9 @@ def load_logits_fn(model: Path, dtype: str = "float32", device: str = "cpu") -> 
 
 
 def evaluate_perplexity(model: Path, data: str, seq_len: int = 512, samples: int | None = None,
-                        dtype: str = "float32", device: str = "cpu", base_dir: Path | None = None,
+                        dtype: str | None = None, device: str = "cpu", base_dir: Path | None = None,
                         progress: Progress | None = None) -> dict:
-    """Library entry point of `vlmctl eval ppl`."""
+    """Library entry point of `vlmctl eval ppl`. `dtype`: as `load_logits_fn` takes it."""
     from transformers import AutoTokenizer
 
     from ..quant.calibration import load_eval_tokens
