@@ -148,7 +148,7 @@ def bench_vlmctl(dec, batch: int, prompt_len: int, steps: int, graphs: bool) -> 
     per_seq = -(-(prompt_len + steps + 8) // bs)
     tables = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(batch)]
     assert tables[-1][-1] < dec.num_blocks
-    rows = 576
+    rows = max(0, min(576, prompt_len - 16))  # LLaVA-1.5's 576 image rows, fewer in a shorter prompt
     table = torch.randn(rows, dec.spec.hidden_size, device=DEV, dtype=dec.dtype) * 0.02
     ids = np.random.default_rng(0).integers(0, V, prompt_len)
     ids[1:1 + rows] = V + np.arange(rows)
