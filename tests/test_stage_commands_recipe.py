@@ -83,6 +83,37 @@ def test_a_failed_convert_leaves_nothing_in_a_new_directory(tiny_llava, tmp_path
     assert not (tmp_path / "w").exists()
 
 
+def test_a_build_that_fails_late_in_a_new_directory_can_be_resumed(tiny_llava_engine, tmp_path, capsys):
+    """A new directory's build that stops at build-llm (TensorRT-LLM is not installed) keeps its finished stages
+    and saves the recipe they were built with, so that the stage command takes over from there, as
+    docs/tensorrt-llm.md says: the same command stops the same way, and with another backend it builds."""
+    from vlmctl.backends.trtllm import trtllm_available
+
+    if trtllm_available():
+        pytest.skip("TensorRT-LLM is installed: build-llm would not stop here")
+    out = tmp_path / "t"
+    cli("build", recipe_of(tiny_llava_engine), "-o", out, "--set", "decoder.backend=trtllm", "--set", "dtype=float16",
+        capsys=capsys, expect=6)
+    saved = json.loads((out / "recipe.json").read_text())
+    assert saved["decoder"]["backend"] == "trtllm" and saved["dtype"] == "float16"
+    assert not (out / "build-llm").exists()
+    _, _, err = cli("build-llm", out, capsys=capsys, expect=6)
+    assert "no recipe.json" not in err
+    before = manifests_of(out, ("convert", "export-vision", "build-vision"))
+    assert not cli_json("build-llm", out, "--set", "decoder.backend=torch", "--json", capsys=capsys)["cached"]
+    assert manifests_of(out, ("convert", "export-vision", "build-vision")) == before  # reused, not rebuilt
+    cli("verify", out, capsys=capsys)
+
+
+def test_a_stage_command_on_a_missing_directory_says_so(tmp_path, capsys):
+    _, _, err = cli("export-vision", tmp_path / "nowhere", capsys=capsys, expect=7)
+    assert "no such work directory" in one_error(err) and "vlmctl build RECIPE -o" in err
+
+
+def manifests_of(engine: Path, stages) -> dict:
+    return {s: (engine / s / "manifest.json").read_text() for s in stages}
+
+
 # ---- B: a stage refuses inputs that are out of date for its recipe -------------------------------
 def test_stage_commands_refuse_stale_inputs(eng, tiny_llava_engine, capsys):
     before, recipe = manifests(eng), (eng / "recipe.json").read_bytes()

@@ -50,6 +50,9 @@ def load_workdir_recipe(workdir: Path, overrides: list[str] | None = None) -> Re
     from pydantic import ValidationError
 
     path = WorkDir(workdir).recipe_file
+    if not Path(workdir).is_dir():
+        raise StageError(f"{workdir}: no such work directory; run `vlmctl convert SRC -o {workdir}` or "
+                         f"`vlmctl build RECIPE -o {workdir}` first")
     if not path.exists():
         raise StageError(f"{workdir}: no {RECIPE_FILE}; run `vlmctl convert SRC -o {workdir}` or `vlmctl build` first")
     data = json.loads(path.read_text())
@@ -534,7 +537,9 @@ def build(recipe: Recipe, workdir: Path, *, until: str | None = None, force: boo
           progress: Progress | None = None, on_stage: Callable[[StageResult], None] | None = None) -> list[StageResult]:
     """Run every stage in order (up to `until`); each is skipped when its cache key matches. The recipe is
     saved once every stage succeeded: a failed build leaves the work directory's recipe as it was (the
-    stages it finished stay, as cache)."""
+    stages it finished stay, as cache). In a directory without a recipe yet, one whose stages got as far as
+    a finished one saves it on failure too: it is the recipe those stages were built with, and the stage
+    commands resume from it (`vlmctl build-llm DIR --set ...` after a failed build-llm)."""
     if until is not None and until not in STAGES:
         raise RecipeError(f"--until {until!r}: unknown stage (stages: {', '.join(STAGES)})")
     progress = ensure(progress)
@@ -542,15 +547,21 @@ def build(recipe: Recipe, workdir: Path, *, until: str | None = None, force: boo
     _check_output_outside_source(recipe, workdir)
     results = []
     stages = STAGES[: STAGES.index(until) + 1] if until else STAGES
+    had_recipe = WorkDir(workdir).recipe_file.is_file()
     with _new_directory_undone_on_failure(workdir):
-        for stage in stages:
-            t0 = time.perf_counter()
-            res = STAGE_FUNCS[stage](recipe, workdir, force=force, progress=progress)
-            if not res.cached and not res.skipped:
-                res.seconds = time.perf_counter() - t0
-            results.append(res)
-            if on_stage:
-                on_stage(res)
+        try:
+            for stage in stages:
+                t0 = time.perf_counter()
+                res = STAGE_FUNCS[stage](recipe, workdir, force=force, progress=progress)
+                if not res.cached and not res.skipped:
+                    res.seconds = time.perf_counter() - t0
+                results.append(res)
+                if on_stage:
+                    on_stage(res)
+        except BaseException:
+            if results and not had_recipe:
+                save_recipe(workdir, recipe)
+            raise
     save_recipe(workdir, recipe)
     return results
 

