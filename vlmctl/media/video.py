@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import BackendUnavailableError, InputError, LimitError
+from .local_files import read_regular_file
 
 DEFAULT_MAX_FILE_BYTES = 1 << 30  # a local video file read for `vlmctl chat --video`
 
@@ -234,13 +235,16 @@ def _why(e: BaseException) -> str:
 
 
 def load_video(path: str | Path, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Video:
-    """A local video file, probed; a missing, oversized or unreadable file is an InputError."""
+    """A local video file, probed; a missing, oversized, unreadable or special file (a FIFO, a device,
+    a /proc file that would block) is an InputError naming `path`."""
     p = Path(path)
     if not p.exists():
         raise InputError(f"{path}: no such video file")
     if not p.is_file():
         raise InputError(f"{path}: not a file")
-    size = p.stat().st_size
-    if size > max_bytes:
-        raise LimitError(f"{path}: {size} bytes, over the {max_bytes}-byte cap for a video file")
-    return Video(p.read_bytes(), what=str(path))
+
+    def too_big(size):
+        return LimitError(f"{path}: {size} bytes, over the {max_bytes}-byte cap for a video file" if size is not None
+                          else f"{path}: over the {max_bytes}-byte cap for a video file")
+
+    return Video(read_regular_file(p, str(path), max_bytes, too_big), what=str(path))
