@@ -251,6 +251,40 @@ def test_video_urls_refuse_pipes_and_directories(qwen_srv, monkeypatch):
     assert post(f"file://{media}/ok.mp4").status_code == 200
 
 
+def test_a_slow_video_decode_does_not_hold_other_requests(qwen_srv, monkeypatch):
+    """Videos are decoded on a worker of their own: while one request's video decodes (held here on an event,
+    as a long 4K video holds it for seconds), a text request is encoded and answered; then the video request
+    completes. Before, both shared the one encode worker, and the text request waited for the decode."""
+    from vlmctl.media.video import Video
+
+    started, release = threading.Event(), threading.Event()
+    decode = Video.sample
+
+    def held(self, *args, **kwargs):
+        started.set()
+        release.wait(30)
+        return decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(Video, "sample", held)
+    url = qwen_srv["url"] + "/v1/chat/completions"
+    done = {}
+    video = threading.Thread(target=lambda: done.update(r=httpx.post(
+        url, json=chat(f"file://{qwen_srv['media']}/ok.mp4", "video_url"), timeout=60)))
+    video.start()
+    try:
+        assert started.wait(20), "the video request never reached its decode"
+        try:
+            r = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=10)
+        except httpx.ReadTimeout:
+            pytest.fail("a text request waited for another request's video decode")
+        assert r.status_code == 200, r.text
+        assert "r" not in done  # the video request is still decoding
+    finally:
+        release.set()
+        video.join(60)
+    assert done["r"].status_code == 200, done["r"].text
+
+
 @pytest.mark.skipif(not PROC_MEM.exists(), reason="needs Linux /proc")
 def test_cli_video_that_fails_to_read_is_one_line_exit_5(tmp_path, capsys):
     pytest.importorskip("av", reason="video input needs PyAV (the `video` extra)")

@@ -438,12 +438,13 @@ class FamilyProcessor(abc.ABC):
 
     # ---- the prompt ---------------------------------------------------------------------------
     def encode(self, messages: list[dict], images: list, tools: list[dict] | None = None, videos=(),
-               video_limits=None) -> EncodedPrompt:
+               video_limits=None, video_items: list | None = None) -> EncodedPrompt:
         """`tools`: OpenAI function tools (models/tool_calls.normalize_tools) for the template to show.
         `videos`: media.video.Video objects in the prompt order of the messages' `{"type": "video"}`
         parts, with `video_limits` (media.video.VideoLimits; its defaults when None); only families
-        with `video = True` take them. Images and videos are expanded in prompt order, and
-        `EncodedPrompt.images` lists their items in that order."""
+        with `video = True` take them. `video_items`: their `video_items(videos, video_limits)` when the
+        caller decoded them already (the server does, on a worker of its own). Images and videos are
+        expanded in prompt order, and `EncodedPrompt.images` lists their items in that order."""
         from ..errors import InputError
         from .chat import render_chat
 
@@ -462,11 +463,14 @@ class FamilyProcessor(abc.ABC):
                 raise InputError(f"the prompt has {kinds.count(kind)} {kind} placeholder(s) but {len(given)} "
                                  f"{kind}(s) were given")
         image_items = self.image_items(list(images), [image_hash(img) for img in images]) if images else []
-        video_items = []
-        if videos:
+        if not videos:
+            video_items = []
+        elif video_items is None:
             from ..media.video import VideoLimits
 
             video_items = self.video_items(videos, video_limits or VideoLimits())
+        elif len(video_items) != len(videos):
+            raise ValueError(f"{len(video_items)} prepared video items for {len(videos)} videos")
         queue = {"image": iter(image_items), "video": iter(video_items)}
         text_of = {"image": self.image_text, "video": self.video_text}
         ordered, expanded = [], [pieces[0]]

@@ -344,8 +344,9 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------
     def encode(self, messages: list[dict], images: list, videos: list | None = None,
-               tools: list[dict] | None = None) -> EncodedPrompt:
-        """`videos`: media.video.Video objects, in the order of the messages' video parts.
+               tools: list[dict] | None = None, video_items: list | None = None) -> EncodedPrompt:
+        """`videos`: media.video.Video objects, in the order of the messages' video parts; `video_items`:
+        `prepare_videos(videos)` when the caller ran it already (else it runs here).
         `tools`: OpenAI function tools (models/tool_calls.normalize_tools) for the chat template
         to show; only for an engine whose `tool_format()` is not None."""
         self._check_text_size(sum(_text_chars(m.get("content")) for m in messages))
@@ -356,6 +357,16 @@ class Engine:
             self.image_limits.check(img.size, f"image {i + 1}" if len(images) > 1 else "image")
         if not videos:
             return self.processor.encode(messages, images, tools=tools or None)
+        if video_items is None:
+            video_items = self.prepare_videos(videos)
+        return self.processor.encode(messages, images, tools=tools or None, videos=videos,
+                                     video_limits=self.video_limits, video_items=video_items)
+
+    def prepare_videos(self, videos: list) -> list:
+        """One request's videos checked against this engine and its video limits (header first), then
+        decoded and preprocessed as the family samples them: the items `encode(..., video_items=)` takes.
+        The server runs this on a worker of its own, so that a slow decode does not hold other requests'
+        prompt encoding."""
         if not self.family.video:
             raise InputError(f"the {self.family.name} family takes no video input")
         if self.backend != "torch":  # TensorRT-LLM's prompt table was sized for images
@@ -367,7 +378,9 @@ class Engine:
                              f"{lim.max_videos_per_request}")
         for v in videos:  # the header's limits, before anything is decoded
             v.check(lim)
-        return self.processor.encode(messages, images, tools=tools or None, videos=videos, video_limits=lim)
+        if self.processor.video_token_id < 0:
+            raise InputError(f"this {self.family.name} checkpoint has no video token, so it takes no videos")
+        return self.processor.video_items(list(videos), lim)
 
     def tool_format(self) -> str | None:
         """The tool-call format of this engine's chat template (models/tool_calls.py), or None when

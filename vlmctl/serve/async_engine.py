@@ -53,6 +53,9 @@ class AsyncEngine:
         # Prompt encoding (tokenizer + image preprocessing) is CPU work kept off the event loop;
         # one worker keeps the tokenizer single-threaded on this side.
         self._encode_pool = ThreadPoolExecutor(1, thread_name_prefix="vlmctl-encode")
+        # Video decoding (seconds for a long high-resolution video) has a worker of its own, so that it
+        # does not hold every other request's prompt encoding; it touches no tokenizer.
+        self._video_pool = ThreadPoolExecutor(1, thread_name_prefix="vlmctl-video")
         self.error: BaseException | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -77,6 +80,7 @@ class AsyncEngine:
             q.put_nowait(_Failure(EngineUnavailable("the server is shutting down")))
         self._queues.clear()
         self._encode_pool.shutdown(wait=False, cancel_futures=True)
+        self._video_pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
         eng = self.engine
@@ -128,6 +132,11 @@ class AsyncEngine:
         self._queues.clear()
 
     # ---- API ---------------------------------------------------------------------------------
+    async def decode_videos(self, videos: list) -> list:
+        """`engine.prepare_videos(videos)` on the video worker, off the event loop and the encode worker."""
+        return await asyncio.get_running_loop().run_in_executor(self._video_pool,
+                                                                lambda: self.engine.prepare_videos(videos))
+
     async def encode(self, fn, *args, **kwargs):
         """Run prompt encoding (`engine.encode`, `engine.encode_text`, `engine.compile_grammar`) on the
         encode worker, off the event loop."""

@@ -85,8 +85,9 @@ async def chat_completion(ctx: ServeContext, request: Request):
     videos = await asyncio.gather(*(load_video_url(u, ctx.config.media, f"video {i + 1}")
                                     for i, u in enumerate(video_urls)))
     await compile_grammar(aeng, engine, grammar, grammar_param)
+    video_items = await aeng.decode_videos(list(videos)) if videos else None
     prompt = await aeng.encode(engine.encode, messages, list(images), videos=list(videos),
-                               tools=tools.tools if tools else None)
+                               tools=tools.tools if tools else None, video_items=video_items)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(engine, body, len(prompt.token_ids), body.max_completion_tokens or body.max_tokens,
                              logprobs, grammar)
