@@ -285,6 +285,20 @@ def test_a_slow_video_decode_does_not_hold_other_requests(qwen_srv, monkeypatch)
     assert done["r"].status_code == 200, done["r"].text
 
 
+def test_a_video_request_over_a_cheap_limit_is_refused_before_decoding(qwen_srv, monkeypatch):
+    """Text far beyond what fits the prompt is refused by its size before the request's video is decoded."""
+    from vlmctl.media.video import Video
+
+    decoded = threading.Event()
+    decode = Video.sample
+    monkeypatch.setattr(Video, "sample", lambda self, *a, **k: (decoded.set(), decode(self, *a, **k))[1])
+    body = chat(f"file://{qwen_srv['media']}/ok.mp4", "video_url")
+    body["messages"][0]["content"][1]["text"] = "word " * 1_000_000
+    r = httpx.post(qwen_srv["url"] + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert not decoded.is_set()
+
+
 @pytest.mark.skipif(not PROC_MEM.exists(), reason="needs Linux /proc")
 def test_cli_video_that_fails_to_read_is_one_line_exit_5(tmp_path, capsys):
     pytest.importorskip("av", reason="video input needs PyAV (the `video` extra)")

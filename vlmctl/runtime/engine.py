@@ -349,18 +349,23 @@ class Engine:
         `prepare_videos(videos)` when the caller ran it already (else it runs here).
         `tools`: OpenAI function tools (models/tool_calls.normalize_tools) for the chat template
         to show; only for an engine whose `tool_format()` is not None."""
-        self._check_text_size(sum(_text_chars(m.get("content")) for m in messages))
-        max_images = self.limits.max_images_per_request
-        if len(images) > max_images:
-            raise LimitError(f"{len(images)} images in one request; this engine accepts at most {max_images}")
-        for i, img in enumerate(images):  # before preprocessing: its cost follows the image's shape
-            self.image_limits.check(img.size, f"image {i + 1}" if len(images) > 1 else "image")
+        self.check_inputs(messages, images)
         if not videos:
             return self.processor.encode(messages, images, tools=tools or None)
         if video_items is None:
             video_items = self.prepare_videos(videos)
         return self.processor.encode(messages, images, tools=tools or None, videos=videos,
                                      video_limits=self.video_limits, video_items=video_items)
+
+    def check_inputs(self, messages: list[dict], images: list) -> None:
+        """A request's cheap limits, before any tokenizing or media decoding: its text's size, its image count
+        and each image's size (what preprocessing an image costs follows its shape)."""
+        self._check_text_size(sum(_text_chars(m.get("content")) for m in messages))
+        max_images = self.limits.max_images_per_request
+        if len(images) > max_images:
+            raise LimitError(f"{len(images)} images in one request; this engine accepts at most {max_images}")
+        for i, img in enumerate(images):
+            self.image_limits.check(img.size, f"image {i + 1}" if len(images) > 1 else "image")
 
     def prepare_videos(self, videos: list) -> list:
         """One request's videos checked against this engine and its video limits (header first), then

@@ -85,7 +85,10 @@ async def chat_completion(ctx: ServeContext, request: Request):
     videos = await asyncio.gather(*(load_video_url(u, ctx.config.media, f"video {i + 1}")
                                     for i, u in enumerate(video_urls)))
     await compile_grammar(aeng, engine, grammar, grammar_param)
-    video_items = await aeng.decode_videos(list(videos)) if videos else None
+    video_items = None
+    if videos:  # what is cheap to refuse goes first: decoding a video can take seconds
+        engine.check_inputs(messages, list(images))
+        video_items = await aeng.decode_videos(list(videos))
     prompt = await aeng.encode(engine.encode, messages, list(images), videos=list(videos),
                                tools=tools.tools if tools else None, video_items=video_items)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
