@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,6 +130,55 @@ def srv(tiny_llava_engine):
     """The session's tiny engine served for batches of 8: (url, app). A module that needs other settings
     defines its own `srv` (e.g. with `serve_engine`)."""
     yield from serve_engine(tiny_llava_engine, max_batch_size=8)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_process(engine_dir: Path, cwd: Path, *args: str, log=subprocess.DEVNULL, err=None, env=None,
+                  timeout_s: float = 120):
+    """`python -m vlmctl serve ENGINE --port P ARGS` as a real process, run in `cwd` with its stdout to `log`
+    and stderr to `err` (default: with stdout); yields (process, url) once /health answers 200, and kills it
+    on the way out if the test left it running. `err`, when a file, is read back into a failure's message."""
+    import httpx
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    stderr = subprocess.STDOUT if err is None else err
+
+    def output() -> str:
+        f = err if err is not None else log
+        try:
+            return Path(f.name).read_text()[-2000:]
+        except (AttributeError, TypeError, OSError):
+            return ""
+
+    proc = subprocess.Popen([sys.executable, "-m", "vlmctl", "serve", str(engine_dir), "--port", str(port),
+                             *map(str, args)], stdout=log, stderr=stderr, env=env, cwd=cwd)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert proc.poll() is None, f"server exited early: {output()}"
+            assert time.monotonic() < deadline, f"server did not become healthy: {output()}"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def hf_processor_image_defaults(processor_cls) -> dict:

@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import os
 import signal
-import subprocess
 import sys
 import time
 import warnings
@@ -19,6 +17,7 @@ import httpx
 import pytest
 from PIL import Image, ImageFile
 
+from conftest import serve_process
 from test_serve import image_message, start_uvicorn
 from tiny_models import make_image
 
@@ -189,35 +188,13 @@ def test_the_server_answers_400_with_openais_shape(tiny_llava_engine, tmp_path, 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_serve_option_max_image_pixels(tiny_llava_engine, tmp_path):
     """`vlmctl serve --max-image-pixels N` applies N on the header check."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    err = tmp_path / "serve.err"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
-    with open(err, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "vlmctl", "serve", str(tiny_llava_engine), "--port", str(port),
-                                 "--max-image-pixels", "1200", "--stats-interval", "0"], stdout=subprocess.DEVNULL,
-                                stderr=f, env=env, cwd=tmp_path)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, err.read_text()[-2000:]
-            assert time.monotonic() < deadline, err.read_text()[-2000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+    with serve_process(tiny_llava_engine, tmp_path, "--max-image-pixels", "1200", "--stats-interval", "0",
+                       err=open(tmp_path / "serve.err", "w"), env={"PYTHONWARNINGS": "ignore"}) as (proc, url):
         body = {"messages": image_message(data_url(png((41, 30)))), "max_tokens": 2}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["message"] == "image 1: 41x30 is 1,230 pixels; at most 1,200 pixels are accepted"
         body["messages"] = image_message(data_url(png((40, 30))))
         assert httpx.post(url + "/v1/chat/completions", json=body, timeout=120).status_code == 200
-    finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

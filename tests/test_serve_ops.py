@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -16,7 +14,7 @@ import httpx
 import pytest
 
 from test_serve import data_url, start_uvicorn
-from test_serve_shutdown import free_port
+from conftest import serve_process
 from tiny_models import make_image
 
 openai = pytest.importorskip("openai")
@@ -120,29 +118,13 @@ def test_stats_line_reports_work_and_stays_quiet_when_idle(tiny_llava_engine):
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_json_logs_of_a_real_server(tiny_llava_engine, tmp_path):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     err = open(tmp_path / "serve.err", "w+")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "vlmctl", "serve", str(tiny_llava_engine), "--port", str(port),
-                             "--log-format", "json", "--stats-interval", "0.2"], stdout=subprocess.DEVNULL,
-                            stderr=err, env=env, cwd=tmp_path)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.err").read_text()[-2000:]
-            assert time.monotonic() < deadline
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+    with serve_process(tiny_llava_engine, tmp_path, "--log-format", "json", "--stats-interval", "0.2",
+                       err=err) as (proc, url):
         body = {"messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 200, "temperature": 0,
                 "ignore_eos": True}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
         time.sleep(0.5)
-    finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     lines = [ln for ln in (tmp_path / "serve.err").read_text().splitlines() if ln.strip()]

@@ -3,45 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 
 import httpx
 import pytest
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import serve_process
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigterm_drains_open_stream_and_exits_zero(tiny_llava_engine, tmp_path):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "vlmctl", "serve", str(tiny_llava_engine), "--port", str(port),
-                             "--shutdown-timeout", "20", "--max-batch-size", "1", "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"server exited early: {(tmp_path / 'serve.log').read_text()[-2000:]}"
-            assert time.monotonic() < deadline, "server did not become healthy"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-
+    with serve_process(tiny_llava_engine, tmp_path, "--shutdown-timeout", "20", "--max-batch-size", "1",
+                       "--log-level", "warning", log=log) as (proc, url):
         # One KV slot and three streams: two of them wait in the queue when SIGTERM arrives.
         first_chunk = threading.Event()
         results = [dict() for _ in range(3)]
@@ -96,8 +72,4 @@ def test_sigterm_drains_open_stream_and_exits_zero(tiny_llava_engine, tmp_path):
                       c["choices"][0]["finish_reason"]]
             assert usage and usage[0]["completion_tokens"] == 250 and finish == ["length"]
         assert sum(ts > sigterm_at for r in results for ts, _ in r["chunks"]) > 250, "little streamed after SIGTERM"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        log.close()
+    log.close()
