@@ -134,6 +134,8 @@ def test_fold_config_and_the_switch(monkeypatch):
     monkeypatch.setenv("VLMCTL_NORM_FOLD", "0")
     assert not norm_fold.enabled()
     monkeypatch.setenv("VLMCTL_NORM_FOLD", "2")
+    assert norm_fold.mode() == "2" and norm_fold.enabled()
+    monkeypatch.setenv("VLMCTL_NORM_FOLD", "3")
     with pytest.raises(OptionError, match="VLMCTL_NORM_FOLD"):
         norm_fold.enabled()
     assert norm_fold.shared_bytes(4096, _cfg(16, 4, 2)) == 4 * 4096 + 16
@@ -144,6 +146,64 @@ def test_the_folded_kernels_compile_for_sm90():
     cfgs = [W.heuristic_gemv_cuda_config(4096, 4096, 128), W.heuristic_gemv_cuda_act_mul_config(), _cfg(16, 4, 2)]
     names = sorted({norm_fold.norm_kernel_name(c, g, act, one_plus) for c in cfgs for g in (64, 128)
                     for act in (None, "silu", "gelu_tanh") for one_plus in (False, True)}
-                   | {norm_fold.add_kernel_name(c, g) for c in cfgs for g in (64, 128)})
+                   | {norm_fold.add_kernel_name(c, g) for c in cfgs for g in (64, 128)}
+                   | {norm_fold.add_prepare_kernel_name(c, 128, one_plus) for c in cfgs for one_plus in (False, True)}
+                   | {norm_fold.scaled_kernel_name(c, 128, act) for c in cfgs for act in (None, "silu")})
     cubin, lowered = cuda_rtc.compile_cubin(W.mma_source(), names, "sm_90")
     assert cubin[:4] == b"\x7fELF" and set(lowered) == set(names)
+
+
+# ---- the other way (VLMCTL_NORM_FOLD=2): the GEMV before a norm prepares its input ----
+
+@host_only
+@pytest.mark.parametrize("n,k,g,cfg", [(45, 96, 32, _cfg(8, 8, 1)), (128, 1024, 128, _cfg(16, 4, 2))], ids=str)
+@pytest.mark.parametrize("one_plus", [False, True], ids=["llama", "gemma"])
+def test_on_the_host_add_prepare(n, k, g, cfg, one_plus, monkeypatch):
+    """o / down with the next norm's input: the residual as `add_linear` leaves it, u = residual * w (Gemma: * (1 +
+    w)) rounded to fp16, bit for bit, and one partial sum of squares a warp (its rows') that add up to the row's."""
+    _host(monkeypatch, guard=0, seed=k)
+    p = random_packed(n, k, g, seed=n + k, device="cpu")
+    w = (torch.rand(n, generator=torch.Generator().manual_seed(4)) + 0.5).half()
+    count = norm_fold.partial_count(cfg, n)
+    for m in (1, 2):
+        x = _rows(m, k, seed=m * k)
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(m)).half()
+        plain = torch.empty(m, n, dtype=torch.float16)
+        W._launch_gemv_cuda(x, p, g, cfg, bias, plain)
+        residual = _rows(m, n, seed=n, scale=8.0)
+        want = (residual.float() + plain.float()).half()
+        u = torch.empty(m, n, dtype=torch.float16)
+        part = torch.full((m * count,), float("nan"))
+        norm_fold.add_prepare(x, p, g, cfg, residual, w, u, part, one_plus, bias)
+        assert torch.equal(residual, want)
+        gain = (1.0 + w.float()) if one_plus else w.float()
+        assert torch.equal(u, (want.float() * gain).half())
+        rpw = cfg.block_n // cfg.num_warps
+        sq = torch.nn.functional.pad(want.float().square(), (0, count * rpw - n)).view(m, count, rpw).sum(-1)
+        torch.testing.assert_close(part.view(m, count), sq, rtol=1e-6, atol=0)
+
+
+@host_only
+@pytest.mark.parametrize("n,k,g,cfg", [(46, 96, 32, _cfg(16, 8, 1)), (64, 2048, 128, _cfg(32, 4, 1))], ids=str)
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_on_the_host_scaled_gemv(n, k, g, cfg, act, monkeypatch):
+    """qkv / gate_up after a prepared norm: the plain GEMV of u times rsqrt(sum of the partial sums / K + eps), within
+    fp16 rounding of that product taken in torch (bias, act·mul); and the whole prepared path within fp16 noise of
+    the norm kernel's reference path (torch's roundings at other places)."""
+    _host(monkeypatch, guard=0, seed=n)
+    p = random_packed(n, k, g, seed=n * k, device="cpu")
+    r = _rows(1, k, seed=n + k, scale=6.0)
+    w = (torch.rand(k, generator=torch.Generator().manual_seed(5)) + 0.5).half()
+    u = (r.float() * w.float()).half()
+    part = r.float().square().view(8, -1).sum(-1)  # any split of the sum: 8 partials
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(6)).half()
+    got = norm_fold.scaled_linear(u, p, g, cfg, part, 8, EPS, bias=bias, act=act)
+    rstd = torch.rsqrt(r.float().square().mean() + EPS)
+    lin = (u.float() @ W.dequantize(p, g, torch.float16).float().T) * rstd + bias.float()
+    half = n // 2
+    want = lin if act is None else torch.nn.functional.silu(lin[:, :half].half().float()) * lin[:, half:].half().float()
+    assert float((got.float() - want).norm() / want.norm()) <= 2e-3
+    normed = ops.rms_norm_reference(r.clone(), w, EPS)
+    ref = torch.empty_like(got)
+    W._launch_gemv_cuda(normed, p, g, cfg, bias, ref, act=act)
+    assert float((got.float() - ref.float()).norm() / ref.float().norm()) <= 4e-3

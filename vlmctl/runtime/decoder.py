@@ -733,21 +733,58 @@ class TorchDecoder:
         return plan
 
     def _fold_kernel_names(self, plan) -> list[str]:
-        from .kernels import norm_fold
+        from .kernels import norm_fold as nf
 
         names = set()
+        two = nf.mode() == "2"
         for layer, (c_qkv, c_o, c_gu, c_down) in zip(self.layers, plan):
-            names.add(norm_fold.norm_kernel_name(c_qkv, layer.qkv.group_size, None, self.one_plus))
-            names.add(norm_fold.add_kernel_name(c_o, layer.o.group_size))
-            names.add(norm_fold.norm_kernel_name(c_gu, layer.gate_up.group_size, self.activation, self.one_plus))
-            names.add(norm_fold.add_kernel_name(c_down, layer.down.group_size))
+            if two:
+                names.add(nf.scaled_kernel_name(c_qkv, layer.qkv.group_size))
+                names.add(nf.add_prepare_kernel_name(c_o, layer.o.group_size, self.one_plus))
+                names.add(nf.scaled_kernel_name(c_gu, layer.gate_up.group_size, self.activation))
+                names.add(nf.add_prepare_kernel_name(c_down, layer.down.group_size, self.one_plus))
+                continue
+            names.add(nf.norm_kernel_name(c_qkv, layer.qkv.group_size, None, self.one_plus))
+            names.add(nf.add_kernel_name(c_o, layer.o.group_size))
+            names.add(nf.norm_kernel_name(c_gu, layer.gate_up.group_size, self.activation, self.one_plus))
+            names.add(nf.add_kernel_name(c_down, layer.down.group_size))
         return sorted(names)
+
+    def _layers_prepared(self, x: torch.Tensor, attend, plan) -> torch.Tensor:
+        """`_layers_folded` the other way (`VLMCTL_NORM_FOLD=2`): o and down also leave the next norm's input
+        (residual * weight) and partial sums of squares, and qkv and gate_up scale their sums by the norm's rsqrt."""
+        from .kernels import norm_fold as nf
+
+        residual = x
+        H = x.shape[1]
+        counts = [nf.partial_count(c, H) for _, c_o, _, c_down in plan for c in (c_o, c_down)]
+        u = [torch.empty_like(x), torch.empty_like(x)]
+        part = [torch.empty(max(counts + [1]), dtype=torch.float32, device=x.device) for _ in range(2)]
+        nf.prepare(x, self.layers[0].input_norm, u[0], part[0], self.one_plus)
+        count = 1
+        for li, (layer, (c_qkv, c_o, c_gu, c_down)) in enumerate(zip(self.layers, plan)):
+            qkv = nf.scaled_linear(u[0], layer.qkv.packed, layer.qkv.group_size, c_qkv, part[0], count, self.eps,
+                                   layer.qkv.bias)
+            if layer.q_norm is not None:
+                ops.qk_norm(qkv, layer.q_norm, layer.k_norm, self.n_heads, self.n_kv, self.head_dim, self.eps,
+                            self.one_plus)
+            nf.add_prepare(attend(li, qkv).reshape(1, self.q_size), layer.o.packed, layer.o.group_size, c_o, residual,
+                           layer.post_norm, u[1], part[1], self.one_plus, layer.o.bias)
+            h = nf.scaled_linear(u[1], layer.gate_up.packed, layer.gate_up.group_size, c_gu, part[1],
+                                 nf.partial_count(c_o, H), self.eps, layer.gate_up.bias, act=self.activation)
+            nxt = self.layers[li + 1].input_norm if li + 1 < len(self.layers) else self.norm
+            nf.add_prepare(h, layer.down.packed, layer.down.group_size, c_down, residual, nxt, u[0], part[0],
+                           self.one_plus, layer.down.bias)
+            count = nf.partial_count(c_down, H)
+        return residual
 
     def _layers_folded(self, x: torch.Tensor, attend, plan) -> torch.Tensor:
         """`_layers` for one decode row with the norms folded into the GEMVs: x, the residual stream, is updated
         in place by o and down, and qkv and gate_up normalize it themselves. Returns the residual stream."""
-        from .kernels.norm_fold import add_linear, norm_linear
+        from .kernels.norm_fold import add_linear, mode, norm_linear
 
+        if mode() == "2":
+            return self._layers_prepared(x, attend, plan)
         residual = x
         for li, (layer, (c_qkv, c_o, c_gu, c_down)) in enumerate(zip(self.layers, plan)):
             qkv = norm_linear(residual, layer.qkv.packed, layer.qkv.group_size, c_qkv, layer.input_norm, self.eps,

@@ -11,8 +11,8 @@ kernel ends: a latency-bound link in the chain of dependent kernels that a batch
   shared memory (`w4a16_gemv_norm`), rounded as `kernels/fused.py`'s norm kernel rounds; only the order of the
   sum of squares differs.
 
-So a batch-1 step has no norm kernels but the final one. `VLMCTL_NORM_FOLD=0` keeps the norm kernels (for A/B
-runs). Where any of a decoder's batch-1 linears is not the CUDA GEMV (bf16, no NVRTC, a tuned table that picks
+So a batch-1 step has no norm kernels but the final one. `VLMCTL_NORM_FOLD=2` folds them the other way (`mode`);
+`VLMCTL_NORM_FOLD=0` keeps the norm kernels (for A/B runs). Where any of a decoder's batch-1 linears is not the CUDA GEMV (bf16, no NVRTC, a tuned table that picks
 another kernel), the decoder keeps them too (`fold_configs` returns None).
 """
 
@@ -29,12 +29,19 @@ from . import w4a16 as W
 _SHARED_DEFAULT = 48 * 1024
 
 
-def enabled() -> bool:
-    """`VLMCTL_NORM_FOLD` (default 1): fold the batch-1 step's RMSNorms into its GEMVs where the decoder can."""
+def mode() -> str:
+    """`VLMCTL_NORM_FOLD`: "1" (the default) each folded GEMV block normalizes the row in shared memory; "2" the GEMV
+    before a norm prepares the next one's input (w4a16_gemv_add / w4a16_gemv_scaled); "0" the norm kernels."""
     v = os.environ.get("VLMCTL_NORM_FOLD", "1").strip().lower()
-    if v not in ("0", "1", "on", "off", "true", "false"):
-        raise OptionError(f"VLMCTL_NORM_FOLD={v!r}: expected 1 (the default) or 0")
-    return v in ("1", "on", "true")
+    v = {"on": "1", "true": "1", "off": "0", "false": "0"}.get(v, v)
+    if v not in ("0", "1", "2"):
+        raise OptionError(f"VLMCTL_NORM_FOLD={v!r}: expected 1 (the default), 2 or 0")
+    return v
+
+
+def enabled() -> bool:
+    """Whether the batch-1 step's RMSNorms are folded into its GEMVs where the decoder can (`mode`)."""
+    return mode() != "0"
 
 
 def shared_bytes(k: int, config: W.Config) -> int:
@@ -69,6 +76,24 @@ def norm_kernel_name(config: W.Config, group_size: int, act: str | None = None, 
 def add_kernel_name(config: W.Config, group_size: int) -> str:
     rpw = config.block_n // config.num_warps
     return f"w4a16_gemv<{rpw}, {config.num_warps}, {config.num_stages}, {group_size}, -1, 1>"
+
+
+def add_prepare_kernel_name(config: W.Config, group_size: int, one_plus: bool = False) -> str:
+    rpw = config.block_n // config.num_warps
+    return f"w4a16_gemv_add<{rpw}, {config.num_warps}, {config.num_stages}, {group_size}, {int(one_plus)}>"
+
+
+def scaled_kernel_name(config: W.Config, group_size: int, act: str | None = None) -> str:
+    from .fused import ACTIVATIONS
+
+    rpw = config.block_n // config.num_warps
+    a = ACTIVATIONS[act] if act is not None else -1
+    return f"w4a16_gemv_scaled<{rpw}, {config.num_warps}, {config.num_stages}, {group_size}, {a}>"
+
+
+def partial_count(config: W.Config, n: int) -> int:
+    """How many partial sums of squares `add_prepare` writes a row: one per warp."""
+    return W.triton_cdiv(n, config.block_n) * config.num_warps
 
 
 def _check_row(x: torch.Tensor, k: int) -> None:
@@ -118,6 +143,61 @@ def add_linear(x: torch.Tensor, packed: dict, group_size: int, config: W.Config,
                 [x, qw, s, z, bias, residual, n, k, x.stride(0), int(bias is not None)], x.device,
                 pdl=pdl.enabled(x.device))
     return residual
+
+
+def add_prepare(x: torch.Tensor, packed: dict, group_size: int, config: W.Config, residual: torch.Tensor,
+                norm_weight: torch.Tensor, u: torch.Tensor, part: torch.Tensor, one_plus: bool = False,
+                bias: torch.Tensor | None = None) -> None:
+    """`add_linear`, and for the norm after it: u = residual * norm_weight (fp16; `one_plus`: * (1 + w)) and
+    `partial_count` partial sums of residual^2 a row into part (float32)."""
+    from . import cuda_rtc, pdl
+
+    qw, s, z = (packed[key] for key in W.KEYS)
+    m, k = x.shape
+    n = qw.shape[0]
+    _check_row(x, k)
+    if residual.shape != (m, n) or not residual.is_contiguous() or u.shape != (m, n) or not u.is_contiguous():
+        raise ValueError(f"the residual and u must be contiguous fp16 [{m}, {n}]")
+    if part.dtype != torch.float32 or part.numel() < m * partial_count(config, n):
+        raise ValueError(f"part must hold {m * partial_count(config, n)} float32")
+    if W.compiling_only():
+        return
+    kern = cuda_rtc.load_kernel(W.mma_source(), add_prepare_kernel_name(config, group_size, one_plus), x.device)
+    kern.launch((W.triton_cdiv(n, config.block_n), m, 1), (32 * config.num_warps, 1, 1), 0,
+                [x, qw, s, z, bias, residual, n, k, x.stride(0), int(bias is not None), norm_weight, u, part],
+                x.device, pdl=pdl.enabled(x.device))
+
+
+def scaled_linear(u: torch.Tensor, packed: dict, group_size: int, config: W.Config, part: torch.Tensor, count: int,
+                  eps: float, bias: torch.Tensor | None = None, act: str | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(u) * rsqrt(sum of the `count` partial sums a row in part / K + eps) (+ bias; `act`: act(gate) * up of
+    a gate_up weight): the linear after a norm whose input `add_prepare` (or `prepare`) made."""
+    from . import cuda_rtc, pdl
+
+    qw, s, z = (packed[key] for key in W.KEYS)
+    m, k = u.shape
+    n = qw.shape[0]
+    _check_row(u, k)
+    n_out, rows = (n // 2, config.block_n // 2) if act is not None else (n, config.block_n)
+    y = out if out is not None else torch.empty(m, n_out, dtype=u.dtype, device=u.device)
+    if W.compiling_only():
+        return y
+    kern = cuda_rtc.load_kernel(W.mma_source(), scaled_kernel_name(config, group_size, act), u.device)
+    kern.launch((W.triton_cdiv(n_out, rows), m, 1), (32 * config.num_warps, 1, 1), 0,
+                [u, qw, s, z, bias, y, n, k, u.stride(0), int(bias is not None), part, count, float(eps)], u.device,
+                pdl=pdl.enabled(u.device))
+    return y
+
+
+def prepare(x: torch.Tensor, norm_weight: torch.Tensor, u: torch.Tensor, part: torch.Tensor,
+            one_plus: bool = False) -> None:
+    """What `add_prepare` leaves for the first layer's norm, from the embedding rows x: u = x * w, and one partial
+    sum of squares a row (torch ops, once a step)."""
+    xf = x.float()
+    torch.mul(xf, (1.0 + norm_weight.float()) if one_plus else norm_weight.float(), out=xf)
+    u.copy_(xf)
+    part[:x.shape[0]].copy_(x.float().square().sum(-1))
 
 
 def precompile(names, device) -> int:

@@ -819,14 +819,31 @@ w4a16_gemv_norm(const u16* x, const u32* __restrict__ qw, const u16* __restrict_
     for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
     GemvBatch<RPW, KS> a, b;
     gemv_load_weights<RPW, KS, G>(a, p.w, p.s, p.z, lane, KC);
-    for (int i = threadIdx.x; i < K / 8; i += NW * 32)
-        *reinterpret_cast<u32x4*>(ws + 8 * i) = ld_stream16(nw + 8 * i);
+    constexpr int STEP = 4 * NW * 32;  // a thread's pieces (16 bytes each) four at a time: four loads in flight
+    const int pieces = K / 8;
+    for (int i0 = threadIdx.x; i0 < pieces; i0 += STEP) {
+        u32x4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            if (i0 + u * NW * 32 < pieces) v[u] = ld_stream16(nw + 8 * (i0 + u * NW * 32));
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            if (i0 + u * NW * 32 < pieces) *reinterpret_cast<u32x4*>(ws + 8 * (i0 + u * NW * 32)) = v[u];
+    }
     pdl_wait();
     float ss = 0.f;  // this thread's share of the sum of squares; its pieces of x go to shared memory as they are
-    for (int i = threadIdx.x; i < K / 8; i += NW * 32) {
-        const u32x4 v = ld_act16(xr + 8 * i);
-        *reinterpret_cast<u32x4*>(xs + 8 * i) = v;
-        ss += sum_squares8(v);
+    for (int i0 = threadIdx.x; i0 < pieces; i0 += STEP) {
+        u32x4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)  // plain loads: after the wait (its asm clobbers memory), free to be batched
+            if (i0 + u * NW * 32 < pieces) v[u] = *reinterpret_cast<const u32x4*>(xr + 8 * (i0 + u * NW * 32));
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            if (i0 + u * NW * 32 < pieces) {
+                *reinterpret_cast<u32x4*>(xs + 8 * (i0 + u * NW * 32)) = v[u];
+                ss += sum_squares8(v[u]);
+            }
+        }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -836,7 +853,7 @@ w4a16_gemv_norm(const u16* x, const u32* __restrict__ qw, const u16* __restrict_
 #pragma unroll
     for (int w = 0; w < NW; ++w) total += red[w];
     const float rstd = rsqrtf(total / (float)K + eps);
-    for (int i = threadIdx.x; i < K / 8; i += NW * 32) {  // the same pieces this thread wrote: no barrier before
+    for (int i = threadIdx.x; i < pieces; i += NW * 32) {  // the same pieces this thread wrote: no barrier before
         u16* xp = xs + 8 * i;
         const u16* wp = ws + 8 * i;
 #pragma unroll
@@ -848,6 +865,90 @@ w4a16_gemv_norm(const u16* x, const u32* __restrict__ qw, const u16* __restrict_
     }
     __syncthreads();
     gemv_loop<RPW, KS, G, ACT, true>(a, b, p, xs, acc, lane, KC);
+    gemv_store_rows<RPW, ACT>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * (ACT < 0 ? N : N / 2));
+}
+
+// The other way to fold the norms (norm_fold.py, VLMCTL_NORM_FOLD=2): the GEMV before a norm prepares its input.
+// w4a16_gemv_add (o, down) adds its output into the residual stream, as ADD does, and also stores u = res * g (the
+// next norm's weight; ONE_PLUS: res * (1 + g), each rounded to fp16) and, per warp, the sum of res^2 over its rows
+// (part, P = gridDim.x * NW floats a row). w4a16_gemv_scaled (qkv, gate_up) is the plain GEMV on u, its sums times
+// rsqrt(sum(part) / K + eps) before the bias and the act·mul: no shared memory, no barrier, and one small load of
+// the partial sums beside its first x loads. Rounded otherwise than the norm kernel: W (r g) rstd where torch
+// computes W ((r rstd) g), each product rounded to fp16 at another place (fp16 noise).
+template <int RPW, int NW, int KS, int G, int ONE_PLUS = 0>
+__global__ void __launch_bounds__(NW * 32)
+w4a16_gemv_add(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
+               const u16* __restrict__ bias, u16* res, int N, int K, int ldx, int has_bias,
+               const u16* __restrict__ g, u16* __restrict__ u, float* __restrict__ part) {
+    pdl_release();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row0 = (blockIdx.x * NW + warp) * RPW;
+    const int KC = K >> 5;
+    const GemvRows<RPW, -1> p = gemv_rows<RPW, -1>(qw, sc, zp, row0, N, K, K / G);
+    const u16* xr = x + (size_t)blockIdx.y * ldx;
+    float acc[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
+    GemvBatch<RPW, KS> a, b;
+    gemv_load_weights<RPW, KS, G>(a, p.w, p.s, p.z, lane, KC);
+    u16 gw[RPW];  // the next norm's weight at this warp's rows: a weight, read before the wait
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) gw[r] = g[min(row0 + r, N - 1)];
+    pdl_wait();
+    gemv_loop<RPW, KS, G, -1, false>(a, b, p, xr, acc, lane, KC);
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+    }
+    if (lane == 0) {
+        u16* rr = res + (size_t)blockIdx.y * N;
+        u16* ur = u + (size_t)blockIdx.y * N;
+        float ss = 0.f;
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            const int n = row0 + r;
+            if (n < N) {
+                const u16 v = f32_to_f16(acc[r] + (has_bias ? half_to_float(bias[n]) : 0.f));
+                const float rn = half_to_float(f32_to_f16(half_to_float(v) + half_to_float(rr[n])));
+                rr[n] = f32_to_f16(rn);
+                const float gf = half_to_float(gw[r]);
+                ur[n] = f32_to_f16(ONE_PLUS ? rn * (1.f + gf) : rn * gf);
+                ss += rn * rn;
+            }
+        }
+        part[(size_t)blockIdx.y * gridDim.x * NW + blockIdx.x * NW + warp] = ss;
+    }
+}
+
+template <int RPW, int NW, int KS, int G, int ACT = -1>
+__global__ void __launch_bounds__(NW * 32)
+w4a16_gemv_scaled(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
+                  const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias,
+                  const float* part, int P, float eps) {
+    pdl_release();
+    const int lane = threadIdx.x & 31;
+    const int row0 = (blockIdx.x * NW + (threadIdx.x >> 5)) * (ACT < 0 ? RPW : RPW / 2);
+    const int KC = K >> 5;
+    const GemvRows<RPW, ACT> p = gemv_rows<RPW, ACT>(qw, sc, zp, row0, N, K, K / G);
+    const u16* xr = x + (size_t)blockIdx.y * ldx;
+    float acc[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
+    GemvBatch<RPW, KS> a, b;
+    gemv_load_weights<RPW, KS, G>(a, p.w, p.s, p.z, lane, KC);
+    pdl_wait();
+    // the sum of squares from the partial sums, in the same order in every warp (so every block scales alike)
+    const float* pr = part + (size_t)blockIdx.y * P;
+    float ss = 0.f;
+#pragma unroll 4
+    for (int i = lane; i < P; i += 32) ss += pr[i];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    gemv_loop<RPW, KS, G, ACT, false>(a, b, p, xr, acc, lane, KC);
+    const float rstd = rsqrtf(ss / (float)K + eps);
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] *= rstd;  // each lane's share: the shuffles in the store add them up
     gemv_store_rows<RPW, ACT>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * (ACT < 0 ? N : N / 2));
 }
 
