@@ -283,25 +283,31 @@ def test_awq_act_mul_in_the_gemv_equals_the_separate_kernel(awq_engine, monkeypa
     assert fused == plain and fused4 == plain4
 
 
+@pytest.mark.parametrize("mode", ["1", "2"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_awq_norms_folded_into_the_gemvs_equal_the_norm_kernels(awq_engine, monkeypatch, graphs):
+def test_awq_norms_folded_into_the_gemvs_equal_the_norm_kernels(awq_engine, monkeypatch, graphs, mode):
     """An AWQ engine's batch-1 steps fold the RMSNorms into the CUDA GEMVs (`kernels/norm_fold.py`, the default):
     one request's greedy tokens equal those of the steps with the norm kernels (`VLMCTL_NORM_FOLD=0`), and the
     folded steps' logits stay within fp16 noise of them."""
     import numpy as np
 
-    monkeypatch.setenv("VLMCTL_NORM_FOLD", "1")
+    monkeypatch.setenv("VLMCTL_NORM_FOLD", mode)
     eng, folded = run(awq_engine, n=1, max_tokens=48, cuda_graphs=graphs)
     assert eng.decoder._fold, "the fold must run on this engine"
     monkeypatch.setenv("VLMCTL_NORM_FOLD", "0")
     eng0, plain = run(awq_engine, n=1, max_tokens=48, cuda_graphs=graphs)
     assert eng0.decoder._fold is False
-    assert folded == plain
+    if mode == "1":  # the norm kernel's roundings
+        assert folded == plain
+    else:  # roundings at other places: a near tie may flip late
+        assert folded[0][:24] == plain[0][:24]
     # one decode step of each from the same cache state: the prompt's prefill, then the first token
     dec = eng.decoder
     ids = np.array([folded[0][0]], dtype=np.int64)
     logits = []
-    for fold in (dec._fold, False):
+    plan = dec._fold
+    for fold in (plan, False):
+        monkeypatch.setenv("VLMCTL_NORM_FOLD", mode if fold else "0")
         dec._fold = fold
         dec._graphs.clear()
         dec._graph_pool = None
