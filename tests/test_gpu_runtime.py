@@ -286,9 +286,9 @@ def test_awq_act_mul_in_the_gemv_equals_the_separate_kernel(awq_engine, monkeypa
 @pytest.mark.parametrize("mode", ["1", "2"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_awq_norms_folded_into_the_gemvs_equal_the_norm_kernels(awq_engine, monkeypatch, graphs, mode):
-    """An AWQ engine's batch-1 steps fold the RMSNorms into the CUDA GEMVs (`kernels/norm_fold.py`, the default):
-    one request's greedy tokens equal those of the steps with the norm kernels (`VLMCTL_NORM_FOLD=0`), and the
-    folded steps' logits stay within fp16 noise of them."""
+    """With `VLMCTL_NORM_FOLD=1` or 2 an AWQ engine's batch-1 steps fold the RMSNorms into the CUDA GEMVs
+    (`kernels/norm_fold.py`): one request's greedy tokens equal those of the steps with the norm kernels (the
+    default, 0), and the folded steps' logits stay within fp16 noise of them."""
     import numpy as np
 
     monkeypatch.setenv("VLMCTL_NORM_FOLD", mode)

@@ -6,7 +6,7 @@ On the CPU (tests/cuda_host.py, the kernels' own C++; x or the residual holds Na
 normalized row is the norm kernel's bit for bit where the sum of squares rounds alike (an identity weight makes the
 GEMV return it), the folded GEMV equals the plain GEMV on the reference norm's output, the add epilogue rounds as
 the norm kernel's residual add. With NVRTC: every instance compiles for sm_90. On a GPU (`gpu`): a decoder's folded
-steps against its norm kernels (tests/test_gpu_runtime.py runs the AWQ engines with the fold, the default).
+steps against its norm kernels (tests/test_gpu_runtime.py).
 """
 
 from __future__ import annotations
@@ -125,14 +125,14 @@ def test_on_the_host_add_epilogue_rounds_as_the_residual_add(n, k, g, cfg, monke
 
 
 def test_fold_config_and_the_switch(monkeypatch):
-    """No CUDA GEMV on the CPU, so no fold; the switch takes 0/1 and says what else it expected; the folded
+    """No CUDA GEMV on the CPU, so no fold; the switch (off by default) takes 0/1/2 and says what else it expected; the folded
     kernel's shared memory (row and weight) bounds K."""
     p = random_packed(64, 256, 64, seed=1, device="cpu")
     assert norm_fold.fold_config(p, 64, torch.device("cpu")) is None
     monkeypatch.delenv("VLMCTL_NORM_FOLD", raising=False)
-    assert norm_fold.enabled()
-    monkeypatch.setenv("VLMCTL_NORM_FOLD", "0")
-    assert not norm_fold.enabled()
+    assert not norm_fold.enabled() and norm_fold.mode() == "0"
+    monkeypatch.setenv("VLMCTL_NORM_FOLD", "1")
+    assert norm_fold.enabled() and norm_fold.mode() == "1"
     monkeypatch.setenv("VLMCTL_NORM_FOLD", "2")
     assert norm_fold.mode() == "2" and norm_fold.enabled()
     monkeypatch.setenv("VLMCTL_NORM_FOLD", "3")

@@ -11,8 +11,8 @@ kernel ends: a latency-bound link in the chain of dependent kernels that a batch
   shared memory (`w4a16_gemv_norm`), rounded as `kernels/fused.py`'s norm kernel rounds; only the order of the
   sum of squares differs.
 
-So a batch-1 step has no norm kernels but the final one. `VLMCTL_NORM_FOLD=2` folds them the other way (`mode`);
-`VLMCTL_NORM_FOLD=0` keeps the norm kernels (for A/B runs). Where any of a decoder's batch-1 linears is not the CUDA GEMV (bf16, no NVRTC, a tuned table that picks
+So a batch-1 step has no norm kernels but the final one. `VLMCTL_NORM_FOLD=1` folds them so, `2` the other way
+(`mode`); the default, 0, keeps the norm kernels: folded, the step measured slower so far. Where any of a decoder's batch-1 linears is not the CUDA GEMV (bf16, no NVRTC, a tuned table that picks
 another kernel), the decoder keeps them too (`fold_configs` returns None).
 """
 
@@ -30,12 +30,13 @@ _SHARED_DEFAULT = 48 * 1024
 
 
 def mode() -> str:
-    """`VLMCTL_NORM_FOLD`: "1" (the default) each folded GEMV block normalizes the row in shared memory; "2" the GEMV
-    before a norm prepares the next one's input (w4a16_gemv_add / w4a16_gemv_scaled); "0" the norm kernels."""
-    v = os.environ.get("VLMCTL_NORM_FOLD", "1").strip().lower()
+    """`VLMCTL_NORM_FOLD`: "0" (the default) the norm kernels; "1" each folded GEMV block normalizes the row in shared
+    memory; "2" the GEMV before a norm prepares the next one's input (w4a16_gemv_add / w4a16_gemv_scaled). Off by
+    default: the first GPU run of "1" made the AWQ batch-1 step slower (docs/benchmarks.md, session 36)."""
+    v = os.environ.get("VLMCTL_NORM_FOLD", "0").strip().lower()
     v = {"on": "1", "true": "1", "off": "0", "false": "0"}.get(v, v)
     if v not in ("0", "1", "2"):
-        raise OptionError(f"VLMCTL_NORM_FOLD={v!r}: expected 1 (the default), 2 or 0")
+        raise OptionError(f"VLMCTL_NORM_FOLD={v!r}: expected 0 (the default), 1 or 2")
     return v
 
 
