@@ -941,8 +941,13 @@ w4a16_gemv_scaled(const u16* x, const u32* __restrict__ qw, const u16* __restric
     // the sum of squares from the partial sums, in the same order in every warp (so every block scales alike)
     const float* pr = part + (size_t)blockIdx.y * P;
     float ss = 0.f;
-#pragma unroll 4
-    for (int i = lane; i < P; i += 32) ss += pr[i];
+    for (int i0 = lane; i0 < P; i0 += 8 * 32) {  // eight loads in flight a lane (one round trip up to P = 256 x 8)
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = i0 + 32 * u < P ? pr[i0 + 32 * u] : 0.f;
+#pragma unroll
+        for (int u = 0; u < 8; ++u) ss += v[u];
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     gemv_loop<RPW, KS, G, ACT, false>(a, b, p, xr, acc, lane, KC);
