@@ -476,12 +476,10 @@ def left_out(dec, part: str):
 
     if part == "norms":
         dec._norm = lambda x, weight, residual=None: x  # an instance attribute over the method
-        fold, dec._fold = dec._fold, False  # and no norm folded into the GEMVs (kernels/norm_fold.py)
         try:
             yield
         finally:
             del dec._norm
-            dec._fold = fold
     elif part == "attention":
         real = ops.paged_decode_rope
         nq, d = dec.n_heads, dec.head_dim
@@ -666,7 +664,6 @@ def main():
                 restore_environment()  # what an earlier case set does not carry over
                 os.environ.update(case)
                 dec._fused = False  # the fused batch-1 step is chosen again (VLMCTL_FUSED_STEP)
-                dec._fold = None  # and the norms' fold (VLMCTL_NORM_FOLD)
                 dec._graphs.clear()
                 dec._graph_pool = None  # a fresh pool: the old graphs' pool is released with them
                 sync()

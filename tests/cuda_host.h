@@ -419,7 +419,6 @@ inline void __syncthreads() { cuda_host::sync_block(); }
 template <class T>
 inline T __shfl_xor_sync(unsigned mask, T v, int offset) { return cuda_host::shfl_xor(mask, v, offset); }
 inline void __threadfence() {}  // one block runs at a time
-inline float rsqrtf(float x) { return 1.f / sqrtf(x); }  // the GPU's is approximate (2 ulp)
 inline int atomicAdd(int* p, int v) { const int o = *p; *p = o + v; return o; }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned o = *p; *p = o + v; return o; }
 inline int atomicExch(int* p, int v) { const int o = *p; *p = v; return o; }

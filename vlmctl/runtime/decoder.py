@@ -293,7 +293,6 @@ class TorchDecoder:
         self._graphs: dict[tuple[int, bool], tuple] = {}
         self._graph_pool = None
         self._fused = False  # the fused batch-1 step: not built yet (see _fused_step)
-        self._fold = None  # the batch-1 step's norms folded into its GEMVs: not decided yet (see _norm_fold)
         self.fused_step_reason = None if self.device.type == "cuda" else "not on a GPU"
         self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if self.device.type == "cuda" else 1)
@@ -695,109 +694,8 @@ class TorchDecoder:
         fused = self._fused_step() if xb is None and x.shape[0] == 1 else None
         if fused is not None:  # every layer in one persistent kernel (kernels/fused_step.py)
             return self._final(fused.run(x, positions, slots, block_tables, context_lens), None, None)
-        fold = self._norm_fold() if xb is None and x.shape[0] == 1 else None
-        if fold is not None:
-            return self._final(self._layers_folded(x, attend, fold), None, None)
         residual, h_out = self._layers(x, attend, xb)
         return self._final(residual, h_out, None)
-
-    def _norm_fold(self):
-        """Per layer, the CUDA GEMV configs of qkv, o, gate_up and down for a batch-1 step with the RMSNorms folded
-        into them (`kernels/norm_fold.py`), decided on first use; None where this decoder keeps its norm kernels:
-        another dtype or kernel, cross-attention or sandwich norms, `VLMCTL_NORM_FOLD=0`."""
-        if self._fold is None:
-            self._fold = self._fold_plan() or False
-        return self._fold or None
-
-    def _fold_plan(self):
-        if self.device.type != "cuda" or self.dtype != torch.float16 or self.n_cross_layers:
-            return None
-        from .kernels import norm_fold
-        from .kernels.fused import ACTIVATIONS
-        from .kernels.w4a16 import act_mul_fusion_enabled
-
-        if not norm_fold.enabled() or not act_mul_fusion_enabled() or self.activation not in ACTIVATIONS:
-            return None
-        plan = []
-        for layer in self.layers:
-            lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
-            if (layer.cross is not None or layer.attn_out_norm is not None or layer.mlp_out_norm is not None
-                    or not all(isinstance(lin, W4A16Linear) for lin in lins)):
-                return None
-            acts = (None, None, self.activation, None)
-            cfgs = tuple(norm_fold.fold_config(lin.packed, lin.group_size, self.device, act)
-                         for lin, act in zip(lins, acts))
-            if any(c is None for c in cfgs):
-                return None
-            plan.append(cfgs)
-        return plan
-
-    def _fold_kernel_names(self, plan) -> list[str]:
-        from .kernels import norm_fold as nf
-
-        names = set()
-        two = nf.mode() == "2"
-        for layer, (c_qkv, c_o, c_gu, c_down) in zip(self.layers, plan):
-            if two:
-                names.add(nf.scaled_kernel_name(c_qkv, layer.qkv.group_size))
-                names.add(nf.add_prepare_kernel_name(c_o, layer.o.group_size, self.one_plus))
-                names.add(nf.scaled_kernel_name(c_gu, layer.gate_up.group_size, self.activation))
-                names.add(nf.add_prepare_kernel_name(c_down, layer.down.group_size, self.one_plus))
-                continue
-            names.add(nf.norm_kernel_name(c_qkv, layer.qkv.group_size, None, self.one_plus))
-            names.add(nf.add_kernel_name(c_o, layer.o.group_size))
-            names.add(nf.norm_kernel_name(c_gu, layer.gate_up.group_size, self.activation, self.one_plus))
-            names.add(nf.add_kernel_name(c_down, layer.down.group_size))
-        return sorted(names)
-
-    def _layers_prepared(self, x: torch.Tensor, attend, plan) -> torch.Tensor:
-        """`_layers_folded` the other way (`VLMCTL_NORM_FOLD=2`): o and down also leave the next norm's input
-        (residual * weight) and partial sums of squares, and qkv and gate_up scale their sums by the norm's rsqrt."""
-        from .kernels import norm_fold as nf
-
-        residual = x
-        H = x.shape[1]
-        counts = [nf.partial_count(c, H) for _, c_o, _, c_down in plan for c in (c_o, c_down)]
-        u = [torch.empty_like(x), torch.empty_like(x)]
-        part = [torch.empty(max(counts + [1]), dtype=torch.float32, device=x.device) for _ in range(2)]
-        nf.prepare(x, self.layers[0].input_norm, u[0], part[0], self.one_plus)
-        count = 1
-        for li, (layer, (c_qkv, c_o, c_gu, c_down)) in enumerate(zip(self.layers, plan)):
-            qkv = nf.scaled_linear(u[0], layer.qkv.packed, layer.qkv.group_size, c_qkv, part[0], count, self.eps,
-                                   layer.qkv.bias)
-            if layer.q_norm is not None:
-                ops.qk_norm(qkv, layer.q_norm, layer.k_norm, self.n_heads, self.n_kv, self.head_dim, self.eps,
-                            self.one_plus)
-            nf.add_prepare(attend(li, qkv).reshape(1, self.q_size), layer.o.packed, layer.o.group_size, c_o, residual,
-                           layer.post_norm, u[1], part[1], self.one_plus, layer.o.bias)
-            h = nf.scaled_linear(u[1], layer.gate_up.packed, layer.gate_up.group_size, c_gu, part[1],
-                                 nf.partial_count(c_o, H), self.eps, layer.gate_up.bias, act=self.activation)
-            nxt = self.layers[li + 1].input_norm if li + 1 < len(self.layers) else self.norm
-            nf.add_prepare(h, layer.down.packed, layer.down.group_size, c_down, residual, nxt, u[0], part[0],
-                           self.one_plus, layer.down.bias)
-            count = nf.partial_count(c_down, H)
-        return residual
-
-    def _layers_folded(self, x: torch.Tensor, attend, plan) -> torch.Tensor:
-        """`_layers` for one decode row with the norms folded into the GEMVs: x, the residual stream, is updated
-        in place by o and down, and qkv and gate_up normalize it themselves. Returns the residual stream."""
-        from .kernels.norm_fold import add_linear, mode, norm_linear
-
-        if mode() == "2":
-            return self._layers_prepared(x, attend, plan)
-        residual = x
-        for li, (layer, (c_qkv, c_o, c_gu, c_down)) in enumerate(zip(self.layers, plan)):
-            qkv = norm_linear(residual, layer.qkv.packed, layer.qkv.group_size, c_qkv, layer.input_norm, self.eps,
-                              self.one_plus, layer.qkv.bias)
-            if layer.q_norm is not None:
-                ops.qk_norm(qkv, layer.q_norm, layer.k_norm, self.n_heads, self.n_kv, self.head_dim, self.eps,
-                            self.one_plus)
-            add_linear(attend(li, qkv).reshape(1, self.q_size), layer.o.packed, layer.o.group_size, c_o, residual,
-                       layer.o.bias)
-            h = norm_linear(residual, layer.gate_up.packed, layer.gate_up.group_size, c_gu, layer.post_norm, self.eps,
-                            self.one_plus, layer.gate_up.bias, act=self.activation)
-            add_linear(h, layer.down.packed, layer.down.group_size, c_down, residual, layer.down.bias)
-        return residual
 
     def _fused_step(self):
         """The fused batch-1 step where this decoder can run it (built on first use; None where not, with
@@ -970,16 +868,10 @@ class TorchDecoder:
             gate_up_dims = {(p["q4weight"].shape[0], p["q4weight"].shape[1] * PACK) for p, _ in gate_up}
             rows = buckets + prefill_buckets(max_rows, buckets)
 
-            fold = self._norm_fold() if 1 in buckets else None
-
             def precompile():  # NVRTC runs outside the GIL, beside the Triton compiles below
                 try:
                     precompile_selected(dims, group_size, rows, self.dtype, self.device, act_mul_shapes=gate_up_dims,
                                         activation=self.activation)
-                    if fold is not None:
-                        from .kernels import norm_fold
-
-                        norm_fold.precompile(self._fold_kernel_names(fold), self.device)
                 except Exception:  # the warm-ups compile whatever this did not, and raise there
                     pass
 

@@ -545,8 +545,7 @@ __device__ __forceinline__ void gemv_load_weights(GemvBatch<RPW, KS>& b, const u
     }
 }
 
-// x from global memory (the previous kernel's output, after the PDL wait) or, SMEM, from the block's shared copy
-template <int RPW, int KS, bool SMEM = false>
+template <int RPW, int KS>
 __device__ __forceinline__ void gemv_load_x(GemvBatch<RPW, KS>& b, const u16* xr, int c0, int KC) {
 #pragma unroll
     for (int u = 0; u < KS; ++u) {
@@ -557,8 +556,6 @@ __device__ __forceinline__ void gemv_load_x(GemvBatch<RPW, KS>& b, const u16* xr
                 if constexpr (GEMV_ABL(1)) {
                     const u32 v = 0x3c003c00u ^ (u32)((c + j) & 7);
                     b.x[u][j] = u32x4{v, v, v, v};
-                } else if constexpr (SMEM) {
-                    b.x[u][j] = *reinterpret_cast<const u32x4*>(xr + 32 * c + 8 * j);
                 } else {
                     b.x[u][j] = ld_act16(xr + 32 * c + 8 * j);
                 }
@@ -659,10 +656,8 @@ __device__ __forceinline__ int gemv_weight_row(int row0, int r, int N) {
 }
 
 // the warp's row sums (each lane's share added across the warp), plus the bias, rounded to fp16 and stored
-// (ACT >= 0: act(gate) * up of its RPW / 2 output rows from row0, y's rows N / 2 long). ADD: y holds the
-// residual stream and gets that fp16 result added (the sum rounded again, as the norm kernel's residual add
-// rounds it); each element is read and written by one lane only.
-template <int RPW, int ACT, int ADD = 0>
+// (ACT >= 0: act(gate) * up of its RPW / 2 output rows from row0, y's rows N / 2 long)
+template <int RPW, int ACT>
 __device__ __forceinline__ void gemv_store_rows(float (&acc)[RPW], int lane, int row0, int N, const u16* bias,
                                                 int has_bias, u16* y) {
 #pragma unroll
@@ -676,8 +671,7 @@ __device__ __forceinline__ void gemv_store_rows(float (&acc)[RPW], int lane, int
             for (int r = 0; r < RPW; ++r) {
                 const int n = row0 + r;
                 if (n < N) {
-                    const u16 v = f32_to_f16(acc[r] + (has_bias ? half_to_float(bias[n]) : 0.f));
-                    y[n] = ADD ? f32_to_f16(half_to_float(v) + half_to_float(y[n])) : v;
+                    y[n] = f32_to_f16(acc[r] + (has_bias ? half_to_float(bias[n]) : 0.f));
                 }
             }
         } else {
@@ -714,246 +708,45 @@ __device__ __forceinline__ void l2_prefetch_rows(const char* nxt, int rows, int 
 #define GEMV_NEXT_AT(w)
 #endif
 
-// The weight, scale and zero-point rows of a warp's RPW row slots (see gemv_weight_row).
-template <int RPW, int ACT>
-struct GemvRows {
-    const u32* w[RPW];
-    const u16* s[RPW];
-    const u8* z[RPW];
-};
-
-template <int RPW, int ACT>
-__device__ __forceinline__ GemvRows<RPW, ACT> gemv_rows(const u32* qw, const u16* sc, const u8* zp, int row0, int N,
-                                                       int K, int KG) {
-    GemvRows<RPW, ACT> p;
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-        const int n = gemv_weight_row<RPW, ACT>(row0, r, N);
-        p.w[r] = qw + (size_t)n * (K >> 3);
-        p.s[r] = sc + (size_t)n * KG;
-        p.z[r] = zp + (size_t)n * KG;
-    }
-    return p;
-}
-
-// The K loop from the first batch's weights (in a) on: x of that batch, then two batches per trip, a and b
-// taking turns, the next one's weights and x loaded while the current one is computed.
-template <int RPW, int KS, int G, int ACT, bool SMEM>
-__device__ __forceinline__ void gemv_loop(GemvBatch<RPW, KS>& a, GemvBatch<RPW, KS>& b, const GemvRows<RPW, ACT>& p,
-                                          const u16* xr, float (&acc)[RPW], int lane, int KC) {
-    gemv_load_x<RPW, KS, SMEM>(a, xr, lane, KC);
-    for (int c0 = lane; c0 < KC; c0 += 64 * KS) {
-        gemv_load_weights<RPW, KS, G>(b, p.w, p.s, p.z, c0 + 32 * KS, KC);
-        gemv_load_x<RPW, KS, SMEM>(b, xr, c0 + 32 * KS, KC);
-        gemv_compute(a, acc, c0, KC);
-        if (c0 + 32 * KS >= KC) break;
-        gemv_load_weights<RPW, KS, G>(a, p.w, p.s, p.z, c0 + 64 * KS, KC);
-        gemv_load_x<RPW, KS, SMEM>(a, xr, c0 + 64 * KS, KC);
-        gemv_compute(b, acc, c0 + 32 * KS, KC);
-    }
-}
-
-template <int RPW, int NW, int KS, int G, int ACT = -1, int ADD = 0>
+template <int RPW, int NW, int KS, int G, int ACT = -1>
 __global__ void __launch_bounds__(NW * 32)
 w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
-           const u16* __restrict__ bias, u16* y, int N, int K, int ldx, int has_bias GEMV_NEXT_PARAMS) {
-    static_assert(ADD == 0 || ACT < 0, "the residual add takes a plain linear's rows");
+           const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias GEMV_NEXT_PARAMS) {
     pdl_release();
     const int lane = threadIdx.x & 31;
     const int row0 = (blockIdx.x * NW + (threadIdx.x >> 5)) * (ACT < 0 ? RPW : RPW / 2);  // its first output row
     const int KC = K >> 5;  // 32-k chunks of a row
-    const GemvRows<RPW, ACT> p = gemv_rows<RPW, ACT>(qw, sc, zp, row0, N, K, K / G);
-    const u16* xr = x + (size_t)blockIdx.y * ldx;
-    float acc[RPW];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
-    GemvBatch<RPW, KS> a, b;
-    if constexpr (!GEMV_ABL(8)) gemv_load_weights<RPW, KS, G>(a, p.w, p.s, p.z, lane, KC);
-    GEMV_NEXT_AT(1);
-    pdl_wait();
-    if constexpr (GEMV_ABL(8)) gemv_load_weights<RPW, KS, G>(a, p.w, p.s, p.z, lane, KC);
-    gemv_loop<RPW, KS, G, ACT, false>(a, b, p, xr, acc, lane, KC);
-    GEMV_NEXT_AT(2);
-    gemv_store_rows<RPW, ACT, ADD>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * (ACT < 0 ? N : N / 2));
-}
-
-__device__ __forceinline__ float sum_squares8(const u32x4& v) {
-    const u32 words[4] = {v.x, v.y, v.z, v.w};
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        u16 lo, hi;
-        unpack_half2(words[i], lo, hi);
-        const float a = half_to_float(lo), b = half_to_float(hi);
-        s += a * a;
-        s += b * b;
-    }
-    return s;
-}
-
-// w4a16_gemv_norm: w4a16_gemv for a linear that follows an RMSNorm (qkv after the input norm, gate_up after the
-// post-attention norm), with that norm folded in: each block normalizes its own copy of the row (x, the residual
-// stream, which the GEMV before it added its output to with ADD) into shared memory and reads x from there, so a
-// batch-1 step has no norm kernels and no kernel boundaries for them. Rounded as kernels/fused.py's norm kernel
-// rounds: x * rsqrt(mean(x^2) + eps) to fp16, then times the weight to fp16 (ONE_PLUS: x * rsqrt(...) * (1 + w)
-// rounded once); only the order of the sum of squares differs. Shared memory: the row and the norm's weight (K
-// fp16 each; the weight is no output of an earlier kernel, so it is copied before the PDL wait), then the warps'
-// sums (NW floats).
-template <int RPW, int NW, int KS, int G, int ACT = -1, int ONE_PLUS = 0>
-__global__ void __launch_bounds__(NW * 32)
-w4a16_gemv_norm(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
-                const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias,
-                const u16* __restrict__ nw, float eps) {
-    extern __shared__ __align__(16) u8 smem[];
-    u16* xs = reinterpret_cast<u16*>(smem);
-    u16* ws = xs + K;
-    float* red = reinterpret_cast<float*>(ws + K);
-    pdl_release();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = (blockIdx.x * NW + warp) * (ACT < 0 ? RPW : RPW / 2);
-    const int KC = K >> 5;
-    const GemvRows<RPW, ACT> p = gemv_rows<RPW, ACT>(qw, sc, zp, row0, N, K, K / G);
-    const u16* xr = x + (size_t)blockIdx.y * ldx;
-    float acc[RPW];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
-    GemvBatch<RPW, KS> a, b;
-    gemv_load_weights<RPW, KS, G>(a, p.w, p.s, p.z, lane, KC);
-    constexpr int STEP = 4 * NW * 32;  // a thread's pieces (16 bytes each) four at a time: four loads in flight
-    const int pieces = K / 8;
-    for (int i0 = threadIdx.x; i0 < pieces; i0 += STEP) {
-        u32x4 v[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-            if (i0 + u * NW * 32 < pieces) v[u] = ld_stream16(nw + 8 * (i0 + u * NW * 32));
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-            if (i0 + u * NW * 32 < pieces) *reinterpret_cast<u32x4*>(ws + 8 * (i0 + u * NW * 32)) = v[u];
-    }
-    pdl_wait();
-    float ss = 0.f;  // this thread's share of the sum of squares; its pieces of x go to shared memory as they are
-    for (int i0 = threadIdx.x; i0 < pieces; i0 += STEP) {
-        u32x4 v[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u)  // plain loads: after the wait (its asm clobbers memory), free to be batched
-            if (i0 + u * NW * 32 < pieces) v[u] = *reinterpret_cast<const u32x4*>(xr + 8 * (i0 + u * NW * 32));
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            if (i0 + u * NW * 32 < pieces) {
-                *reinterpret_cast<u32x4*>(xs + 8 * (i0 + u * NW * 32)) = v[u];
-                ss += sum_squares8(v[u]);
-            }
-        }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) total += red[w];
-    const float rstd = rsqrtf(total / (float)K + eps);
-    for (int i = threadIdx.x; i < pieces; i += NW * 32) {  // the same pieces this thread wrote: no barrier before
-        u16* xp = xs + 8 * i;
-        const u16* wp = ws + 8 * i;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const float v = half_to_float(xp[e]) * rstd;
-            xp[e] = ONE_PLUS ? f32_to_f16(v * (1.f + half_to_float(wp[e])))
-                             : f32_to_f16(half_to_float(f32_to_f16(v)) * half_to_float(wp[e]));
-        }
-    }
-    __syncthreads();
-    gemv_loop<RPW, KS, G, ACT, true>(a, b, p, xs, acc, lane, KC);
-    gemv_store_rows<RPW, ACT>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * (ACT < 0 ? N : N / 2));
-}
-
-// The other way to fold the norms (norm_fold.py, VLMCTL_NORM_FOLD=2): the GEMV before a norm prepares its input.
-// w4a16_gemv_add (o, down) adds its output into the residual stream, as ADD does, and also stores u = res * g (the
-// next norm's weight; ONE_PLUS: res * (1 + g), each rounded to fp16) and, per warp, the sum of res^2 over its rows
-// (part, P = gridDim.x * NW floats a row). w4a16_gemv_scaled (qkv, gate_up) is the plain GEMV on u, its sums times
-// rsqrt(sum(part) / K + eps) before the bias and the act·mul: no shared memory, no barrier, and one small load of
-// the partial sums beside its first x loads. Rounded otherwise than the norm kernel: W (r g) rstd where torch
-// computes W ((r rstd) g), each product rounded to fp16 at another place (fp16 noise).
-template <int RPW, int NW, int KS, int G, int ONE_PLUS = 0>
-__global__ void __launch_bounds__(NW * 32)
-w4a16_gemv_add(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
-               const u16* __restrict__ bias, u16* res, int N, int K, int ldx, int has_bias,
-               const u16* __restrict__ g, u16* __restrict__ u, float* __restrict__ part) {
-    pdl_release();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = (blockIdx.x * NW + warp) * RPW;
-    const int KC = K >> 5;
-    const GemvRows<RPW, -1> p = gemv_rows<RPW, -1>(qw, sc, zp, row0, N, K, K / G);
-    const u16* xr = x + (size_t)blockIdx.y * ldx;
-    float acc[RPW];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
-    GemvBatch<RPW, KS> a, b;
-    gemv_load_weights<RPW, KS, G>(a, p.w, p.s, p.z, lane, KC);
-    u16 gw[RPW];  // the next norm's weight at this warp's rows: a weight, read before the wait
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) gw[r] = g[min(row0 + r, N - 1)];
-    pdl_wait();
-    gemv_loop<RPW, KS, G, -1, false>(a, b, p, xr, acc, lane, KC);
+    const int KG = K / G;
+    const u32* rows[RPW];
+    const u16* srow[RPW];
+    const u8* zrow[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+        const int n = gemv_weight_row<RPW, ACT>(row0, r, N);
+        rows[r] = qw + (size_t)n * (K >> 3);
+        srow[r] = sc + (size_t)n * KG;
+        zrow[r] = zp + (size_t)n * KG;
     }
-    if (lane == 0) {
-        u16* rr = res + (size_t)blockIdx.y * N;
-        u16* ur = u + (size_t)blockIdx.y * N;
-        float ss = 0.f;
-#pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-            const int n = row0 + r;
-            if (n < N) {
-                const u16 v = f32_to_f16(acc[r] + (has_bias ? half_to_float(bias[n]) : 0.f));
-                const float rn = half_to_float(f32_to_f16(half_to_float(v) + half_to_float(rr[n])));
-                rr[n] = f32_to_f16(rn);
-                const float gf = half_to_float(gw[r]);
-                ur[n] = f32_to_f16(ONE_PLUS ? rn * (1.f + gf) : rn * gf);
-                ss += rn * rn;
-            }
-        }
-        part[(size_t)blockIdx.y * gridDim.x * NW + blockIdx.x * NW + warp] = ss;
-    }
-}
-
-template <int RPW, int NW, int KS, int G, int ACT = -1>
-__global__ void __launch_bounds__(NW * 32)
-w4a16_gemv_scaled(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
-                  const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias,
-                  const float* part, int P, float eps) {
-    pdl_release();
-    const int lane = threadIdx.x & 31;
-    const int row0 = (blockIdx.x * NW + (threadIdx.x >> 5)) * (ACT < 0 ? RPW : RPW / 2);
-    const int KC = K >> 5;
-    const GemvRows<RPW, ACT> p = gemv_rows<RPW, ACT>(qw, sc, zp, row0, N, K, K / G);
     const u16* xr = x + (size_t)blockIdx.y * ldx;
     float acc[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
     GemvBatch<RPW, KS> a, b;
-    gemv_load_weights<RPW, KS, G>(a, p.w, p.s, p.z, lane, KC);
+    if constexpr (!GEMV_ABL(8)) gemv_load_weights<RPW, KS, G>(a, rows, srow, zrow, lane, KC);
+    GEMV_NEXT_AT(1);
     pdl_wait();
-    // the sum of squares from the partial sums, in the same order in every warp (so every block scales alike)
-    const float* pr = part + (size_t)blockIdx.y * P;
-    float ss = 0.f;
-    for (int i0 = lane; i0 < P; i0 += 8 * 32) {  // eight loads in flight a lane (one round trip up to P = 256 x 8)
-        float v[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) v[u] = i0 + 32 * u < P ? pr[i0 + 32 * u] : 0.f;
-#pragma unroll
-        for (int u = 0; u < 8; ++u) ss += v[u];
+    if constexpr (GEMV_ABL(8)) gemv_load_weights<RPW, KS, G>(a, rows, srow, zrow, lane, KC);
+    gemv_load_x(a, xr, lane, KC);
+    for (int c0 = lane; c0 < KC; c0 += 64 * KS) {  // two batches per trip: a and b take turns
+        gemv_load_weights<RPW, KS, G>(b, rows, srow, zrow, c0 + 32 * KS, KC);
+        gemv_load_x(b, xr, c0 + 32 * KS, KC);
+        gemv_compute(a, acc, c0, KC);
+        if (c0 + 32 * KS >= KC) break;
+        gemv_load_weights<RPW, KS, G>(a, rows, srow, zrow, c0 + 64 * KS, KC);
+        gemv_load_x(a, xr, c0 + 64 * KS, KC);
+        gemv_compute(b, acc, c0 + 32 * KS, KC);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    gemv_loop<RPW, KS, G, ACT, false>(a, b, p, xr, acc, lane, KC);
-    const float rstd = rsqrtf(ss / (float)K + eps);
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) acc[r] *= rstd;  // each lane's share: the shuffles in the store add them up
+    GEMV_NEXT_AT(2);
     gemv_store_rows<RPW, ACT>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * (ACT < 0 ? N : N / 2));
 }
 
