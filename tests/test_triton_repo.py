@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import json
 import shutil
 import subprocess
@@ -167,7 +168,24 @@ def _write_llm(eng: Path, cfg: dict, llm: dict, *, dtype="float16", fraction=0.8
         "vocab_size": llm["vocab_size"], "hidden_size": llm["hidden_size"], "prompt_table_size": table,
         "parallel": {"tp_size": tp, "pp_size": 1}, "kv_cache_free_gpu_memory_fraction": fraction}))
     (d / "manifest.json").write_text(json.dumps({"stage": "build-llm", "backend": "trtllm",
-                                                 "backend_version": "tensorrt_llm 1.2.1", "settings": {}}))
+                                                 "backend_version": "tensorrt_llm 1.2.1", "settings": {},
+                                                 "files": _file_entries(d)}))
+
+
+def _file_entries(d: Path) -> list[dict]:
+    """A manifest's `files` for every file under `d` (export-triton checks them as chat and serve do)."""
+    return [{"path": p.relative_to(d).as_posix(), "bytes": p.stat().st_size,
+             "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+            for p in sorted(d.rglob("*")) if p.is_file() and p.name != "manifest.json"]
+
+
+def _rewrite(eng: Path, stage: str, rel: str, text: str) -> None:
+    """Replace one file of a stage and its manifest entry (an engine built that way, not a damaged one)."""
+    (eng / stage / rel).write_text(text)
+    manifest = json.loads((eng / stage / "manifest.json").read_text())
+    manifest["files"] = [e for e in manifest["files"] if e["path"] != rel] + \
+        [e for e in _file_entries(eng / stage) if e["path"] == rel]
+    (eng / stage / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _variant(trtllm_engine, tmp_path, **kw) -> Path:
@@ -464,7 +482,8 @@ def test_what_the_stock_path_cannot_serve_is_refused(trtllm_engine, pythons, tmp
     _refused(["export-triton", str(trtllm_engine), "-o", str(tmp_path / "r"), "--kv-cache-fraction", "0.9"],
              OptionError.exit_code, "below 0.9", tmp_path / "r")
     eng = _variant(trtllm_engine, tmp_path / "next")
-    (eng / "convert" / "family.json").write_text(json.dumps({"family": "llava_next"}))
+    family = json.loads((eng / "convert" / "family.json").read_text())
+    _rewrite(eng, "convert", "family.json", json.dumps({**family, "family": "llava_next"}))
     _refused(["export-triton", str(eng), "-o", str(tmp_path / "r")], UnsupportedModelError.exit_code,
              "do not serve the llava_next family", tmp_path / "r")
     # the command line's own mistakes exit 2 (README's table)

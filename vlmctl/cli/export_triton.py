@@ -26,7 +26,9 @@ def export_triton_command(
     mounts: list[str] = typer.Option(None, "--mount",
                                      help="HOST_DIR=SERVER_DIR: where the server sees a host directory (as docker -v); "
                                           "repeatable"),
-    force: bool = typer.Option(False, "--force", help="Replace an existing repository"),
+    force: bool = typer.Option(False, "--force",
+                               help="Replace a repository export-triton wrote before (or an empty directory); never "
+                                    "another directory or a file"),
     json_: bool = JsonOption,
 ):
     from ..export.triton_repo import export_triton_repo

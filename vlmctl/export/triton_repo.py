@@ -92,19 +92,25 @@ class EngineFacts:
 
 def _read_json(path: Path, what: str) -> dict:
     try:
-        return json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise EngineError(f"{path}: {what} is missing or unreadable ({type(e).__name__})") from None
+    if not isinstance(data, dict):
+        raise EngineError(f"{path}: {what} is not a JSON object")
+    return data
 
 
 def read_engine(engine_dir: Path, *, kv_cache_fraction: float | None = None) -> EngineFacts:
     """Check that `engine_dir` is a vlmctl engine directory that the stock multimodal models can serve."""
-    from ..formats.artifacts import read_manifest
+    from ..formats.artifacts import check_engine_files, read_manifest
     from ..models.registry import get_family
     from ..formats.trtllm_engine import engine_path, is_trtllm_engine
 
     engine_dir = Path(engine_dir)
     ed = EngineDir.open(engine_dir)
+    # As chat and serve check it: every stage there, every file its manifest lists with its size (the
+    # repository points at the decoder engine and the tokenizer, and builds from export-vision's graph).
+    check_engine_files(engine_dir)
     llm = _read_json(ed.llm_config, "the decoder config")
     if not is_trtllm_engine(llm):
         raise EngineError(f"{engine_dir}: its decoder is not a TensorRT-LLM engine (backend "
@@ -149,9 +155,11 @@ def read_engine(engine_dir: Path, *, kv_cache_fraction: float | None = None) -> 
     fraction = kv_cache_fraction if kv_cache_fraction is not None else \
         float(llm.get("kv_cache_free_gpu_memory_fraction", 0.8))
     if not 0 < fraction < KV_FRACTION_LIMIT:
-        error = OptionError if kv_cache_fraction is not None else InputError  # the command line's (2), the recipe's (5)
-        raise error(f"KV-cache memory fraction {fraction}: must be above 0 and below {KV_FRACTION_LIMIT} (the vision "
-                    "engine shares GPU 0 with the decoder); pass --kv-cache-fraction")
+        if kv_cache_fraction is not None:  # the command line's (2), the recipe's (5)
+            raise OptionError(f"--kv-cache-fraction {fraction}: must be above 0 and below {KV_FRACTION_LIMIT} (the "
+                              "vision engine shares GPU 0 with the decoder)")
+        raise InputError(f"KV-cache memory fraction {fraction}: must be above 0 and below {KV_FRACTION_LIMIT} (the vision "
+                         "engine shares GPU 0 with the decoder); pass --kv-cache-fraction")
     vision = (read_manifest(ed.build_vision) or {}).get("settings", {})
     backend_version = str((read_manifest(ed.build_llm) or {}).get("backend_version") or "")
     parallel = llm.get("parallel") or {}
@@ -173,9 +181,13 @@ def rename_vision_io(src: Path, dest: Path, input_name: str, output_name: str) -
     `encoder_output` (every node that reads or writes them follows; weights untouched, an
     external data file is linked, not copied). Returns the graph's I/O dtype and shapes."""
     import onnx
+    from google.protobuf.message import DecodeError
 
     src, dest = Path(src), Path(dest)
-    model = onnx.load(str(src), load_external_data=False)
+    try:
+        model = onnx.load(str(src), load_external_data=False)
+    except DecodeError:
+        raise EngineError(f"{src}: not a readable ONNX graph (rerun `vlmctl export-vision`)") from None
     g = model.graph
     inputs = [i for i in g.input if i.name not in {t.name for t in g.initializer}]
     if [i.name for i in inputs] != [input_name] or [o.name for o in g.output] != [output_name]:
@@ -456,7 +468,8 @@ def server_path(path: Path, mounts: list[tuple[str, str]]) -> str:
     p = str(Path(path).resolve())
     for host, server in mounts:
         if p == host or p.startswith(host.rstrip("/") + "/"):
-            return server + p[len(host.rstrip("/")):]
+            rest = p[len(host.rstrip("/")):]  # "" or "/..."
+            return (server.rstrip("/") + rest) or "/"  # a mount at the server's / gives /x, not //x
     return p
 
 
@@ -501,6 +514,31 @@ def pool_bytes(facts: EngineFacts) -> int:
     return max(UPSTREAM_POOL_BYTES, 2 * 2 * facts.table_rows * facts.hidden)
 
 
+def check_output(out_dir: Path, engine_dir: Path, stock_models: str, *, force: bool) -> None:
+    """Where the repository may go: neither inside nor around the engine directory (or a local
+    all_models directory), since publishing replaces `out_dir` whole; an existing `out_dir` only with
+    `force`, and only a repository export-triton wrote (its METADATA file) or an empty directory."""
+    out = Path(out_dir).resolve()
+    if out == engine_dir or engine_dir in out.parents:
+        raise InputError(f"{out_dir}: the repository must lie outside the engine directory")
+    if out in engine_dir.parents:
+        raise InputError(f"{out_dir}: holds the engine directory {engine_dir}, which writing the repository there "
+                         "would delete; choose a directory of its own")
+    stock = Path(stock_models)
+    if stock.is_dir() and (stock.resolve() == out or out in stock.resolve().parents):
+        raise InputError(f"{out_dir}: holds --stock-models {stock_models}, which writing the repository there would "
+                         "delete; choose a directory of its own")
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not out_dir.is_dir():
+        raise InputError(f"{out_dir} exists and is not a directory")
+    if not force:
+        raise InputError(f"{out_dir} already exists (use --force to replace it)")
+    if not (out_dir / METADATA).is_file() and any(out_dir.iterdir()):
+        raise InputError(f"{out_dir}: not a repository export-triton wrote (no {METADATA}); --force replaces only "
+                         "those, or an empty directory")
+
+
 # ---- the command ------------------------------------------------------------------------------
 def export_triton_repo(engine_dir: Path, out_dir: Path, *, streaming: bool = False, kv_cache_reuse: bool = False,
                        kv_cache_fraction: float | None = None, stock_models: str = STOCK_ALL_MODELS,
@@ -513,10 +551,7 @@ def export_triton_repo(engine_dir: Path, out_dir: Path, *, streaming: bool = Fal
     mount_list = parse_mounts(mounts)
     facts = read_engine(engine_dir, kv_cache_fraction=kv_cache_fraction)
     check_stock_models(stock_models)
-    if out_dir.exists() and not force:
-        raise InputError(f"{out_dir} already exists (use --force to replace it)")
-    if out_dir.resolve() == facts.engine_dir or facts.engine_dir in out_dir.resolve().parents:
-        raise InputError(f"{out_dir}: the repository must lie outside the engine directory")
+    check_output(out_dir, facts.engine_dir, stock_models, force=force)
     python = trtllm_python()
     version = trtllm_version(python if os.environ.get(PYTHON_ENV) else None)
     if version is None or not version_supported(version):
