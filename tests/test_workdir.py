@@ -88,3 +88,16 @@ def test_atomic_dir_publishes_whole_or_nothing(tmp_path):
     with atomic_dir(out):
         pass
     assert not dead.exists()
+
+
+def test_atomic_dir_that_fails_leaves_no_parent_it_made(tmp_path):
+    """Output under directories that do not exist yet: a failed write removes the ones it made (and only those)."""
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(RuntimeError):
+        with atomic_dir(tmp_path / "kept" / "a" / "b" / "out") as tmp:
+            (tmp / "x").write_text("1")
+            raise RuntimeError("the work failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not any((tmp_path / "kept").iterdir())
+    with atomic_dir(tmp_path / "kept" / "a" / "out") as tmp:
+        (tmp / "x").write_text("1")
+    assert (tmp_path / "kept" / "a" / "out" / "x").read_text() == "1"

@@ -235,19 +235,43 @@ def atomic_dir(final: Path, *, reclaim: bool = True) -> Iterator[Path]:
     half-written `final`. With `reclaim`, temporaries of `final` that killed processes left are
     removed first."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    if reclaim:
-        reclaim_stale_temps(final.parent, [final.name])
-    tmp = final.with_name(temp_name(final.name, "tmp"))
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    made = _make_parents(final.parent)
+    try:
+        if reclaim:
+            reclaim_stale_temps(final.parent, [final.name])
+        tmp = final.with_name(temp_name(final.name, "tmp"))
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except BaseException:
+        _remove_empty(made)
+        raise
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(made)  # a failed write leaves no trace, not even the parents it made
         raise
     _publish(tmp, final)
+
+
+def _make_parents(path: Path) -> list[Path]:
+    """mkdir -p `path`; returns the directories it created, outermost first."""
+    missing = []
+    p = Path(path)
+    while not p.exists() and not p.is_symlink() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    path.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    for d in reversed(dirs):
+        try:
+            d.rmdir()
+        except OSError:  # not empty (something else wrote there meanwhile), or gone
+            break
 
 
 def _publish(tmp: Path, final: Path) -> None:
