@@ -35,8 +35,8 @@ def bench_command(
     out_file: Path = typer.Option(None, "--out", help="Also write the JSON result to this file"),
     json_: bool = JsonOption,
 ):
-    from ..measure.bench import BenchConfig, bench_engine, bench_url
-    from ..errors import InputError, OptionError
+    from ..measure.bench import BenchConfig, bench_engine, bench_url, check_url
+    from ..errors import InputError, OptionError, RequestError
 
     if (engine_dir is None) == (url is None):
         raise OptionError("give an ENGINE_DIR (offline) or --url (a running server), not both" if url else
@@ -45,8 +45,16 @@ def bench_command(
         w, h = (int(x) for x in image_size.lower().split("x"))
     except ValueError:
         raise OptionError(f"--image-size {image_size!r}: expected WIDTHxHEIGHT, e.g. 224x224") from None
+    if not timeout > 0:  # httpx would time out at once, reported as an unreachable server
+        raise OptionError(f"--timeout {timeout}: must be a positive number of seconds")
+    if out_file is not None:  # checked before the run, not after it: a bench can take an hour
+        if out_file.is_dir():
+            raise OptionError(f"--out {out_file}: is a directory; give a file name")
+        out_file.parent.mkdir(parents=True, exist_ok=True)
     levels = list(concurrency or [8])
     try:  # the command line's values: exit 2
+        if url is not None:
+            check_url(url)
         configs = [BenchConfig(num_requests=num_requests, concurrency=c, images_per_request=images,
                                image_size=(w, h), prompt_len=prompt_len, output_len=output_len,
                                temperature=temperature, same_image=same_image, seed=seed, run=i,
@@ -78,12 +86,16 @@ def bench_command(
         result["output_throughput_vs_first"] = [round(r["output_throughput"] / runs[0]["output_throughput"], 3)
                                                 for r in runs]
     if out_file is not None:
-        out_file.parent.mkdir(parents=True, exist_ok=True)
         out_file.write_text(json.dumps(result, indent=2) + "\n")
     if json_:
         print_json(result)
-        return
-    _render(result)
+    else:
+        _render(result)
+    failed = sum(r["failed"] for r in runs)
+    if failed:  # the figures above cover only the requests that completed: not a clean run (exit 1)
+        first = next((e for r in runs for e in r["errors"]), "none given")
+        raise RequestError(f"{failed} of {sum(r['config']['num_requests'] for r in runs)} requests failed (first "
+                           f"error: {first}); the figures cover only the completed ones")
 
 
 def _render(result: dict) -> None:
@@ -117,6 +129,3 @@ def _render(result: dict) -> None:
         ratios = ", ".join(f"c={r['config']['concurrency']}: {x:.2f}x"
                            for r, x in zip(runs, result["output_throughput_vs_first"]))
         out.print(f"output tok/s relative to the first run: {ratios}")
-    errs = [e for r in runs for e in r.get("errors", [])]
-    if errs:
-        console.print(f"[red]errors:[/red] {errs[0]}")

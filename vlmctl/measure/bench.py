@@ -18,6 +18,7 @@ import asyncio
 import base64
 import io
 import json
+import re
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -54,6 +55,10 @@ class BenchConfig:
             raise InputError("images, prompt length and warmup must be >= 0")
         if min(self.image_size) < 1:
             raise InputError(f"image size {self.image_size} must be positive")
+        if not 0 <= self.seed < 2**63:  # numpy's seeds are non-negative; a server's seed is a 64-bit integer
+            raise InputError(f"seed must be between 0 and 2**63 - 1 (got {self.seed})")
+        # the requests' sampling parameters, checked here as the engine and a vlmctl server would check them
+        _sampling_params(self).validate()
         # the images are made in memory before any engine sees them: the default limits, checked first
         ImageLimits().check(self.image_size, "image size")
         return self
@@ -71,6 +76,12 @@ class Sample:
     # a server stream: when it finished (finish_reason or [DONE]). A stream may carry no text at all
     # (tokens that decode to "", e.g. special tokens) and still be a completed request.
     end: float | None = None
+
+
+def _sampling_params(cfg: BenchConfig):
+    from ..runtime.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=cfg.output_len, temperature=cfg.temperature, seed=cfg.seed, ignore_eos=True)
 
 
 # ---- synthetic requests ----------------------------------------------------------------------
@@ -132,12 +143,9 @@ def summarize(samples: list[Sample], duration: float) -> dict:
 # ---- offline ---------------------------------------------------------------------------------
 def bench_engine(engine, cfg: BenchConfig, progress: Progress | None = None) -> dict:
     """Run cfg against an `Engine` in this thread (no other user of the engine at the same time)."""
-    from ..runtime.sampling import SamplingParams
-
     cfg.validate()
     progress = ensure(progress)
-    params = SamplingParams(max_tokens=cfg.output_len, temperature=cfg.temperature, seed=cfg.seed,
-                            ignore_eos=True).validate()
+    params = _sampling_params(cfg).validate()
     if cfg.warmup:
         warm = [engine.encode(m, imgs) for m, imgs in synthetic_requests(cfg, cfg.warmup, offset=10**6)]
         engine.generate(warm, params)
@@ -187,6 +195,21 @@ def bench_engine(engine, cfg: BenchConfig, progress: Progress | None = None) -> 
 
 
 # ---- against a server ------------------------------------------------------------------------
+def check_url(url: str) -> str:
+    """`url` if it names an http(s) server; InputError otherwise (httpx would fail on it later, some ways
+    with a traceback: a port above 65535 is an OverflowError inside the connect)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError when out of range
+    except ValueError as e:
+        raise InputError(f"--url {url!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InputError(f"--url {url!r}: expected http://HOST:PORT or https://HOST:PORT")
+    return url
+
+
 def _base_url(url: str) -> str:
     url = url.rstrip("/")
     return url if url.endswith("/v1") else url + "/v1"
@@ -200,6 +223,42 @@ def _scrape(text: str, name: str) -> float | None:
             except ValueError:
                 return None
     return None
+
+
+def _buckets(text: str, name: str) -> dict[float, float]:
+    """A Prometheus histogram's cumulative bucket counts: {le: count}."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            m = re.search(r'le="([^"]+)"', line)
+            try:
+                out[float(m.group(1))] = float(line.rsplit(" ", 1)[1])
+            except (AttributeError, ValueError):
+                continue
+    return out
+
+
+def _run_max_batch(before: str, after: str, concurrency: int) -> int | None:
+    """The largest batch of this run, from a vlmctl server's /metrics before and after it. The gauge
+    `vlmctl_num_requests_running_max` is the server's all-time maximum, so it is this run's only when the run
+    raised it; otherwise the run's largest batch is at most that gauge, the concurrency, and the upper bound of
+    the `vlmctl_batch_size` bucket (1, 2, 4, 8, ...) that holds all of this run's steps: the least of them
+    (exact where the bounds leave one value, as at concurrency 3 or less; an upper bound elsewhere)."""
+    gauge = "vlmctl_num_requests_running_max"
+    g0, g1 = _scrape(before, gauge), _scrape(after, gauge)
+    if g1 is None:
+        return None  # not a vlmctl server
+    if g0 is None or g1 > g0:
+        return int(g1)
+    hi = min(concurrency, g1)
+    b0, b1 = _buckets(before, "vlmctl_batch_size"), _buckets(after, "vlmctl_batch_size")
+    total = b1.get(float("inf"), 0) - b0.get(float("inf"), 0)
+    if b1 and total <= 0:
+        return None  # no step in this run (every request failed)
+    for le in sorted(b1):
+        if b1[le] - b0.get(le, 0) >= total:
+            return int(min(hi, le))
+    return int(hi)
 
 
 async def _bench_url(url: str, cfg: BenchConfig, model: str | None, api_key: str | None, timeout_s: float,
@@ -216,7 +275,7 @@ async def _bench_url(url: str, cfg: BenchConfig, model: str | None, api_key: str
                 r = await client.get(f"{base}/models")
                 r.raise_for_status()
                 model = r.json()["data"][0]["id"]
-        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as e:  # TypeError: not a JSON object
             raise InputError(f"{base}/models: cannot list the server's models ({type(e).__name__}: {e})") from None
 
         def body(messages, images) -> dict:
@@ -242,8 +301,9 @@ async def _bench_url(url: str, cfg: BenchConfig, model: str | None, api_key: str
                             s.end = s.end or time.perf_counter()
                             break
                         obj = json.loads(data)
-                        if "error" in obj:
-                            s.error = obj["error"].get("message", "error")
+                        if "error" in obj:  # OpenAI's {"message": ...}; some servers send a bare string
+                            err = obj["error"]
+                            s.error = str(err.get("message", err) if isinstance(err, dict) else err)
                             return s
                         if obj.get("usage"):
                             s.prompt_tokens = obj["usage"]["prompt_tokens"]
@@ -255,6 +315,8 @@ async def _bench_url(url: str, cfg: BenchConfig, model: str | None, api_key: str
                                 s.end = time.perf_counter()
             except httpx.HTTPError as e:
                 s.error = f"{type(e).__name__}: {e}"
+            except (ValueError, KeyError, TypeError, AttributeError) as e:  # an event that is not OpenAI's shape
+                s.error = f"malformed stream event ({type(e).__name__}: {e})"
             if s.error is None and s.end is None:
                 s.error = "the stream ended without a finish_reason or [DONE]"
             if s.error is None and not s.output_tokens:
@@ -294,10 +356,9 @@ async def _bench_url(url: str, cfg: BenchConfig, model: str | None, api_key: str
     res = {"mode": "url", "target": base, "model": model, "config": _cfg_json(cfg)}
     res.update(summarize(list(samples), duration))
     # The server's own view of batching (vlmctl servers; absent elsewhere).
-    srv_max = _scrape(after, "vlmctl_num_requests_running_max")
     n0, n1 = _scrape(before, "vlmctl_batch_size_count"), _scrape(after, "vlmctl_batch_size_count")
     s0, s1 = _scrape(before, "vlmctl_batch_size_sum"), _scrape(after, "vlmctl_batch_size_sum")
-    res["max_running"] = int(srv_max) if srv_max is not None else None
+    res["max_running"] = _run_max_batch(before, after, cfg.concurrency)
     res["mean_batch_size"] = (round((s1 - s0) / (n1 - n0), 3) if None not in (n0, n1, s0, s1) and n1 > n0
                               else None)
     return res

@@ -50,7 +50,16 @@ def perplexity(logits_fn: Callable, token_ids, seq_len: int, samples: int | None
             count += batch[:, 1:].numel()
             task.advance(batch.shape[0])
     task.done()
-    return math.exp(total_nll / count)
+    nll = total_nll / count
+    # a NaN or an overflow here is no figure: exp() of it would be NaN (invalid in --json) or raise OverflowError
+    if not math.isfinite(nll):
+        raise CheckpointError("the model's logits are not finite (NaN or infinity): its weights are broken, or its "
+                              "activations overflow the compute dtype (float16 ends at 65504)")
+    try:
+        return math.exp(nll)
+    except OverflowError:
+        raise CheckpointError(f"mean negative log-likelihood {nll:.1f} nats per token: the perplexity, e^{nll:.1f}, "
+                              "is beyond any float (the model is broken)") from None
 
 
 def find_decoder_dir(model: Path) -> tuple[Path, Path]:
