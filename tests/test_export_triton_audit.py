@@ -153,9 +153,12 @@ def test_an_out_of_range_kv_cache_fraction_option_is_not_told_to_pass_itself(trt
     assert "pass --kv-cache-fraction" not in line
 
 
-def test_json_mode_prints_one_json_object_and_nothing_else(trtllm_engine, env, tmp_path):  # noqa: F811
-    code, out, err = cli("export-triton", trtllm_engine, "-o", tmp_path / "repo", "--json")
+def test_json_mode_prints_one_json_object_and_nothing_else(trtllm_engine, env, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli("export-triton", trtllm_engine, "-o", "repo", "--json")
     assert code == 0, err
     res = json.loads(out)  # the whole of stdout
     assert isinstance(res, dict) and res["family"] == "llava" and out.count("\n") == 1
     assert err == ""  # no progress lines in --json mode
+    # every path in the result absolute, the repository's too (it was -o as typed)
+    assert res["repository"] == str((tmp_path / "repo").resolve()) and Path(res["engine_dir"]).is_absolute()

@@ -101,3 +101,14 @@ def test_atomic_dir_that_fails_leaves_no_parent_it_made(tmp_path):
     with atomic_dir(tmp_path / "kept" / "a" / "out") as tmp:
         (tmp / "x").write_text("1")
     assert (tmp_path / "kept" / "a" / "out" / "x").read_text() == "1"
+
+
+def test_atomic_dir_that_cannot_be_made_names_the_output(tmp_path):
+    """A parent that is a file: the error names the output asked for and what stood in the way."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OSError) as e:
+        with atomic_dir(tmp_path / "afile" / "repo"):
+            pass
+    assert e.value.filename == str(tmp_path / "afile" / "repo") and str(tmp_path / "afile") in e.value.strerror
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+

@@ -591,7 +591,7 @@ def export_triton_repo(engine_dir: Path, out_dir: Path, *, streaming: bool = Fal
         pool = pool_bytes(facts)
         launch = launch_command(server_path(out_dir.resolve(), mount_list), facts.world, pool)
         result = {
-            "repository": str(out_dir), "engine_dir": str(facts.engine_dir), "family": facts.family.name,
+            "repository": str(out_dir.resolve()), "engine_dir": str(facts.engine_dir), "family": facts.family.name,
             "stock_model_type": facts.stock.model_type, "models": list(MODELS), "max_batch_size": facts.max_batch,
             "max_num_images": facts.max_images, "world_size": facts.world, "streaming": streaming,
             "kv_cache_reuse": kv_cache_reuse, "kv_cache_free_gpu_mem_fraction": facts.kv_fraction,

@@ -235,14 +235,19 @@ def atomic_dir(final: Path, *, reclaim: bool = True) -> Iterator[Path]:
     half-written `final`. With `reclaim`, temporaries of `final` that killed processes left are
     removed first."""
     final = Path(final)
-    made = _make_parents(final.parent)
+    made = []
     try:
+        made = _make_parents(final.parent)
         if reclaim:
             reclaim_stale_temps(final.parent, [final.name])
         tmp = final.with_name(temp_name(final.name, "tmp"))
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
+    except OSError as e:  # named for the output asked for, not for the temporary sibling
+        _remove_empty(made)
+        where = "" if e.filename is None or Path(e.filename).name.startswith(f".{final.name}.") else f": {e.filename}"
+        raise OSError(e.errno, f"cannot create it ({e.strerror}{where})", str(final)) from None
     except BaseException:
         _remove_empty(made)
         raise
