@@ -35,12 +35,27 @@ def one_error_line(err: str) -> str:
     (("--url", "localhost:23333"), "http://"),  # was exit 5, "cannot list the server's models"
     (("--url", "http://127.0.0.1:9", "--timeout", "0"), "--timeout"),  # was exit 5, a ConnectTimeout
     (("ENGINE", "--out", "TMP"), "is a directory"),  # was exit 1 once the whole bench had run
+    (("ENGINE", "--out", "FILE/sub/r.json"), "not a writable directory"),  # a parent that is a file
 ])
 def test_bench_bad_values_exit_2_with_one_line(tiny_llava_engine, tmp_path, capsys, args, fragment):
-    args = [str(tiny_llava_engine) if a == "ENGINE" else str(tmp_path) if a == "TMP" else a for a in args]
+    (tmp_path / "FILE").write_text("x")
+    args = [str(tiny_llava_engine) if a == "ENGINE" else str(tmp_path) if a == "TMP" else
+            str(tmp_path / a) if a.startswith("FILE") else a for a in args]
     code, out, err = cli("bench", *args, "-n", "1", "--output-len", "1", "--json", capsys=capsys, expect=None)
     assert code == 2 and out == "", (code, out, err)
     assert fragment in one_error_line(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]  # nothing made
+
+
+def test_bench_out_under_new_directories_is_made_only_after_a_good_run(tiny_llava_engine, tmp_path, capsys):
+    """--out a/b/r.json: a run refused on its other values creates neither a nor b; a good run writes the file."""
+    target = tmp_path / "a" / "b" / "r.json"
+    code, _, _ = cli("bench", str(tiny_llava_engine), "--seed", "-1", "--out", str(target), capsys=capsys, expect=None)
+    assert code == 2 and not (tmp_path / "a").exists()
+    code, out, err = cli("bench", str(tiny_llava_engine), "-n", "1", "-c", "1", "--output-len", "1", "--warmup", "0",
+                         "--image-size", "16x16", "--out", str(target), "--json", capsys=capsys, expect=None)
+    assert code == 0, err
+    assert json.loads(target.read_text()) == json.loads(out)
 
 
 # ---- bench: failed requests ----------------------------------------------------------------------

@@ -48,9 +48,7 @@ def bench_command(
     if not timeout > 0:  # httpx would time out at once, reported as an unreachable server
         raise OptionError(f"--timeout {timeout}: must be a positive number of seconds")
     if out_file is not None:  # checked before the run, not after it: a bench can take an hour
-        if out_file.is_dir():
-            raise OptionError(f"--out {out_file}: is a directory; give a file name")
-        out_file.parent.mkdir(parents=True, exist_ok=True)
+        _check_out_file(out_file)
     levels = list(concurrency or [8])
     try:  # the command line's values: exit 2
         if url is not None:
@@ -86,6 +84,7 @@ def bench_command(
         result["output_throughput_vs_first"] = [round(r["output_throughput"] / runs[0]["output_throughput"], 3)
                                                 for r in runs]
     if out_file is not None:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
         out_file.write_text(json.dumps(result, indent=2) + "\n")
     if json_:
         print_json(result)
@@ -96,6 +95,22 @@ def bench_command(
         first = next((e for r in runs for e in r["errors"]), "none given")
         raise RequestError(f"{failed} of {sum(r['config']['num_requests'] for r in runs)} requests failed (first "
                            f"error: {first}); the figures cover only the completed ones")
+
+
+def _check_out_file(out_file: Path) -> None:
+    """OptionError unless `out_file` could be written after the run; creates nothing (a bench that then fails
+    leaves no trace)."""
+    import os
+
+    from ..errors import OptionError
+
+    if out_file.is_dir():
+        raise OptionError(f"--out {out_file}: is a directory; give a file name")
+    nearest = out_file.absolute().parent
+    while not nearest.exists() and nearest != nearest.parent:  # the directory its missing parents would go in
+        nearest = nearest.parent
+    if not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
+        raise OptionError(f"--out {out_file}: cannot be written ({nearest} is not a writable directory)")
 
 
 def _render(result: dict) -> None:

@@ -235,9 +235,9 @@ def atomic_dir(final: Path, *, reclaim: bool = True) -> Iterator[Path]:
     half-written `final`. With `reclaim`, temporaries of `final` that killed processes left are
     removed first."""
     final = Path(final)
-    made = []
+    made = _missing_dirs(final.parent)
     try:
-        made = _make_parents(final.parent)
+        final.parent.mkdir(parents=True, exist_ok=True)
         if reclaim:
             reclaim_stale_temps(final.parent, [final.name])
         tmp = final.with_name(temp_name(final.name, "tmp"))
@@ -260,14 +260,13 @@ def atomic_dir(final: Path, *, reclaim: bool = True) -> Iterator[Path]:
     _publish(tmp, final)
 
 
-def _make_parents(path: Path) -> list[Path]:
-    """mkdir -p `path`; returns the directories it created, outermost first."""
+def _missing_dirs(path: Path) -> list[Path]:
+    """The directories `mkdir -p path` would create, outermost first."""
     missing = []
     p = Path(path)
     while not p.exists() and not p.is_symlink() and p != p.parent:
         missing.append(p)
         p = p.parent
-    path.mkdir(parents=True, exist_ok=True)
     return missing[::-1]
 
 
@@ -275,7 +274,9 @@ def _remove_empty(dirs: list[Path]) -> None:
     for d in reversed(dirs):
         try:
             d.rmdir()
-        except OSError:  # not empty (something else wrote there meanwhile), or gone
+        except FileNotFoundError:  # never made (a mkdir -p that stopped part-way)
+            continue
+        except OSError:  # not empty: something else wrote there meanwhile
             break
 
 
