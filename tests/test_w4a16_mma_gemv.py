@@ -69,6 +69,7 @@ def test_tuned_table_mma_gemv_entries():
 
 
 def test_table_round_trip_keeps_the_variant(tmp_path):
+    W._load_tuned_table()  # now, so that set_config's own first load does not refill the cleared tables
     tables = (W._TUNED, *W._VARIANT_TABLES.values())  # every table save_tuned writes
     saved = [dict(t) for t in tables]
     try:
@@ -177,6 +178,74 @@ def test_on_the_host_dequantizes_exactly(dtype, monkeypatch):
     check_exact_dequantization(W._launch_mma_gemv, _cfg(16, 4, 2), dtype, 16, monkeypatch, n=32)
 
 
+ZF_SHAPES = [(72, 256, 128), (136, 512, 256), (40, 384, 128)]
+
+
+def test_zero_fold_switch_and_group_rule(monkeypatch):
+    """VLMCTL_W4A16_ZERO_FOLD=1 names the zero-folded instance where a chunk of 128 k lies in one group, and
+    only there (groups of 32 and 64 keep the arithmetic that scales each weight); off by default."""
+    cfg = _cfg(8, 8, 3)
+    monkeypatch.delenv("VLMCTL_W4A16_ZERO_FOLD", raising=False)
+    assert W.mma_gemv_kernel_name(cfg, 128) == "w4a16_mma_gemv<8, 1, 3, 128, 0>"
+    monkeypatch.setenv("VLMCTL_W4A16_ZERO_FOLD", "1")
+    assert W.mma_gemv_kernel_name(cfg, 128) == "w4a16_mma_gemv<8, 1, 3, 128, 0, 1>"
+    assert W.mma_gemv_kernel_name(cfg, 256, torch.bfloat16) == "w4a16_mma_gemv<8, 1, 3, 256, 1, 1>"
+    assert W.mma_gemv_kernel_name(cfg, 64) == "w4a16_mma_gemv<8, 1, 3, 64, 0>"
+    monkeypatch.setenv("VLMCTL_W4A16_ZERO_FOLD", "off")
+    assert W.mma_gemv_kernel_name(cfg, 128) == "w4a16_mma_gemv<8, 1, 3, 128, 0>"
+
+
+@pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
+def test_zero_fold_instances_compile_for_sm90():
+    names = [f"w4a16_mma_gemv<{w}, {nb}, {pf}, {g}, {bf}, 1>" for w, nb, pf in ((8, 1, 3), (4, 2, 2), (2, 1, 1))
+             for g in (128, 256) for bf in (0, 1)]
+    cubin, lowered = cuda_rtc.compile_cubin(W.mma_source(), names, "sm_90")
+    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(names)
+
+
+def _exact(x, p, g, bias):
+    """x @ W^T (+ bias) in fp32 with W's values (code - zero) * scale unrounded: what the zero-folded
+    arithmetic computes before its one rounding of the result."""
+    y = x.float() @ W.dequantize(p, g).T
+    return y if bias is None else y + bias.float()
+
+
+@pytest.mark.skipif(HOST is not None, reason=f"the CUDA kernels cannot run on the host: {HOST}")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,k,g", ZF_SHAPES, ids=str)
+@pytest.mark.parametrize("cfg", [_cfg(8, 8, 3), _cfg(16, 2, 1)], ids=W.describe)
+def test_on_the_host_zero_fold_against_exact(dtype, n, k, g, cfg, monkeypatch):
+    """The zero-folded arithmetic's C++ on the CPU: against the unrounded weights' product its error is the
+    output's rounding (half an ulp of the dtype, so within one ulp relative to the result's norm), for batch
+    rows past a block, odd N, with and without bias, and large activations (the codes' magic values times
+    x reach 8 * 60000); the same bits for another order of blocks and threads."""
+    monkeypatch.setenv("VLMCTL_W4A16_ZERO_FOLD", "1")
+    tol = 2.0 ** -11 if dtype == torch.float16 else 2.0 ** -8
+    gen = torch.Generator().manual_seed(n * k + g)
+    p = random_packed(n, k, g, seed=n + k, device="cpu")
+    for m in (1, 2, 9, 17):
+        x = torch.randn(m, k, generator=gen)
+        if m == 2:
+            x[:, ::7] *= 3000.0  # outlier channels, fp16 still finite
+        x = x.to(dtype)
+        for bias in (None, torch.randn(n, generator=gen).to(dtype)):
+            ys = on_host(W._launch_mma_gemv, x, p, g, cfg, bias, n, monkeypatch)
+            ref = _exact(x, p, g, bias)
+            err = float((ys[0].float() - ref).norm() / ref.norm())
+            assert err <= tol, f"M={m} bias={bias is not None}: relative error {err:.2e}"
+            worst = float(((ys[0].float() - ref).abs() / ref.abs().clamp_min(ref.abs().max() * 1e-2)).max())
+            assert worst <= 2 * tol, f"M={m}: worst element error {worst:.2e}"
+            assert torch.equal(ys[0], ys[1])
+
+
+@pytest.mark.skipif(HOST is not None, reason=f"the CUDA kernels cannot run on the host: {HOST}")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_on_the_host_zero_fold_dequantizes_exactly(dtype, monkeypatch):
+    """One-hot rows through the zero-folded arithmetic: (code - zero) * scale rounded once, as dequantize(W)."""
+    monkeypatch.setenv("VLMCTL_W4A16_ZERO_FOLD", "1")
+    check_exact_dequantization(W._launch_mma_gemv, _cfg(16, 4, 2), dtype, 16, monkeypatch, n=32)
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 
@@ -247,3 +316,46 @@ def test_gpu_mma_gemv_graph_and_selection(monkeypatch):
     y2 = W.w4a16_linear(x, p, g)
     for out in (ref, y2):
         assert float((out.float() - r).norm() / r.norm()) <= TOL16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,k,g", [(4096, 4096, 128), (12288, 4096, 128), (4096, 11008, 128), (200, 384, 128),
+                                   (136, 512, 256)], ids=str)
+@pytest.mark.parametrize("cfg", [_cfg(8, 8, 3), _cfg(16, 4, 2), _cfg(8, 2, 1)], ids=W.describe)
+def test_gpu_zero_fold_matches_exact(dtype, n, k, g, cfg, monkeypatch):
+    """The zero-folded arithmetic on the tensor cores: within the output's rounding of the unrounded weights'
+    product (so the mma's fp32 accumulation keeps the magic values' cancellation exact enough), with outlier
+    activations in one batch size, bias, rows past a block; repeats bit-identical."""
+    monkeypatch.setenv("VLMCTL_W4A16_ZERO_FOLD", "1")
+    tol = 2.0 ** -11 if dtype == torch.float16 else 2.0 ** -8
+    gen = torch.Generator(device="cuda").manual_seed(n * k + g)
+    p = random_packed(n, k, g, seed=n + k)
+    for m in (1, 2, 5, 8, 9, 16, 17):
+        x = torch.randn(m, k, device="cuda", generator=gen)
+        if m == 5:
+            x[:, ::7] *= 3000.0
+        x = x.to(dtype)
+        for bias in (None, torch.randn(n, device="cuda", generator=gen).to(dtype)):
+            y = W.launch(x, p, g, cfg, bias)
+            ref = _exact(x, p, g, bias)
+            err = float((y.float() - ref).norm() / ref.norm())
+            assert err <= tol, f"M={m} bias={bias is not None}: relative error {err:.2e}"
+            assert torch.equal(y, W.launch(x, p, g, cfg, bias))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_zero_fold_dequantizes_exactly(dtype, monkeypatch):
+    monkeypatch.setenv("VLMCTL_W4A16_ZERO_FOLD", "1")
+    n, k, g = 256, 512, 128
+    p = random_packed(n, k, g, seed=7)
+    p["q4scales"] = p["q4scales"] * 700
+    wd = W.dequantize(p, g, dtype)
+    for k0 in range(0, k, 16):
+        x = torch.zeros(16, k, device="cuda", dtype=dtype)
+        x[torch.arange(16), k0 + torch.arange(16)] = 1
+        y = W.launch(x, p, g, _cfg(16, 4, 2))
+        assert torch.equal(y, wd[:, k0:k0 + 16].T.contiguous()), f"columns {k0}..{k0 + 15}"
