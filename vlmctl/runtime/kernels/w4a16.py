@@ -905,20 +905,11 @@ def mma_gemv_enabled() -> bool:
     return os.environ.get("VLMCTL_W4A16_MMA_GEMV", "1").strip().lower() not in ("0", "off", "false")
 
 
-def zero_fold_enabled() -> bool:
-    """Whether "mma_gemv" uses the zero-folded arithmetic where the group size is a multiple of 128 (codes put in
-    the A registers by one AND-OR, the zero point subtracted by a second mma, the scale applied once a chunk:
-    `w4a16_mma.cu`, mma_gemv_compute_zf); `VLMCTL_W4A16_ZERO_FOLD=1` turns it on (measurement: docs/benchmarks.md,
-    session 37)."""
-    return os.environ.get("VLMCTL_W4A16_ZERO_FOLD", "0").strip().lower() not in ("0", "off", "false", "")
-
-
 def mma_gemv_kernel_name(config: Config, group_size: int, dtype="float16") -> str:
     """The template instance of `w4a16_mma.cu`'s w4a16_mma_gemv that runs `config` on `dtype` activations."""
     bf16 = {"float16": 0, "bfloat16": 1}[_dtype_name(dtype)]
-    zf = ", 1" if zero_fold_enabled() and group_size % 128 == 0 else ""
     return (f"w4a16_mma_gemv<{config.num_warps}, {config.block_m // 8}, {config.num_stages}, {group_size}, "
-            f"{bf16}{zf}>")
+            f"{bf16}>")
 
 
 def _launch_mma_gemv(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:

@@ -804,77 +804,8 @@ __device__ __forceinline__ void mma_gemv_load_x(MmaGemvChunk<NB>& q, const u16* 
         for (int u = 0; u < 4; ++u) q.x[nb][u] = ld_act16(xr[nb] + 128 * chunk + 32 * t + 8 * u);
 }
 
-// The zero-folded arithmetic (ZF; groups of a multiple of 128, so a chunk lies in one group): A holds each code as
-// magic + code * unit, exact, built by one AND-OR (no subtraction, no multiply); a second mma per step with A =
-// -(magic + zero * unit) for the lane's two rows subtracts the zero's share inside the fp32 accumulator (the
-// products are exact there); the chunk's sum times scale / unit is added to acc in fp32. fp16: the low nibble
-// of a byte at magic 8 (0x4800), the high one in place at magic 0.5 (0x3800), both with unit 1/128; bf16 (7
-// mantissa bits) shifts each nibble down to bits 0-3 and uses magic 2^-7 (0x3C00), unit 2^-14. The weights are
-// never rounded (dequantize(...) rounds each one), so a result is nearer the exact product than before.
 template <int NB, int BF16>
-__device__ __forceinline__ void mma_gemv_compute_zf(const MmaGemvChunk<NB>& q, float (&acc)[NB][4]) {
-    constexpr u32 LO = BF16 ? 0x3C003C00u : 0x48004800u, HI = BF16 ? 0x3C003C00u : 0x38003800u;
-    constexpr float PER_UNIT = BF16 ? 16384.f : 128.f;
-    // -(magic + zero * unit), twice, for rows g (a) and g + 8 (b); the high nibble's magic differs in fp16
-    const u32 za = q.za, zb = q.zb;
-    const u32 zlo_a = ((BF16 ? 0xBC00u : 0xC800u) | za) * 0x00010001u;
-    const u32 zlo_b = ((BF16 ? 0xBC00u : 0xC800u) | zb) * 0x00010001u;
-    const u32 zhi_a = BF16 ? zlo_a : (0xB800u | (za << 4)) * 0x00010001u;
-    const u32 zhi_b = BF16 ? zlo_b : (0xB800u | (zb << 4)) * 0x00010001u;
-    const u32 zc[4] = {zlo_a, zlo_b, zhi_a, zhi_b};
-    const u32 wa[4] = {q.wa.x, q.wa.y, q.wa.z, q.wa.w};
-    const u32 wb[4] = {q.wb.x, q.wb.y, q.wb.z, q.wb.w};
-    float part[NB][4];
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) part[nb][e] = 0.f;
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // steps 2u and 2u + 1, pairs at bits 8h / 8h + 16 and 8h + 4 / 8h + 20
-            u32 a[4];
-            if constexpr (BF16) {
-                a[0] = ((wa[u] >> (8 * h)) & 0x000F000Fu) | LO;
-                a[1] = ((wb[u] >> (8 * h)) & 0x000F000Fu) | LO;
-                a[2] = ((wa[u] >> (8 * h + 4)) & 0x000F000Fu) | HI;
-                a[3] = ((wb[u] >> (8 * h + 4)) & 0x000F000Fu) | HI;
-            } else {
-                const u32 va = wa[u] >> (8 * h), vb = wb[u] >> (8 * h);
-                a[0] = (va & 0x000F000Fu) | LO;
-                a[1] = (vb & 0x000F000Fu) | LO;
-                a[2] = (va & 0x00F000F0u) | HI;
-                a[3] = (vb & 0x00F000F0u) | HI;
-            }
-#pragma unroll
-            for (int nb = 0; nb < NB; ++nb) {
-                const u32 b0 = h ? q.x[nb][u].z : q.x[nb][u].x, b1 = h ? q.x[nb][u].w : q.x[nb][u].y;
-                if constexpr (BF16) {
-                    mma16816_bf16(part[nb], a, b0, b1);
-                    mma16816_bf16(part[nb], zc, b0, b1);
-                } else {
-                    mma16816(part[nb], a, b0, b1);
-                    mma16816(part[nb], zc, b0, b1);
-                }
-            }
-        }
-    }
-    const float sa = half_to_float((u16)q.sa) * PER_UNIT, sb = half_to_float((u16)q.sb) * PER_UNIT;  // exact
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-        acc[nb][0] += sa * part[nb][0];
-        acc[nb][1] += sa * part[nb][1];
-        acc[nb][2] += sb * part[nb][2];
-        acc[nb][3] += sb * part[nb][3];
-    }
-}
-
-template <int NB, int BF16, int ZF>
 __device__ __forceinline__ void mma_gemv_compute(const MmaGemvChunk<NB>& q, float (&acc)[NB][4]) {
-    if constexpr (ZF) {
-        mma_gemv_compute_zf<NB, BF16>(q, acc);
-        return;
-    }
     u32 zfa, s2a, sla, zfb, s2b, slb;
     group_consts<BF16>(q.sa, q.za, zfa, s2a, sla);
     group_consts<BF16>(q.sb, q.zb, zfb, s2b, slb);
@@ -906,12 +837,11 @@ __device__ __forceinline__ void mma_gemv_compute(const MmaGemvChunk<NB>& q, floa
     }
 }
 
-template <int KW, int NB, int PF, int G, int BF16, int ZF = 0>
+template <int KW, int NB, int PF, int G, int BF16>
 __global__ void __launch_bounds__(KW * 32)
 w4a16_mma_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
                const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int K, int ldx, int has_bias) {
     static_assert(G % 32 == 0, "a lane's 32 k of a chunk lie in one group");
-    static_assert(!ZF || G % 128 == 0, "the zero-folded arithmetic scales a chunk's sum: one group a chunk");
     __shared__ float red[KW][NB * 8][16];  // the warps' partial sums: [warp][batch row][W row]
     pdl_release();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -946,7 +876,7 @@ w4a16_mma_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__
         for (int i = 0; i < PF; ++i) {  // compute a slot, then refill it with the chunk PF turns ahead
             const int chunk = base + i * KW;
             if (chunk < KC) {
-                mma_gemv_compute<NB, BF16, ZF>(q[i], acc);
+                mma_gemv_compute<NB, BF16>(q[i], acc);
                 if (chunk + PF * KW < KC) {
                     mma_gemv_load_weights<NB, G>(q[i], ra, rb, sa, sb, za, zb, chunk + PF * KW, t);
                     mma_gemv_load_x<NB>(q[i], xr, chunk + PF * KW, t);
