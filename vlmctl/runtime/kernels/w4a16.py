@@ -873,6 +873,43 @@ def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y
                 pdl=pdl.enabled(x2.device))
 
 
+GEMV_TMA_SOURCE = Path(__file__).with_name("w4a16_gemv_tma.cu")
+
+
+def gemv_tma_source() -> str:
+    """`w4a16_mma.cu` followed by `w4a16_gemv_tma.cu` (a measurement kernel of session 37: the batch-1 CUDA GEMV
+    with each warp's weight rows brought into shared memory by one bulk copy; not selected by anything)."""
+    key = ("tma", mma_source())
+    text = _MMA_TEXT.get(key)
+    if text is None:
+        text = _MMA_TEXT[key] = key[1] + "\n" + GEMV_TMA_SOURCE.read_text()
+    return text
+
+
+def gemv_tma_shared_bytes(config: Config, k: int) -> int:
+    """Dynamic shared memory of a w4a16_gemv_tma block: its mbarriers (16 bytes a warp, rounded to 128), then
+    block_n weight rows of K / 2 bytes."""
+    return ((16 * config.num_warps + 127) & ~127) + config.block_n * k // 2
+
+
+def _launch_gemv_tma(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:
+    """w4a16_gemv_tma<block_n / num_warps rows a warp, num_warps, group_size> on fp16 x [M, K] (one block row per x
+    row), PDL as the CUDA GEMV (only weights read before the wait)."""
+    from . import cuda_rtc, pdl
+
+    qw, s, z = (packed[key] for key in KEYS)
+    m, k = x2.shape
+    n = qw.shape[0]
+    name = f"w4a16_gemv_tma<{config.block_n // config.num_warps}, {config.num_warps}, {group_size}>"
+    kern = cuda_rtc.load_kernel(gemv_tma_source(), name, x2.device)
+    if x2.device.type == "cuda" and not getattr(kern, "carveout_set", False):  # all of the SM's unified memory that blocks may take as shared
+        cuda_rtc._check_cuda(cuda_rtc._driver().cuFuncSetAttribute(kern.func, 9, 100), f"carveout of {name}")
+        kern.carveout_set = True
+    kern.launch((triton_cdiv(n, config.block_n), m, 1), (32 * config.num_warps, 1, 1),
+                gemv_tma_shared_bytes(config, k), [x2, qw, s, z, bias, y, n, k, x2.stride(0), int(bias is not None)],
+                x2.device, pdl=pdl.enabled(x2.device))
+
+
 def _launch_mma(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:
     import torch
 
