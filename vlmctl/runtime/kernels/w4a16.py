@@ -865,6 +865,8 @@ def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y
     qw, s, z = (packed[key] for key in KEYS)
     m, k = x2.shape
     n = qw.shape[0]
+    if gemv_tma_enabled() and gemv_tma_shared_bytes(config, k) <= MMA_MAX_SHARED:
+        return _launch_gemv_tma(x2, packed, group_size, config, bias, y, act)
     kern = cuda_rtc.load_kernel(mma_source(), gemv_cuda_kernel_name(config, group_size, act), x2.device)
     rows = (n // 2, config.block_n // 2) if act is not None else (n, config.block_n)
     # PDL as for the Triton GEMVs: the kernel reads only weights, scales and zero points before its wait
@@ -892,22 +894,35 @@ def gemv_tma_shared_bytes(config: Config, k: int) -> int:
     return ((16 * config.num_warps + 127) & ~127) + config.block_n * k // 2
 
 
-def _launch_gemv_tma(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:
+def gemv_tma_enabled() -> bool:
+    """`VLMCTL_W4A16_GEMV_TMA=1`: launches of the CUDA GEMV run `w4a16_gemv_tma` with the same rows a warp and
+    warps a block instead (measurement switch, session 37; off by default)."""
+    return os.environ.get("VLMCTL_W4A16_GEMV_TMA", "0").strip().lower() not in ("0", "off", "false", "")
+
+
+def _launch_gemv_tma(x2, packed: dict, group_size: int, config: Config, bias, y, act: str | None = None) -> None:
     """w4a16_gemv_tma<block_n / num_warps rows a warp, num_warps, group_size> on fp16 x [M, K] (one block row per x
-    row), PDL as the CUDA GEMV (only weights read before the wait)."""
+    row), PDL as the CUDA GEMV (only weights read before the wait); act: a gate_up weight with the act·mul
+    epilogue (y [M, N / 2])."""
     from . import cuda_rtc, pdl
 
     qw, s, z = (packed[key] for key in KEYS)
     m, k = x2.shape
     n = qw.shape[0]
-    name = f"w4a16_gemv_tma<{config.block_n // config.num_warps}, {config.num_warps}, {group_size}>"
+    tail = ""
+    if act is not None:
+        from .fused import ACTIVATIONS
+
+        tail = f", {ACTIVATIONS[act]}"
+    name = f"w4a16_gemv_tma<{config.block_n // config.num_warps}, {config.num_warps}, {group_size}{tail}>"
     kern = cuda_rtc.load_kernel(gemv_tma_source(), name, x2.device)
-    if x2.device.type == "cuda" and not getattr(kern, "carveout_set", False):  # all of the SM's unified memory that blocks may take as shared
+    if x2.device.type == "cuda" and not getattr(kern, "carveout_set", False):  # blocks may take all of it as shared
         cuda_rtc._check_cuda(cuda_rtc._driver().cuFuncSetAttribute(kern.func, 9, 100), f"carveout of {name}")
         kern.carveout_set = True
-    kern.launch((triton_cdiv(n, config.block_n), m, 1), (32 * config.num_warps, 1, 1),
-                gemv_tma_shared_bytes(config, k), [x2, qw, s, z, bias, y, n, k, x2.stride(0), int(bias is not None)],
-                x2.device, pdl=pdl.enabled(x2.device))
+    rows = (n // 2, config.block_n // 2) if act is not None else (n, config.block_n)
+    kern.launch((triton_cdiv(*rows), m, 1), (32 * config.num_warps, 1, 1), gemv_tma_shared_bytes(config, k),
+                [x2, qw, s, z, bias, y, n, k, x2.stride(0), int(bias is not None)], x2.device,
+                pdl=pdl.enabled(x2.device))
 
 
 def _launch_mma(x2, packed: dict, group_size: int, config: Config, bias, y) -> None:

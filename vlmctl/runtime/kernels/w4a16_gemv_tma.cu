@@ -11,6 +11,8 @@
 // not stored. Lanes walk K in 16-byte chunks as w4a16_gemv does (lane c: chunks c, c + 32, ...; a warp reads 512
 // contiguous bytes of a row from shared memory per load, conflict-free), with that kernel's arithmetic
 // (gemv_chunk); scales, zero points and x come from global memory, the next chunk's loaded while one is computed.
+// ACT >= 0: a gate_up weight with w4a16_gemv's act·mul epilogue; a warp's RPW / 2 gate rows and their up rows
+// (N / 2 below) come by two bulk copies on its barrier.
 // Dynamic shared memory: 16 bytes of mbarriers per warp (NW * 16, rounded to 128), then NW * RPW * K / 2 bytes.
 
 __device__ __forceinline__ void tma_bar_init(u32 bar) {
@@ -62,33 +64,39 @@ __device__ __forceinline__ void tma_gemv_load(TmaGemvChunk<RPW>& q, const u16* c
     for (int j = 0; j < 4; ++j) q.x[j] = ld_act16(xr + 32 * c + 8 * j);
 }
 
-template <int RPW, int NW, int G>
+template <int RPW, int NW, int G, int ACT = -1>
 __global__ void __launch_bounds__(NW * 32)
 w4a16_gemv_tma(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
                const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias) {
     extern __shared__ __align__(128) unsigned char tma_smem[];
     pdl_release();
+    constexpr int H = ACT < 0 ? RPW : RPW / 2;  // output rows a warp (ACT >= 0: gate rows, and their up rows)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = (blockIdx.x * NW + warp) * RPW;
-    const int rows = min(RPW, N - row0);  // rows of this warp that exist (<= 0: none)
+    const int row0 = (blockIdx.x * NW + warp) * H;
+    const int rows = min(H, (ACT < 0 ? N : N / 2) - row0);  // output rows of this warp that exist (<= 0: none)
     const u32 row_bytes = (u32)K / 2;
     const u32 bar = smem_addr(tma_smem) + 16 * warp;
     const u32 tile = smem_addr(tma_smem) + ((16 * NW + 127) & ~127) + warp * RPW * row_bytes;
     if (lane == 0 && rows > 0) {
         tma_bar_init(bar);
         tma_fence_init();
-        tma_expect(bar, rows * row_bytes);
+        tma_expect(bar, (ACT < 0 ? 1 : 2) * rows * row_bytes);
         tma_copy(tile, qw + (size_t)row0 * (K >> 3), rows * row_bytes, bar);
+        if constexpr (ACT >= 0)  // the up rows, N / 2 below, into the tile's second half
+            tma_copy(tile + H * row_bytes, qw + (size_t)(row0 + N / 2) * (K >> 3), rows * row_bytes, bar);
     }
     __syncwarp();
     const int KC = K >> 5, KG = K / G;
     const u16* srow[RPW];
     const u8* zrow[RPW];
+    u32 slot[RPW];  // where row slot r lies in shared memory: slots past the warp's rows read its last row
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-        const int n = min(row0 + r, N - 1);
+        const int n = gemv_weight_row<RPW, ACT>(row0, r, N);
         srow[r] = sc + (size_t)n * KG;
         zrow[r] = zp + (size_t)n * KG;
+        const int i = r % H, half = r / H;
+        slot[r] = tile + (half * H + min(i, max(rows, 1) - 1)) * row_bytes;
     }
     const u16* xr = x + (size_t)blockIdx.y * ldx;
     float acc[RPW];
@@ -102,15 +110,13 @@ w4a16_gemv_tma(const u16* x, const u32* __restrict__ qw, const u16* __restrict__
         for (int c = lane; c < KC; c += 64) {  // two chunks per trip: a and b take turns
             if (c + 32 < KC) tma_gemv_load<RPW, G>(b, srow, zrow, xr, c + 32);
 #pragma unroll
-            for (int r = 0; r < RPW; ++r)
-                gemv_chunk(acc[r], tma_lds16(tile + min(r, rows - 1) * row_bytes + 16 * c), a.s[r], a.z[r], a.x);
+            for (int r = 0; r < RPW; ++r) gemv_chunk(acc[r], tma_lds16(slot[r] + 16 * c), a.s[r], a.z[r], a.x);
             if (c + 32 >= KC) break;
             if (c + 64 < KC) tma_gemv_load<RPW, G>(a, srow, zrow, xr, c + 64);
 #pragma unroll
             for (int r = 0; r < RPW; ++r)
-                gemv_chunk(acc[r], tma_lds16(tile + min(r, rows - 1) * row_bytes + 16 * (c + 32)), b.s[r], b.z[r],
-                           b.x);
+                gemv_chunk(acc[r], tma_lds16(slot[r] + 16 * (c + 32)), b.s[r], b.z[r], b.x);
         }
     }
-    gemv_store_rows<RPW, -1>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * N);
+    gemv_store_rows<RPW, ACT>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * (ACT < 0 ? N : N / 2));
 }
