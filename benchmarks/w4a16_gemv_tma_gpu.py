@@ -7,7 +7,8 @@ weights as one bulk copy into shared memory when the block starts (before the PD
 with the same arithmetic, so what it measures is whether taking the loads off the registers lets the weight stream
 run at the bandwidth while the arithmetic keeps up.
 
-    OUT=results python benchmarks/w4a16_gemv_tma_gpu.py
+    OUT=results python benchmarks/w4a16_gemv_tma_gpu.py     # the pipelined version (a bulk copy per row and trip)
+    VLMCTL_W4A16_GEMV_TMA=single OUT=results python benchmarks/w4a16_gemv_tma_gpu.py   # one copy a warp
 
 1. correctness: at the 7B decoder's four linears (gate_up plain), every config against the CUDA GEMV with the same
    rows a warp (bit-equal: same arithmetic and order) and against the fp32 reference.
@@ -37,7 +38,8 @@ dev = torch.device("cuda")
 G = 128
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
 GRID = [(1, 8), (1, 16), (2, 4), (2, 8), (2, 16), (4, 2), (4, 4), (4, 8), (8, 1), (8, 2), (8, 4)]
-res = {"device": torch.cuda.get_device_name(), "correct": {}, "per_call_us": {}, "chain_ms": {}}
+VERSION = "single" if os.environ.get("VLMCTL_W4A16_GEMV_TMA", "").strip() == "single" else "pipelined"
+res = {"device": torch.cuda.get_device_name(), "version": VERSION, "correct": {}, "per_call_us": {}, "chain_ms": {}}
 T0 = time.perf_counter()
 
 
@@ -60,11 +62,12 @@ def run_tma(x, p, c, y):
 
 bw = copy_bandwidth()
 res["copy_tb_s"] = bw / 1e12
-log("nvrtc", cuda_rtc.nvrtc_version(), torch.__version__, res["device"], f"copy bandwidth {bw / 1e12:.2f} TB/s")
+log("nvrtc", cuda_rtc.nvrtc_version(), torch.__version__, res["device"], f"copy bandwidth {bw / 1e12:.2f} TB/s",
+    f"version: {VERSION}")
 cap = torch.cuda.get_device_capability()
 t = time.perf_counter()
-names = sorted({f"w4a16_gemv_tma<{c.block_n // c.num_warps}, {c.num_warps}, {G}>" for (n, k) in SHAPES.values()
-                for c in cands(k)})
+names = sorted({f"w4a16_gemv_tma<{c.block_n // c.num_warps}, {c.num_warps}, {G}"
+                 + (", -1, 0>" if VERSION == "single" else ">") for (n, k) in SHAPES.values() for c in cands(k)})
 cuda_rtc.precompile(W.gemv_tma_source(), names, f"sm_{cap[0]}{cap[1]}")
 log(f"compiled {len(names)} kernels in {time.perf_counter() - t:.1f}s")
 

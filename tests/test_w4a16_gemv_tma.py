@@ -29,8 +29,8 @@ def _cuda(rpw, nw):
 
 
 def test_shared_bytes():
-    assert W.gemv_tma_shared_bytes(_tma(4, 4), 4096) == 128 + 16 * 2048
-    assert W.gemv_tma_shared_bytes(_tma(2, 16), 11008) == 256 + 32 * 5504
+    assert W.gemv_tma_shared_bytes(_tma(4, 4), 4096) == 1024 + 16 * 2048
+    assert W.gemv_tma_shared_bytes(_tma(2, 16), 11008) == 4096 + 32 * 5504
 
 
 @pytest.mark.skipif(HOST is not None, reason=f"the CUDA kernels cannot run on the host: {HOST}")

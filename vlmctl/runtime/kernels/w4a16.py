@@ -889,14 +889,15 @@ def gemv_tma_source() -> str:
 
 
 def gemv_tma_shared_bytes(config: Config, k: int) -> int:
-    """Dynamic shared memory of a w4a16_gemv_tma block: its mbarriers (16 bytes a warp, rounded to 128), then
-    block_n weight rows of K / 2 bytes."""
-    return ((16 * config.num_warps + 127) & ~127) + config.block_n * k // 2
+    """Dynamic shared memory of a w4a16_gemv_tma block: its mbarriers (32 of 8 bytes a warp, rounded to 128),
+    then block_n weight rows of K / 2 bytes."""
+    return ((256 * config.num_warps + 127) & ~127) + config.block_n * k // 2
 
 
 def gemv_tma_enabled() -> bool:
-    """`VLMCTL_W4A16_GEMV_TMA=1`: launches of the CUDA GEMV run `w4a16_gemv_tma` with the same rows a warp and
-    warps a block instead (measurement switch, session 37; off by default)."""
+    """`VLMCTL_W4A16_GEMV_TMA=1` (or `single`: each warp's rows as one bulk copy, the first version): launches of
+    the CUDA GEMV run `w4a16_gemv_tma` with the same rows a warp and warps a block instead (measurement switch,
+    session 37; off by default)."""
     return os.environ.get("VLMCTL_W4A16_GEMV_TMA", "0").strip().lower() not in ("0", "off", "false", "")
 
 
@@ -914,6 +915,8 @@ def _launch_gemv_tma(x2, packed: dict, group_size: int, config: Config, bias, y,
         from .fused import ACTIVATIONS
 
         tail = f", {ACTIVATIONS[act]}"
+    pipe = os.environ.get("VLMCTL_W4A16_GEMV_TMA", "1").strip() != "single"  # "single": one copy a warp
+    tail = (tail or ", -1") + ", 0" if not pipe else tail
     name = f"w4a16_gemv_tma<{config.block_n // config.num_warps}, {config.num_warps}, {group_size}{tail}>"
     kern = cuda_rtc.load_kernel(gemv_tma_source(), name, x2.device)
     if x2.device.type == "cuda" and not getattr(kern, "carveout_set", False):  # blocks may take all of it as shared

@@ -13,7 +13,7 @@
 // (gemv_chunk); scales, zero points and x come from global memory, the next chunk's loaded while one is computed.
 // ACT >= 0: a gate_up weight with w4a16_gemv's act·mul epilogue; a warp's RPW / 2 gate rows and their up rows
 // (N / 2 below) come by two bulk copies on its barrier.
-// Dynamic shared memory: 16 bytes of mbarriers per warp (NW * 16, rounded to 128), then NW * RPW * K / 2 bytes.
+// Dynamic shared memory: 8 * TMA_MAX_TRIPS bytes of mbarriers per warp (rounded to 128), then NW * RPW * K / 2 bytes.
 
 __device__ __forceinline__ void tma_bar_init(u32 bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
@@ -64,7 +64,12 @@ __device__ __forceinline__ void tma_gemv_load(TmaGemvChunk<RPW>& q, const u16* c
     for (int j = 0; j < 4; ++j) q.x[j] = ld_act16(xr + 32 * c + 8 * j);
 }
 
-template <int RPW, int NW, int G, int ACT = -1>
+// PIPE (session 37's second version): each row comes as one bulk copy per trip of the lanes (32 chunks, 512 bytes),
+// each trip completing on its own mbarrier, so a warp computes its first trip as soon as that lands while the rest
+// stream in (PIPE = 0: one copy of the warp's rows on one barrier, the first version).
+constexpr int TMA_MAX_TRIPS = 32;  // K up to 32 * 32 * 32 = 32768
+
+template <int RPW, int NW, int G, int ACT = -1, int PIPE = 1>
 __global__ void __launch_bounds__(NW * 32)
 w4a16_gemv_tma(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
                const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias) {
@@ -75,18 +80,35 @@ w4a16_gemv_tma(const u16* x, const u32* __restrict__ qw, const u16* __restrict__
     const int row0 = (blockIdx.x * NW + warp) * H;
     const int rows = min(H, (ACT < 0 ? N : N / 2) - row0);  // output rows of this warp that exist (<= 0: none)
     const u32 row_bytes = (u32)K / 2;
-    const u32 bar = smem_addr(tma_smem) + 16 * warp;
-    const u32 tile = smem_addr(tma_smem) + ((16 * NW + 127) & ~127) + warp * RPW * row_bytes;
-    if (lane == 0 && rows > 0) {
-        tma_bar_init(bar);
-        tma_fence_init();
-        tma_expect(bar, (ACT < 0 ? 1 : 2) * rows * row_bytes);
-        tma_copy(tile, qw + (size_t)row0 * (K >> 3), rows * row_bytes, bar);
-        if constexpr (ACT >= 0)  // the up rows, N / 2 below, into the tile's second half
-            tma_copy(tile + H * row_bytes, qw + (size_t)(row0 + N / 2) * (K >> 3), rows * row_bytes, bar);
-    }
-    __syncwarp();
     const int KC = K >> 5, KG = K / G;
+    const int trips = PIPE ? (KC + 31) / 32 : 1;
+    const u32 bars = smem_addr(tma_smem) + 8 * TMA_MAX_TRIPS * warp;  // the warp's barriers, one a trip
+    const u32 tile = smem_addr(tma_smem) + ((8 * TMA_MAX_TRIPS * NW + 127) & ~127) + warp * RPW * row_bytes;
+    constexpr int HALVES = ACT < 0 ? 1 : 2;
+    if (rows > 0) {
+        if (lane == 0) {
+            for (int t = 0; t < trips; ++t) {
+                const u32 bytes = PIPE ? 16u * (u32)min(32, KC - 32 * t) : row_bytes;
+                tma_bar_init(bars + 8 * t);
+                tma_fence_init();
+                tma_expect(bars + 8 * t, HALVES * rows * bytes);
+            }
+        }
+        __syncwarp();
+        if (PIPE) {  // lane i: copies i, i + 32, ... of (half, row, trip)
+            for (int i = lane; i < HALVES * rows * trips; i += 32) {
+                const int t = i % trips, rr = i / trips, half = rr / rows, r = rr % rows;
+                const u32 bytes = 16u * (u32)min(32, KC - 32 * t);
+                const size_t src_row = (size_t)row0 + r + (half ? N / 2 : 0);
+                tma_copy(tile + (half * H + r) * row_bytes + 512u * t,
+                         reinterpret_cast<const unsigned char*>(qw + src_row * (K >> 3)) + 512u * t, bytes, bars + 8 * t);
+            }
+        } else if (lane == 0) {
+            tma_copy(tile, qw + (size_t)row0 * (K >> 3), rows * row_bytes, bars);
+            if constexpr (ACT >= 0)  // the up rows, N / 2 below, into the tile's second half
+                tma_copy(tile + H * row_bytes, qw + (size_t)(row0 + N / 2) * (K >> 3), rows * row_bytes, bars);
+        }
+    }
     const u16* srow[RPW];
     const u8* zrow[RPW];
     u32 slot[RPW];  // where row slot r lies in shared memory: slots past the warp's rows read its last row
@@ -106,13 +128,15 @@ w4a16_gemv_tma(const u16* x, const u32* __restrict__ qw, const u16* __restrict__
     if (rows > 0) {
         TmaGemvChunk<RPW> a, b;
         if (lane < KC) tma_gemv_load<RPW, G>(a, srow, zrow, xr, lane);
-        tma_wait(bar);
-        for (int c = lane; c < KC; c += 64) {  // two chunks per trip: a and b take turns
+        int trip = 0;
+        for (int c = lane; c < KC; c += 64, trip += 2) {  // two trips per loop: a and b take turns
             if (c + 32 < KC) tma_gemv_load<RPW, G>(b, srow, zrow, xr, c + 32);
+            tma_wait(bars + 8 * (PIPE ? trip : 0));
 #pragma unroll
             for (int r = 0; r < RPW; ++r) gemv_chunk(acc[r], tma_lds16(slot[r] + 16 * c), a.s[r], a.z[r], a.x);
             if (c + 32 >= KC) break;
             if (c + 64 < KC) tma_gemv_load<RPW, G>(a, srow, zrow, xr, c + 64);
+            if (PIPE) tma_wait(bars + 8 * (trip + 1));
 #pragma unroll
             for (int r = 0; r < RPW; ++r)
                 gemv_chunk(acc[r], tma_lds16(slot[r] + 16 * (c + 32)), b.s[r], b.z[r], b.x);
