@@ -75,7 +75,6 @@ struct State {
     const unsigned char* guarded_real = nullptr;
     size_t guarded_bytes = 0;
     std::vector<std::pair<uintptr_t, uintptr_t>> buffers;  // [start, end) of each pointer argument
-    std::vector<std::pair<unsigned, Copy>> bulk;  // bulk copies not yet landed, by the mbarrier they complete on
     std::string error;
 };
 
@@ -198,25 +197,6 @@ inline void cp_wait_group(int pending) {
     while ((int)g.size() > pending) {
         for (const Copy& c : g.front()) land(c);
         g.pop_front();
-    }
-}
-
-// ---- cp.async.bulk completing on an mbarrier: a copy lands only when a thread waits on its barrier ----
-inline void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-    if (bytes == 0 || bytes % 16) fail("a bulk copy whose size is not a positive multiple of 16 bytes");
-    if (dst % 16 || (uintptr_t)src % 16) fail("a bulk copy with a misaligned address");
-    if ((size_t)dst + bytes > S.smem.size()) fail("a bulk copy past the end of the dynamic shared memory");
-    if (bar % 8 || (size_t)bar + 8 > S.smem.size()) fail("a bulk copy's mbarrier outside the shared memory");
-    check_global(src, (int)bytes, "cp.async.bulk");
-    S.bulk.push_back({bar, Copy{S.smem.data() + dst, static_cast<const unsigned char*>(src), (int)bytes,
-                                (int)bytes}});
-}
-
-inline void bulk_wait(unsigned bar) {
-    auto& q = S.bulk;
-    for (size_t i = 0; i < q.size();) {
-        if (q[i].first == bar) { land(q[i].second); q.erase(q.begin() + i); }
-        else ++i;
     }
 }
 
@@ -378,7 +358,6 @@ inline bool runnable(const Fiber& f) {
 
 inline bool run_block(int threads, size_t smem_bytes) {
     S.smem.assign(smem_bytes + 16, 0xff);
-    S.bulk.clear();
     S.live = threads;
     S.arrived = 0;
     S.phase = 0;
@@ -437,10 +416,6 @@ inline bool run_block(int threads, size_t smem_bytes) {
 #define blockDim (cuda_host::S.block_dim)
 
 inline void __syncthreads() { cuda_host::sync_block(); }
-inline void __syncwarp(unsigned mask = 0xffffffffu) {
-    if (mask != 0xffffffffu) cuda_host::fail("__syncwarp with a partial mask (not emulated)");
-    cuda_host::sync_warp();
-}
 template <class T>
 inline T __shfl_xor_sync(unsigned mask, T v, int offset) { return cuda_host::shfl_xor(mask, v, offset); }
 inline void __threadfence() {}  // one block runs at a time

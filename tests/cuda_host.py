@@ -70,12 +70,6 @@ EMULATED = {
     "fence_gpu": "{}",  # one block runs at a time
     "take_ticket": "{ return atomicAdd(ticket, 1); }",
     "load_cg_f2": '{ return cuda_host::load_global<f32x2>(p, "ld.global.cg"); }',
-    "tma_bar_init": "{}",
-    "tma_fence_init": "{}",
-    "tma_expect": "{}",
-    "tma_copy": "{ cuda_host::bulk_copy(dst, src, bytes, bar); }",
-    "tma_wait": "{ cuda_host::bulk_wait(bar); }",
-    "tma_lds16": "{ return cuda_host::load_shared<u32x4>(addr); }",
 }
 
 _CFLAGS = ["-std=c++20", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing",

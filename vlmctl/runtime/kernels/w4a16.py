@@ -865,65 +865,10 @@ def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y
     qw, s, z = (packed[key] for key in KEYS)
     m, k = x2.shape
     n = qw.shape[0]
-    if gemv_tma_enabled() and gemv_tma_shared_bytes(config, k) <= MMA_MAX_SHARED:
-        return _launch_gemv_tma(x2, packed, group_size, config, bias, y, act)
     kern = cuda_rtc.load_kernel(mma_source(), gemv_cuda_kernel_name(config, group_size, act), x2.device)
     rows = (n // 2, config.block_n // 2) if act is not None else (n, config.block_n)
     # PDL as for the Triton GEMVs: the kernel reads only weights, scales and zero points before its wait
     kern.launch((triton_cdiv(*rows), m, 1), (32 * config.num_warps, 1, 1), 0,
-                [x2, qw, s, z, bias, y, n, k, x2.stride(0), int(bias is not None)], x2.device,
-                pdl=pdl.enabled(x2.device))
-
-
-GEMV_TMA_SOURCE = Path(__file__).with_name("w4a16_gemv_tma.cu")
-
-
-def gemv_tma_source() -> str:
-    """`w4a16_mma.cu` followed by `w4a16_gemv_tma.cu` (a measurement kernel of session 37: the batch-1 CUDA GEMV
-    with each warp's weight rows brought into shared memory by one bulk copy; not selected by anything)."""
-    key = ("tma", mma_source())
-    text = _MMA_TEXT.get(key)
-    if text is None:
-        text = _MMA_TEXT[key] = key[1] + "\n" + GEMV_TMA_SOURCE.read_text()
-    return text
-
-
-def gemv_tma_shared_bytes(config: Config, k: int) -> int:
-    """Dynamic shared memory of a w4a16_gemv_tma block: its mbarriers (32 of 8 bytes a warp, rounded to 128),
-    then block_n weight rows of K / 2 bytes."""
-    return ((256 * config.num_warps + 127) & ~127) + config.block_n * k // 2
-
-
-def gemv_tma_enabled() -> bool:
-    """`VLMCTL_W4A16_GEMV_TMA=1` (or `single`: each warp's rows as one bulk copy, the first version): launches of
-    the CUDA GEMV run `w4a16_gemv_tma` with the same rows a warp and warps a block instead (measurement switch,
-    session 37; off by default)."""
-    return os.environ.get("VLMCTL_W4A16_GEMV_TMA", "0").strip().lower() not in ("0", "off", "false", "")
-
-
-def _launch_gemv_tma(x2, packed: dict, group_size: int, config: Config, bias, y, act: str | None = None) -> None:
-    """w4a16_gemv_tma<block_n / num_warps rows a warp, num_warps, group_size> on fp16 x [M, K] (one block row per x
-    row), PDL as the CUDA GEMV (only weights read before the wait); act: a gate_up weight with the act·mul
-    epilogue (y [M, N / 2])."""
-    from . import cuda_rtc, pdl
-
-    qw, s, z = (packed[key] for key in KEYS)
-    m, k = x2.shape
-    n = qw.shape[0]
-    tail = ""
-    if act is not None:
-        from .fused import ACTIVATIONS
-
-        tail = f", {ACTIVATIONS[act]}"
-    pipe = os.environ.get("VLMCTL_W4A16_GEMV_TMA", "1").strip() != "single"  # "single": one copy a warp
-    tail = (tail or ", -1") + ", 0" if not pipe else tail
-    name = f"w4a16_gemv_tma<{config.block_n // config.num_warps}, {config.num_warps}, {group_size}{tail}>"
-    kern = cuda_rtc.load_kernel(gemv_tma_source(), name, x2.device)
-    if x2.device.type == "cuda" and not getattr(kern, "carveout_set", False):  # blocks may take all of it as shared
-        cuda_rtc._check_cuda(cuda_rtc._driver().cuFuncSetAttribute(kern.func, 9, 100), f"carveout of {name}")
-        kern.carveout_set = True
-    rows = (n // 2, config.block_n // 2) if act is not None else (n, config.block_n)
-    kern.launch((triton_cdiv(*rows), m, 1), (32 * config.num_warps, 1, 1), gemv_tma_shared_bytes(config, k),
                 [x2, qw, s, z, bias, y, n, k, x2.stride(0), int(bias is not None)], x2.device,
                 pdl=pdl.enabled(x2.device))
 
