@@ -248,4 +248,3 @@ def test_gpu_mma_gemv_graph_and_selection(monkeypatch):
     y2 = W.w4a16_linear(x, p, g)
     for out in (ref, y2):
         assert float((out.float() - r).norm() / r.norm()) <= TOL16
-
