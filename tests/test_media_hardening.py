@@ -285,6 +285,42 @@ def test_a_slow_video_decode_does_not_hold_other_requests(qwen_srv, monkeypatch)
     assert done["r"].status_code == 200, done["r"].text
 
 
+def test_a_slow_video_decode_does_not_hold_the_next_video_request(qwen_srv, monkeypatch):
+    """Two video requests decode at a time: while the first one's video is held in its decode, a second video
+    request is decoded and answered; then the first completes. Before, one video worker served them in turn."""
+    from vlmctl.media.video import Video
+
+    started, release = threading.Event(), threading.Event()
+    decode = Video.sample
+    calls = []
+
+    def first_held(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            started.set()
+            release.wait(30)
+        return decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(Video, "sample", first_held)
+    url = qwen_srv["url"] + "/v1/chat/completions"
+    body = chat(f"file://{qwen_srv['media']}/ok.mp4", "video_url")
+    done = {}
+    first = threading.Thread(target=lambda: done.update(r=httpx.post(url, json=body, timeout=60)))
+    first.start()
+    try:
+        assert started.wait(20), "the first video request never reached its decode"
+        try:
+            r = httpx.post(url, json=body, timeout=15)
+        except httpx.ReadTimeout:
+            pytest.fail("a video request waited for another request's video decode")
+        assert r.status_code == 200, r.text
+        assert "r" not in done  # the first is still decoding
+    finally:
+        release.set()
+        first.join(60)
+    assert done["r"].status_code == 200, done["r"].text
+
+
 def test_a_video_request_over_a_cheap_limit_is_refused_before_decoding(qwen_srv, monkeypatch):
     """Text far beyond what fits the prompt is refused by its size before the request's video is decoded."""
     from vlmctl.media.video import Video

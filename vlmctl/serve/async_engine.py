@@ -21,6 +21,8 @@ from ..errors import RequestError, VlmctlError
 
 log = logging.getLogger("vlmctl.serve")
 
+VIDEO_DECODE_WORKERS = 2  # video requests whose videos decode at the same time
+
 
 class EngineUnavailable(VlmctlError):
     """The engine thread stopped (shutdown) or crashed; the server answers 503."""
@@ -53,9 +55,11 @@ class AsyncEngine:
         # Prompt encoding (tokenizer + image preprocessing) is CPU work kept off the event loop;
         # one worker keeps the tokenizer single-threaded on this side.
         self._encode_pool = ThreadPoolExecutor(1, thread_name_prefix="vlmctl-encode")
-        # Video decoding (seconds for a long high-resolution video) has a worker of its own, so that it
-        # does not hold every other request's prompt encoding; it touches no tokenizer.
-        self._video_pool = ThreadPoolExecutor(1, thread_name_prefix="vlmctl-video")
+        # Video decoding (seconds for a long high-resolution video) has workers of its own, so that it
+        # does not hold every other request's prompt encoding (it touches no tokenizer), and two of them, so
+        # that one slow video does not hold the next video request either. Each decode's memory is bounded
+        # by the video limits; more workers would multiply that and oversubscribe small hosts.
+        self._video_pool = ThreadPoolExecutor(VIDEO_DECODE_WORKERS, thread_name_prefix="vlmctl-video")
         self.error: BaseException | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
