@@ -20,9 +20,14 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
     index = ckpt_dir / "model.safetensors.index.json"
     if index.exists():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: invalid index ({e})") from None
+            data = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index}: invalid index (not valid JSON: {_short(e)})") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+            raise CheckpointError(f"{index}: invalid index (expected an object whose \"weight_map\" maps tensor "
+                                  "names to shard file names)")
+        names = sorted(set(weight_map.values()))
         files = [ckpt_dir / n for n in names]
         missing = [str(f.name) for f in files if not f.exists()]
         if missing:
@@ -127,14 +132,20 @@ class DictTensorReader(TensorReader):
 
 
 def read_config_json(ckpt_dir: Path) -> dict:
-    """config.json of a checkpoint directory, with one clear error when it is missing or not JSON."""
+    """config.json of a checkpoint directory, with one clear error when it is missing, not JSON or not a JSON
+    object."""
     path = Path(ckpt_dir) / "config.json"
+    if not path.exists():
+        raise CheckpointError(f"{ckpt_dir}: no config.json (not a Hugging Face checkpoint directory)")
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a file")
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{ckpt_dir}: no config.json") from None
+        data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({_short(e)})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: not a JSON object (a checkpoint's config is one)")
+    return data
 
 
 def _short(e: Exception) -> str:

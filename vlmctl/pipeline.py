@@ -512,7 +512,9 @@ def _new_directory_undone_on_failure(workdir: Path):
 
 def _check_output_outside_source(recipe: Recipe, workdir: Path) -> None:
     """The work directory may not be the source checkpoint or lie inside it: its stages would be written
-    among the checkpoint's files, and the source's hash (the convert cache key) would take them in."""
+    among the checkpoint's files, and the source's hash (the convert cache key) would take them in. Nor may the
+    source be one of its stage directories or lie inside one (`vlmctl convert ./convert -o .`): publishing
+    that stage replaces the directory, which would delete the checkpoint."""
     try:
         src = resolve_source(recipe).resolve()
     except (CheckpointError, RecipeError):
@@ -521,6 +523,11 @@ def _check_output_outside_source(recipe: Recipe, workdir: Path) -> None:
     if out == src or out.is_relative_to(src):
         raise OptionError(f"-o {workdir}: the output directory is the source checkpoint {src} or inside it; "
                           "give a directory of its own")
+    for stage in STAGES:
+        if src.is_relative_to(out / stage):
+            raise OptionError(f"-o {workdir}: the source checkpoint {src} is (or is inside) {out / stage}, the "
+                              f"work directory's {stage} stage, which publishing that stage replaces; give another "
+                              "output directory")
 
 
 def convert(recipe: Recipe, workdir: Path, *, force: bool = False, progress: Progress | None = None) -> StageResult:
@@ -607,12 +614,19 @@ def quantize_into(source: Path, output: Path, recipe: Recipe, *, force: bool = F
     written into a temporary sibling and renamed into place only on success."""
     from .quant.awq_vlm import quantize_path
 
-    output = Path(output)
+    output, source = Path(output), Path(source)
+    src, out = source.resolve(), output.resolve()
+    if out == src:
+        raise InputError("the output directory must differ from the source")
+    if src.is_relative_to(out):  # with --force, replacing OUTPUT would delete the source
+        raise InputError(f"-o {output}: the output directory holds the source {source}; give a directory of its own")
+    if out.is_relative_to(src):  # the quantized files would be written among the checkpoint's
+        raise InputError(f"-o {output}: the output directory is inside the source {source}; "
+                         "give a directory of its own")
+    if output.exists() and not output.is_dir():  # --force would replace a file with a directory
+        raise InputError(f"-o {output}: is a file; expected a directory to write the quantized checkpoint into")
     if output.exists() and not force:
         raise InputError(f"{output} already exists (use --force to replace it)")
-    if output.resolve() == Path(source).resolve():
-        raise InputError("the output directory must differ from the source")
-    source = Path(source)
     settings, base_dir = recipe.quantization, Path(recipe.base_dir)
     with atomic_dir(output) as tmp:
         if classify(source) == CHECKPOINT and not is_decoder_config(read_config(source)):

@@ -8,10 +8,9 @@ checks both against the family classes' own `architectures`).
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 
-from ..errors import CheckpointError, UnsupportedModelError
+from ..errors import UnsupportedModelError
 from .base import VLMFamily
 
 # family name -> "module:Class". The module holds all of the family's knowledge.
@@ -59,13 +58,10 @@ def get_family(name: str) -> VLMFamily:
 
 
 def read_config(checkpoint_dir: Path) -> dict:
-    path = Path(checkpoint_dir) / "config.json"
-    if not path.exists():
-        raise CheckpointError(f"{checkpoint_dir}: no config.json (not a Hugging Face checkpoint directory)")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    """A checkpoint's config.json (checkpoint.read_config_json: the one reader, with its errors)."""
+    from ..checkpoint import read_config_json
+
+    return read_config_json(checkpoint_dir)
 
 
 def detect_family(config: dict, where: str = "config.json") -> VLMFamily:

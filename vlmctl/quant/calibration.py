@@ -43,6 +43,9 @@ def read_records(spec: str | None, base_dir: Path | None = None, role: str = "ca
         from .builtin_text import BUILTIN_CALIBRATION_TEXT
 
         return [line.strip() for line in BUILTIN_CALIBRATION_TEXT.splitlines() if line.strip()]
+    if not spec.strip():  # else "" would resolve to the current directory ("is a directory")
+        raise InputError(f"{role} data is an empty name; give a .txt or .jsonl file or a dataset name, "
+                         "or leave it out for the built-in text")
     path = _resolve(spec, base_dir)
     if path.exists():
         if path.is_dir():
