@@ -50,12 +50,24 @@ def load_workdir_recipe(workdir: Path, overrides: list[str] | None = None) -> Re
     from pydantic import ValidationError
 
     path = WorkDir(workdir).recipe_file
+    if Path(workdir).exists() and not Path(workdir).is_dir():
+        raise StageError(f"{workdir}: is a file, not a work directory; give the directory `vlmctl convert SRC -o DIR` "
+                         "or `vlmctl build RECIPE -o DIR` made")
     if not Path(workdir).is_dir():
         raise StageError(f"{workdir}: no such work directory; run `vlmctl convert SRC -o {workdir}` or "
                          f"`vlmctl build RECIPE -o {workdir}` first")
     if not path.exists():
         raise StageError(f"{workdir}: no {RECIPE_FILE}; run `vlmctl convert SRC -o {workdir}` or `vlmctl build` first")
-    data = json.loads(path.read_text())
+    try:  # a damaged recipe.json is an invalid recipe (exit 2), never a traceback
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); re-run `vlmctl convert` "
+                          "or `vlmctl build` to write it again") from None
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{path}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno}); re-run "
+                          "`vlmctl convert` or `vlmctl build` to write it again") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe must be a JSON object of keys to values, got {type(data).__name__}")
     for item in overrides or []:
         parts, value = parse_override(item)
         _apply_override(data, parts, value)
@@ -488,7 +500,11 @@ def run_stage_alone(stage: str, workdir: Path, overrides: list[str] | None = Non
     recipe with the overrides is saved only after the stage succeeded."""
     workdir = Path(workdir)
     recipe = load_workdir_recipe(workdir, overrides)
-    spec = _SPECS[stage](recipe, workdir, progress)
+    try:
+        spec = _SPECS[stage](recipe, workdir, progress)
+    except (CheckpointError, UnsupportedModelError):  # an earlier stage's files it reads are damaged or gone:
+        check_inputs(recipe, workdir, stage)  # say which stage to re-run (exit 7), when that is the cause
+        raise
     check_inputs(recipe, workdir, stage)
     res = _run(spec, force)
     if overrides:

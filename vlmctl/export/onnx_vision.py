@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..backends.onnxruntime import ort_session  # noqa: F401  (re-exported: callers import it from here)
-from ..errors import StageError
+from ..errors import RecipeError, StageError
 from ..formats.workdir import ONNX_FILE, ONNX_IO_FILE
 from ..models.base import read_json
 from ..progress import Progress, ensure
@@ -49,11 +49,30 @@ def _torch_dtype(name: str):
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 
 
+def max_export_opset() -> int | None:
+    """The newest opset this torch's TorchScript ONNX exporter (`dynamo=False`, what export-vision runs) writes."""
+    try:
+        from torch.onnx import _constants
+    except ImportError:
+        return None
+    top = getattr(_constants, "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET", None)
+    return top or getattr(_constants, "ONNX_MAX_OPSET", None)
+
+
+def check_opset(opset: int) -> None:
+    """vision.opset above what the exporter writes is the recipe's mistake (exit 2), not an exporter traceback."""
+    top = max_export_opset()
+    if top is not None and opset > top:
+        raise RecipeError(f"vision.opset {opset}: the installed torch exports ONNX opsets up to {top}; "
+                          f"set vision.opset between 18 and {top}")
+
+
 def export_vision_onnx(family, vision_dir: Path, out_dir: Path, *, dtype: str, opset: int = 18,
                        validate_batch_size: int = 3, max_rel_error: float = 1e-4, max_abs_error: float | None = None,
                        min_cosine: float = 0.9999, progress: Progress | None = None) -> dict:
     import torch
 
+    check_opset(opset)
     progress = ensure(progress)
     vision_dir, out_dir = Path(vision_dir), Path(out_dir)
     config = read_json(vision_dir / "config.json")

@@ -84,10 +84,12 @@ def hash_json(obj: Any) -> str:
 
 
 def read_manifest(stage_dir: Path) -> dict | None:
+    """A stage's manifest, or None when it is missing or unreadable (not JSON, not UTF-8, not a JSON object)."""
     try:
-        return json.loads((Path(stage_dir) / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError):
+        m = json.loads((Path(stage_dir) / MANIFEST).read_text())
+    except (OSError, ValueError):  # ValueError: JSONDecodeError and UnicodeDecodeError
         return None
+    return m if isinstance(m, dict) else None
 
 
 @dataclass
@@ -145,7 +147,7 @@ def run_stage(workdir: Path, name: str, settings: dict, inputs: dict[str, str],
     key = stage_key(name, settings, inputs)
     if not force and cache_status(workdir, name, settings, inputs)[0]:
         old = read_manifest(stage_dir)
-        return StageResult(name, True, 0.0, stage_dir, [f["path"] for f in old["files"]], old.get("info", {}))
+        return StageResult(name, True, 0.0, stage_dir, [f["path"] for f in old.get("files", [])], old.get("info", {}))
 
     workdir.mkdir(parents=True, exist_ok=True)
     reclaim_stale_temps(workdir, STAGES)  # every stage's, not only this one's: a killed build left them
@@ -296,6 +298,8 @@ def stage_part_hash(workdir: Path, stage: str, part: str | None = None) -> str:
     if m is None:
         raise StageError(f"{Path(workdir) / stage}: stage {stage!r} has not run here (no manifest.json); "
                          f"run `vlmctl {stage}` first")
+    if not isinstance(m.get("parts"), dict):  # a manifest edited by hand, or not ours
+        raise StageError(f"{Path(workdir) / stage}: its {MANIFEST} is damaged (no parts); re-run `vlmctl {stage}`")
     if part is None:
         return hash_json(m["parts"])
     if part not in m["parts"]:

@@ -110,7 +110,7 @@ class Workspace:
         if not self.family_file.is_file():
             raise StageError(f"{self.root}: no {FAMILY_FILE} (not a conversion workspace; run `vlmctl convert` first)")
         info = _read_json(self.family_file, FAMILY_FILE)
-        if not isinstance(info.get("family"), str):
+        if not isinstance(info, dict) or not isinstance(info.get("family"), str):
             raise CheckpointError(f"{self.family_file}: names no family")
         return info["family"]
 
