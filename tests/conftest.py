@@ -188,3 +188,20 @@ def hf_processor_image_defaults(processor_cls) -> dict:
     if got is None:
         got = processor_cls.valid_processor_kwargs._defaults.get("images_kwargs", {})
     return dict(got)
+
+
+def one_error_line(code: int, err: str, expect_code: int) -> str:
+    """A command failed with `expect_code`, with exactly one `error:` line (the last) and no traceback."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == expect_code, err[-2000:]
+    assert "Traceback" not in err and lines and lines[-1].startswith("error: "), err[-2000:]
+    assert sum(line.startswith("error:") for line in lines) == 1, err[-2000:]
+    return lines[-1]
+
+
+def file_snapshot(d) -> dict:
+    """{relative path: bytes} of every file under d, to show a refused command changed nothing."""
+    from pathlib import Path
+
+    d = Path(d)
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}

@@ -10,23 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli
+from conftest import cli, file_snapshot, one_error_line
 from vlmctl.errors import CheckpointError, InputError, OptionError
 
 SMALL = ("--group-size", "32", "--calib-samples", "2", "--calib-seq-len", "16")
-
-
-def one_error_line(code: int, err: str, expect_code: int) -> str:
-    """The command failed with `expect_code`, with exactly one `error:` line (the last) and no traceback."""
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == expect_code, err[-2000:]
-    assert "Traceback" not in err and lines and lines[-1].startswith("error: "), err[-2000:]
-    assert sum(line.startswith("error:") for line in lines) == 1, err[-2000:]
-    return lines[-1]
-
-
-def _snapshot(d: Path) -> dict[str, bytes]:
-    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 def _tree(d: Path) -> list[str]:
@@ -40,25 +27,25 @@ def test_convert_refuses_a_source_inside_a_stage_directory_of_the_output(tiny_ll
     src = tmp_path / stage_dir
     src.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(tiny_llava, src)
-    before, tree = _snapshot(src), _tree(tmp_path)
+    before, tree = file_snapshot(src), _tree(tmp_path)
     for json_ in ([], ["--json"]):
         code, out, err = cli("convert", src, "-o", tmp_path, *json_, capsys=capsys, expect=None)
         line = one_error_line(code, err, OptionError.exit_code)
         assert str(src) in line and out == ""
-    assert _snapshot(src) == before and _tree(tmp_path) == tree  # the checkpoint intact, nothing written
+    assert file_snapshot(src) == before and _tree(tmp_path) == tree  # the checkpoint intact, nothing written
 
 
 def test_quantize_refuses_an_output_that_holds_or_lies_in_the_source(tiny_llava, tmp_path, capsys):
     src = tmp_path / "models" / "llava"
     shutil.copytree(tiny_llava, src)
-    before, tree = _snapshot(src), _tree(tmp_path)
+    before, tree = file_snapshot(src), _tree(tmp_path)
     # -o the source's parent with --force used to replace that directory: the source checkpoint was deleted
     code, _, err = cli("quantize", src, "-o", src.parent, "--force", *SMALL, capsys=capsys, expect=None)
     assert "holds the source" in one_error_line(code, err, InputError.exit_code)
     # -o inside the source used to write the quantized checkpoint among the source's files
     code, out, err = cli("quantize", src, "-o", src / "awq", *SMALL, "--json", capsys=capsys, expect=None)
     assert "inside the source" in one_error_line(code, err, InputError.exit_code) and out == ""
-    assert _snapshot(src) == before and _tree(tmp_path) == tree
+    assert file_snapshot(src) == before and _tree(tmp_path) == tree
 
 
 def test_quantize_force_onto_a_file_is_refused_and_leaves_nothing(tiny_llava, tmp_path, capsys):

@@ -12,23 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli
+from conftest import cli, file_snapshot, one_error_line
 from vlmctl.errors import RecipeError, StageError
 
 STAGE_COMMANDS = ("export-vision", "build-vision", "build-llm")
-
-
-def one_error_line(code: int, err: str, expect_code: int) -> str:
-    """The command failed with `expect_code`, with exactly one `error:` line (the last) and no traceback."""
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == expect_code, err[-2000:]
-    assert "Traceback" not in err and lines and lines[-1].startswith("error: "), err[-2000:]
-    assert sum(line.startswith("error:") for line in lines) == 1, err[-2000:]
-    return lines[-1]
-
-
-def _snapshot(d: Path) -> dict[str, bytes]:
-    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +38,11 @@ def work(built, tmp_path) -> Path:
 
 def _refused(capsys, work: Path, stage: str, expect_code: int, *args: str) -> str:
     """`vlmctl STAGE WORK ARGS --json` fails with one error line, prints nothing on stdout, changes nothing."""
-    before = _snapshot(work)
+    before = file_snapshot(work)
     code, out, err = cli(stage, work, *args, "--json", capsys=capsys, expect=None)
     line = one_error_line(code, err, expect_code)
     assert out == ""
-    assert _snapshot(work) == before  # no temporaries, no partial stage directory, the recipe as it was
+    assert file_snapshot(work) == before  # no temporaries, no partial stage directory, the recipe as it was
     return line
 
 
