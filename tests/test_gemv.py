@@ -144,10 +144,12 @@ def test_gpu_7b_shapes_candidates_and_graph(name):
     assert torch.equal(out, eager)
 
 
-def test_decoder_wiring_single_token(dev, tmp_path):
+@pytest.mark.parametrize("fuse_down", [True, False], ids=["silu-fused-down", "act-mul-then-down"])
+def test_decoder_wiring_single_token(dev, tmp_path, fuse_down):
     """The decoder with its float linears switched to the GEMV (as VLMCTL_GEMV=triton does on CUDA;
     here forced, the kernel in the interpreter without CUDA): a one-token forward (M = 1 everywhere,
-    down_proj through the fused SiLU·mul) gives the logits of the plain path."""
+    down_proj either reading silu(gate) * up from the gate_up row or after the act·mul kernel, as the
+    tuned table decides) gives the logits of the plain path."""
     pytest.importorskip("transformers")
     from test_awq_quantize import make_tiny_llama
 
@@ -171,10 +173,12 @@ def test_decoder_wiring_single_token(dev, tmp_path):
         return real_launch(x2, weight, config, bias, **kw)
 
     lins = [lin for layer in dec.layers for lin in dec._linears(layer) if isinstance(lin, Linear)]
+    downs = [layer.down for layer in dec.layers]
     assert len(lins) == 8
     try:
         for lin in lins:
             lin.gemv = True
+            lin.gemv_silu = fuse_down and any(lin is d for d in downs)
         dec._fuse_silu_down = True
         Linear.silu_mul = spy
         G.launch = spy_launch
@@ -182,10 +186,13 @@ def test_decoder_wiring_single_token(dev, tmp_path):
     finally:
         Linear.silu_mul, G.launch = real, real_launch
         for lin in lins:
-            lin.gemv = False
+            lin.gemv = lin.gemv_silu = False
         dec._fuse_silu_down = False
     assert calls == [(1, 384), (1, 384)]  # each layer's down_proj took the gate_up row
-    assert len(launches) == 8 and launches.count(((1, 384), True)) == 2  # the kernel ran every linear
+    assert len(launches) == 8  # the kernel ran every linear
+    # the fused GEMV read the [1, 2 x 192] gate_up row; otherwise down_proj read act·mul's [1, 192]
+    assert launches.count(((1, 384), True)) == (2 if fuse_down else 0)
+    assert launches.count(((1, 192), False)) == (0 if fuse_down else 2)
     err = float((fused - plain).norm() / plain.norm())
     assert err <= 2.0 ** -8, err  # fp16 through two layers, summed in another order
 

@@ -45,9 +45,11 @@ from . import ops
 
 class Linear:
     """A float linear [out, in] (+ bias). gemv: run one-row calls through the Triton GEMV
-    (`kernels.gemv`; the decoder sets it on CUDA where `kernels.gemv.preferred` says so)."""
+    (`kernels.gemv`; the decoder sets it on CUDA where `kernels.gemv.preferred` says so); gemv_silu (a
+    down_proj): the GEMV that reads silu(gate) * up from the gate_up row itself is the one measured faster."""
 
     gemv = False
+    gemv_silu = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
@@ -63,7 +65,7 @@ class Linear:
     def silu_mul(self, gate_up):
         """self(silu(gate) * up) from a gate_up output [T, 2I]: one-row calls with `gemv` fuse the
         SiLU·mul into the GEMV (no separate kernel, no intermediate)."""
-        if self.gemv and gate_up.dim() == 2 and gate_up.shape[0] == 1:
+        if self.gemv_silu and gate_up.dim() == 2 and gate_up.shape[0] == 1:
             from .kernels.gemv import gemv
 
             return gemv(gate_up, self.weight, self.bias, silu=True)
@@ -297,8 +299,9 @@ class TorchDecoder:
         self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if self.device.type == "cuda" else 1)
         # batch-1 float linears run the Triton GEMV where it was measured faster (kernels.gemv.preferred;
-        # VLMCTL_GEMV overrides), down_proj with the SiLU·mul fused; W4A16 linears pick their half2 GEMV
-        # the same way (kernels.w4a16.select_config)
+        # VLMCTL_GEMV overrides), down_proj with the SiLU·mul fused where that form was the one measured
+        # faster, else after the act·mul kernel; W4A16 linears pick their half2 GEMV the same way
+        # (kernels.w4a16.select_config)
         self._fuse_silu_down = self.activation == "silu"
         if self.device.type == "cuda":
             from .kernels.gemv import preferred
@@ -306,7 +309,8 @@ class TorchDecoder:
             for layer in self.layers:
                 for lin in self._linears(layer):
                     if isinstance(lin, Linear):
-                        lin.gemv = preferred(lin.weight, silu=self._fuse_silu_down and lin is layer.down)
+                        lin.gemv_silu = self._fuse_silu_down and lin is layer.down and preferred(lin.weight, silu=True)
+                        lin.gemv = lin.gemv_silu or preferred(lin.weight)
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
@@ -916,9 +920,8 @@ class TorchDecoder:
         if dense:
             from .kernels import gemv
 
-            shapes = {(tuple(lin.weight.shape), lin.bias is not None): lin.weight for lin in dense}
-            down = {(tuple(lyr.down.weight.shape), lyr.down.bias is not None): lyr.down.weight for lyr in self.layers
-                    if self._fuse_silu_down and isinstance(lyr.down, Linear) and lyr.down.gemv}
+            shapes = {(tuple(lin.weight.shape), lin.bias is not None): lin.weight for lin in dense if not lin.gemv_silu}
+            down = {(tuple(lin.weight.shape), lin.bias is not None): lin.weight for lin in dense if lin.gemv_silu}
             gemv.warmup(list(shapes.values()), [1], self.dtype, self.device, silu_weights=list(down.values()),
                         biased=[b for _, b in shapes], silu_biased=[b for _, b in down])
 
