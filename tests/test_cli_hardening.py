@@ -180,6 +180,21 @@ def test_killed_builds_temporary_directories_are_reclaimed(tiny_llava, tmp_path,
         owner.wait()
 
 
+def test_a_killed_builds_temporary_directory_goes_even_when_every_stage_is_cached(tiny_llava_engine, tmp_path,
+                                                                                   capsys):
+    """The reclaim ran only where a stage ran: a build (or stage command) whose stages were all cache hits
+    left a killed build's temporary directory in place."""
+    eng = tmp_path / "eng"
+    shutil.copytree(tiny_llava_engine, eng)  # copy2 keeps the files' times: every stage stays a cache hit
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # an owner that no longer exists
+    stale = eng / f".build-llm.tmp-{socket.gethostname()}-{gone.pid}"
+    (stale / "part").mkdir(parents=True)
+    report = cli_json("build-llm", eng, "--json", capsys=capsys)
+    assert report["name"] == "build-llm" and report["cached"] is True
+    assert not stale.exists()
+
+
 # ---- item 7 -------------------------------------------------------------------------------------
 def _truncate(p: Path):
     data = p.read_bytes()

@@ -142,6 +142,24 @@ def test_json_logs_of_a_real_server(tiny_llava_engine, tmp_path):
                                                      "decode graphs", "prefill kernels", "warm steps")), phases
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize("level, uvicorn_lines", [("debug", True), ("info", False)])
+def test_uvicorn_access_lines_at_debug_only(tiny_llava_engine, tmp_path, level, uvicorn_lines):
+    """docs/serving.md: at `--log-level debug` uvicorn's own access lines come beside vlmctl's; at info only
+    vlmctl's. uvicorn removed its access logger's handler when started with access_log off, so at debug
+    there were none."""
+    err = open(tmp_path / "serve.err", "w+")
+    with serve_process(tiny_llava_engine, tmp_path, "--log-level", level, "--stats-interval", "0",
+                       err=err) as (proc, url):
+        assert httpx.get(url + "/v1/models", timeout=30).status_code == 200
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    text = (tmp_path / "serve.err").read_text()
+    assert ('"GET /v1/models HTTP/1.1" 200' in text) == uvicorn_lines, text[-1500:]
+    assert "vlmctl.access: GET /v1/models 200" in text  # vlmctl's own line either way
+
+
 def test_more_images_than_built_with_the_torch_decoder(tiny_llava, tiny_llava_engine):
     """The engine was built for 1 image a request; the torch decoder's prompt table is per request,
     so serving 2 works, and gives what transformers gives for the same two images."""

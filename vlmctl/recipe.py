@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import CheckpointError, RecipeError
+from .errors import CheckpointError, OptionError, RecipeError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,6 +32,15 @@ def _bundled(name: str) -> Path:
 
 RECIPES_DIR = Path(os.environ.get("VLMCTL_RECIPES_DIR") or _bundled("recipes"))
 CONFIGS_DIR = Path(os.environ.get("VLMCTL_CONFIGS_DIR") or _bundled("configs"))
+
+
+def _settings_dir(path: Path, variable: str, what: str) -> Path:
+    """RECIPES_DIR or CONFIGS_DIR where it is used: one that is not a directory (a typo in the VLMCTL_* variable
+    that names it) is said as such (exit 2), not taken for an empty directory."""
+    if not path.is_dir():
+        raise OptionError(f"{variable}={str(path)!r}: not a directory (it names the directory of {what}, in place "
+                          "of the bundled one)")
+    return path
 
 
 def _types_of(annotation) -> tuple:
@@ -278,7 +287,8 @@ def find_recipe(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.is_file():
         return p
-    for cand in (RECIPES_DIR / name_or_path, RECIPES_DIR / f"{name_or_path}.yaml"):
+    named = _settings_dir(RECIPES_DIR, "VLMCTL_RECIPES_DIR", "recipes")
+    for cand in (named / name_or_path, named / f"{name_or_path}.yaml"):
         if cand.is_file():  # a bundled recipe, also where a directory here has its name
             return cand
     if p.is_dir():
@@ -302,10 +312,11 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) ->
     if not isinstance(profiles, list) or not all(isinstance(p, str) for p in profiles):
         raise RecipeError(f"{path}: profiles: expected a list of profile names from configs/")
     merged: dict = {}
+    configs = _settings_dir(CONFIGS_DIR, "VLMCTL_CONFIGS_DIR", "profiles") if profiles else CONFIGS_DIR
     for prof in profiles:
-        prof_path = CONFIGS_DIR / (prof if prof.endswith(".yaml") else f"{prof}.yaml")
+        prof_path = configs / (prof if prof.endswith(".yaml") else f"{prof}.yaml")
         if not prof_path.exists():
-            known = ", ".join(sorted(q.stem for q in CONFIGS_DIR.glob("*.yaml"))) or "none"
+            known = ", ".join(sorted(q.stem for q in configs.glob("*.yaml"))) or "none"
             raise RecipeError(f"{path}: profiles: unknown profile {prof!r} (known: {known})")
         merged = _deep_merge(merged, _read_yaml(prof_path))
     merged = _deep_merge(merged, data)
@@ -335,7 +346,7 @@ def recipe_from_source(source: str, overrides: list[str] | None = None, **fields
 
 def list_recipes() -> list[dict[str, str]]:
     out = []
-    for p in sorted(RECIPES_DIR.glob("*.yaml")):
+    for p in sorted(_settings_dir(RECIPES_DIR, "VLMCTL_RECIPES_DIR", "recipes").glob("*.yaml")):
         try:
             data = _read_yaml(p)
         except RecipeError:

@@ -46,7 +46,7 @@ def chat_command(
     from ..host import configure_threads, resolve_device
     from ..media.video import load_video
     from ..repl import run, user_message
-    from ..runtime.engine import Engine, EngineOptions, load_image
+    from ..runtime.engine import DEFAULT_MAX_STOP_SEQUENCES, Engine, EngineOptions, load_image
     from ..runtime.grammar import GrammarSpec, schema_file_spec
     from ..runtime.sampling import SamplingParams
 
@@ -69,8 +69,11 @@ def chat_command(
     videos = [load_video(p) for p in video or []]
     device = resolve_device(device)
     configure_threads(threads)
+    # OpenAI's cap of 4 stop strings guards a server against its clients (`serve --max-stop-sequences`); here the
+    # stop strings are the user's own command line, which has no such option: every --stop given is taken
     engine = Engine(engine_dir, EngineOptions(device=device, kv_cache_tokens=kv_cache_tokens,
-                                              vision_backend=vision_backend))
+                                              vision_backend=vision_backend,
+                                              max_stop_sequences=max(len(params.stop), DEFAULT_MAX_STOP_SEQUENCES)))
     if grammar is not None:
         engine.compile_grammar(grammar)  # a schema the grammar engine refuses fails now, not at the first answer
     if max_tokens > engine.limits.max_output_len:  # now, not at every turn of the interactive chat

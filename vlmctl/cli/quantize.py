@@ -13,7 +13,8 @@ def quantize_command(
     source: Path = typer.Argument(..., help="A work directory (vlmctl convert/build), a conversion workspace, a HF "
                                             "VLM checkpoint, or a plain HF Llama-family causal LM directory"),
     output: Path = typer.Option(None, "-o", "--output",
-                                help="Output directory (not used for a work directory: it gets quantize/)"),
+                                help="Output directory (required, except for a work directory: that gets quantize/, "
+                                     "and -o with it is refused)"),
     awq: bool = typer.Option(True, "--awq", help="AWQ 4-bit weights, group-wise with zero points. AWQ is the only "
                                                  "method and the default: the flag only names it, with or without "
                                                  "it the command does the same"),

@@ -145,12 +145,13 @@ def run_stage(workdir: Path, name: str, settings: dict, inputs: dict[str, str],
     workdir = Path(workdir)
     stage_dir = workdir / name
     key = stage_key(name, settings, inputs)
+    if workdir.is_dir():  # every stage's, not only this one's, cache hit or not: a killed build left them
+        reclaim_stale_temps(workdir, STAGES)
     if not force and cache_status(workdir, name, settings, inputs)[0]:
         old = read_manifest(stage_dir)
         return StageResult(name, True, 0.0, stage_dir, [f["path"] for f in old.get("files", [])], old.get("info", {}))
 
     workdir.mkdir(parents=True, exist_ok=True)
-    reclaim_stale_temps(workdir, STAGES)  # every stage's, not only this one's: a killed build left them
     t0 = time.perf_counter()
     with atomic_dir(stage_dir, reclaim=False) as tmp:
         info = fn(tmp) or {}

@@ -42,7 +42,7 @@ def run_server(app, host: str = "127.0.0.1", port: int = 23333, *, shutdown_time
     lets open requests finish for up to `shutdown_timeout_s` seconds (then cancels them, which aborts
     them in the engine), runs the app's shutdown, and this function returns normally. vlmctl's and
     uvicorn's logs go to stderr in `log_format` (logs.py); uvicorn's own access log is replaced by
-    vlmctl's (one line per request with its tokens and timings)."""
+    vlmctl's (one line per request with its tokens and timings), except at debug and trace, where both are written."""
     import signal
     import threading
 
@@ -51,7 +51,10 @@ def run_server(app, host: str = "127.0.0.1", port: int = 23333, *, shutdown_time
     from .logs import configure_logging
 
     configure_logging(log_level, log_format)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, log_config=None,
+    # uvicorn drops its access logger's handlers unless access_log is on: at debug and trace its own lines
+    # come beside vlmctl's (docs/serving.md)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            access_log=log_level in ("debug", "trace"), log_config=None,
                             timeout_graceful_shutdown=shutdown_timeout_s, lifespan="on")
     server = uvicorn.Server(config)
     previous = {}
