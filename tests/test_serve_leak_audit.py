@@ -248,3 +248,41 @@ def test_requests_refused_part_way_leave_the_others_and_the_pool_untouched(srv, 
     # so each at most), not left to generate their 100 tokens for nobody
     assert m["vlmctl_generation_tokens_total"] - generated < 6 * 60 + 2 * 3 * 20
     assert greedy(client) == before
+
+
+def test_a_stream_closed_while_its_last_event_is_on_the_way_is_counted_once(tiny_llava_engine):
+    """The engine thread hands a request's final event to the event loop while the loop is busy; the client
+    goes away before the loop runs it. The request was counted aborted (by the close) and also finished (by
+    the late event): each metric line said one request more than there was."""
+    import asyncio
+
+    from vlmctl.runtime.engine import Engine
+    from vlmctl.runtime.sampling import SamplingParams
+    from vlmctl.serve.async_engine import AsyncEngine
+    from vlmctl.serve.metrics import ServerMetrics
+
+    engine = Engine(tiny_llava_engine)
+    metrics = ServerMetrics(engine, "tiny")
+
+    def count(name: str) -> float:
+        return sum(s.value for m in metrics.registry.collect() for s in m.samples if s.name == name)
+
+    async def main():
+        bridge = AsyncEngine(engine, metrics)
+        bridge.start()
+        try:
+            prompt = engine.encode([{"role": "user", "content": "hi"}], [])
+            stream = bridge.submit(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+            deadline = time.monotonic() + 30
+            while engine.has_work() and time.monotonic() < deadline:  # the loop is held here, not awaiting:
+                time.sleep(0.01)  # the engine finishes and its final event waits in the loop's queue
+            time.sleep(0.05)
+            assert not engine.has_work()
+            stream.close()  # the client is gone before the loop hands the event over
+            await asyncio.sleep(0.2)  # now the loop runs the late dispatch
+        finally:
+            await bridge.stop()
+
+    asyncio.run(main())
+    assert count("vlmctl_request_aborted_total") == 1
+    assert count("vlmctl_request_success_total") == 0

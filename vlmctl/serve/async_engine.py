@@ -117,11 +117,11 @@ class AsyncEngine:
         for ev in events:
             if token_appended(ev, eos):
                 n_tokens += 1
+            q = self._queues.get(ev.request.id)
+            if q is None:  # consumer already gone (abort in flight): counted once, as aborted, in `abort`
+                continue
             if ev.finished and self.metrics is not None:
                 self.metrics.on_finished(ev.request)
-            q = self._queues.get(ev.request.id)
-            if q is None:  # consumer already gone (abort in flight)
-                continue
             # A request that failed alone (finish_reason "error") ends its own stream with an error.
             q.put_nowait(ev if ev.error is None else _Failure(RequestError(ev.error)))
             if ev.finished:
