@@ -12,10 +12,11 @@ import os
 from pathlib import Path
 
 from ..checkpoint import TensorReader, read_config_json
+from ..errors import UnsupportedModelError
 from ..formats.awq_gemm import AwqGemmConfig
 from ..formats.torch_layout import (FORMAT, WEIGHTS, LayoutConfig, awq_tensors, check_hf_sources, torch_dtype,
                                     write_layout)
-from ..models.decoders import decoder_spec
+from ..models.decoders import decoder_spec, rotary_position_limit
 from ..progress import Progress
 
 
@@ -32,6 +33,14 @@ def build_torch_decoder(llm_dir: Path, out_dir: Path, *, engine_root: Path, dtyp
     awq = AwqGemmConfig.from_config(cfg, str(llm_dir / "config.json"))
     spec = replace(decoder_spec(cfg, awq), image_attention=image_attention)
     spec.validate()
+    limits = extra_config.get("limits") or {}
+    positions = limits.get("max_input_len", 0) + limits.get("max_output_len", 0)
+    rope_limit = rotary_position_limit(cfg)
+    if rope_limit is not None and positions > rope_limit:  # the runtime keeps one rotary table per layer
+        raise UnsupportedModelError(
+            f"{llm_dir / 'config.json'}: its rope scaling changes the rotary frequencies past {rope_limit} positions, "
+            f"which the torch runtime does not do; limits.max_input_len + limits.max_output_len is {positions}: "
+            f"lower them to {rope_limit} in all")
     reader = TensorReader(llm_dir)
     if awq is None:
         check_hf_sources(reader, spec, llm_dir)

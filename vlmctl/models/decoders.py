@@ -191,7 +191,14 @@ def decoder_spec(text_cfg: dict, awq=None):
     if text_cfg.get("use_bidirectional_attention"):
         raise UnsupportedModelError("decoders with bidirectional text attention (use_bidirectional_attention) are "
                                     "embedding models, not generators")
-    qkv_bias = fam.qkv_bias or bool(text_cfg.get("attention_bias", False))
+    # transformers' attention_bias (Llama, Gemma 3) puts a bias on o_proj as well as on q/k/v, and mlp_bias one on
+    # every MLP linear: the runtime has neither (only the q/k/v bias Qwen2 always has). Refused here, as an
+    # unsupported variant, rather than later as a checkpoint with tensors the runtime does not use.
+    for key, what in (("attention_bias", "biases on the attention linears, o_proj included"),
+                      ("mlp_bias", "biases on the MLP linears")):
+        if text_cfg.get(key):
+            raise UnsupportedModelError(f"decoder {key}=true ({what}) is not supported")
+    qkv_bias = fam.qkv_bias
     tie = bool(text_cfg.get("tie_word_embeddings", False))
     rope = text_cfg.get("rope_parameters") or text_cfg.get("rope_scaling") or {}
     mrope = rope.get("mrope_section")
@@ -211,6 +218,7 @@ def decoder_spec(text_cfg: dict, awq=None):
                             rope_local_attention_scaling=local_scaling)
     else:
         inv_freq, scaling = rotary_tables(text_cfg)
+        variants.update(sliding_window_layers(text_cfg))
     cross = sorted(set(text_cfg.get(fam.cross_layers_key) or [])) if fam.cross_layers_key else []
     if cross:
         n_layers = text_cfg["num_hidden_layers"]
@@ -271,6 +279,27 @@ def decoder_spec(text_cfg: dict, awq=None):
     return spec
 
 
+def sliding_window_layers(text_cfg: dict) -> dict:
+    """DecoderSpec variants (layer_types, sliding_window) of a decoder whose config class has a sliding window
+    (Mistral, Qwen2), as transformers applies it; {} for full attention everywhere. Mistral's model puts every
+    layer in the window when `sliding_window` is set (its config class defaults it to 4096); Qwen2's config
+    class derives per-layer `layer_types` (use_sliding_window, max_window_layers). Both keep one rotary."""
+    cfg = hf_text_config(text_cfg)
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return {}
+    hf_types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
+    kinds = tuple(HF_LAYER_TYPES.get(t) for t in hf_types)
+    if None in kinds or len(kinds) != cfg.num_hidden_layers:
+        raise UnsupportedModelError(f"decoder layer types {sorted(set(hf_types))} are not supported "
+                                    f"(supported: {', '.join(HF_LAYER_TYPES)})")
+    if "sliding" not in kinds:
+        return {}
+    if int(window) <= 0:
+        raise UnsupportedModelError(f"decoder sliding_window {window} is not a positive number of positions")
+    return {"layer_types": kinds, "sliding_window": int(window)}
+
+
 def hf_text_config(text_cfg: dict):
     """The transformers config object of a decoder config dict (its own class fills derived values)."""
     import transformers
@@ -305,6 +334,22 @@ def rotary_tables(text_cfg: dict, layer_type: str | None = None):
     inv_freq = getattr(rot, f"{prefix}inv_freq").detach().to(torch.float32).clone()
     scaling = float(getattr(rot, f"{prefix}attention_scaling", 1.0))
     return inv_freq, scaling
+
+
+def rotary_position_limit(text_cfg: dict) -> int | None:
+    """Positions up to which `rotary_tables`' one table is what transformers computes, for rope types whose
+    frequencies depend on the sequence's length (transformers switches tables once a sequence passes this:
+    `dynamic` NTK past max_position_embeddings, `longrope` past original_max_position_embeddings); None where
+    the table never changes."""
+    cfg = hf_text_config(text_cfg)
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind = rope.get("rope_type") or rope.get("type")
+    if kind == "dynamic":
+        return int(cfg.max_position_embeddings)
+    if kind == "longrope":
+        return int(rope.get("original_max_position_embeddings")
+                   or getattr(cfg, "original_max_position_embeddings", None) or cfg.max_position_embeddings)
+    return None
 
 
 def calibration_layer_kwargs(family: DecoderFamily, hf_config, rotary, x, positions) -> list[dict]:

@@ -274,8 +274,11 @@ class TorchDecoder:
                 continue
             bias = t.pop(f"{p}.qkv.bias", None)
             sliding = spec.is_sliding(i)
+            # a window no sequence of this engine can outgrow masks nothing: those layers attend in full (the
+            # unmasked kernels); the local rotary, where a family has one, stays theirs
+            windowed = sliding and spec.sliding_window < max_seq
             layer = Layer(t.pop(f"{p}.input_norm"), t.pop(f"{p}.post_norm"), lin("qkv", bias), lin("o"), *mlp,
-                          window=spec.sliding_window if sliding else None,
+                          window=spec.sliding_window if windowed else None,
                           cos_sin=self.cos_sin_local if sliding else self.cos_sin, cache_index=n_self)
             n_self += 1
             if spec.qk_norm:
