@@ -259,6 +259,21 @@ def test_build_refuses_before_conversion(tmp_path, no_trtllm_python, monkeypatch
                               extra_config={"prompt_table_size": 8})
 
 
+def test_a_sliding_window_decoder_is_refused_for_trtllm(tmp_path, no_trtllm_python):
+    """vlmctl does not pass TensorRT-LLM a max_attention_window: a Mistral decoder whose window is under the
+    engine's positions would attend past it. A window no sequence reaches builds as usual."""
+    llm = _llm_dir(tmp_path, model_type="mistral", sliding_window=1024, num_hidden_layers=2)
+    with pytest.raises(BackendUnavailableError, match=r"sliding window \(1024 positions.*decoder.backend: torch"):
+        T.build_trtllm_engine(llm, tmp_path / "out", recipe=_recipe(), family=get_family("llava_next"),
+                              extra_config={"prompt_table_size": 8})
+    wide = json.loads((llm / "config.json").read_text()) | {"sliding_window": 4096}
+    (llm / "config.json").write_text(json.dumps(wide))
+    with pytest.raises(BackendUnavailableError, match="TensorRT-LLM") as e:  # on to the missing TensorRT-LLM
+        T.build_trtllm_engine(llm, tmp_path / "out", recipe=_recipe(), family=get_family("llava_next"),
+                              extra_config={"prompt_table_size": 8})
+    assert "sliding window" not in str(e.value)
+
+
 def test_parallel_recipes_need_trtllm():
     with pytest.raises(RecipeError, match="tp_size/pp_size > 1 needs decoder.backend: trtllm"):
         _load_recipe_text("decoder: {backend: torch, tp_size: 2}\n")

@@ -238,6 +238,16 @@ def build_trtllm_engine(llm_dir: Path, out_dir: Path, *, recipe, family, extra_c
     dec = recipe.decoder
     capability = compute_capability()
     check_buildable(recipe.dtype, quant is not None, capability, tp_size=dec.tp_size, pp_size=dec.pp_size)
+    from ..models.decoders import sliding_window_layers
+
+    window = sliding_window_layers(llm_config).get("sliding_window")
+    positions = recipe.limits.max_input_len + recipe.limits.max_output_len
+    if window is not None and window < positions:
+        # TensorRT-LLM takes a window at run time (KvCacheConfig.max_attention_window), which vlmctl does not set
+        # (not run here): without it the engine would attend past the window, other answers than transformers
+        raise BackendUnavailableError(f"build-llm: the decoder's sliding window ({window} positions, under the "
+                                      f"{positions} the limits allow) is not passed to TensorRT-LLM by vlmctl; "
+                                      "set decoder.backend: torch")
     trtllm_available(required=True)
     python = trtllm_python()
     progress = ensure(progress)
