@@ -305,3 +305,38 @@ def test_a_window_no_sequence_can_outgrow_leaves_the_layers_unmasked():
     for dec in (wide, narrow):
         got = dec.logits(ids).float().reshape(ref.shape)
         assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), float((got - ref).abs().max())
+
+
+@pytest.mark.parametrize("cls, kw", [("MistralConfig", {"sliding_window": 5}),
+                                     ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 5,
+                                                      "max_window_layers": 1})], ids=["mistral", "qwen2"])
+def test_awq_calibration_pass_applies_the_sliding_window(cls, kw):
+    """What AWQ's calibration feeds each layer reproduces transformers' own forward layer by layer at a
+    sequence longer than the window. Was: causal attention in every layer (the window only for Gemma 3), so
+    the scales were searched on activations the model never produces."""
+    import transformers
+
+    from vlmctl.models.decoders import calibration_layer_kwargs, decoder_family
+
+    cfg = getattr(transformers, cls)(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                     num_attention_heads=2, num_key_value_heads=1, **kw)
+    torch.manual_seed(0)
+    hf = getattr(transformers, cls.replace("Config", "ForCausalLM"))(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    ids = torch.randint(0, 90, (2, 17))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True).hidden_states
+    hf.config._attn_implementation = "sdpa"  # as quant/awq.py runs the layers
+    inner = hf.model
+    x = torch.nn.functional.embedding(ids, inner.embed_tokens.weight)
+    kwargs = calibration_layer_kwargs(decoder_family(cfg.model_type), hf.config, inner.rotary_emb, x,
+                                      torch.arange(17)[None])
+    assert any(k["attention_mask"] is not None for k in kwargs)
+    with torch.no_grad():
+        for i, layer in enumerate(inner.layers):
+            x = layer(x, **kwargs[i])
+            x = x[0] if isinstance(x, tuple) else x
+            if i + 1 < len(inner.layers):
+                assert torch.allclose(x, ref[i + 1], atol=1e-4), i

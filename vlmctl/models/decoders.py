@@ -358,21 +358,26 @@ def calibration_layer_kwargs(family: DecoderFamily, hf_config, rotary, x, positi
     sliding-window layers shorter than T, their window as a boolean mask; None: causal."""
     import torch
 
-    n_layers = hf_config.num_hidden_layers
-    if not family.layer_types:
-        cos, sin = rotary(x[:1], positions)
-        same = {"position_embeddings": (cos, sin), "attention_mask": None, "position_ids": positions}
-        return [same] * n_layers
     T = x.shape[1]
+
+    def window_mask(window):  # boolean [1, 1, T, T], True where a query may look; None: causal
+        if window is None or window >= T:
+            return None
+        i = torch.arange(T, device=x.device)
+        return ((i[None] <= i[:, None]) & (i[None] > i[:, None] - window))[None, None]
+
+    if not family.layer_types:  # one rotary; Mistral's and Qwen2's sliding windows per layer, as in the runtime
+        cos, sin = rotary(x[:1], positions)
+        sliding = sliding_window_layers(hf_config.to_dict())
+        masks = {"full": None, "sliding": window_mask(sliding.get("sliding_window"))}
+        kinds = sliding.get("layer_types") or ("full",) * hf_config.num_hidden_layers
+        return [{"position_embeddings": (cos, sin), "attention_mask": masks[k], "position_ids": positions}
+                for k in kinds]
     out, tables = [], {}
     for t in hf_config.layer_types:
         if t not in tables:
-            mask = None
             window = hf_config.sliding_window if t == "sliding_attention" else None
-            if window is not None and window < T:
-                i = torch.arange(T, device=x.device)
-                mask = ((i[None] <= i[:, None]) & (i[None] > i[:, None] - window))[None, None]
-            tables[t] = {"position_embeddings": rotary(x[:1], positions, t), "attention_mask": mask,
+            tables[t] = {"position_embeddings": rotary(x[:1], positions, t), "attention_mask": window_mask(window),
                          "position_ids": positions}
         out.append(tables[t])
     return out
