@@ -526,6 +526,17 @@ def _new_directory_undone_on_failure(workdir: Path):
         raise
 
 
+def _check_workdir_is_a_directory(workdir: Path) -> None:
+    """The work directory, or the nearest of its parents that exists, must be a directory (a file there would
+    otherwise surface as a bare FileExistsError / NotADirectoryError from the first stage)."""
+    p = Path(workdir)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        where = "is" if p == Path(workdir) else f"is inside {p}, which is"
+        raise OptionError(f"-o {workdir}: the output {where} a file, not a directory")
+
+
 def _check_output_outside_source(recipe: Recipe, workdir: Path) -> None:
     """The work directory may not be the source checkpoint or lie inside it: its stages would be written
     among the checkpoint's files, and the source's hash (the convert cache key) would take them in. Nor may the
@@ -567,6 +578,7 @@ def build(recipe: Recipe, workdir: Path, *, until: str | None = None, force: boo
         raise RecipeError(f"--until {until!r}: unknown stage (stages: {', '.join(STAGES)})")
     progress = ensure(progress)
     workdir = Path(workdir)
+    _check_workdir_is_a_directory(workdir)
     _check_output_outside_source(recipe, workdir)
     results = []
     stages = STAGES[: STAGES.index(until) + 1] if until else STAGES

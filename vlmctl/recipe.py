@@ -298,6 +298,8 @@ def find_recipe(name_or_path: str) -> Path:
 
 
 def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    if isinstance(overrides, str):  # one `--set` item, not a list of its characters
+        overrides = [overrides]
     path = find_recipe(str(name_or_path))
     data = _read_yaml(path)
     if "base_dir" in data:  # a field of the loaded recipe (where it came from), not a key a recipe sets

@@ -138,10 +138,12 @@ def _image_rows(processor, items: list, run) -> list:
 def _load_images(rec: dict) -> list:
     from PIL import Image
 
+    from ..runtime.image_limits import flatten_to_rgb
+
     images = []
     for p in rec["images"]:
         try:
-            images.append(Image.open(p).convert("RGB"))
+            images.append(flatten_to_rgb(Image.open(p)))
         except OSError as e:
             raise InputError(f"calibration record at line {rec['line']}: cannot read image {p} ({e})") from None
     return images

@@ -32,10 +32,12 @@ fails the requests of that pass.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import json
 import logging
+import numbers
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -53,7 +55,7 @@ from ..host import cuda_graphs_allowed, resolve_device
 from ..media.video import VideoLimits
 from ..models.base import EncodedPrompt
 from ..models.registry import get_family
-from .image_limits import ImageLimits, decode_image
+from .image_limits import ImageLimits, decode_image, flatten_to_rgb
 from .kv_cache import BlockPool, image_row_tokens
 from .request import FINISHED, RUNNING, Completion, Request, StepEvent
 from .sampling import SamplingParams, make_generator, sample
@@ -96,6 +98,17 @@ class EngineOptions:
         """The options' own ranges, checked before anything loads: an OptionError (exit 2) names the option."""
         from .vision import BACKENDS
 
+        for name in _INT_OPTIONS:
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+                raise OptionError(f"--{name.replace('_', '-')} must be an integer (got {v!r})")
+        if self.block_size < 1:
+            raise OptionError(f"--block-size must be at least 1 (got {self.block_size})")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise OptionError(f"--max-num-batched-tokens must be at least 1 (got {self.max_num_batched_tokens})")
+        for name, cls in (("image_limits", ImageLimits), ("video_limits", VideoLimits)):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), cls):
+                raise OptionError(f"{name} must be a {cls.__name__} (got {type(getattr(self, name)).__name__})")
         if self.vision_backend not in BACKENDS:
             raise OptionError(f"--vision-backend: unknown vision backend {self.vision_backend!r} (choose from "
                               f"{', '.join(BACKENDS)})")
@@ -107,6 +120,10 @@ class EngineOptions:
         if self.max_stop_sequences < 0:
             raise OptionError(f"--max-stop-sequences must be >= 0 (got {self.max_stop_sequences})")
         return self
+
+
+_INT_OPTIONS = ("max_batch_size", "max_input_len", "max_output_len", "max_images_per_request", "max_num_batched_tokens",
+                "kv_cache_tokens", "block_size", "vision_batch_size", "feature_cache_size", "max_stop_sequences")
 
 
 @dataclass(frozen=True)
@@ -164,7 +181,8 @@ class Engine:
     _vision_ahead = 0  # images the vision worker may encode ahead of admission (0: no worker)
 
     def __init__(self, engine_dir: Path, options: EngineOptions | None = None, **overrides):
-        opts = options or EngineOptions()
+        # a copy: the keyword overrides must not change the caller's EngineOptions (reused for another engine)
+        opts = dataclasses.replace(options) if options is not None else EngineOptions()
         for k, v in overrides.items():
             if not hasattr(opts, k):
                 raise TypeError(f"unknown engine option {k!r}")
@@ -220,6 +238,8 @@ class Engine:
         self._mask_buffer = None
 
         self._lock = threading.Lock()
+        # one step at a time: two threads stepping at once would schedule (and compute) the same chunks twice
+        self._step_lock = threading.RLock()
         self._aborts: set[str] = set()
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -349,7 +369,9 @@ class Engine:
         `prepare_videos(videos)` when the caller ran it already (else it runs here).
         `tools`: OpenAI function tools (models/tool_calls.normalize_tools) for the chat template
         to show; only for an engine whose `tool_format()` is not None."""
+        images = [] if images is None else images
         self.check_inputs(messages, images)
+        images = [flatten_to_rgb(img) for img in images]  # transparency onto white, as transformers does
         if not videos:
             return self.processor.encode(messages, images, tools=tools or None)
         if video_items is None:
@@ -360,6 +382,17 @@ class Engine:
     def check_inputs(self, messages: list[dict], images: list) -> None:
         """A request's cheap limits, before any tokenizing or media decoding: its text's size, its image count
         and each image's size (what preprocessing an image costs follows its shape)."""
+        from PIL import Image
+
+        if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+            raise InputError("messages must be a list of message dicts ({'role': ..., 'content': ...}), got "
+                             f"{_type_name(messages)}")
+        if not isinstance(images, (list, tuple)):
+            raise InputError(f"images must be a list of PIL images, got {_type_name(images)}")
+        for i, img in enumerate(images):
+            if not isinstance(img, Image.Image):
+                raise InputError(f"image {i + 1}: a {_type_name(img)}, not a PIL image (open an image file with "
+                                 "vlmctl.runtime.engine.load_image)")
         self._check_text_size(sum(_text_chars(m.get("content")) for m in messages))
         max_images = self.limits.max_images_per_request
         if len(images) > max_images:
@@ -432,6 +465,8 @@ class Engine:
                              "decoder.backend: torch", param=names[0])
 
     def encode_text(self, text: str) -> EncodedPrompt:
+        if text is not None and not isinstance(text, str):
+            raise InputError(f"the prompt must be a string, got {_type_name(text)}")
         if not text:  # a BOS alone is not a prompt either (and without one there is nothing to prefill)
             raise InputError("the prompt is empty; give at least one character of text")
         self._check_text_size(len(text))
@@ -579,6 +614,11 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
+        """Run one step. Thread-safe: steps from several threads run one after the other."""
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> list[StepEvent]:
         if self.scheduler is None:
             return self._step_streaming()
         events: list[StepEvent] = []
@@ -954,13 +994,18 @@ class Engine:
     # ---- offline ---------------------------------------------------------------------------
     def generate(self, prompts: list[EncodedPrompt], params: list[SamplingParams] | SamplingParams,
                  on_event=None) -> list[Completion]:
+        """Run `prompts` to the end, batched together. Calls from several threads run one after the other
+        (each holds the engine's steps until its own requests finish, so `on_event` sees its own events)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        reqs = [self.submit(p, sp) for p, sp in zip(prompts, params)]
-        while any(not r.finished for r in reqs):
-            for ev in self.step():
-                if on_event is not None:
-                    on_event(ev)
+        if len(params) != len(prompts):
+            raise InputError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
+        with self._step_lock:
+            reqs = [self.submit(p, sp) for p, sp in zip(prompts, params)]
+            while any(not r.finished for r in reqs):
+                for ev in self.step():
+                    if on_event is not None:
+                        on_event(ev)
         failed = [r for r in reqs if r.error is not None]
         if failed:
             raise RequestError(failed[0].error)
@@ -969,6 +1014,11 @@ class Engine:
     def chat(self, messages: list[dict], images: list, params: SamplingParams, on_event=None,
              videos: list | None = None) -> Completion:
         return self.generate([self.encode(messages, images, videos=videos)], params, on_event)[0]
+
+
+def _type_name(value) -> str:
+    t = type(value)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 def _text_chars(content) -> int:

@@ -69,6 +69,18 @@ class ImageLimits:
                              f"{self.max_aspect_ratio:g}:1 is accepted")
 
 
+def flatten_to_rgb(image):
+    """An RGB image as transformers' image processors make one (`image_transforms.convert_to_rgb`): transparency
+    (an alpha band, or a palette / tRNS transparent colour) composited onto white. `convert("RGB")` alone would
+    drop the alpha band and show the model what the transparent pixels hide."""
+    from PIL import Image
+
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image if image.mode == "RGB" else image.convert("RGB")
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+
+
 def decode_image(fp, what: str, limits: ImageLimits | None = None, unreadable: str = "not a readable image"):
     """A file path or binary file object -> RGB PIL image. `limits` (default: ImageLimits()) are checked
     on the header's size before any pixel is decoded, and again after, should a format's frame outgrow
@@ -81,7 +93,7 @@ def decode_image(fp, what: str, limits: ImageLimits | None = None, unreadable: s
         limits.check(img.size, what)
         img.load()
         limits.check(img.size, what)
-        return img.convert("RGB")
+        return flatten_to_rgb(img)
     # Pillow raises the error above 2x its MAX_IMAGE_PIXELS and only warns above 1x; the warning is an
     # exception only where warnings are errors. Either way `limits` decided first for what reached load().
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:

@@ -15,6 +15,7 @@ The sampler itself also survives logits with NaN (treated as impossible tokens).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,9 @@ class SamplingParams:
                                    logit_bias=dict(self.logit_bias), **changes)
 
     def validate(self) -> "SamplingParams":
+        if isinstance(self.stop, str):  # OpenAI's `stop: "\n\n"` is one stop string, not one per character
+            self.stop = [self.stop]
+        self._check_types()
         if self.max_tokens < 1:
             raise InputError(f"max_tokens must be at least 1 (got {self.max_tokens})")
         for name in ("temperature", "top_p"):
@@ -96,18 +100,57 @@ class SamplingParams:
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
                 raise InputError(f"logit_bias: the bias of token {tid} must be a number between -100 and 100 "
                                  f"(got {bias!r})", param="logit_bias")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            # a larger one would wrap onto another seed (2**64 draws what 0 draws)
+            raise InputError(f"seed must be a 64-bit integer, {SEED_MIN}..{SEED_MAX} (got {self.seed})", param="seed")
         if self.grammar is not None and self.ignore_eos:
             # a document ends with EOS; past it the grammar allows nothing
             raise InputError("ignore_eos cannot be combined with structured output (response_format or a forced "
                              "tool call): the grammar ends the output with EOS", param="ignore_eos")
         return self
 
+    def _check_types(self) -> None:
+        """Each field's type, so a wrong one is an InputError naming the field, never a TypeError from a
+        comparison or a failure inside a later step's sampling (top_k 1.5 would reach a tensor index)."""
+        def is_int(v):
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        for name in ("max_tokens", "top_k"):
+            if not is_int(getattr(self, name)):
+                raise InputError(f"{name} must be an integer (got {getattr(self, name)!r})", param=name)
+        for name in ("seed", "logprobs"):
+            v = getattr(self, name)
+            if v is not None and not is_int(v):
+                raise InputError(f"{name} must be an integer or None (got {v!r})", param=name)
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise InputError(f"{name} must be a number (got {v!r})", param=name)
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise InputError(f"stop must be a string or a list of strings (got {self.stop!r})", param="stop")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InputError(f"stop_token_ids must be a list of token ids (got {self.stop_token_ids!r})",
+                             param="stop_token_ids")
+        if any(isinstance(t, bool) for t in self.stop_token_ids):
+            raise InputError("stop_token_ids must be non-negative integers", param="stop_token_ids")
+        if not isinstance(self.logit_bias, dict):
+            raise InputError(f"logit_bias must be a dict of token id -> bias (got {self.logit_bias!r})",
+                             param="logit_bias")
+
+
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1  # a 64-bit seed, as the server's schema takes it
+
 
 def make_generator(seed: int | None, device) -> torch.Generator | None:
     if seed is None:
         return None
     g = torch.Generator(device=device)
-    g.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    s = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+    if g.device.type == "cpu":
+        # torch's CPU generator (mt19937) keeps only the low 32 bits of its seed: fold the high ones in, so
+        # seeds that differ only there (0, 2**32, -2**63) draw differently; a seed below 2**32 is unchanged
+        s = (s ^ ((s >> 32) * 0x9E37_79B1)) & 0xFFFF_FFFF
+    g.manual_seed(s)
     return g
 
 
