@@ -184,7 +184,8 @@ def test_keyword_overrides_leave_the_callers_options_alone(tiny_llava_engine):
 
 @pytest.mark.parametrize("kw", [{"block_size": 0}, {"block_size": -16}, {"max_batch_size": "4"},
                                 {"max_batch_size": 2.5}, {"max_num_batched_tokens": -5},
-                                {"max_num_batched_tokens": 0}, {"image_limits": {"max_side": 10}}])
+                                {"max_num_batched_tokens": 0}, {"image_limits": {"max_side": 10}},
+                                {"vision_batch_size": 0}, {"feature_cache_size": -1}])
 def test_bad_engine_options_are_option_errors(tiny_llava_engine, kw):
     """block_size 0 and a string max_batch_size were EngineErrors (exit 8) blaming the engine's files and
     pointing at `vlmctl verify`; a non-positive token budget was silently replaced; a dict of image limits
@@ -194,6 +195,15 @@ def test_bad_engine_options_are_option_errors(tiny_llava_engine, kw):
     with pytest.raises(OptionError) as e:
         Engine(tiny_llava_engine, **kw)
     assert e.value.exit_code == 2 and "verify" not in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
+def test_submit_leaves_the_callers_sampling_params_alone(engine):
+    """A top_k of the whole vocabulary means no filter: submit wrote top_k = 0 into the caller's SamplingParams
+    (which may serve other prompts, or be printed). A copy made with replace() keeps a one-string stop whole."""
+    params = SamplingParams(max_tokens=2, temperature=0, top_k=10 ** 9)
+    engine.generate([engine.encode_text("hello")], params)
+    assert params.top_k == 10 ** 9
+    assert SamplingParams(stop="ab").replace(seed=1).stop == ["ab"]
 
 
 def test_engine_shared_by_threads_gives_each_its_own_answer(tiny_llava_engine):

@@ -102,6 +102,10 @@ class EngineOptions:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
                 raise OptionError(f"--{name.replace('_', '-')} must be an integer (got {v!r})")
+        if self.vision_batch_size is not None and self.vision_batch_size < 1:
+            raise OptionError(f"--vision-batch-size must be at least 1 (got {self.vision_batch_size})")
+        if self.feature_cache_size is not None and self.feature_cache_size < 0:
+            raise OptionError(f"--feature-cache-size must be at least 0 (got {self.feature_cache_size})")
         if self.block_size < 1:
             raise OptionError(f"--block-size must be at least 1 (got {self.block_size})")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -509,8 +513,8 @@ class Engine:
         """Queue a request. `leader`: an earlier request with the same prompt (n > 1 samples); this
         one is admitted once the leader's prompt is in the prefix cache (runtime/scheduler.py)."""
         params.validate()
-        if params.top_k >= self.vocab_size:
-            params.top_k = 0  # a top-k of the whole vocabulary (or more) keeps every token: no filter
+        if params.top_k >= self.vocab_size:  # a top-k of the whole vocabulary (or more) keeps every token: no
+            params = params.replace(top_k=0)  # filter (a copy: the caller's parameters may serve other prompts)
         self.check_limits(prompt, params)
         self._check_extras_backend(params)
         bad = [t for t in params.logit_bias if t >= self.vocab_size]

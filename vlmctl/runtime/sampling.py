@@ -71,7 +71,8 @@ class SamplingParams:
         """A copy with `changes` (n > 1 samples: the same parameters, each its own seed)."""
         import dataclasses
 
-        return dataclasses.replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)  # one string is one stop string
+        return dataclasses.replace(self, stop=stop, stop_token_ids=list(self.stop_token_ids),
                                    logit_bias=dict(self.logit_bias), **changes)
 
     def validate(self) -> "SamplingParams":
