@@ -186,7 +186,7 @@ def test_half_of_many_concurrent_streams_dropped_at_random_points(srv, client):
 
     def job(k):
         k %= 10
-        body = {"max_tokens": 30 + (k % 4) * 10, "temperature": 0, "ignore_eos": True, "n": 1 + k % 3}
+        body = {"max_tokens": 60 + (k % 4) * 10, "temperature": 0, "ignore_eos": True, "n": 1 + k % 3}
         if k % 2:
             return "/chat/completions", {"messages": [{"role": "user", "content": f"story {k} " * (1 + k % 5)}],
                                          **body}

@@ -138,7 +138,7 @@ def _image_rows(processor, items: list, run) -> list:
 def _load_images(rec: dict) -> list:
     from PIL import Image
 
-    from ..runtime.image_limits import flatten_to_rgb
+    from ..media.images import flatten_to_rgb
 
     images = []
     for p in rec["images"]:

@@ -52,10 +52,11 @@ from ..formats.artifacts import check_engine_files
 from ..formats.prompt_table import fake_ids, image_spans
 from ..formats.workdir import EngineDir
 from ..host import cuda_graphs_allowed, resolve_device
+from ..media.images import flatten_to_rgb
 from ..media.video import VideoLimits
 from ..models.base import EncodedPrompt
 from ..models.registry import get_family
-from .image_limits import ImageLimits, decode_image, flatten_to_rgb
+from .image_limits import ImageLimits, decode_image
 from .kv_cache import BlockPool, image_row_tokens
 from .request import FINISHED, RUNNING, Completion, Request, StepEvent
 from .sampling import SamplingParams, make_generator, sample

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import InputError, LimitError
+from ..media.images import flatten_to_rgb
 
 DEFAULT_MAX_SIDE = 16384
 DEFAULT_MAX_ASPECT_RATIO = 200.0
@@ -67,18 +68,6 @@ class ImageLimits:
         if ratio > self.max_aspect_ratio:
             raise LimitError(f"{what}: {w}x{h} pixels has aspect ratio {ratio:.0f}:1; at most "
                              f"{self.max_aspect_ratio:g}:1 is accepted")
-
-
-def flatten_to_rgb(image):
-    """An RGB image as transformers' image processors make one (`image_transforms.convert_to_rgb`): transparency
-    (an alpha band, or a palette / tRNS transparent colour) composited onto white. `convert("RGB")` alone would
-    drop the alpha band and show the model what the transparent pixels hide."""
-    from PIL import Image
-
-    if "A" not in image.getbands() and image.info.get("transparency") is None:
-        return image if image.mode == "RGB" else image.convert("RGB")
-    rgba = image.convert("RGBA")
-    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
 def decode_image(fp, what: str, limits: ImageLimits | None = None, unreadable: str = "not a readable image"):
