@@ -183,6 +183,7 @@ def test_decoder_biases_are_refused_as_unsupported(tmp_path, capsys, text_kw):
     code, _, err = cli("build", recipe, "-o", tmp_path / "eng", capsys=capsys, expect=None)
     line = one_error_line(code, err, 4)
     assert next(iter(text_kw)) in line
+    assert not (tmp_path / "eng").exists()  # refused at convert, before any stage was written
 
 
 ROPE_SWITCHING = {

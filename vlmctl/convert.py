@@ -24,6 +24,7 @@ from .errors import CheckpointError, VlmctlError
 from .formats.awq_gemm import AwqGemmConfig
 from .formats.workdir import Workspace
 from .models.base import DECODER, VISION, ProcessorFileError, VLMFamily, config_refusals, refusal_text
+from .models.decoders import decoder_spec
 from .models.registry import detect_family, read_config
 from .progress import Progress, ensure
 
@@ -39,11 +40,14 @@ DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 def load_source_config(src: Path) -> tuple[dict, VLMFamily]:
     """(config.json, family) of a whole-VLM checkpoint, once transformers has built its config: a
     config.json it refuses (a hidden size its heads do not divide, a string where an int goes) is one
-    CheckpointError naming the file, for every family, before any tensor is read."""
+    CheckpointError naming the file, for every family, before any tensor is read; a decoder the runtime does not
+    run is an UnsupportedModelError then too."""
     config = read_config(src)
     where = str(Path(src) / "config.json")
     family = detect_family(config, where=where)
     family.load_hf_config(config, where)
+    # a decoder variant the runtime does not run (e.g. attention_bias) is refused now, not after the vision stages
+    decoder_spec(family.text_config_dict(config))
     return config, family
 
 
