@@ -96,3 +96,20 @@ def test_chunked_prefix_and_preempted_runs_equal_the_default_run(engine_dir):
     small, _, pre = _run(engine_dir, block_size=4, kv_cache_tokens=room, enable_prefix_caching=False)
     assert pre == base
     assert small.scheduler.preemptions > 0 and small.pool.num_used() == 0
+
+
+def test_async_scheduling_equals_the_default_run(engine_dir):
+    """Decode steps launched before the previous step's tokens are read (on by default on GPUs) give the
+    same tokens, also chunked and preempted; only cross-attention images keep every step synchronous."""
+    _, prompts, base = _run(engine_dir, async_scheduling=False)
+    eng, _, ahead = _run(engine_dir, async_scheduling=True)
+    assert ahead == base
+    cross = eng.decoder.n_cross_layers > 0
+    assert (eng.steps_ahead == 0) if cross else (eng.steps_ahead > 0)
+    _, _, chunked = _run(engine_dir, async_scheduling=True, max_num_batched_tokens=5, max_batch_size=3, block_size=4)
+    assert chunked == base
+    room = sum(-(-len(p.token_ids) // 4) * 4 for p in prompts) + 8
+    small, _, pre = _run(engine_dir, async_scheduling=True, block_size=4, kv_cache_tokens=room,
+                         enable_prefix_caching=False)
+    assert pre == base
+    assert small.scheduler.preemptions > 0 and small.pool.num_used() == 0

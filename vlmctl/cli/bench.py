@@ -29,6 +29,10 @@ def bench_command(
     device: str = typer.Option(None, "--device", help="Engine mode: cpu or cuda"),
     threads: int = typer.Option(None, "--threads", min=1, help="Engine mode: torch CPU threads (default: the "
                                                               "usable CPUs minus one)"),
+    async_scheduling: bool | None = typer.Option(None, "--async-scheduling/--no-async-scheduling",
+                                                 help="Engine mode: launch each decode step before the previous "
+                                                 "step's tokens are read [default: on with a GPU]",
+                                                 show_default=False),
     model: str = typer.Option(None, "--model", help="URL mode: model id (default: the server's first)"),
     api_key: str = typer.Option(None, "--api-key", envvar="VLMCTL_API_KEY", help="URL mode: bearer key"),
     timeout: float = typer.Option(600.0, "--timeout", help="URL mode: seconds allowed per request"),
@@ -67,7 +71,7 @@ def bench_command(
 
         device = resolve_device(device)
         configure_threads(threads)
-        engine = Engine(engine_dir, device=device, max_batch_size=max_batch_size)
+        engine = Engine(engine_dir, device=device, max_batch_size=max_batch_size, async_scheduling=async_scheduling)
         slots = engine.limits["max_batch_size"]
         if max(levels) > slots and not json_:
             console.print(f"[yellow]note:[/yellow] concurrency {max(levels)} > {slots} KV-cache slots: the extra "

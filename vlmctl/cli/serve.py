@@ -75,6 +75,10 @@ def serve_command(
     vision_overlap: bool | None = typer.Option(None, "--vision-overlap/--no-vision-overlap",
                                                help="Encode waiting requests' images on a worker thread while "
                                                "steps run [default: on with a GPU]", show_default=False),
+    async_scheduling: bool | None = typer.Option(None, "--async-scheduling/--no-async-scheduling",
+                                                 help="Launch each decode step before the previous step's tokens "
+                                                 "are read, so detokenizing and scheduling overlap the GPU "
+                                                 "[default: on with a GPU]", show_default=False),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps (and the vision "
                                      "calls of families that allow it) as CUDA graphs"),
     log_level: str = typer.Option("info", "--log-level", help=f"Log level of the server ({', '.join(LOG_LEVELS)}); "
@@ -136,6 +140,7 @@ def serve_command(
                             gpu_memory_utilization=gpu_memory_utilization, kv_cache_tokens=kv_cache_tokens,
                             enable_prefix_caching=prefix_caching, vision_backend=vision_backend,
                             vision_batch_size=vision_batch_size, vision_overlap=vision_overlap, cuda_graphs=cuda_graphs,
+                            async_scheduling=async_scheduling,
                             feature_cache_size=feature_cache_size, max_stop_sequences=max_stop_sequences,
                             image_limits=ImageLimits.with_overrides(max_side=max_image_side,
                                                                     max_aspect_ratio=max_image_aspect_ratio,

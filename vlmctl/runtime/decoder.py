@@ -717,11 +717,13 @@ class TorchDecoder:
     def decode(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: list[list[int]],
                context_lens: np.ndarray, cross_tables: list[list[int]] | None = None,
                cross_lens: np.ndarray | None = None) -> torch.Tensor:
-        """One new token for each of b sequences -> logits [b, V]. `positions` are 1-D rotary positions,
+        """One new token for each of b sequences -> logits [b, V]. `ids` may be a tensor on the device (the
+        previous step's sampled tokens, not yet read by the host). `positions` are 1-D rotary positions,
         `slots` the cache slot of each new token, `context_lens` the tokens to attend (the new one included).
         `cross_tables` / `cross_lens`: each sequence's cross block table and the image rows its token
         attends ([0, n) of its cross KV; 0 and [] for a sequence without images)."""
         b = len(ids)
+        on_device = isinstance(ids, torch.Tensor)
         with_cross = bool(self.n_cross_layers and cross_lens is not None and np.any(cross_lens > 0))
         if not self.use_graphs:
             dev = self.device
@@ -733,15 +735,25 @@ class TorchDecoder:
                 xbt = torch.tensor([t + [0] * (maxcb - len(t)) for t in cross_tables], dtype=torch.int32, device=dev)
                 cross = (xbt, torch.from_numpy(np.asarray(cross_lens, dtype=np.int32)).to(dev), self._cross_splits(b),
                          None)
-            return self._decode_body(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev),
+            ids = ids.to(dev) if on_device else torch.from_numpy(ids).to(dev)
+            return self._decode_body(ids, torch.from_numpy(positions).to(dev),
                                      torch.from_numpy(slots).to(dev), bt,
                                      torch.from_numpy(context_lens.astype(np.int32)).to(dev), self._splits(b), None,
                                      cross)
         B = self.bucket(b)
         entry = self._graphs.get((B, with_cross)) or self._capture(B, with_cross)
         graph, st, out = entry
-        self._fill_graph_inputs(st, ids, positions, slots, block_tables, context_lens, cross_tables, cross_lens)
+        if st.get("copied") is not None:
+            # the pinned buffer's last copy may still be queued (a step launched before the previous one's
+            # tokens were read): it must have left before the buffer is rewritten
+            st["copied"].synchronize()
+        self._fill_graph_inputs(st, np.zeros(b, dtype=np.int64) if on_device else ids, positions, slots,
+                                block_tables, context_lens, cross_tables, cross_lens)
         st["dev"].copy_(st["host"], non_blocking=True)
+        if on_device:
+            st["dev"][0:b].copy_(ids)
+        st["copied"] = torch.cuda.Event()
+        st["copied"].record()
         graph.replay()
         return out[:b]
 

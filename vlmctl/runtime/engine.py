@@ -59,7 +59,7 @@ from ..models.registry import get_family
 from .image_limits import ImageLimits, decode_image
 from .kv_cache import BlockPool, image_row_tokens
 from .request import FINISHED, RUNNING, Completion, Request, StepEvent
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import SamplingParams, TokensInFlight, make_generator, sample, to_device
 from .scheduler import Scheduled, Scheduler
 from .stopping import TextStream
 
@@ -90,6 +90,9 @@ class EngineOptions:
     # encode the images of requests left waiting on a worker thread while steps run (None: on CUDA
     # hosts only; on a CPU the vision runtime and the decoder would share the same cores)
     vision_overlap: bool | None = None
+    # launch each decode step before reading the previous step's tokens back, so the host's per-token work
+    # (detokenizing, stop checks, scheduling) runs while the GPU computes (None: on CUDA hosts only)
+    async_scheduling: bool | None = None
     feature_cache_size: int = 256  # images whose features are kept
     max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES
     image_limits: ImageLimits | None = None  # width, height and aspect-ratio caps before preprocessing
@@ -250,6 +253,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self.max_running_seen = 0
         self.steps = 0
+        self.steps_ahead = 0  # steps launched before the previous step's tokens were read (async scheduling)
+        self._in_flight: tuple[list[Scheduled], TokensInFlight] | None = None
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0  # prompt tokens prefilled (prefix-cache hits not counted)
 
@@ -298,6 +303,8 @@ class Engine:
             self.cross_pool = BlockPool(cross_blocks, opts.block_size, enable_prefix_caching=False)
         overlap = opts.vision_overlap if opts.vision_overlap is not None else self.device.type == "cuda"
         self._vision_ahead = 2 * self.vision.max_batch if overlap else 0  # images encoded ahead of admission
+        self.async_scheduling = (opts.async_scheduling if opts.async_scheduling is not None
+                                 else self.device.type == "cuda")
         self.scheduler = Scheduler(self.pool, max_num_seqs=lim["max_batch_size"], max_num_batched_tokens=budget,
                                    keep_images_whole=whole_images, cross_pool=self.cross_pool)
         self.limits = EngineLimits(**lim, max_seq_len=max_seq, max_num_batched_tokens=budget,
@@ -593,6 +600,7 @@ class Engine:
                "prompt_tokens_computed": self.prompt_tokens_computed,
                "feature_cache_hits": self.vision.cache.hits, "feature_cache_misses": self.vision.cache.misses,
                "vision_overlap": bool(self._vision_ahead),
+               "async_scheduling": bool(getattr(self, "async_scheduling", False)), "steps_ahead": self.steps_ahead,
                "vision_graph_replays": getattr(self.vision.runner, "graph_replays", 0)}
         if self.scheduler is not None:
             out.update(kv_blocks_total=self.pool.capacity, kv_blocks_used=self.pool.num_used(),
@@ -638,9 +646,12 @@ class Engine:
                     aborted.append(req)
             if aborted:
                 self.scheduler.finish_many(aborted)
-            scheduled, _ = self.scheduler.schedule()
+            if self._in_flight is None:
+                scheduled, _ = self.scheduler.schedule()
             if self._vision_ahead:
                 self._encode_ahead()  # for the requests this step leaves waiting
+        if self._in_flight is not None:
+            return self._step_ahead(events)
         self.max_running_seen = max(self.max_running_seen, len(self.scheduler.running))
         if not scheduled:
             return events
@@ -659,21 +670,112 @@ class Engine:
         if not sampled:
             return events
         reqs = [s.request for s in sampled]
+        if self.async_scheduling and all(self._may_run_ahead(r) for r in reqs):
+            try:  # the tokens are read at the next step, after it has launched its forward
+                self._in_flight = (sampled, self._sample_on_device(logits, reqs))
+                return events
+            except Exception:
+                self._in_flight = None  # sampled again below, row by row where it fails
+        self._accept(events, reqs, self._sample_guarded(logits, reqs))
+        return events
+
+    # ---- async scheduling: a decode step launched before the previous step's tokens are read ------------
+    def _may_run_ahead(self, req: Request) -> bool:
+        """Whether the next token of `req` can be computed before the host has seen its last one: not with a
+        grammar (its mask depends on that token), logits extras (counted on the host side's terms) or
+        cross-attention images."""
+        return req.grammar is None and not req.params.extras and req.cross is None
+
+    def _ends_at_next_token(self, req: Request) -> bool:
+        """The token in flight is the request's last whatever it is (max_tokens or the sequence limit)."""
+        n = len(req.output_ids) + 1
+        return n >= req.params.max_tokens or req.prompt_len + n >= self.limits.max_seq_len
+
+    def _rows_ahead(self, rows: list[Scheduled]) -> list[Request] | None:
+        """The requests whose next decode step can launch now, with the tokens of `rows` (the step in
+        flight) as input ids; None when the scheduler must decide the next step (a prompt to prefill or
+        admit, blocks to find by preemption). Called under `_lock`."""
+        sch = self.scheduler
+        live = [s.request for s in rows if s.request.status == RUNNING]
+        if not live or len(live) != len(sch.running):  # a running request outside it: a prompt being prefilled
+            return None
+        if sch.waiting and len(sch.running) < sch.max_num_seqs:
+            return None  # the scheduler may admit a waiting request
+        if len(live) > sch.max_num_batched_tokens or not all(self._may_run_ahead(r) for r in live):
+            return None
+        ahead = [r for r in live if not self._ends_at_next_token(r)]
+        if not ahead or not all(sch.reserve(r, r.num_tokens + 1) for r in ahead):
+            return None
+        return ahead
+
+    def _step_ahead(self, events: list[StepEvent]) -> list[StepEvent]:
+        """Launch the next decode step from the in-flight step's tokens (still on the device), then read
+        those tokens and hand them out while the GPU computes, then sample the new step without waiting."""
+        rows, tokens = self._in_flight
+        self._in_flight = None
+        with self._lock:
+            ahead = self._rows_ahead(rows)
+        logits = launch_error = None
+        if ahead:
+            self.steps += 1
+            self.steps_ahead += 1
+            self.max_running_seen = max(self.max_running_seen, len(ahead))
+            try:
+                logits = self._launch_ahead(rows, tokens, ahead)
+            except Exception as e:
+                launch_error = e
+        self._accept(events, [s.request for s in rows], self._unpack(tokens.read(), [s.request for s in rows]))
+        if launch_error is not None:
+            events.extend(self._fail(r, "forward", launch_error) for r in ahead if r.status == RUNNING)
+        if logits is None:
+            return events
+        live = [i for i, r in enumerate(ahead) if r.status == RUNNING]  # not finished by the tokens just read
+        if not live:
+            return events
+        scheduled = [Scheduled(ahead[i], ahead[i].num_tokens - 1, 1) for i in live]
+        self.scheduler.advance(scheduled)
+        if len(live) < len(ahead):
+            logits = logits[to_device(live, torch.long, logits.device)]
+        reqs = [s.request for s in scheduled]
+        try:
+            self._in_flight = (scheduled, self._sample_on_device(logits, reqs))
+        except Exception:
+            self._accept(events, reqs, self._sample_guarded(logits, reqs))
+        return events
+
+    def _launch_ahead(self, rows: list[Scheduled], tokens: TokensInFlight, ahead: list[Request]) -> torch.Tensor:
+        """The decode step of `ahead` at their next position, its input ids taken from `tokens` on the device."""
+        dec = self.decoder
+        bs = dec.block_size
+        index = {id(s.request): i for i, s in enumerate(rows)}
+        picks = [index[id(r)] for r in ahead]
+        ids = tokens.tokens
+        if picks != list(range(len(ids))):
+            ids = ids[to_device(picks, torch.long, ids.device)]
+        at = [r.num_tokens for r in ahead]  # the position of the token in flight
+        pos = np.array([p + r.rope_delta for p, r in zip(at, ahead)], dtype=np.int64)
+        slots = np.array([r.block_ids[p // bs] * bs + p % bs for p, r in zip(at, ahead)], dtype=np.int64)
+        lens = np.array([p + 1 for p in at], dtype=np.int64)
+        return dec.decode(ids, pos, slots, [r.block_ids for r in ahead], lens)
+
+    def _accept(self, events: list[StepEvent], reqs: list[Request], picked: list) -> None:
+        """Hand out each request's sampled token (or its sampling failure) as events."""
         now = time.perf_counter()
-        for req, picked in zip(reqs, self._sample_guarded(logits, reqs)):
-            if isinstance(picked, Exception):
-                events.append(self._fail(req, "sampling", picked))
+        for req, pick in zip(reqs, picked):
+            if req.finished:  # aborted while its token was in flight
                 continue
-            if req.grammar is not None and not req.grammar.accept(picked[0]):
+            if isinstance(pick, Exception):
+                events.append(self._fail(req, "sampling", pick))
+                continue
+            if req.grammar is not None and not req.grammar.accept(pick[0]):
                 # cannot happen for a token drawn under the mask; if it does, the output is not the document
                 events.append(self._fail(req, "structured output", EngineError(
-                    f"the grammar refused sampled token {picked[0]}; the output would not match the requested format")))
+                    f"the grammar refused sampled token {pick[0]}; the output would not match the requested format")))
                 continue
             try:
-                events.append(self._append_token(req, *picked, now))
+                events.append(self._append_token(req, *pick, now))
             except Exception as e:
                 events.append(self._fail(req, "detokenization", e))
-        return events
 
     def _sample_guarded(self, logits: torch.Tensor, reqs: list[Request]) -> list:
         """(token, logprob, top logprobs) per request, or the exception that request's sampling raised.
@@ -691,6 +793,11 @@ class Engine:
             return out
 
     def _picked(self, logits: torch.Tensor, reqs: list[Request]) -> list[tuple]:
+        return self._unpack(self._sample_on_device(logits, reqs).read(), reqs)
+
+    def _sample_on_device(self, logits: torch.Tensor, reqs: list[Request]) -> TokensInFlight:
+        """Sample the rows and start copying the tokens to the host; nothing here waits for the GPU
+        (unless a request's extras or grammar need the host)."""
         params = [r.params for r in reqs]
         adjusted, raw = logits, None
         if any(r.params.extras or r.grammar is not None for r in reqs):
@@ -698,16 +805,22 @@ class Engine:
             adjusted = self._apply_extras(logits.clone(), reqs)
             raw = logits if any(p.logprobs is not None for p in params) else None
         toks, chosen, top = sample(adjusted, params, [r.generator for r in reqs], logprob_logits=raw)
+        if self.logits_proc is not None and any(r.extras_registered for r in reqs):
+            self.logits_proc.update([r.id if r.extras_registered else None for r in reqs], toks)
+        return TokensInFlight(toks, chosen, top)
+
+    @staticmethod
+    def _unpack(read: tuple, reqs: list[Request]) -> list[tuple]:
+        """(token, logprob, top logprobs) per request from `TokensInFlight.read`."""
+        toks, chosen, top = read
         out = []
-        for i, (req, tok) in enumerate(zip(reqs, toks.tolist())):
+        for i, (req, tok) in enumerate(zip(reqs, toks)):
             lp = float(chosen[i]) if chosen is not None else None
             tl = None
             if top is not None and req.params.logprobs:
                 k = req.params.logprobs
-                tl = list(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist()))
+                tl = list(zip(top[1][i][:k], top[0][i][:k]))
             out.append((tok, lp, tl))
-        if self.logits_proc is not None and any(r.extras_registered for r in reqs):
-            self.logits_proc.update([r.id if r.extras_registered else None for r in reqs], toks)
         return out
 
     def _apply_extras(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

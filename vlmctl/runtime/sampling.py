@@ -155,6 +155,15 @@ def make_generator(seed: int | None, device) -> torch.Generator | None:
     return g
 
 
+def to_device(values: list, dtype, device) -> torch.Tensor:
+    """A small host list on `device` without waiting for the device's queued work (through pinned
+    memory: a plain `torch.tensor(..., device=...)` synchronizes the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            logprob_logits: torch.Tensor | None = None):
     """logits [b, V] (float32) -> (token ids [b], chosen logprobs [b] or None, top logprobs or None).
@@ -167,19 +176,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     device = logits.device
     logits = logits.float().nan_to_num(nan=float("-inf"))  # a NaN logit is an impossible token, not a crash
     # Python-side clamps first: values such as temperature 1e-39 or top_k 2**63 never reach a tensor.
+    # Every decision is taken from the parameters on the host, never from a tensor: sampling must not wait
+    # for the GPU, so the engine can launch the next step while this one's tokens are copied back.
     greedy_rows = [not (p.temperature >= GREEDY_BELOW) for p in params]
-    greedy = torch.tensor(greedy_rows, device=device)
     tokens = logits.argmax(-1)
-    if not all(greedy_rows):
-        temps = torch.tensor([1.0 if g else float(p.temperature) for p, g in zip(params, greedy_rows)],
-                             device=device, dtype=torch.float32)
+    draw = [i for i, g in enumerate(greedy_rows) if not g]
+    if draw:
+        temps = to_device([1.0 if g else float(p.temperature) for p, g in zip(params, greedy_rows)],
+                           torch.float32, device)
         scaled = logits / temps[:, None]
-        top_k = torch.tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params], device=device)
-        if bool((top_k < V).any()):
+        if any(0 < p.top_k < V for p in params):
+            top_k = to_device([min(p.top_k, V) if p.top_k > 0 else V for p in params], torch.long, device)
             kth = scaled.sort(-1, descending=True).values.gather(1, (top_k - 1)[:, None])
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        top_p = torch.tensor([min(max(float(p.top_p), 0.0), 1.0) for p in params], device=device)
-        if bool((top_p < 1).any()):
+        cut = [min(max(float(p.top_p), 0.0), 1.0) for p in params]
+        if any(c < 1 for c in cut):
+            top_p = to_device(cut, torch.float32, device)
             sorted_logits, idx = scaled.sort(-1, descending=True)
             probs = sorted_logits.softmax(-1)
             # keep the smallest prefix whose mass reaches top_p; the first token always stays (a top_p
@@ -189,12 +201,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
             scaled = torch.full_like(scaled, float("-inf")).scatter(1, idx, sorted_logits)
         probs = scaled.softmax(-1)
-        # A row whose logits are all -inf (or overflowed) has no distribution: take its argmax.
+        # A row whose logits are all -inf (or overflowed) has no distribution: it keeps its argmax (it
+        # draws from a one-hot stand-in, so that no tensor has to be read to skip it)
         bad = ~torch.isfinite(probs).all(-1) | (probs.sum(-1) <= 0)
-        greedy = greedy | bad
-        for i in range(b):
-            if not bool(greedy[i]):
-                tokens[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
+        probs = torch.where(bad[:, None], torch.zeros_like(probs).scatter_(1, tokens[:, None], 1.0), probs)
+        drawn = tokens.clone()
+        shared = [i for i in draw if generators[i] is None]
+        if shared:  # rows without a seed draw in one call
+            rows = to_device(shared, torch.long, device)
+            drawn[rows] = torch.multinomial(probs[rows], 1)[:, 0]
+        for i in draw:
+            if generators[i] is not None:
+                drawn[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
+        tokens = torch.where(bad, tokens, drawn)
     want = [p.logprobs for p in params]
     if all(w is None for w in want):
         return tokens, None, None
@@ -204,3 +223,37 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     k = max((w or 0) for w in want)
     top = logp.topk(k, -1) if k > 0 else None
     return tokens, chosen, top
+
+
+class TokensInFlight:
+    """A step's sampled tokens (and log-probabilities) on their way to the host, while the device moves on.
+
+    The copies go into pinned memory behind the sampling on the same stream, and an event marks their end,
+    so `read` waits for this step's sampling only, not for work queued after it (the next step's forward,
+    which reads `tokens` on the device as its input ids)."""
+
+    def __init__(self, tokens: torch.Tensor, chosen: torch.Tensor | None, top):
+        self.tokens = tokens
+        parts = [tokens, chosen] + ([top.values, top.indices] if top is not None else [])
+        self._on_device = [p for p in parts if p is not None]
+        self._layout = (chosen is not None, top is not None)
+        self._ready = None
+        if tokens.is_cuda:
+            self._host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in self._on_device]
+            for h, p in zip(self._host, self._on_device):
+                h.copy_(p, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = self._on_device
+
+    def read(self) -> tuple[list[int], list[float] | None, tuple[list, list] | None]:
+        """(token ids, chosen log-probabilities or None, (top values, top indices) or None) as lists."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        host = iter(self._host)
+        toks = next(host).tolist()
+        has_chosen, has_top = self._layout
+        chosen = next(host).tolist() if has_chosen else None
+        top = (next(host).tolist(), next(host).tolist()) if has_top else None
+        return toks, chosen, top

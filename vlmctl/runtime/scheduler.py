@@ -134,6 +134,11 @@ class Scheduler:
         req.block_ids.extend(got)
         return True
 
+    def reserve(self, req: Request, tokens: int) -> bool:
+        """Blocks for the request's first `tokens` tokens (a decode step launched ahead of the scheduler, for
+        a token the host has not read yet); False, taking nothing more, when the pool is out of them."""
+        return self._grow(req, tokens)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._free(req)

@@ -1,0 +1,129 @@
+"""Async scheduling: a decode step is launched before the host reads the previous step's tokens, its input
+ids taken from that step's sampling on the device (runtime/engine.py, `Engine._step_ahead`).
+
+It is on by default on GPUs, where the host's per-token work (detokenizing, stop checks, scheduling) then
+runs while the GPU computes. Here the engine runs it on the CPU (forced on), where it must give exactly what
+the synchronous engine gives: with every sampling setting, stop rule, abort, late arrival and length limit,
+and without leaking a KV block. The families' runs through it are in test_scheduler_families.py; on a GPU,
+test_gpu_runtime.py checks that a step launched ahead never waits for the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tiny_models import make_image
+
+
+def _engine(path, **opts):
+    from vlmctl.runtime.engine import Engine
+
+    return Engine(path, **opts)
+
+
+def _prompts(eng, n):
+    texts = ["what is in this image?", "describe the picture", "hello world! how are you?", "a story, please",
+             "count to ten", "name three colours", "why is the sky blue?", "say something"]
+    out = []
+    for i in range(n):
+        content = [{"type": "text", "text": texts[i % len(texts)]}]
+        images = []
+        if i % 2 == 0:
+            content.insert(0, {"type": "image"})
+            images = [make_image(i, (40 + 4 * i, 30))]
+        out.append(eng.encode([{"role": "user", "content": content}], images))
+    return out
+
+
+def _result(c):
+    """What a completion says; log-probabilities flattened to numbers, compared with a tolerance (on the CPU a
+    step launched ahead runs the decoder's decode path, the synchronous engine its chunk path: float noise)."""
+    ids = [(d["token_id"], [t for t, _ in d["top"]]) for d in c.logprobs or []]
+    values = [v for d in c.logprobs or [] for v in [d["logprob"]] + [v for _, v in d["top"]]]
+    return c.token_ids, c.text, c.finish_reason, ids, values
+
+
+def _mixed_params(reference_texts, reference_ids):
+    from vlmctl.runtime.sampling import SamplingParams
+
+    # stop rules that fire: a piece of what the synchronous engine wrote, one of the tokens it drew
+    stop_text = reference_texts[0][3:6]
+    stop_id = reference_ids[2][4]
+    return [SamplingParams(max_tokens=24, temperature=0, stop=[stop_text]),
+            SamplingParams(max_tokens=30, temperature=0.9, seed=11, logprobs=3),
+            SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_id]),
+            SamplingParams(max_tokens=20, temperature=1.1, top_k=5, seed=12),
+            SamplingParams(max_tokens=7, temperature=0.8, top_p=0.7, seed=13),
+            SamplingParams(max_tokens=5, temperature=0, frequency_penalty=0.5),  # runs every step it is in sync
+            SamplingParams(max_tokens=28, temperature=0.7, seed=14, logprobs=0),
+            SamplingParams(max_tokens=1, temperature=0)]
+
+
+def test_mixed_requests_equal_the_synchronous_engine(tiny_llava_engine):
+    from vlmctl.runtime.sampling import SamplingParams
+
+    sync = _engine(tiny_llava_engine, async_scheduling=False)
+    plain = sync.generate(_prompts(sync, 8), SamplingParams(max_tokens=24, temperature=0))
+    params = _mixed_params([c.text for c in plain], [c.token_ids for c in plain])
+    expected = [_result(c) for c in sync.generate(_prompts(sync, 8), params)]
+    assert expected[0][2] == "stop" and expected[2][2] == "stop"  # the stop rules did fire
+    assert sync.steps_ahead == 0
+
+    eng = _engine(tiny_llava_engine, async_scheduling=True)
+    got = [_result(c) for c in eng.generate(_prompts(eng, 8), params)]
+    assert [g[:4] for g in got] == [e[:4] for e in expected]
+    for g, e in zip(got, expected):
+        assert g[4] == pytest.approx(e[4], abs=1e-4)
+    assert sum(len(e[4]) for e in expected) > 50  # log-probabilities were compared
+    assert eng.steps_ahead > 0 and eng.stats()["async_scheduling"] is True
+    assert eng.pool.num_used() == 0 and not eng.has_work()
+
+
+def test_abort_and_arrivals_while_a_step_is_in_flight(tiny_llava_engine):
+    from vlmctl.runtime.sampling import SamplingParams
+
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    sync = _engine(tiny_llava_engine, async_scheduling=False)
+    a_ref, c_ref = (c.token_ids for c in sync.generate(_prompts(sync, 3)[0::2], greedy))
+
+    eng = _engine(tiny_llava_engine, async_scheduling=True)
+    prompts = _prompts(eng, 3)
+    a = eng.submit(prompts[0], greedy)
+    b = eng.submit(prompts[1], greedy)
+    while len(a.output_ids) < 5:
+        eng.step()
+    assert eng._in_flight is not None and eng.steps_ahead > 0  # a step's tokens are on their way
+    eng.abort(b.id)
+    c = eng.submit(prompts[2], greedy)  # arrives while a step is in flight: the scheduler admits it
+    while eng.has_work():
+        eng.step()
+    assert b.finish_reason == "abort" and len(b.output_ids) < 30
+    assert a.output_ids == a_ref and c.output_ids == c_ref
+    assert eng.pool.num_used() == 0 and eng.num_running == 0
+
+
+def test_the_last_position_of_a_sequence(tiny_llava_engine):
+    """A prompt and max_tokens that fill the engine's sequence limit. A request whose token in flight is its
+    last one (max_tokens) is left out of the step launched ahead: no step computes a token nobody reads."""
+    import dataclasses
+
+    from vlmctl.runtime.sampling import SamplingParams
+
+    sync = _engine(tiny_llava_engine, async_scheduling=False)
+    lim = sync.limits
+    long = sync.encode_text("the quick brown fox jumps over the lazy dog " * 24)
+    prompt = dataclasses.replace(long, token_ids=list(long.token_ids[:lim.max_input_len]))
+    params = SamplingParams(max_tokens=lim.max_seq_len - lim.max_input_len, temperature=0, ignore_eos=True)
+    assert params.max_tokens <= lim.max_output_len
+    expected = sync.generate([prompt], params)[0]
+    eng = _engine(tiny_llava_engine, async_scheduling=True)
+    got = eng.generate([prompt], params)[0]
+    assert got.token_ids == expected.token_ids and got.finish_reason == expected.finish_reason == "length"
+    assert len(prompt.token_ids) + len(got.token_ids) == lim.max_seq_len and eng.steps_ahead > 0
+    assert eng.steps == sync.steps
+    assert eng.pool.num_used() == 0
+
+
+def test_the_option_is_off_on_a_cpu_and_on_on_a_gpu(tiny_llava_engine):
+    eng = _engine(tiny_llava_engine)
+    assert eng.async_scheduling is (eng.device.type == "cuda")
