@@ -10,6 +10,8 @@ test_gpu_runtime.py checks that a step launched ahead never waits for the device
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tiny_models import make_image
@@ -54,9 +56,11 @@ def _mixed_params(reference_texts, reference_ids):
             SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_id]),
             SamplingParams(max_tokens=20, temperature=1.1, top_k=5, seed=12),
             SamplingParams(max_tokens=7, temperature=0.8, top_p=0.7, seed=13),
-            SamplingParams(max_tokens=5, temperature=0, frequency_penalty=0.5),  # runs every step it is in sync
+            SamplingParams(max_tokens=26, temperature=0, frequency_penalty=0.5, presence_penalty=0.3),
             SamplingParams(max_tokens=28, temperature=0.7, seed=14, logprobs=0),
-            SamplingParams(max_tokens=1, temperature=0)]
+            # counts kept on the device: each step's penalties must see the token sampled just before
+            SamplingParams(max_tokens=22, temperature=0.8, seed=15, repetition_penalty=1.3, min_p=0.05,
+                           logit_bias={reference_ids[1][0]: 3.0})]
 
 
 def test_mixed_requests_equal_the_synchronous_engine(tiny_llava_engine):
@@ -127,3 +131,65 @@ def test_the_last_position_of_a_sequence(tiny_llava_engine):
 def test_the_option_is_off_on_a_cpu_and_on_on_a_gpu(tiny_llava_engine):
     eng = _engine(tiny_llava_engine)
     assert eng.async_scheduling is (eng.device.type == "cuda")
+
+
+@pytest.fixture(scope="module")
+def two_servers(tiny_llava_engine):
+    """The same engine served twice on real uvicorn servers: synchronous steps, and async scheduling."""
+    from conftest import serve_engine
+
+    gens = [serve_engine(tiny_llava_engine, max_batch_size=8, async_scheduling=mode) for mode in (False, True)]
+    servers = [next(g) for g in gens]
+    yield servers
+    for g in gens:
+        next(g, None)
+
+
+def test_a_server_with_async_scheduling_answers_as_the_synchronous_one(two_servers):
+    """Through `vlmctl serve` and the official client: concurrent streams with seeds, stop strings, n > 1 and
+    log-probabilities give the same answers, and a client that leaves mid-stream (its request aborted from
+    the event loop while a step is in flight) costs the others nothing and leaks no KV block."""
+    import concurrent.futures as cf
+
+    openai = pytest.importorskip("openai")
+
+    def ask(url, i, stream):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        kw = dict(model=client.models.list().data[0].id, max_tokens=20 + i, seed=100 + i,
+                  temperature=0 if i % 3 == 0 else 0.8, messages=[{"role": "user", "content": f"story number {i}"}])
+        if i == 4:
+            kw.update(n=2)
+        if i == 5:
+            kw.update(logprobs=True, top_logprobs=2)
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                           if c.choices)
+            return [text]
+        r = client.chat.completions.create(**kw)
+        return [(c.message.content, c.finish_reason) for c in r.choices]
+
+    def leave_early(url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        stream = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=200,
+                                                messages=[{"role": "user", "content": "go on and on"}], stream=True,
+                                                extra_body={"ignore_eos": True})
+        for k, _ in enumerate(stream):
+            if k == 5:
+                stream.close()
+                break
+
+    answers = []
+    for url, app in two_servers:
+        with cf.ThreadPoolExecutor(8) as pool:
+            quitter = pool.submit(leave_early, url)
+            futs = [pool.submit(ask, url, i, i % 2 == 1) for i in range(7)]
+            answers.append([f.result() for f in futs])
+            quitter.result()
+        eng = app.state.engine
+        deadline = time.monotonic() + 10
+        while (eng.pool.num_used() or eng.num_running) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.pool.num_used() == 0 and eng.num_running == 0
+    sync_answers, async_answers = answers
+    assert async_answers == sync_answers
+    assert two_servers[1][1].state.engine.steps_ahead > 0 and two_servers[0][1].state.engine.steps_ahead == 0

@@ -353,7 +353,8 @@ def test_load_compiles_its_triton_kernels_in_one_parallel_pass(which, request, t
 
 def test_steps_launched_ahead_never_wait_for_the_gpu(fp16_engine):
     """Async scheduling (on by default here): every step of a decode batch launched ahead (graph replay,
-    sampling of every kind, the copies back) runs without an implicit synchronization, which torch's sync
+    sampling of every kind, penalties, logit_bias and min_p, the copies back) runs without an implicit
+    synchronization, which torch's sync
     debug mode turns into an error; the one wait is the explicit one for the previous step's tokens. The
     tokens equal the synchronous engine's."""
     from vlmctl.runtime.engine import Engine
@@ -362,7 +363,8 @@ def test_steps_launched_ahead_never_wait_for_the_gpu(fp16_engine):
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=40, temperature=0.9, seed=3, ignore_eos=True, logprobs=2),
               SamplingParams(max_tokens=40, temperature=1.0, top_k=7, top_p=0.8, ignore_eos=True),
-              SamplingParams(max_tokens=40, temperature=0.5, top_p=0.5, seed=4, ignore_eos=True)]
+              SamplingParams(max_tokens=40, temperature=0.5, top_p=0.5, seed=4, ignore_eos=True,
+                             frequency_penalty=0.4, repetition_penalty=1.2, min_p=0.05, logit_bias={5: 2.0})]
     sync = Engine(fp16_engine, device="cuda", kv_cache_tokens=1024, async_scheduling=False)
     expected = [c.token_ids for c in sync.generate(prompts(sync, 4), params)]
     del sync

@@ -682,9 +682,9 @@ class Engine:
     # ---- async scheduling: a decode step launched before the previous step's tokens are read ------------
     def _may_run_ahead(self, req: Request) -> bool:
         """Whether the next token of `req` can be computed before the host has seen its last one: not with a
-        grammar (its mask depends on that token), logits extras (counted on the host side's terms) or
-        cross-attention images."""
-        return req.grammar is None and not req.params.extras and req.cross is None
+        grammar (its mask depends on that token) or cross-attention images. Logits extras may: their token
+        counts are updated on the device, by the sampling that precedes the next one on the stream."""
+        return req.grammar is None and req.cross is None
 
     def _ends_at_next_token(self, req: Request) -> bool:
         """The token in flight is the request's last whatever it is (max_tokens or the sequence limit)."""

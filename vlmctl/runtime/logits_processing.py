@@ -107,11 +107,14 @@ class LogitsParams:
 
 
 def _to(values, dtype, device) -> "torch.Tensor":
-    """A small host list on `device` without a stream sync (a pageable non_blocking copy is staged
-    before it returns, so the host tensor may go)."""
+    """A small host list on `device` without waiting for the device's queued work: through pinned memory
+    (from pageable memory the driver may synchronize with the stream to stage the copy)."""
     import torch
 
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class _Entry:
@@ -206,10 +209,12 @@ class LogitsProcessor:
         idx = _to([i for i, _ in pos], torch.long, self.device)
         rows = _to([r for _, r in pos], torch.long, self.device)
         toks = tokens.reshape(-1).index_select(0, idx).long()
+        # an id outside the vocabulary adds nothing (masked by value, not by selection: selecting rows by a
+        # mask would read the mask back from the device, and the engine samples without waiting for it)
         ok = (toks >= 0) & (toks < self.vocab_size)
-        rows, toks = rows[ok], toks[ok]
-        self._counts.index_put_((rows, toks), torch.ones_like(toks, dtype=torch.int32), accumulate=True)
-        self._seen.index_put_((rows, toks), torch.ones_like(toks, dtype=torch.bool))
+        toks = toks.clamp(0, self.vocab_size - 1)
+        self._counts.index_put_((rows, toks), ok.to(torch.int32), accumulate=True)
+        self._seen.index_put_((rows, toks), self._seen[rows, toks] | ok)  # one token a row: no index repeats
 
     def output_counts(self, key: Hashable) -> "torch.Tensor":
         """int32 [V]: the request's output token counts (a copy; for tests and debugging)."""
