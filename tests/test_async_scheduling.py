@@ -10,7 +10,9 @@ test_gpu_runtime.py checks that a step launched ahead never waits for the device
 
 from __future__ import annotations
 
+import re
 import time
+import urllib.request
 
 import pytest
 
@@ -192,4 +194,9 @@ def test_a_server_with_async_scheduling_answers_as_the_synchronous_one(two_serve
         assert eng.pool.num_used() == 0 and eng.num_running == 0
     sync_answers, async_answers = answers
     assert async_answers == sync_answers
-    assert two_servers[1][1].state.engine.steps_ahead > 0 and two_servers[0][1].state.engine.steps_ahead == 0
+    ahead = []
+    for url, _ in two_servers:  # what /metrics says of it
+        text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+        ahead.append(float(re.search(r"^vlmctl_engine_steps_ahead_total\{[^}]*\} (\S+)$", text, re.M).group(1)))
+    assert ahead[0] == 0 and ahead[1] > 0
+    assert ahead[1] == two_servers[1][1].state.engine.steps_ahead

@@ -187,6 +187,7 @@ def _max_images(value: int | None, built: int, backend: str, vision_backend: str
 class Engine:
     _longest_token: int | None = None  # characters of the vocabulary's longest entry (computed at first use)
     _vision_ahead = 0  # images the vision worker may encode ahead of admission (0: no worker)
+    async_scheduling = False  # decode steps launched before the last step's tokens are read (the torch decoder)
 
     def __init__(self, engine_dir: Path, options: EngineOptions | None = None, **overrides):
         # a copy: the keyword overrides must not change the caller's EngineOptions (reused for another engine)
@@ -600,7 +601,7 @@ class Engine:
                "prompt_tokens_computed": self.prompt_tokens_computed,
                "feature_cache_hits": self.vision.cache.hits, "feature_cache_misses": self.vision.cache.misses,
                "vision_overlap": bool(self._vision_ahead),
-               "async_scheduling": bool(getattr(self, "async_scheduling", False)), "steps_ahead": self.steps_ahead,
+               "async_scheduling": self.async_scheduling, "steps_ahead": self.steps_ahead,
                "vision_graph_replays": getattr(self.vision.runner, "graph_replays", 0)}
         if self.scheduler is not None:
             out.update(kv_blocks_total=self.pool.capacity, kv_blocks_used=self.pool.num_used(),

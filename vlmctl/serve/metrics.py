@@ -53,6 +53,9 @@ class _EngineCollector:
         info.add_metric(list(lab.values()) + [st["vision_backend"]], 1)
         yield info
         counters = [
+            ("engine_steps", "Engine steps run (decoder forwards).", st["steps"]),
+            ("engine_steps_ahead", "Decode steps launched before the previous step's tokens were read (async "
+             "scheduling).", st["steps_ahead"]),
             ("image_feature_cache_hits", "Images whose features came from the content-hash cache.",
              st["feature_cache_hits"]),
             ("image_feature_cache_misses", "Images that went through the vision model.", st["feature_cache_misses"]),
