@@ -816,7 +816,8 @@ class Engine:
         toks, chosen, top = read
         out = []
         for i, (req, tok) in enumerate(zip(reqs, toks)):
-            lp = float(chosen[i]) if chosen is not None else None
+            # only for a request that asked: the batch computes them when any of its requests did
+            lp = float(chosen[i]) if chosen is not None and req.params.logprobs is not None else None
             tl = None
             if top is not None and req.params.logprobs:
                 k = req.params.logprobs
