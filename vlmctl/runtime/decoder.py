@@ -743,17 +743,16 @@ class TorchDecoder:
         B = self.bucket(b)
         entry = self._graphs.get((B, with_cross)) or self._capture(B, with_cross)
         graph, st, out = entry
-        if st.get("copied") is not None:
-            # the pinned buffer's last copy may still be queued (a step launched before the previous one's
-            # tokens were read): it must have left before the buffer is rewritten
-            st["copied"].synchronize()
+        copied = st.setdefault("copied", torch.cuda.Event())
+        # the pinned buffer's last copy may still be queued (a step launched before the previous one's tokens
+        # were read): it must have left before the buffer is rewritten (a no-op for an event never recorded)
+        copied.synchronize()
         self._fill_graph_inputs(st, np.zeros(b, dtype=np.int64) if on_device else ids, positions, slots,
                                 block_tables, context_lens, cross_tables, cross_lens)
         st["dev"].copy_(st["host"], non_blocking=True)
         if on_device:
             st["dev"][0:b].copy_(ids)
-        st["copied"] = torch.cuda.Event()
-        st["copied"].record()
+        copied.record()
         graph.replay()
         return out[:b]
 

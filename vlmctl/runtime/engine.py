@@ -59,9 +59,10 @@ from ..models.registry import get_family
 from .image_limits import ImageLimits, decode_image
 from .kv_cache import BlockPool, image_row_tokens
 from .request import FINISHED, RUNNING, Completion, Request, StepEvent
-from .sampling import SamplingParams, TokensInFlight, make_generator, sample, to_device
+from .sampling import SamplingParams, TokensInFlight, make_generator, sample
 from .scheduler import Scheduled, Scheduler
 from .stopping import TextStream
+from .transfers import to_device
 
 log = logging.getLogger("vlmctl.engine")
 

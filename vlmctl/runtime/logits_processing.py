@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Sequence
 
 from ..errors import InputError
+from .transfers import to_device
 
 if TYPE_CHECKING:
     import torch
@@ -104,17 +105,6 @@ class LogitsParams:
         """Whether the request needs per-token state (penalties) or a bias: LogitsProcessor's business."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias)
-
-
-def _to(values, dtype, device) -> "torch.Tensor":
-    """A small host list on `device` without waiting for the device's queued work: through pinned memory
-    (from pageable memory the driver may synchronize with the stream to stage the copy)."""
-    import torch
-
-    t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class _Entry:
@@ -206,8 +196,8 @@ class LogitsProcessor:
         if not pos:
             return
         tokens = torch.as_tensor(tokens).to(self.device, non_blocking=True)
-        idx = _to([i for i, _ in pos], torch.long, self.device)
-        rows = _to([r for _, r in pos], torch.long, self.device)
+        idx = to_device([i for i, _ in pos], torch.long, self.device)
+        rows = to_device([r for _, r in pos], torch.long, self.device)
         toks = tokens.reshape(-1).index_select(0, idx).long()
         # an id outside the vocabulary adds nothing (masked by value, not by selection: selecting rows by a
         # mask would read the mask back from the device, and the engine samples without waiting for it)
@@ -235,8 +225,8 @@ class LogitsProcessor:
         V = self.vocab_size
         if logits.shape[1] < V:
             raise ValueError(f"logits have {logits.shape[1]} columns, fewer than the vocabulary ({V})")
-        li = _to([i for i, _ in sel], torch.long, dev)
-        pool_rows = _to([e.row for _, e in sel], torch.long, self.device)
+        li = to_device([i for i, _ in sel], torch.long, dev)
+        pool_rows = to_device([e.row for _, e in sel], torch.long, self.device)
         sub = logits.index_select(0, li)[:, :V]  # [k, V] copy, logits' dtype
         # logit_bias: one scatter for every biased row of the batch
         biased = [(j, e) for j, (_, e) in enumerate(sel) if e.bias_ids is not None]
@@ -247,14 +237,14 @@ class LogitsProcessor:
             sub.index_put_((r, c), v, accumulate=True)
         ps = [e.params for _, e in sel]
         if any(p.repetition_penalty != 1.0 for p in ps):
-            pen = _to([p.repetition_penalty for p in ps], sub.dtype, dev)[:, None]
+            pen = to_device([p.repetition_penalty for p in ps], sub.dtype, dev)[:, None]
             seen = self._seen.index_select(0, pool_rows).to(dev)
             # transformers: a negative logit is multiplied by the penalty, any other divided by it
             sub = torch.where(seen, torch.where(sub < 0, sub * pen, sub / pen), sub)
         if any(p.presence_penalty or p.frequency_penalty for p in ps):
             counts = self._counts.index_select(0, pool_rows).to(dev)
-            freq = _to([p.frequency_penalty for p in ps], torch.float32, dev)[:, None]
-            pres = _to([p.presence_penalty for p in ps], torch.float32, dev)[:, None]
+            freq = to_device([p.frequency_penalty for p in ps], torch.float32, dev)[:, None]
+            pres = to_device([p.presence_penalty for p in ps], torch.float32, dev)[:, None]
             # computed in float32 (a count times a penalty can lose digits in half precision)
             sub = (sub.float() - counts * freq - (counts > 0) * pres).to(sub.dtype)
         logits[li, :V] = sub
@@ -278,10 +268,10 @@ def apply_min_p(logits: "torch.Tensor", min_p: Sequence[float] | "torch.Tensor",
     if not rows:
         return logits
     dev = logits.device
-    idx = _to(rows, torch.long, dev)
+    idx = to_device(rows, torch.long, dev)
     sub = logits.index_select(0, idx).float()
     # ln(min_p) is -inf at 0 (excluded above) and 0 at 1 (only the top tokens stay)
-    margin = _to([tp[i] * math.log(mp[i]) for i in rows], torch.float32, dev)[:, None]
+    margin = to_device([tp[i] * math.log(mp[i]) for i in rows], torch.float32, dev)[:, None]
     top = sub.max(dim=-1, keepdim=True).values
     drop = sub < top + margin
     logits[idx] = logits.index_select(0, idx).masked_fill(drop, float("-inf"))

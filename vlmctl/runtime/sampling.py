@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .logits_processing import LogitsParams
 
 from ..errors import InputError
+from .transfers import to_device
 
 # Below this a temperature cannot be told from greedy in float32 (logits / 1e-5 is still finite for
 # any logit the models produce; 1e-39 is not), so it is greedy.
@@ -153,15 +154,6 @@ def make_generator(seed: int | None, device) -> torch.Generator | None:
         s = (s ^ ((s >> 32) * 0x9E37_79B1)) & 0xFFFF_FFFF
     g.manual_seed(s)
     return g
-
-
-def to_device(values: list, dtype, device) -> torch.Tensor:
-    """A small host list on `device` without waiting for the device's queued work (through pinned
-    memory: a plain `torch.tensor(..., device=...)` synchronizes the stream)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
