@@ -10,6 +10,7 @@ test_gpu_runtime.py checks that a step launched ahead never waits for the device
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import urllib.request
@@ -47,8 +48,17 @@ def _result(c):
     return c.token_ids, c.text, c.finish_reason, ids, values
 
 
-def _mixed_params(reference_texts, reference_ids):
+SCHEMA = {"type": "object", "properties": {"c": {"enum": ["red", "green", "blue"]},
+                                           "n": {"type": "integer", "minimum": 1, "maximum": 9}},
+          "required": ["c", "n"], "additionalProperties": False}
+
+
+def _mixed_params(eng, reference_texts, reference_ids):
+    from vlmctl.runtime.grammar import GrammarSpec
     from vlmctl.runtime.sampling import SamplingParams
+
+    tok = eng.tokenizer
+    no_space = {i: -100.0 for i in range(len(tok)) if tok.decode([i]) and not tok.decode([i]).strip()}
 
     # stop rules that fire: a piece of what the synchronous engine wrote, one of the tokens it drew
     stop_text = reference_texts[0][3:6]
@@ -59,7 +69,9 @@ def _mixed_params(reference_texts, reference_ids):
             SamplingParams(max_tokens=20, temperature=1.1, top_k=5, seed=12),
             SamplingParams(max_tokens=7, temperature=0.8, top_p=0.7, seed=13),
             SamplingParams(max_tokens=26, temperature=0, frequency_penalty=0.5, presence_penalty=0.3),
-            SamplingParams(max_tokens=28, temperature=0.7, seed=14, logprobs=0),
+            # the grammar accepts the token read before the step launched ahead is sampled under its mask
+            SamplingParams(max_tokens=60, temperature=0.7, seed=14, logprobs=0, grammar=GrammarSpec.json_schema(SCHEMA),
+                           logit_bias=no_space),
             # counts kept on the device: each step's penalties must see the token sampled just before
             SamplingParams(max_tokens=22, temperature=0.8, seed=15, repetition_penalty=1.3, min_p=0.05,
                            logit_bias={reference_ids[1][0]: 3.0})]
@@ -70,9 +82,10 @@ def test_mixed_requests_equal_the_synchronous_engine(tiny_llava_engine):
 
     sync = _engine(tiny_llava_engine, async_scheduling=False)
     plain = sync.generate(_prompts(sync, 8), SamplingParams(max_tokens=24, temperature=0))
-    params = _mixed_params([c.text for c in plain], [c.token_ids for c in plain])
+    params = _mixed_params(sync, [c.text for c in plain], [c.token_ids for c in plain])
     expected = [_result(c) for c in sync.generate(_prompts(sync, 8), params)]
     assert expected[0][2] == "stop" and expected[2][2] == "stop"  # the stop rules did fire
+    assert json.loads(expected[6][1])["c"] in ("red", "green", "blue") and expected[6][2] == "stop"
     assert sync.steps_ahead == 0
 
     eng = _engine(tiny_llava_engine, async_scheduling=True)

@@ -353,27 +353,28 @@ def test_load_compiles_its_triton_kernels_in_one_parallel_pass(which, request, t
 
 def test_steps_launched_ahead_never_wait_for_the_gpu(fp16_engine):
     """Async scheduling (on by default here): every step of a decode batch launched ahead (graph replay,
-    sampling of every kind, penalties, logit_bias and min_p, the copies back) runs without an implicit
-    synchronization, which torch's sync
-    debug mode turns into an error; the one wait is the explicit one for the previous step's tokens. The
-    tokens equal the synchronous engine's."""
+    sampling of every kind, penalties, logit_bias, min_p and a grammar's mask, the copies back) runs without
+    an implicit synchronization, which torch's sync debug mode turns into an error; the one wait is the
+    explicit one for the previous step's tokens. The tokens equal the synchronous engine's."""
     from vlmctl.runtime.engine import Engine
+    from vlmctl.runtime.grammar import GrammarSpec
     from vlmctl.runtime.sampling import SamplingParams
 
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=40, temperature=0.9, seed=3, ignore_eos=True, logprobs=2),
               SamplingParams(max_tokens=40, temperature=1.0, top_k=7, top_p=0.8, ignore_eos=True),
               SamplingParams(max_tokens=40, temperature=0.5, top_p=0.5, seed=4, ignore_eos=True,
-                             frequency_penalty=0.4, repetition_penalty=1.2, min_p=0.05, logit_bias={5: 2.0})]
+                             frequency_penalty=0.4, repetition_penalty=1.2, min_p=0.05, logit_bias={5: 2.0}),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=5, grammar=GrammarSpec.json_object())]
     sync = Engine(fp16_engine, device="cuda", kv_cache_tokens=1024, async_scheduling=False)
-    expected = [c.token_ids for c in sync.generate(prompts(sync, 4), params)]
+    expected = [c.token_ids for c in sync.generate(prompts(sync, 5), params)]
     del sync
     eng = Engine(fp16_engine, device="cuda", kv_cache_tokens=1024)
     assert eng.async_scheduling
-    reqs = [eng.submit(p, sp) for p, sp in zip(prompts(eng, 4), params)]
+    reqs = [eng.submit(p, sp) for p, sp in zip(prompts(eng, 5), params)]
     checked = 0
     while eng.has_work():
-        if eng._in_flight is not None and all(len(r.output_ids) > 2 for r in reqs):
+        if eng._in_flight is not None and all(len(r.output_ids) > 2 or r.finished for r in reqs):
             torch.cuda.set_sync_debug_mode("error")
             try:
                 eng.step()
@@ -383,6 +384,7 @@ def test_steps_launched_ahead_never_wait_for_the_gpu(fp16_engine):
         else:
             eng.step()
     assert checked > 20 and eng.steps_ahead > 20
-    for i in (0, 1, 3):  # the seeded and greedy ones (row 2 draws from the global generator)
+    for i in (0, 1, 3, 4):  # the seeded and greedy ones (row 2 draws from the global generator)
         assert reqs[i].output_ids == expected[i]
+    assert reqs[4].finish_reason in ("stop", "length") and reqs[4].error is None
 

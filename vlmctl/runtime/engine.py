@@ -683,10 +683,11 @@ class Engine:
 
     # ---- async scheduling: a decode step launched before the previous step's tokens are read ------------
     def _may_run_ahead(self, req: Request) -> bool:
-        """Whether the next token of `req` can be computed before the host has seen its last one: not with a
-        grammar (its mask depends on that token) or cross-attention images. Logits extras may: their token
-        counts are updated on the device, by the sampling that precedes the next one on the stream."""
-        return req.grammar is None and req.cross is None
+        """Whether the next token of `req` can be computed before the host has seen its last one: not with
+        cross-attention images. A grammar may: its mask is needed only to sample, and `_step_ahead` samples
+        after the grammar has accepted the token read. Logits extras may: their token counts are updated on
+        the device, by the sampling that precedes the next one on the stream."""
+        return req.cross is None
 
     def _ends_at_next_token(self, req: Request) -> bool:
         """The token in flight is the request's last whatever it is (max_tokens or the sequence limit)."""

@@ -427,7 +427,9 @@ def apply_bitmask(logits: "torch.Tensor", bitmask: "torch.Tensor", rows: "torch.
         for j, r in enumerate(rows.tolist()):
             logits[r].add_(add[j])
     else:
-        logits.index_add_(0, rows.to(dev, torch.long, non_blocking=True), add)
+        from .transfers import to_device
+
+        logits.index_add_(0, to_device(rows.tolist(), torch.long, dev), add)
     return logits
 
 
@@ -472,8 +474,9 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher | None], bitmask: "torch.Ten
 
 class MaskBuffer:
     """A reusable host bitmask for `apply_masks`, grown as the batch grows. The engine keeps one;
-    a buffer is rewritten by the next call, which is safe because the engine reads the sampled
-    tokens back (a sync) between steps."""
+    a buffer is rewritten by the next call, which is safe because before it samples a step the engine
+    waits for the previous step's tokens, whose copy follows this buffer's on the stream (also with
+    async scheduling, where it waits for them after launching the step's forward)."""
 
     def __init__(self, vocab_size: int):
         self.vocab_size = int(vocab_size)
