@@ -284,3 +284,26 @@ def test_random_workloads_equal_the_synchronous_engine(tiny_llava_engine, seed):
     for k in kept:
         assert ahead[k][4] == pytest.approx(sync[k][4], abs=1e-4)
     assert eng.steps_ahead > 0
+
+
+def test_cross_attention_requests_with_and_without_images(tmp_path):
+    """Llama 3.2 Vision: a step launched ahead passes each row's cross-attention blocks (none for a text-only
+    request), as the synchronous step does."""
+    from conftest import write_recipe
+    from tiny_mllama import make_mllama
+    from vlmctl.pipeline import build
+    from vlmctl.recipe import load_recipe
+    from vlmctl.runtime.sampling import SamplingParams
+
+    ckpt = make_mllama(tmp_path / "ckpt")
+    build(load_recipe(write_recipe(tmp_path / "r.yaml", ckpt, limits={"max_batch_size": 4})), tmp_path / "eng")
+    out = {}
+    for mode in (False, True):
+        eng = _engine(tmp_path / "eng", async_scheduling=mode)
+        prompts = [eng.encode([{"role": "user", "content": [{"type": "image"}] * (i % 2 == 0)
+                                + [{"type": "text", "text": f"hi there {i}"}]}],
+                              [make_image(i)] if i % 2 == 0 else []) for i in range(4)]
+        params = [SamplingParams(max_tokens=12 + i, temperature=0, ignore_eos=True) for i in range(4)]
+        out[mode] = [c.token_ids for c in eng.generate(prompts, params)]
+        assert (eng.steps_ahead > 0) == mode and eng.pool.num_used() == 0
+    assert out[True] == out[False]

@@ -100,12 +100,12 @@ def test_chunked_prefix_and_preempted_runs_equal_the_default_run(engine_dir):
 
 def test_async_scheduling_equals_the_default_run(engine_dir):
     """Decode steps launched before the previous step's tokens are read (on by default on GPUs) give the
-    same tokens, also chunked and preempted; only cross-attention images keep every step synchronous."""
+    same tokens, also chunked and preempted (for Llama 3.2 Vision with its cross-attention K/V read by the
+    steps launched ahead)."""
     _, prompts, base = _run(engine_dir, async_scheduling=False)
     eng, _, ahead = _run(engine_dir, async_scheduling=True)
     assert ahead == base
-    cross = eng.decoder.n_cross_layers > 0
-    assert (eng.steps_ahead == 0) if cross else (eng.steps_ahead > 0)
+    assert eng.steps_ahead > 0
     _, _, chunked = _run(engine_dir, async_scheduling=True, max_num_batched_tokens=5, max_batch_size=3, block_size=4)
     assert chunked == base
     room = sum(-(-len(p.token_ids) // 4) * 4 for p in prompts) + 8

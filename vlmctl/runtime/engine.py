@@ -683,11 +683,12 @@ class Engine:
 
     # ---- async scheduling: a decode step launched before the previous step's tokens are read ------------
     def _may_run_ahead(self, req: Request) -> bool:
-        """Whether the next token of `req` can be computed before the host has seen its last one: not with
-        cross-attention images. A grammar may: its mask is needed only to sample, and `_step_ahead` samples
-        after the grammar has accepted the token read. Logits extras may: their token counts are updated on
-        the device, by the sampling that precedes the next one on the stream."""
-        return req.cross is None
+        """Whether the next token of `req` can be computed before the host has seen its last one: by the
+        decode step, so not with cross-attention images its generated tokens do not attend (those run as
+        chunks). A grammar may: its mask is needed only to sample, and `_step_ahead` samples after the
+        grammar has accepted the token read. Logits extras may: their token counts are updated on the device,
+        by the sampling that precedes the next one on the stream."""
+        return req.cross is None or req.cross.decode_mlp
 
     def _ends_at_next_token(self, req: Request) -> bool:
         """The token in flight is the request's last whatever it is (max_tokens or the sequence limit)."""
@@ -759,7 +760,11 @@ class Engine:
         pos = np.array([p + r.rope_delta for p, r in zip(at, ahead)], dtype=np.int64)
         slots = np.array([r.block_ids[p // bs] * bs + p % bs for p, r in zip(at, ahead)], dtype=np.int64)
         lens = np.array([p + 1 for p in at], dtype=np.int64)
-        return dec.decode(ids, pos, slots, [r.block_ids for r in ahead], lens)
+        xtabs = xlens = None
+        if any(r.cross is not None for r in ahead):  # as `_run` passes them
+            xtabs = [r.cross_blocks if r.cross is not None else [] for r in ahead]
+            xlens = np.array([r.cross.decode_hi if r.cross is not None else 0 for r in ahead], dtype=np.int64)
+        return dec.decode(ids, pos, slots, [r.block_ids for r in ahead], lens, xtabs, xlens)
 
     def _accept(self, events: list[StepEvent], reqs: list[Request], picked: list) -> None:
         """Hand out each request's sampled token (or its sampling failure) as events."""
