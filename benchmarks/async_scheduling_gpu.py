@@ -32,29 +32,12 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent / "tests"))
 
+from gpu_timing import copy_bandwidth  # noqa: E402
 from serving_gpu import SEVEN_B, SMOKE, build_engine, load_engine, make_awq_engine, make_checkpoint  # noqa: E402
 
 
 def log(*a):
     print(*a, flush=True)
-
-
-def copy_bandwidth() -> float | None:
-    """Device-to-device copy bandwidth, bytes/s (read + write counted), median of 5; None on a CPU."""
-    if not torch.cuda.is_available():
-        return None
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(6):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3)
-    del a, b
-    return 2 * (1 << 30) / float(np.median(times[1:]))
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -128,7 +111,7 @@ def main() -> None:
     ckpt = make_checkpoint(args.work / "ckpt", shape, dev)
     engine, build_s = build_engine(ckpt, args.work, "float16" if dev == "cuda" else "float32")
     log(f"checkpoint and engine in {time.perf_counter() - t0:.0f} s (build {build_s:.0f} s)")
-    bw = copy_bandwidth()
+    bw = copy_bandwidth() if dev == "cuda" else None
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "copy_bandwidth_Bps": bw,
            "engines": [bench(engine, "fp16", args)]}
     if args.awq:
