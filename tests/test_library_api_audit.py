@@ -185,7 +185,8 @@ def test_keyword_overrides_leave_the_callers_options_alone(tiny_llava_engine):
 @pytest.mark.parametrize("kw", [{"block_size": 0}, {"block_size": -16}, {"max_batch_size": "4"},
                                 {"max_batch_size": 2.5}, {"max_num_batched_tokens": -5},
                                 {"max_num_batched_tokens": 0}, {"image_limits": {"max_side": 10}},
-                                {"vision_batch_size": 0}, {"feature_cache_size": -1}])
+                                {"vision_batch_size": 0}, {"feature_cache_size": -1}, {"async_scheduling": "no"},
+                                {"cuda_graphs": 0}, {"enable_prefix_caching": None}])
 def test_bad_engine_options_are_option_errors(tiny_llava_engine, kw):
     """block_size 0 and a string max_batch_size were EngineErrors (exit 8) blaming the engine's files and
     pointing at `vlmctl verify`; a non-positive token budget was silently replaced; a dict of image limits

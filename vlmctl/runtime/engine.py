@@ -107,6 +107,10 @@ class EngineOptions:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
                 raise OptionError(f"--{name.replace('_', '-')} must be an integer (got {v!r})")
+        for name in ("enable_prefix_caching", "cuda_graphs", "vision_overlap", "async_scheduling"):
+            v = getattr(self, name)
+            if not isinstance(v, bool) and not (v is None and name in ("vision_overlap", "async_scheduling")):
+                raise OptionError(f"{name} must be true or false (got {v!r})")
         if self.vision_batch_size is not None and self.vision_batch_size < 1:
             raise OptionError(f"--vision-batch-size must be at least 1 (got {self.vision_batch_size})")
         if self.feature_cache_size is not None and self.feature_cache_size < 0:
