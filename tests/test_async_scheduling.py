@@ -307,3 +307,28 @@ def test_cross_attention_requests_with_and_without_images(tmp_path):
         out[mode] = [c.token_ids for c in eng.generate(prompts, params)]
         assert (eng.steps_ahead > 0) == mode and eng.pool.num_used() == 0
     assert out[True] == out[False]
+
+
+@pytest.mark.parametrize("flag, on", [("--async-scheduling", True), (None, False)])
+def test_the_serve_flag(tiny_llava_engine, tmp_path, flag, on):
+    """`vlmctl serve --async-scheduling` (the installed command line, as a process): the start-up line says
+    so, and the server answers with steps launched ahead; without the flag a CPU server runs synchronously."""
+    import signal
+
+    import httpx
+
+    from conftest import serve_process
+
+    err = open(tmp_path / "serve.err", "w+")
+    args = ["--stats-interval", "0"] + ([flag] if flag else [])
+    with serve_process(tiny_llava_engine, tmp_path, *args, err=err) as (proc, url):
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    ahead = float(re.search(r"^vlmctl_engine_steps_ahead_total\{[^}]*\} (\S+)$", metrics, re.M).group(1))
+    assert (ahead > 0) == on
+    start = next(line for line in (tmp_path / "serve.err").read_text().splitlines() if "vlmctl serve" in line)
+    assert ("async scheduling;" in start) == on, start

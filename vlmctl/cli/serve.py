@@ -153,9 +153,10 @@ def serve_command(
 
     # a log line, not console output: with --log-format json every line on stderr is one JSON object
     logging.getLogger("vlmctl.serve").info(
-        "vlmctl serve %s on http://%s:%d/v1 (%s; max batch %d; %svision %s; %s)", app.state.model_name, host, port,
+        "vlmctl serve %s on http://%s:%d/v1 (%s; max batch %d; %s%svision %s; %s)", app.state.model_name, host, port,
         eng.device, eng.limits.max_batch_size,
-        f"KV cache {eng.limits.kv_cache_tokens} tokens; " if eng.limits.kv_cache_tokens else "", eng.vision_summary,
+        f"KV cache {eng.limits.kv_cache_tokens} tokens; " if eng.limits.kv_cache_tokens else "",
+        "async scheduling; " if eng.async_scheduling else "", eng.vision_summary,
         "API key required" if keys else "no API key")
     run_server(app, host, port, shutdown_timeout_s=shutdown_timeout, log_level=log_level.lower(),
                log_format=log_format)
