@@ -964,6 +964,18 @@ def test_gpu_graphed_decode_equals_eager(gpu_engine):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_gpu_async_scheduling_equals_synchronous_steps(gpu_engine):
+    """Steps launched before the last step's tokens are read (the default on a GPU) replay the same graphs,
+    with and without the cross-attention layers, and give the synchronous engine's tokens."""
+    eng_a, ahead = _gpu_run(gpu_engine)
+    eng_s, sync = _gpu_run(gpu_engine, async_scheduling=False)
+    assert eng_a.async_scheduling and eng_a.steps_ahead > 0 and eng_s.steps_ahead == 0
+    assert any(k[1] for k in eng_a.decoder._graphs)
+    assert ahead == sync
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_chunked_prefix_and_preempted_runs_match_a_plain_run(gpu_engine):
     """fp16: equal tokens but for near-ties (parity.assert_equal_but_near_ties says why); on an H200 one
     of six Mllama sequences took the other side of an exact tie (-3.2774 nats both) at its 23rd
