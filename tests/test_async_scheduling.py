@@ -332,3 +332,30 @@ def test_the_serve_flag(tiny_llava_engine, tmp_path, flag, on):
     assert (ahead > 0) == on
     start = next(line for line in (tmp_path / "serve.err").read_text().splitlines() if "vlmctl serve" in line)
     assert ("async scheduling;" in start) == on, start
+
+
+def test_steps_run_ahead_while_the_queue_waits_for_blocks(tiny_llava_engine):
+    """A request left waiting because the KV pool is too full for its prompt does not stop the running ones'
+    steps from launching ahead (before, any waiting request made every step synchronous, so under memory
+    pressure, when load is highest, async scheduling was off); it is admitted when blocks free up, and every
+    token equals the synchronous engine's."""
+    from vlmctl.runtime.sampling import SamplingParams
+
+    outputs, waited_ahead = {}, 0
+    for mode in (False, True):
+        eng = _engine(tiny_llava_engine, async_scheduling=mode, block_size=4, kv_cache_tokens=168, max_batch_size=4)
+        prompts = [eng.encode_text(t) for t in ["hello world number one tell", "the quick brown fox jumps",
+                                                "a story about a robot please"]]
+        long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+        a, b = eng.submit(prompts[0], long), eng.submit(prompts[1], long)
+        c = None
+        while c is None or eng.has_work():
+            if c is None and len(a.output_ids) >= 52:  # the pool now holds too little for c's prompt
+                c = eng.submit(prompts[2], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+            waiting, before = eng.num_waiting, eng.steps_ahead
+            eng.step()
+            waited_ahead += bool(waiting and eng.steps_ahead > before)
+        outputs[mode] = [a.output_ids, b.output_ids, c.output_ids]
+        assert len(c.output_ids) == 20 and eng.pool.num_used() == 0
+    assert outputs[True] == outputs[False]
+    assert waited_ahead > 0

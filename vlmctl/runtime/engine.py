@@ -699,6 +699,17 @@ class Engine:
         n = len(req.output_ids) + 1
         return n >= req.params.max_tokens or req.prompt_len + n >= self.limits.max_seq_len
 
+    def _may_admit(self) -> bool:
+        """Whether the scheduler could admit the head of the queue now: a free sequence slot and free blocks
+        for its first chunk (prefix-cache hits not counted, so a request that would fit only with them waits
+        a step longer). While the pool is too full for it, decode steps keep running ahead."""
+        sch = self.scheduler
+        room = sch.max_num_batched_tokens - len(sch.running)  # the step's budget after one token a running request
+        if not sch.waiting or len(sch.running) >= sch.max_num_seqs or room <= 0:
+            return False
+        first = min(sch.waiting[0].num_tokens, room)
+        return sch.pool.num_free() >= -(-first // sch.block_size)
+
     def _rows_ahead(self, rows: list[Scheduled]) -> list[Request] | None:
         """The requests whose next decode step can launch now, with the tokens of `rows` (the step in
         flight) as input ids; None when the scheduler must decide the next step (a prompt to prefill or
@@ -707,8 +718,8 @@ class Engine:
         live = [s.request for s in rows if s.request.status == RUNNING]
         if not live or len(live) != len(sch.running):  # a running request outside it: a prompt being prefilled
             return None
-        if sch.waiting and len(sch.running) < sch.max_num_seqs:
-            return None  # the scheduler may admit a waiting request
+        if self._may_admit():
+            return None  # the scheduler can admit a waiting request
         if len(live) > sch.max_num_batched_tokens or not all(self._may_run_ahead(r) for r in live):
             return None
         ahead = [r for r in live if not self._ends_at_next_token(r)]
