@@ -359,3 +359,33 @@ def test_steps_run_ahead_while_the_queue_waits_for_blocks(tiny_llava_engine):
         assert len(c.output_ids) == 20 and eng.pool.num_used() == 0
     assert outputs[True] == outputs[False]
     assert waited_ahead > 0
+
+
+def test_prompts_are_admitted_and_prefilled_in_steps_launched_ahead(tiny_llava_engine):
+    """A request arriving while a step is in flight is admitted, and its prompt prefilled chunk by chunk, by
+    steps launched ahead: beside its chunks, the running request's decode row takes the token still on the
+    device. (Before, a request the scheduler could admit made the step synchronous, and each of its prefill
+    steps too; it waited for the step in flight before its first chunk launched.) Every token equals the
+    synchronous engine's, and no block leaks."""
+    from vlmctl.runtime.sampling import SamplingParams
+
+    outputs, prefill_steps = {}, {}
+    for mode in (False, True):
+        eng = _engine(tiny_llava_engine, async_scheduling=mode, max_num_batched_tokens=9)
+        prompts = _prompts(eng, 3)
+        a = eng.submit(prompts[1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        while len(a.output_ids) < 3:
+            eng.step()
+        b = eng.submit(prompts[0], SamplingParams(max_tokens=10, temperature=0.8, seed=3, logprobs=2))  # with an image
+        assert b.prompt_len > 3 * 9  # prefilled over several steps
+        prefill_steps[mode] = []
+        while eng.has_work():
+            before, ahead = b.num_computed, eng.steps_ahead
+            eng.step()
+            if b.num_computed > before and before < b.prompt_len:
+                prefill_steps[mode].append(eng.steps_ahead > ahead)
+        outputs[mode] = [a.output_ids, b.output_ids, [d["token_id"] for d in b.logprobs]]
+        assert eng.pool.num_used() == 0 and len(b.output_ids) == 10
+    assert outputs[True] == outputs[False]
+    assert len(prefill_steps[True]) >= 4 and all(prefill_steps[True]), prefill_steps[True]
+    assert not any(prefill_steps[False])

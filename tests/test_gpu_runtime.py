@@ -388,3 +388,40 @@ def test_steps_launched_ahead_never_wait_for_the_gpu(fp16_engine):
         assert reqs[i].output_ids == expected[i]
     assert reqs[4].finish_reason in ("stop", "length") and reqs[4].error is None
 
+
+def test_prompts_admitted_ahead_never_wait_for_the_gpu(fp16_engine):
+    """Async scheduling: a text prompt that arrives while decode steps are in flight is admitted and prefilled
+    (in chunks, with min_p and a seed) by steps launched ahead, beside the running requests' decode rows; those
+    steps, the chunk forward's input copies included, run without an implicit synchronization (torch's sync
+    debug mode makes one an error). The tokens equal the synchronous engine's."""
+    from vlmctl.runtime.engine import Engine
+    from vlmctl.runtime.sampling import SamplingParams
+
+    long = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    late = SamplingParams(max_tokens=12, temperature=0.7, seed=9, min_p=0.05, ignore_eos=True)
+    text = "count from one to twenty and then say the colours of the rainbow in order please"
+    out = {}
+    for mode in (False, True):
+        eng = Engine(fp16_engine, device="cuda", kv_cache_tokens=1024, max_num_batched_tokens=8,
+                     async_scheduling=mode)
+        a, b = (eng.submit(p, long) for p in prompts(eng, 2))
+        while len(b.output_ids) < 4:
+            eng.step()
+        c = eng.submit(eng.encode_text(text), late)
+        checked = 0
+        while eng.has_work():
+            prefilling = c.num_computed < c.prompt_len
+            if mode and prefilling and eng._in_flight is not None:
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    eng.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                checked += 1
+            else:
+                eng.step()
+        out[mode] = [a.output_ids, b.output_ids, c.output_ids]
+        if mode:
+            assert checked >= 3 and eng.steps_ahead > 20
+    assert out[True] == out[False]
+

@@ -41,6 +41,7 @@ from ..errors import EngineError
 from ..formats.torch_layout import DecoderSpec, read_layout, torch_dtype, weights_location
 from ..host import cuda_graphs_allowed
 from . import ops
+from .transfers import to_device
 
 
 class Linear:
@@ -409,7 +410,7 @@ class TorchDecoder:
         if len(block_table) * bs < R:
             raise EngineError(f"{R} image rows do not fit {len(block_table)} cross blocks of {bs}")
         idx = torch.arange(R, device=self.device)
-        slots = torch.tensor(block_table, dtype=torch.long, device=self.device)[idx // bs] * bs + idx % bs
+        slots = to_device(block_table, torch.long, self.device)[idx // bs] * bs + idx % bs
         x = states.to(self.device, self.dtype)
         for layer in self.layers:
             c = layer.cross
@@ -504,7 +505,7 @@ class TorchDecoder:
 
     def _mrope_cos_sin(self, positions: np.ndarray) -> torch.Tensor:
         """cos|sin rows [T, d] of 3-D positions: each frequency section takes its own position component."""
-        pos = torch.from_numpy(positions).to(self.device)
+        pos = to_device(positions, None, self.device)
         full = cos_sin_table(self.inv_freq, self.spec.rope_attention_scaling, pos)  # [3, T, d]
         half = self.head_dim // 2
         comp = torch.cat([torch.full((s,), i % 3, dtype=torch.long) for i, s in enumerate(self.mrope_section)])
@@ -549,29 +550,29 @@ class TorchDecoder:
             positions = torch.arange(T, device=dev)
         else:
             rope_tables = [layer.cos_sin for layer in self.layers]
-            positions = torch.from_numpy(np.concatenate([c.positions for c in cs]).astype(np.int64)).to(dev)
-        ids_t = torch.from_numpy(ids).to(dev)
-        slot_t = torch.from_numpy(slots).to(dev)
+            positions = to_device(np.concatenate([c.positions for c in cs]).astype(np.int64), None, dev)
+        ids_t = to_device(ids, None, dev)
+        slot_t = to_device(slots, None, dev)
         if fake_rows:
-            fr = torch.from_numpy(np.concatenate(fake_rows)).to(dev)
-            tr = torch.from_numpy(np.concatenate(table_rows)).to(dev)
+            fr = to_device(np.concatenate(fake_rows), None, dev)
+            tr = to_device(np.concatenate(table_rows), None, dev)
             table = torch.cat([t.to(dev) for t in tables]) if len(tables) > 1 else tables[0].to(dev)
         else:
             fr = tr = table = None
         n_dec = sum(1 for c in cs if c.is_decode)
         if n_dec:
             maxb = max(len(c.block_table) for c in cs[:n_dec])
-            bt_dec = torch.tensor([c.block_table + [0] * (maxb - len(c.block_table)) for c in cs[:n_dec]],
-                                  dtype=torch.int32, device=dev)
-            lens_dec = torch.tensor([c.start + 1 for c in cs[:n_dec]], dtype=torch.int32, device=dev)
+            bt_dec = to_device([c.block_table + [0] * (maxb - len(c.block_table)) for c in cs[:n_dec]],
+                               torch.int32, dev)
+            lens_dec = to_device([c.start + 1 for c in cs[:n_dec]], torch.int32, dev)
             splits = self._splits(n_dec)
         prefill = []
         row = n_dec
         for c in cs[n_dec:]:
             blocks = image_blocks(c.ids, self.table_base) if self.bidirectional_images else None
             prefill.append((slice(row, row + c.n), c.start, c.n,
-                            torch.tensor(c.block_table, dtype=torch.long, device=dev) if c.start else None,
-                            None if blocks is None else torch.from_numpy(blocks).to(dev)))
+                            to_device(c.block_table, torch.long, dev) if c.start else None,
+                            None if blocks is None else to_device(blocks, None, dev)))
             row += c.n
 
         kc_all, vc_all = self.k_cache, self.v_cache
@@ -610,7 +611,7 @@ class TorchDecoder:
         want = [ends[i] for i in range(len(chunks)) if chunks[i].want_logits]
         if not want:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=dev)
-        return self._final(residual, h_out, torch.tensor(want, dtype=torch.long, device=dev))
+        return self._final(residual, h_out, to_device(want, torch.long, dev))
 
     def _cross_batch(self, cs: list[Chunk], T: int) -> "_CrossBatch | None":
         """The rows of these chunks (in forward's order) that see image states, and how; None if none do."""
@@ -629,23 +630,22 @@ class TorchDecoder:
                 if c.is_decode and x.lo[0] == 0:  # the paged decode kernel reads [0, hi) in place
                     dec.append((sub, x))
                 else:
-                    bt = torch.tensor(x.block_table, dtype=torch.long, device=dev)
-                    pre.append((slice(sub, sub + c.n), bt, int(x.hi.max()), torch.from_numpy(x.lo).to(dev),
-                                torch.from_numpy(x.hi).to(dev)))
+                    bt = to_device(x.block_table, torch.long, dev)
+                    pre.append((slice(sub, sub + c.n), bt, int(x.hi.max()), to_device(x.lo, None, dev),
+                                to_device(x.hi, None, dev)))
                 rows.extend(range(row, row + c.n))
                 mlp.append(x.mlp)
                 sub += c.n
             row += c.n
         xb = _CrossBatch()
-        xb.rows = None if len(rows) == T else torch.tensor(rows, dtype=torch.long, device=dev)
-        xb.mlp_mask = torch.from_numpy(np.concatenate(mlp).astype(np.float32)).to(dev, self.dtype)[:, None]
+        xb.rows = None if len(rows) == T else to_device(rows, torch.long, dev)
+        xb.mlp_mask = to_device(np.concatenate(mlp).astype(np.float32), None, dev).to(self.dtype)[:, None]
         dec_bt = dec_lens = dec_idx = None
         if dec:
             maxb = max(len(x.block_table) for _, x in dec)
-            dec_bt = torch.tensor([x.block_table + [0] * (maxb - len(x.block_table)) for _, x in dec],
-                                  dtype=torch.int32, device=dev)
-            dec_lens = torch.tensor([int(x.hi[0]) for _, x in dec], dtype=torch.int32, device=dev)
-            dec_idx = torch.tensor([i for i, _ in dec], dtype=torch.long, device=dev)
+            dec_bt = to_device([x.block_table + [0] * (maxb - len(x.block_table)) for _, x in dec], torch.int32, dev)
+            dec_lens = to_device([int(x.hi[0]) for _, x in dec], torch.int32, dev)
+            dec_idx = to_device([i for i, _ in dec], torch.long, dev)
         splits = self._cross_splits(len(dec))
         xk, xv, scale = self.xk_cache, self.xv_cache, self.cross_scale
 
@@ -728,18 +728,15 @@ class TorchDecoder:
         if not self.use_graphs:
             dev = self.device
             maxb = max(len(t) for t in block_tables)
-            bt = torch.tensor([t + [0] * (maxb - len(t)) for t in block_tables], dtype=torch.int32, device=dev)
+            bt = to_device([t + [0] * (maxb - len(t)) for t in block_tables], torch.int32, dev)
             cross = None
             if with_cross:
                 maxcb = max(1, max(len(t) for t in cross_tables))
-                xbt = torch.tensor([t + [0] * (maxcb - len(t)) for t in cross_tables], dtype=torch.int32, device=dev)
-                cross = (xbt, torch.from_numpy(np.asarray(cross_lens, dtype=np.int32)).to(dev), self._cross_splits(b),
-                         None)
-            ids = ids.to(dev) if on_device else torch.from_numpy(ids).to(dev)
-            return self._decode_body(ids, torch.from_numpy(positions).to(dev),
-                                     torch.from_numpy(slots).to(dev), bt,
-                                     torch.from_numpy(context_lens.astype(np.int32)).to(dev), self._splits(b), None,
-                                     cross)
+                xbt = to_device([t + [0] * (maxcb - len(t)) for t in cross_tables], torch.int32, dev)
+                cross = (xbt, to_device(np.asarray(cross_lens, dtype=np.int32), None, dev), self._cross_splits(b), None)
+            ids = ids.to(dev) if on_device else to_device(ids, None, dev)
+            return self._decode_body(ids, to_device(positions, None, dev), to_device(slots, None, dev), bt,
+                                     to_device(context_lens.astype(np.int32), None, dev), self._splits(b), None, cross)
         B = self.bucket(b)
         entry = self._graphs.get((B, with_cross)) or self._capture(B, with_cross)
         graph, st, out = entry

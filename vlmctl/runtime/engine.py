@@ -699,67 +699,77 @@ class Engine:
         n = len(req.output_ids) + 1
         return n >= req.params.max_tokens or req.prompt_len + n >= self.limits.max_seq_len
 
-    def _may_admit(self) -> bool:
-        """Whether the scheduler could admit the head of the queue now: a free sequence slot and free blocks
-        for its first chunk (prefix-cache hits not counted, so a request that would fit only with them waits
-        a step longer). While the pool is too full for it, decode steps keep running ahead."""
-        sch = self.scheduler
-        room = sch.max_num_batched_tokens - len(sch.running)  # the step's budget after one token a running request
-        if not sch.waiting or len(sch.running) >= sch.max_num_seqs or room <= 0:
-            return False
-        first = min(sch.waiting[0].num_tokens, room)
-        return sch.pool.num_free() >= -(-first // sch.block_size)
-
-    def _rows_ahead(self, rows: list[Scheduled]) -> list[Request] | None:
-        """The requests whose next decode step can launch now, with the tokens of `rows` (the step in
-        flight) as input ids; None when the scheduler must decide the next step (a prompt to prefill or
-        admit, blocks to find by preemption). Called under `_lock`."""
-        sch = self.scheduler
-        live = [s.request for s in rows if s.request.status == RUNNING]
-        if not live or len(live) != len(sch.running):  # a running request outside it: a prompt being prefilled
+    def _plan_ahead(self, rows: list[Scheduled]) -> tuple[list[Scheduled], list[Scheduled]] | None:
+        """The next step, planned before the tokens of `rows` (the step in flight) are read: (decode rows
+        that take those tokens as input ids on the device, the other chunks: prompts being prefilled or
+        admitted now), or None when the scheduler needs the tokens first. Called under `_lock`."""
+        in_flight = {}
+        for s in rows:
+            req = s.request
+            if req.status == RUNNING:
+                if not self._may_run_ahead(req):
+                    return None
+                in_flight[id(req)] = not self._ends_at_next_token(req)
+        if not in_flight:
             return None
-        if self._may_admit():
-            return None  # the scheduler can admit a waiting request
-        if len(live) > sch.max_num_batched_tokens or not all(self._may_run_ahead(r) for r in live):
+        plan = self.scheduler.schedule_ahead(in_flight)
+        if not plan:
             return None
-        ahead = [r for r in live if not self._ends_at_next_token(r)]
-        if not ahead or not all(sch.reserve(r, r.num_tokens + 1) for r in ahead):
-            return None
-        return ahead
+        decode = [s for s in plan if id(s.request) in in_flight]
+        return decode, [s for s in plan if id(s.request) not in in_flight]
 
     def _step_ahead(self, events: list[StepEvent]) -> list[StepEvent]:
-        """Launch the next decode step from the in-flight step's tokens (still on the device), then read
-        those tokens and hand them out while the GPU computes, then sample the new step without waiting."""
+        """Launch the next step (decode rows from the in-flight step's tokens, still on the device, and any
+        prompt chunks), then read those tokens and hand them out while the GPU computes, then sample the new
+        step without waiting."""
         rows, tokens = self._in_flight
         self._in_flight = None
         with self._lock:
-            ahead = self._rows_ahead(rows)
-        logits = launch_error = None
-        if ahead:
+            plan = self._plan_ahead(rows)
+        decode, chunks = plan or ([], [])
+        parts, chunk_sampled, launch_error = [], [], None
+        if plan:
             self.steps += 1
             self.steps_ahead += 1
-            self.max_running_seen = max(self.max_running_seen, len(ahead))
+            self.max_running_seen = max(self.max_running_seen, len(self.scheduler.running))
+            self.prompt_tokens_computed += sum(max(0, min(s.start + s.n, s.request.prompt_len) - s.start)
+                                               for s in chunks)
             try:
-                logits = self._launch_ahead(rows, tokens, ahead)
+                if decode:
+                    parts.append(self._launch_ahead(rows, tokens, [s.request for s in decode]))
+                if chunks:  # images encoded (or awaited) while the decode rows compute
+                    chunks = self._prepare_images(chunks, events)
+                if chunks:
+                    logits, chunk_sampled = self._run(chunks)
+                    parts.append(logits)
             except Exception as e:
                 launch_error = e
         self._accept(events, [s.request for s in rows], self._unpack(tokens.read(), [s.request for s in rows]))
-        if launch_error is not None:
-            events.extend(self._fail(r, "forward", launch_error) for r in ahead if r.status == RUNNING)
-        if logits is None:
+        if launch_error is not None:  # one batched forward: no single request to blame
+            events.extend(self._fail(s.request, "forward", launch_error) for s in decode + chunks
+                          if s.request.status == RUNNING)
             return events
-        live = [i for i, r in enumerate(ahead) if r.status == RUNNING]  # not finished by the tokens just read
-        if not live:
+        if not plan:
             return events
-        scheduled = [Scheduled(ahead[i], ahead[i].num_tokens - 1, 1) for i in live]
-        self.scheduler.advance(scheduled)
-        if len(live) < len(ahead):
-            logits = logits[to_device(live, torch.long, logits.device)]
-        reqs = [s.request for s in scheduled]
-        try:
-            self._in_flight = (scheduled, self._sample_on_device(logits, reqs))
-        except Exception:
-            self._accept(events, reqs, self._sample_guarded(logits, reqs))
+        # the decode rows whose request the tokens just read did not finish
+        live = [i for i, s in enumerate(decode) if s.request.status == RUNNING]
+        done = [decode[i] for i in live] + chunks
+        self.scheduler.advance(done)
+        sampled = [decode[i] for i in live] + [s for s in chunk_sampled if s.request.status == RUNNING]
+        if not sampled:
+            return events
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+        keep = live + [len(decode) + i for i, s in enumerate(chunk_sampled) if s.request.status == RUNNING]
+        if keep != list(range(logits.shape[0])):
+            logits = logits[to_device(keep, torch.long, logits.device)]
+        reqs = [s.request for s in sampled]
+        if all(self._may_run_ahead(r) for r in reqs):
+            try:
+                self._in_flight = (sampled, self._sample_on_device(logits, reqs))
+                return events
+            except Exception:
+                self._in_flight = None  # sampled again below, row by row where it fails
+        self._accept(events, reqs, self._sample_guarded(logits, reqs))
         return events
 
     def _launch_ahead(self, rows: list[Scheduled], tokens: TokensInFlight, ahead: list[Request]) -> torch.Tensor:

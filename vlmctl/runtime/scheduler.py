@@ -134,11 +134,6 @@ class Scheduler:
         req.block_ids.extend(got)
         return True
 
-    def reserve(self, req: Request, tokens: int) -> bool:
-        """Blocks for the request's first `tokens` tokens (a decode step launched ahead of the scheduler, for
-        a token the host has not read yet); False, taking nothing more, when the pool is out of them."""
-        return self._grow(req, tokens)
-
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._free(req)
@@ -198,6 +193,46 @@ class Scheduler:
             i += 1
         if preempted:
             return out, preempted
+        self._admit(out, budget)
+        return out, preempted
+
+    def schedule_ahead(self, in_flight: dict[int, bool]) -> list[Scheduled] | None:
+        """The next step, planned while the step before is still computing its tokens (async scheduling).
+        `in_flight` maps id(request) of each request with a token in flight to whether it gets a row: that
+        token is at position num_tokens, not known to the host yet, and its row (Scheduled(req, num_tokens,
+        1)) takes it as input on the device; False leaves out a request whose token in flight is its last.
+        Every other running request must be prefilling: its next chunk follows, then admissions, as
+        `schedule` does. None when the step needs the host's tokens first (a running request with nothing
+        to compute, a row that finds no block without preempting, too small a budget): the requests keep
+        any blocks taken here, and the engine schedules again once it has read the tokens."""
+        budget = self.max_num_batched_tokens
+        out: list[Scheduled] = []
+        prefilling = []
+        for req in self.running:
+            row = in_flight.get(id(req))
+            if row is None:
+                if req.num_computed >= req.num_tokens:
+                    return None
+                prefilling.append(req)
+            elif row:
+                if budget <= 0 or not self._grow(req, req.num_tokens + 1):
+                    return None
+                out.append(Scheduled(req, req.num_tokens, 1))
+                budget -= 1
+        for req in prefilling:  # decode rows first: a burst of prompts never stalls running streams
+            if budget <= 0:
+                break
+            n = self._chunk_len(req, budget)
+            if not self._grow(req, req.num_computed + n):
+                return None
+            out.append(Scheduled(req, req.num_computed, n))
+            budget -= n
+        self._admit(out, budget)
+        return out
+
+    def _admit(self, out: list[Scheduled], budget: int) -> None:
+        """Admit waiting requests in arrival order while the budget, the sequence limit and free blocks
+        allow, appending their first chunks to `out`."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if self._waits_for_leader(req):
@@ -213,7 +248,6 @@ class Scheduler:
             self.running.append(req)
             out.append(Scheduled(req, req.num_computed, n))
             budget -= n
-        return out, preempted
 
     def advance(self, done: list[Scheduled]) -> None:
         """After the step ran: the chunks' tokens are in the cache; record newly full blocks for reuse."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 
 def to_device(values, dtype, device):
-    """`values` (a short list) as a tensor on `device`, without waiting for the device's queued work."""
+    """`values` (a list or a numpy array; dtype None keeps the array's) as a tensor on `device`, without
+    waiting for the device's queued work."""
     import torch
 
-    t = torch.tensor(values, dtype=dtype)
+    t = torch.as_tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

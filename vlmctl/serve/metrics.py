@@ -54,7 +54,7 @@ class _EngineCollector:
         yield info
         counters = [
             ("engine_steps", "Engine steps run (decoder forwards).", st["steps"]),
-            ("engine_steps_ahead", "Decode steps launched before the previous step's tokens were read (async "
+            ("engine_steps_ahead", "Engine steps launched before the previous step's tokens were read (async "
              "scheduling).", st["steps_ahead"]),
             ("image_feature_cache_hits", "Images whose features came from the content-hash cache.",
              st["feature_cache_hits"]),
