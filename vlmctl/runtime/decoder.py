@@ -515,10 +515,14 @@ class TorchDecoder:
 
     # ---- the general forward (prefill chunks and decode rows, eager) -------------------------
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Run the chunks; logits [k, V] (float32) for the chunks with want_logits, in their order."""
+    def forward(self, chunks: list[Chunk], device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the chunks; logits [k, V] (float32) for the chunks with want_logits, in their order.
+        `device_ids`: the input ids of the first len(device_ids) chunks, decode rows whose token is still on the
+        device (a step launched before the host read it); their `ids` are placeholders."""
         if self.k_cache is None:
             raise EngineError("the KV cache is not allocated")
+        if device_ids is not None and not all(c.is_decode for c in chunks[:len(device_ids)]):
+            raise EngineError("ids on the device are for decode rows only")
         order = sorted(range(len(chunks)), key=lambda i: not chunks[i].is_decode)  # decode rows first
         cs = [chunks[i] for i in order]
         bs = self.block_size
@@ -552,6 +556,8 @@ class TorchDecoder:
             rope_tables = [layer.cos_sin for layer in self.layers]
             positions = to_device(np.concatenate([c.positions for c in cs]).astype(np.int64), None, dev)
         ids_t = to_device(ids, None, dev)
+        if device_ids is not None:  # decode rows come first, in the caller's order (the sort is stable)
+            ids_t[:len(device_ids)] = device_ids
         slot_t = to_device(slots, None, dev)
         if fake_rows:
             fr = to_device(np.concatenate(fake_rows), None, dev)

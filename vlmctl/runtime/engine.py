@@ -727,7 +727,7 @@ class Engine:
         with self._lock:
             plan = self._plan_ahead(rows)
         decode, chunks = plan or ([], [])
-        parts, chunk_sampled, launch_error = [], [], None
+        logits, chunk_sampled, launch_error = None, [], None
         if plan:
             self.steps += 1
             self.steps_ahead += 1
@@ -735,13 +735,12 @@ class Engine:
             self.prompt_tokens_computed += sum(max(0, min(s.start + s.n, s.request.prompt_len) - s.start)
                                                for s in chunks)
             try:
-                if decode:
-                    parts.append(self._launch_ahead(rows, tokens, [s.request for s in decode]))
-                if chunks:  # images encoded (or awaited) while the decode rows compute
-                    chunks = self._prepare_images(chunks, events)
+                ids = self._ids_in_flight(rows, tokens, decode) if decode else None
                 if chunks:
-                    logits, chunk_sampled = self._run(chunks)
-                    parts.append(logits)
+                    chunks = self._prepare_images(chunks, events)
+                if decode or chunks:
+                    logits, ran = self._run(chunks, decode, ids)
+                    chunk_sampled = ran[len(decode):]
             except Exception as e:
                 launch_error = e
         self._accept(events, [s.request for s in rows], self._unpack(tokens.read(), [s.request for s in rows]))
@@ -749,7 +748,7 @@ class Engine:
             events.extend(self._fail(s.request, "forward", launch_error) for s in decode + chunks
                           if s.request.status == RUNNING)
             return events
-        if not plan:
+        if logits is None:
             return events
         # the decode rows whose request the tokens just read did not finish
         live = [i for i, s in enumerate(decode) if s.request.status == RUNNING]
@@ -758,7 +757,6 @@ class Engine:
         sampled = [decode[i] for i in live] + [s for s in chunk_sampled if s.request.status == RUNNING]
         if not sampled:
             return events
-        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
         keep = live + [len(decode) + i for i, s in enumerate(chunk_sampled) if s.request.status == RUNNING]
         if keep != list(range(logits.shape[0])):
             logits = logits[to_device(keep, torch.long, logits.device)]
@@ -772,24 +770,15 @@ class Engine:
         self._accept(events, reqs, self._sample_guarded(logits, reqs))
         return events
 
-    def _launch_ahead(self, rows: list[Scheduled], tokens: TokensInFlight, ahead: list[Request]) -> torch.Tensor:
-        """The decode step of `ahead` at their next position, its input ids taken from `tokens` on the device."""
-        dec = self.decoder
-        bs = dec.block_size
+    @staticmethod
+    def _ids_in_flight(rows: list[Scheduled], tokens: TokensInFlight, decode: list[Scheduled]) -> torch.Tensor:
+        """The tokens in flight (on the device) of `decode`'s requests, in its order."""
         index = {id(s.request): i for i, s in enumerate(rows)}
-        picks = [index[id(r)] for r in ahead]
+        picks = [index[id(s.request)] for s in decode]
         ids = tokens.tokens
         if picks != list(range(len(ids))):
             ids = ids[to_device(picks, torch.long, ids.device)]
-        at = [r.num_tokens for r in ahead]  # the position of the token in flight
-        pos = np.array([p + r.rope_delta for p, r in zip(at, ahead)], dtype=np.int64)
-        slots = np.array([r.block_ids[p // bs] * bs + p % bs for p, r in zip(at, ahead)], dtype=np.int64)
-        lens = np.array([p + 1 for p in at], dtype=np.int64)
-        xtabs = xlens = None
-        if any(r.cross is not None for r in ahead):  # as `_run` passes them
-            xtabs = [r.cross_blocks if r.cross is not None else [] for r in ahead]
-            xlens = np.array([r.cross.decode_hi if r.cross is not None else 0 for r in ahead], dtype=np.int64)
-        return dec.decode(ids, pos, slots, [r.block_ids for r in ahead], lens, xtabs, xlens)
+        return ids
 
     def _accept(self, events: list[StepEvent], reqs: list[Request], picked: list) -> None:
         """Hand out each request's sampled token (or its sampling failure) as events."""
@@ -1000,13 +989,16 @@ class Engine:
                 self._release_streaming(req)
         return StepEvent(req, -1, "", True, "error", error=msg)
 
-    def _run(self, scheduled: list[Scheduled]):
-        """Run the chunks; (logits [k, V], the k chunks that end their request's known tokens)."""
+    def _run(self, scheduled: list[Scheduled], ahead: list[Scheduled] | None = None,
+             ahead_ids: torch.Tensor | None = None):
+        """Run the chunks; (logits [k, V], the k chunks that end their request's known tokens). `ahead`: decode
+        rows of a step launched ahead (`_step_ahead`), whose input ids `ahead_ids` are still on the device; their
+        logits come first. A step of decode rows alone replays a captured graph; a step with a prompt chunk runs
+        every row in one forward, so the weights are read once for the decode rows and the chunks."""
         from .decoder import Chunk, CrossRows
 
         dec = self.decoder
-        bs = dec.block_size
-        base = dec.table_base
+        ahead = ahead or []
         graph_rows, chunks, chunk_sched = [], [], []
         for s in scheduled:
             req = s.request
@@ -1014,32 +1006,44 @@ class Engine:
                          and (req.prompt_positions is None or s.start >= req.prompt_len)
                          and req.all_ids[s.start] < self.vocab_size
                          and (req.cross is None or (s.start >= req.prompt_len and req.cross.decode_mlp)))
-            if graphable:
-                graph_rows.append(s)
-            else:
-                ids = np.asarray(req.all_ids[s.start:s.start + s.n], dtype=np.int64)
-                cross = None if req.cross is None else CrossRows(req.cross_blocks, *req.cross.rows_for(s.start, s.n))
-                chunks.append(Chunk(ids, req.position_of(s.start, s.n), s.start, req.block_ids,
-                                    req.table if (ids >= base).any() else None, s.completes, cross))
-                chunk_sched.append(s)
-        parts, sampled = [], []
-        if graph_rows:
-            reqs = [s.request for s in graph_rows]
-            ids = np.array([s.request.all_ids[s.start] for s in graph_rows], dtype=np.int64)
-            pos = np.array([s.start + s.request.rope_delta for s in graph_rows], dtype=np.int64)
-            slots = np.array([s.request.block_ids[s.start // bs] * bs + s.start % bs for s in graph_rows], np.int64)
-            lens = np.array([s.start + 1 for s in graph_rows], dtype=np.int64)
-            xtabs = xlens = None
-            if any(r.cross is not None for r in reqs):
-                xtabs = [r.cross_blocks if r.cross is not None else [] for r in reqs]
-                xlens = np.array([r.cross.decode_hi if r.cross is not None else 0 for r in reqs], dtype=np.int64)
-            parts.append(dec.decode(ids, pos, slots, [r.block_ids for r in reqs], lens, xtabs, xlens))
-            sampled.extend(graph_rows)
-        if chunks:
-            parts.append(dec.forward(chunks))
-            sampled.extend(s for s in chunk_sched if s.completes)
-        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return logits, sampled
+            (graph_rows if graphable else chunk_sched).append(s)
+        if chunk_sched:  # one forward for all: decode rows join the chunks
+            chunk_sched, graph_rows = graph_rows + chunk_sched, []
+        if not chunk_sched:
+            if ahead:
+                return self._decode_rows(ahead, ahead_ids), list(ahead)
+            rows = graph_rows
+            ids = np.array([s.request.all_ids[s.start] for s in rows], dtype=np.int64)
+            return self._decode_rows(rows, ids), rows
+        for s in ahead:  # their ids are on the device; the forward takes them in place of these zeros
+            req = s.request
+            cross = None if req.cross is None else CrossRows(req.cross_blocks, *req.cross.rows_for(s.start, 1))
+            chunks.append(Chunk(np.zeros(1, dtype=np.int64), req.position_of(s.start, 1), s.start, req.block_ids,
+                                None, True, cross))
+        base = dec.table_base
+        for s in chunk_sched:
+            req = s.request
+            ids = np.asarray(req.all_ids[s.start:s.start + s.n], dtype=np.int64)
+            cross = None if req.cross is None else CrossRows(req.cross_blocks, *req.cross.rows_for(s.start, s.n))
+            chunks.append(Chunk(ids, req.position_of(s.start, s.n), s.start, req.block_ids,
+                                req.table if (ids >= base).any() else None, s.completes, cross))
+        logits = dec.forward(chunks, ahead_ids if ahead else None)
+        return logits, list(ahead) + [s for s in chunk_sched if s.completes]
+
+    def _decode_rows(self, rows: list[Scheduled], ids) -> torch.Tensor:
+        """The captured decode step of `rows` (one token each, at position `start`); `ids` a numpy array, or a
+        tensor on the device (a step launched ahead)."""
+        dec = self.decoder
+        bs = dec.block_size
+        reqs = [s.request for s in rows]
+        pos = np.array([s.start + r.rope_delta for s, r in zip(rows, reqs)], dtype=np.int64)
+        slots = np.array([r.block_ids[s.start // bs] * bs + s.start % bs for s, r in zip(rows, reqs)], np.int64)
+        lens = np.array([s.start + 1 for s in rows], dtype=np.int64)
+        xtabs = xlens = None
+        if any(r.cross is not None for r in reqs):
+            xtabs = [r.cross_blocks if r.cross is not None else [] for r in reqs]
+            xlens = np.array([r.cross.decode_hi if r.cross is not None else 0 for r in reqs], dtype=np.int64)
+        return dec.decode(ids, pos, slots, [r.block_ids for r in reqs], lens, xtabs, xlens)
 
     def _step_streaming(self) -> list[StepEvent]:
         """A step with an externally batched decoder (TensorRT-LLM): submit new prompts, collect outputs."""
