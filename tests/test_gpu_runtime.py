@@ -351,6 +351,15 @@ def test_load_compiles_its_triton_kernels_in_one_parallel_pass(which, request, t
     assert not set(r["nvrtc_compiles_per_phase"]) & {"decode graphs", "prefill kernels", "warm steps"}, r
 
 
+def _step_without_implicit_sync(eng) -> None:
+    """One engine step under torch's sync debug mode: an implicit synchronization with the GPU is an error."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_steps_launched_ahead_never_wait_for_the_gpu(fp16_engine):
     """Async scheduling (on by default here): every step of a decode batch launched ahead (graph replay,
     sampling of every kind, penalties, logit_bias, min_p and a grammar's mask, the copies back) runs without
@@ -374,15 +383,9 @@ def test_steps_launched_ahead_never_wait_for_the_gpu(fp16_engine):
     reqs = [eng.submit(p, sp) for p, sp in zip(prompts(eng, 5), params)]
     checked = 0
     while eng.has_work():
-        if eng._in_flight is not None and all(len(r.output_ids) > 2 or r.finished for r in reqs):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                eng.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            checked += 1
-        else:
-            eng.step()
+        watched = eng._in_flight is not None and all(len(r.output_ids) > 2 or r.finished for r in reqs)
+        (_step_without_implicit_sync if watched else type(eng).step)(eng)
+        checked += watched
     assert checked > 20 and eng.steps_ahead > 20
     for i in (0, 1, 3, 4):  # the seeded and greedy ones (row 2 draws from the global generator)
         assert reqs[i].output_ids == expected[i]
@@ -411,15 +414,9 @@ def test_prompts_admitted_ahead_never_wait_for_the_gpu(fp16_engine):
         checked = 0
         while eng.has_work():
             prefilling = c.num_computed < c.prompt_len
-            if mode and prefilling and eng._in_flight is not None:
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    eng.step()
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-                checked += 1
-            else:
-                eng.step()
+            watched = mode and prefilling and eng._in_flight is not None
+            (_step_without_implicit_sync if watched else type(eng).step)(eng)
+            checked += watched
         out[mode] = [a.output_ids, b.output_ids, c.output_ids]
         if mode:
             assert checked >= 3 and eng.steps_ahead > 20
