@@ -675,9 +675,14 @@ class Engine:
         self.scheduler.advance(scheduled)
         if not sampled:
             return events
+        return self._sample(events, logits, sampled)
+
+    def _sample(self, events: list[StepEvent], logits: torch.Tensor, sampled: list[Scheduled]) -> list[StepEvent]:
+        """Sample the step's rows: with async scheduling (every request may run ahead) leave the tokens in
+        flight, to be read at the next step after it has launched its forward; else read and hand them out."""
         reqs = [s.request for s in sampled]
         if self.async_scheduling and all(self._may_run_ahead(r) for r in reqs):
-            try:  # the tokens are read at the next step, after it has launched its forward
+            try:
                 self._in_flight = (sampled, self._sample_on_device(logits, reqs))
                 return events
             except Exception:
@@ -760,15 +765,7 @@ class Engine:
         keep = live + [len(decode) + i for i, s in enumerate(chunk_sampled) if s.request.status == RUNNING]
         if keep != list(range(logits.shape[0])):
             logits = logits[to_device(keep, torch.long, logits.device)]
-        reqs = [s.request for s in sampled]
-        if all(self._may_run_ahead(r) for r in reqs):
-            try:
-                self._in_flight = (sampled, self._sample_on_device(logits, reqs))
-                return events
-            except Exception:
-                self._in_flight = None  # sampled again below, row by row where it fails
-        self._accept(events, reqs, self._sample_guarded(logits, reqs))
-        return events
+        return self._sample(events, logits, sampled)
 
     @staticmethod
     def _ids_in_flight(rows: list[Scheduled], tokens: TokensInFlight, decode: list[Scheduled]) -> torch.Tensor:
