@@ -389,3 +389,40 @@ def test_prompts_are_admitted_and_prefilled_in_steps_launched_ahead(tiny_llava_e
     assert outputs[True] == outputs[False]
     assert len(prefill_steps[True]) >= 4 and all(prefill_steps[True]), prefill_steps[True]
     assert not any(prefill_steps[False])
+
+
+def test_a_one_token_prompt_chunk_admitted_ahead_is_computed(tiny_llava_engine):
+    """A prompt whose prefix-cache hit leaves one token to compute is a graph-shaped row (one token, after
+    position 0); admitted in a step launched ahead, beside decode rows whose ids are still on the device, it must
+    be computed and sampled like the others. The decoder is made to take the graph route here (on the CPU it has
+    no graphs: its decode step runs eagerly), so the routing is what a GPU engine does."""
+    from vlmctl.runtime.sampling import SamplingParams
+
+    outputs = {}
+    for mode in (False, True):
+        eng = _engine(tiny_llava_engine, async_scheduling=mode, block_size=4, enable_prefix_caching=True)
+        dec = eng.decoder
+        real = dec.decode
+
+        def eager(*a, **k):  # the graph route, run eagerly
+            dec.use_graphs = False
+            try:
+                return real(*a, **k)
+            finally:
+                dec.use_graphs = True
+
+        dec.use_graphs, dec.decode = True, eager
+        text = next(t for t in (f"hello there {'word ' * i}" for i in range(12)) if len(eng.encode_text(t).token_ids) % 4 == 1)
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        first = eng.generate([eng.encode_text(text)], params)[0].token_ids  # its blocks stay in the prefix cache
+        a = eng.submit(eng.encode_text("a long answer please"), SamplingParams(max_tokens=30, temperature=0,
+                                                                               ignore_eos=True))
+        while len(a.output_ids) < 3:
+            eng.step()
+        again = eng.submit(eng.encode_text(text), params)  # arrives while a's step is in flight
+        while eng.has_work():
+            eng.step()
+        assert again.num_cached_tokens == len(again.prompt.token_ids) - 1  # one token left to compute
+        outputs[mode] = [first, a.output_ids, again.output_ids]
+        assert again.output_ids == first and eng.pool.num_used() == 0, mode
+    assert outputs[True] == outputs[False]

@@ -1004,7 +1004,7 @@ class Engine:
                          and req.all_ids[s.start] < self.vocab_size
                          and (req.cross is None or (s.start >= req.prompt_len and req.cross.decode_mlp)))
             (graph_rows if graphable else chunk_sched).append(s)
-        if chunk_sched:  # one forward for all: decode rows join the chunks
+        if chunk_sched or (ahead and graph_rows):  # one forward for all: decode rows join the chunks
             chunk_sched, graph_rows = graph_rows + chunk_sched, []
         if not chunk_sched:
             if ahead:
