@@ -300,10 +300,10 @@ def test_serving_compiles_no_triton_kernel_after_load(which, graphs, request):
     steps = []
     forward = eng.decoder.forward
 
-    def recording(chunks):
+    def recording(chunks, device_ids=None):
         steps.append((sum(c.is_decode for c in chunks), any(not c.is_decode for c in chunks),
                       any(c.start > 0 and c.n > 1 for c in chunks)))
-        return forward(chunks)
+        return forward(chunks, device_ids)
 
     eng.decoder.forward = recording
     with triton_watch.triton_compiles() as compiled:
