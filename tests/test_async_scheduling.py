@@ -1,5 +1,6 @@
-"""Async scheduling: a decode step is launched before the host reads the previous step's tokens, its input
-ids taken from that step's sampling on the device (runtime/engine.py, `Engine._step_ahead`).
+"""Async scheduling: a step (decode rows, prompt chunks) is launched before the host reads the previous step's
+tokens, its decode rows' input ids taken from that step's sampling on the device (runtime/engine.py,
+`Engine._step_ahead`).
 
 It is on by default on GPUs, where the host's per-token work (detokenizing, stop checks, scheduling) then
 runs while the GPU computes. Here the engine runs it on the CPU (forced on), where it must give exactly what
@@ -412,7 +413,8 @@ def test_a_one_token_prompt_chunk_admitted_ahead_is_computed(tiny_llava_engine):
                 dec.use_graphs = True
 
         dec.use_graphs, dec.decode = True, eager
-        text = next(t for t in (f"hello there {'word ' * i}" for i in range(12)) if len(eng.encode_text(t).token_ids) % 4 == 1)
+        texts = (f"hello there {'word ' * i}" for i in range(12))
+        text = next(t for t in texts if len(eng.encode_text(t).token_ids) % 4 == 1)
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         first = eng.generate([eng.encode_text(text)], params)[0].token_ids  # its blocks stay in the prefix cache
         a = eng.submit(eng.encode_text("a long answer please"), SamplingParams(max_tokens=30, temperature=0,

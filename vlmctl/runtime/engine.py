@@ -690,7 +690,7 @@ class Engine:
         self._accept(events, reqs, self._sample_guarded(logits, reqs))
         return events
 
-    # ---- async scheduling: a decode step launched before the previous step's tokens are read ------------
+    # ---- async scheduling: a step launched before the previous step's tokens are read -------------------
     def _may_run_ahead(self, req: Request) -> bool:
         """Whether the next token of `req` can be computed before the host has seen its last one: by the
         decode step, so not with cross-attention images its generated tokens do not attend (those run as

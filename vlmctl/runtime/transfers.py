@@ -1,8 +1,8 @@
 """Small host-to-device copies that do not wait for the device.
 
-The engine launches a decode step before it reads the previous step's tokens (async scheduling), so nothing
-on the way may synchronize with the stream. `torch.tensor(values, device="cuda")` does: it copies from
-pageable memory, blocking until the stream's queued work is done. Through pinned memory the copy is queued
+The engine launches a step (decode rows, prompt chunks) before it reads the previous step's tokens (async
+scheduling), so nothing on the way may synchronize with the stream. `torch.tensor(values, device="cuda")`
+does: it copies from pageable memory, blocking until the stream's queued work is done. Through pinned memory the copy is queued
 like any kernel; the caching host allocator keeps the pinned buffer until the copy has run.
 """
 
