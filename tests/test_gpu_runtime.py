@@ -80,6 +80,40 @@ def test_gpu_fp16_follows_the_cpu_reference(fp16_engine):
     assert all(g[:4] == r[:4] for g, r in zip(gpu, ref))
 
 
+def test_fp8_kv_cache_on_the_gpu(fp16_engine):
+    """`kv_cache_dtype="fp8"` on the GPU (the Triton kernels' QUANT paths): graphed decode == eager; chunked
+    prefill (continuation chunks read the pool through `gather_context`), prefix hits and preemption == a plain
+    run; and the tokens follow the CPU engine's with the same fp8 pool (the torch references, tests/test_kv_fp8.py
+    checks those against transformers) as fp16 follows float32 above."""
+    from vlmctl.runtime.engine import Engine
+    from vlmctl.runtime.sampling import SamplingParams
+
+    eng_g, graphed = run(fp16_engine, cuda_graphs=True, kv_cache_dtype="fp8")
+    assert eng_g.decoder.k_cache.dtype == torch.float8_e4m3fn and eng_g.decoder.use_graphs
+    _, eager = run(fp16_engine, cuda_graphs=False, kv_cache_dtype="fp8")
+    assert graphed == eager
+    _, chunked = run(fp16_engine, cuda_graphs=False, max_num_batched_tokens=8, max_batch_size=4, block_size=4,
+                     kv_cache_dtype="fp8")
+    assert chunked == eager
+    small, pre = run(fp16_engine, cuda_graphs=True, block_size=4, kv_cache_tokens=160, enable_prefix_caching=False,
+                     kv_cache_dtype="fp8")
+    assert pre == graphed and small.scheduler.preemptions > 0
+    # read as stored: the logprobs move by the rounding (0.02 on the CPU for this model), not by nothing
+    lps = {}
+    for kv in ("auto", "fp8"):
+        e = Engine(fp16_engine, device="cuda", kv_cache_tokens=4096, kv_cache_dtype=kv)
+        lps[kv] = [lp["logprob"] for c in e.generate(prompts(e, 2), SamplingParams(
+            max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)) for lp in c.logprobs]
+    assert max(abs(a - b) for a, b in zip(lps["auto"], lps["fp8"])) > 2e-3, lps
+    _, gpu = run(fp16_engine, n=2, max_tokens=32, kv_cache_dtype="fp8")
+    cpu = Engine(fp16_engine, device="cpu", kv_cache_dtype="fp8")
+    ref = [c.token_ids for c in cpu.generate(prompts(cpu, 2), SamplingParams(max_tokens=32, temperature=0,
+                                                                             ignore_eos=True))]
+    same = sum(a == b for g, r in zip(gpu, ref) for a, b in zip(g, r))
+    assert same >= 0.9 * sum(len(r) for r in ref), (gpu, ref)
+    assert all(g[:4] == r[:4] for g, r in zip(gpu, ref))
+
+
 def test_graphed_vision_equals_eager(fp16_engine):
     """The torch vision runner's CUDA graphs (batch padded to its bucket) give the eager module's rows."""
     import numpy as np
@@ -283,8 +317,10 @@ def test_awq_act_mul_in_the_gemv_equals_the_separate_kernel(awq_engine, monkeypa
     assert fused == plain and fused4 == plain4
 
 
-@pytest.mark.parametrize("which,graphs", [("fp16_engine", True), ("fp16_engine", False), ("awq_engine", True)])
-def test_serving_compiles_no_triton_kernel_after_load(which, graphs, request):
+@pytest.mark.parametrize("which,graphs,kv", [("fp16_engine", True, "auto"), ("fp16_engine", False, "auto"),
+                                             ("awq_engine", True, "auto"), ("fp16_engine", True, "fp8"),
+                                             ("fp16_engine", False, "fp8")])
+def test_serving_compiles_no_triton_kernel_after_load(which, graphs, kv, request):
     """Every Triton kernel a serving engine runs is compiled while it loads (capture, the AWQ warm-up and
     `TorchDecoder.warm_forward`): chunked prompts, continuation chunks, graphed decode rows beside them, and
     without graphs decode rows (odd counts too) in the same eager forward as prompt rows compile nothing more.
@@ -296,7 +332,7 @@ def test_serving_compiles_no_triton_kernel_after_load(which, graphs, request):
     if not triton_watch.available():
         pytest.skip("this Triton does not report compilations")
     eng = Engine(request.getfixturevalue(which), device="cuda", kv_cache_tokens=4096, max_num_batched_tokens=12,
-                 cuda_graphs=graphs)
+                 cuda_graphs=graphs, kv_cache_dtype=kv)
     steps = []
     forward = eng.decoder.forward
 

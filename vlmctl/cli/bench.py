@@ -33,6 +33,8 @@ def bench_command(
                                                  help="Engine mode: launch each decode step before the previous "
                                                  "step's tokens are read [default: on with a GPU]",
                                                  show_default=False),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="Engine mode: KV cache storage, auto or "
+                                       "fp8 (as `serve --kv-cache-dtype`)"),
     model: str = typer.Option(None, "--model", help="URL mode: model id (default: the server's first)"),
     api_key: str = typer.Option(None, "--api-key", envvar="VLMCTL_API_KEY", help="URL mode: bearer key"),
     timeout: float = typer.Option(600.0, "--timeout", help="URL mode: seconds allowed per request"),
@@ -71,7 +73,8 @@ def bench_command(
 
         device = resolve_device(device)
         configure_threads(threads)
-        engine = Engine(engine_dir, device=device, max_batch_size=max_batch_size, async_scheduling=async_scheduling)
+        engine = Engine(engine_dir, device=device, max_batch_size=max_batch_size, async_scheduling=async_scheduling,
+                        kv_cache_dtype=kv_cache_dtype)
         slots = engine.limits["max_batch_size"]
         if max(levels) > slots and not json_:
             console.print(f"[yellow]note:[/yellow] concurrency {max(levels)} > {slots} KV-cache slots: the extra "

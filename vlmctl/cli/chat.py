@@ -5,7 +5,7 @@ from pathlib import Path
 
 import typer
 
-from .common import console, out, print_json
+from .common import KvCacheDtypeOption, console, out, print_json
 
 
 def chat_command(
@@ -37,6 +37,7 @@ def chat_command(
                                                               "one)"),
     kv_cache_tokens: int = typer.Option(None, "--kv-cache-tokens", min=1, help="KV cache size in tokens (default: "
                                         "from free GPU memory, or max batch x max sequence on a CPU)"),
+    kv_cache_dtype: str = KvCacheDtypeOption,
     vision_backend: str = typer.Option("auto", "--vision-backend", help="auto, tensorrt, onnxruntime-gpu, "
                                        "onnxruntime or torch"),
     json_: bool = typer.Option(False, "--json", help="Print {text, token_ids, prompt_tokens, completion_tokens, "
@@ -72,6 +73,7 @@ def chat_command(
     # OpenAI's cap of 4 stop strings guards a server against its clients (`serve --max-stop-sequences`); here the
     # stop strings are the user's own command line, which has no such option: every --stop given is taken
     engine = Engine(engine_dir, EngineOptions(device=device, kv_cache_tokens=kv_cache_tokens,
+                                              kv_cache_dtype=kv_cache_dtype,
                                               vision_backend=vision_backend,
                                               max_stop_sequences=max(len(params.stop), DEFAULT_MAX_STOP_SEQUENCES)))
     if grammar is not None:
@@ -79,7 +81,8 @@ def chat_command(
     if max_tokens > engine.limits.max_output_len:  # now, not at every turn of the interactive chat
         raise LimitError(f"--max-tokens {max_tokens} exceeds this engine's max_output_len {engine.limits.max_output_len}")
     if not json_:
-        kv = f", KV cache {engine.limits.kv_cache_tokens} tokens" if engine.limits.kv_cache_tokens else ""
+        kv = (f", KV cache {engine.limits.kv_cache_tokens} tokens{' (fp8)' if engine.kv_cache_dtype == 'fp8' else ''}"
+              if engine.limits.kv_cache_tokens else "")
         console.print(f"[dim]{engine.model_name}: {engine.device}, vision {engine.vision_summary}{kv}[/dim]")
     if prompt is not None:
         messages = ([{"role": "system", "content": system}] if system else []) + \

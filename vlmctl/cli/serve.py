@@ -5,7 +5,7 @@ from pathlib import Path
 
 import typer
 
-
+from .common import KvCacheDtypeOption
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -67,6 +67,7 @@ def serve_command(
                                                       "gets what weights, vision and activations leave"),
     kv_cache_tokens: int = typer.Option(None, "--kv-cache-tokens", min=1, help="KV cache size in tokens (overrides "
                                         "--gpu-memory-utilization; CPU default: max batch x max sequence)"),
+    kv_cache_dtype: str = KvCacheDtypeOption,
     prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching",
                                         help="Reuse the KV of repeated prefixes (tokens and images)"),
     vision_backend: str = typer.Option("auto", "--vision-backend", help="auto, tensorrt, onnxruntime-gpu, "
@@ -138,7 +139,7 @@ def serve_command(
                             max_output_len=max_output_len, max_images_per_request=max_images,
                             max_num_batched_tokens=max_num_batched_tokens,
                             gpu_memory_utilization=gpu_memory_utilization, kv_cache_tokens=kv_cache_tokens,
-                            enable_prefix_caching=prefix_caching, vision_backend=vision_backend,
+                            kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=prefix_caching, vision_backend=vision_backend,
                             vision_batch_size=vision_batch_size, vision_overlap=vision_overlap, cuda_graphs=cuda_graphs,
                             async_scheduling=async_scheduling,
                             feature_cache_size=feature_cache_size, max_stop_sequences=max_stop_sequences,
@@ -155,7 +156,8 @@ def serve_command(
     logging.getLogger("vlmctl.serve").info(
         "vlmctl serve %s on http://%s:%d/v1 (%s; max batch %d; %s%svision %s; %s)", app.state.model_name, host, port,
         eng.device, eng.limits.max_batch_size,
-        f"KV cache {eng.limits.kv_cache_tokens} tokens; " if eng.limits.kv_cache_tokens else "",
+        f"KV cache {eng.limits.kv_cache_tokens} tokens{' (fp8)' if eng.kv_cache_dtype == 'fp8' else ''}; "
+        if eng.limits.kv_cache_tokens else "",
         "async scheduling; " if eng.async_scheduling else "", eng.vision_summary,
         "API key required" if keys else "no API key")
     run_server(app, host, port, shutdown_timeout_s=shutdown_timeout, log_level=log_level.lower(),

@@ -187,7 +187,8 @@ def bench_engine(engine, cfg: BenchConfig, progress: Progress | None = None) -> 
     duration = time.perf_counter() - t0
     task.done()
     res = {"mode": "engine", "target": str(engine.engine_dir), "model": engine.model_name, "device": str(engine.device),
-           "max_batch_size": engine.limits["max_batch_size"], "config": _cfg_json(cfg)}
+           "max_batch_size": engine.limits["max_batch_size"], "kv_cache_dtype": engine.kv_cache_dtype,
+           "config": _cfg_json(cfg)}
     res.update(summarize(samples, duration))
     res.update({"max_running": max_running, "mean_batch_size": round(batch_total / steps, 3) if steps else None,
                 "steps": steps})

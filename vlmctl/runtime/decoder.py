@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from ..errors import EngineError
 from ..formats.torch_layout import DecoderSpec, read_layout, torch_dtype, weights_location
 from ..host import cuda_graphs_allowed
-from . import ops
+from . import kv_quant, ops
 from .transfers import to_device
 
 
@@ -292,7 +292,9 @@ class TorchDecoder:
         self.n_self_layers, self.n_cross_layers = n_self, n_cross
         self.inter = spec.intermediate_size
         self.k_cache = self.v_cache = None
-        self.xk_cache = self.xv_cache = None  # the cross-attention pool
+        self.kv_cache_dtype = "auto"  # "fp8": e4m3 rows with a scale each (kv_quant); set before allocate_cache
+        self.k_scale = self.v_scale = None  # an fp8 pool's scales, [layers, blocks, block_size, kv heads] float32
+        self.xk_cache = self.xv_cache = None  # the cross-attention pool (always in the model dtype)
         self.block_size = 0
         self.max_cross_rows = 0  # most image rows one sequence's cross KV holds
         self.use_graphs = self.device.type == "cuda" and cuda_graphs_allowed()
@@ -372,7 +374,10 @@ class TorchDecoder:
 
     # ---- KV cache ----------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        """Bytes of self-attention KV per token (cross-attention layers hold none)."""
+        """Bytes of self-attention KV per token (cross-attention layers hold none); an fp8 pool holds one
+        byte a value and a float32 scale a row."""
+        if self.kv_cache_dtype == "fp8":
+            return 2 * self.n_self_layers * (self.kv_size + 4 * self.n_kv)
         return 2 * self.n_self_layers * self.kv_size * torch.tensor([], dtype=self.dtype).element_size()
 
     def cross_kv_bytes_per_row(self) -> int:
@@ -382,8 +387,11 @@ class TorchDecoder:
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         """The block pool: K and V of every self-attention layer, [layers, blocks, block_size, kv heads, head dim]."""
         shape = (self.n_self_layers, num_blocks, block_size, self.n_kv, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        fp8 = self.kv_cache_dtype == "fp8"
+        self.k_cache = torch.zeros(shape, dtype=kv_quant.FP8 if fp8 else self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=kv_quant.FP8 if fp8 else self.dtype, device=self.device)
+        self.k_scale = torch.ones(shape[:4], dtype=torch.float32, device=self.device) if fp8 else None
+        self.v_scale = torch.ones(shape[:4], dtype=torch.float32, device=self.device) if fp8 else None
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._graphs.clear()
@@ -498,6 +506,12 @@ class TorchDecoder:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits.float()
 
+    def _scales(self, cache_index: int) -> tuple:
+        """(K scales, V scales) of one self-attention layer's fp8 pool, or (None, None) for a 16-bit pool."""
+        if self.k_scale is None:
+            return None, None
+        return self.k_scale[cache_index], self.v_scale[cache_index]
+
     def _split(self, qkv: torch.Tensor, rows: slice, n: int):
         k = qkv[rows, self.q_size:self.q_size + self.kv_size].view(n, self.n_kv, self.head_dim)
         v = qkv[rows, self.q_size + self.kv_size:].view(n, self.n_kv, self.head_dim)
@@ -586,23 +600,27 @@ class TorchDecoder:
         def attend(li, qkv):
             ci = self.layers[li].cache_index
             kc, vc = kc_all[ci], vc_all[ci]
+            ks, vs = self._scales(ci)
             cos_sin, window = rope_tables[li], self.layers[li].window
             out = torch.empty((T, self.n_heads, self.head_dim), dtype=qkv.dtype, device=dev)
             if n_dec:
                 out[:n_dec] = ops.paged_decode_rope(qkv[:n_dec], cos_sin, positions[:n_dec], slot_t[:n_dec], kc, vc,
                                                     bt_dec, lens_dec, self.scale, self.n_heads, self.n_kv,
-                                                    self.head_dim, num_splits=splits, window=window)
+                                                    self.head_dim, num_splits=splits, window=window, k_scale=ks,
+                                                    v_scale=vs)
             if n_dec == T:
                 return out
             ops.rope_and_cache(qkv[n_dec:], cos_sin, positions[n_dec:], self.n_heads, self.n_kv, self.head_dim, kc, vc,
-                               slot_t[n_dec:])
+                               slot_t[n_dec:], ks, vs)
             q = qkv[:, :self.q_size].view(T, self.n_heads, self.head_dim)
             for rows, start, n, bt, blocks in prefill:
                 if start == 0:
                     k, v = self._split(qkv, rows, n)
+                    if ks is not None:  # attended to as the fp8 pool holds them (kv_quant)
+                        k, v = kv_quant.round_trip(k), kv_quant.round_trip(v)
                 else:
-                    k = ops.gather_context(kc, bt, start + n)
-                    v = ops.gather_context(vc, bt, start + n)
+                    k = ops.gather_context(kc, bt, start + n, ks, self.dtype)
+                    v = ops.gather_context(vc, bt, start + n, vs, self.dtype)
                 out[rows] = ops.prefill_attention(q[rows], k, v, self.scale, window, blocks)
             return out
 
@@ -686,9 +704,11 @@ class TorchDecoder:
         def attend(li, qkv):
             layer = self.layers[li]
             ci = layer.cache_index
+            ks, vs = self._scales(ci)
             return ops.paged_decode_rope(qkv, layer.cos_sin, positions, slots, self.k_cache[ci], self.v_cache[ci],
                                          block_tables, context_lens, self.scale, self.n_heads, self.n_kv,
-                                         self.head_dim, num_splits=splits, workspace=workspace, window=layer.window)
+                                         self.head_dim, num_splits=splits, workspace=workspace, window=layer.window,
+                                         k_scale=ks, v_scale=vs)
 
         xb = None
         if cross is not None:

@@ -58,6 +58,7 @@ from ..models.base import EncodedPrompt
 from ..models.registry import get_family
 from .image_limits import ImageLimits, decode_image
 from .kv_cache import BlockPool, image_row_tokens
+from .kv_quant import check_kv_cache_dtype
 from .request import FINISHED, RUNNING, Completion, Request, StepEvent
 from .sampling import SamplingParams, TokensInFlight, make_generator, sample
 from .scheduler import Scheduled, Scheduler
@@ -83,6 +84,7 @@ class EngineOptions:
     max_num_batched_tokens: int | None = None  # tokens one step computes (prompt chunks + decode)
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory this engine may use (weights, KV, rest)
     kv_cache_tokens: int | None = None  # explicit KV pool size, overriding the memory-based sizing
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8": e4m3 with a scale a row (runtime/kv_quant.py)
     block_size: int = 16
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
@@ -128,6 +130,7 @@ class EngineOptions:
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise OptionError(f"--kv-cache-tokens must be at least the block size {self.block_size} "
                               f"(got {self.kv_cache_tokens})")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise OptionError(f"--gpu-memory-utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
         if self.max_stop_sequences < 0:
@@ -264,8 +267,13 @@ class Engine:
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0  # prompt tokens prefilled (prefix-cache hits not counted)
 
+        self.kv_cache_dtype = opts.kv_cache_dtype
         if backend == "trtllm":
             from .trtllm_decoder import TrtllmDecoder
+
+            if opts.kv_cache_dtype != "auto":
+                raise OptionError("--kv-cache-dtype applies to the torch decoder; a TensorRT-LLM engine's KV cache "
+                                  "type is fixed when it is built")
 
             self.vision = self._load_vision(vision_runner, opts)
             lim["max_images_per_request"] = _max_images(opts.max_images_per_request, built["max_images_per_request"],
@@ -287,6 +295,7 @@ class Engine:
         with phase("decoder weights"):
             self.decoder = TorchDecoder.load(ed.build_llm, device=self.device, max_seq=max_seq)
         self.decoder.use_graphs = self.decoder.use_graphs and opts.cuda_graphs
+        self.decoder.kv_cache_dtype = opts.kv_cache_dtype  # before the pool is sized and allocated
         self.vocab_size = self.decoder.vocab_size
         with phase("vision"):
             self.vision = self._load_vision(vision_runner, opts)

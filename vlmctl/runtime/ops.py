@@ -25,6 +25,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import kv_quant
+
 
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
@@ -86,7 +88,7 @@ def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n
 
 # ---- rotary embedding + paged KV-cache append ----------------------------------------------------
 def rope_and_cache_reference(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cache=None, v_cache=None,
-                             slot_mapping=None):
+                             slot_mapping=None, k_scale=None, v_scale=None):
     T = qkv.shape[0]
     half = head_dim // 2
     dtype = qkv.dtype
@@ -102,20 +104,27 @@ def rope_and_cache_reference(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cac
         v = qkv[:, (n_q + n_kv) * head_dim:].view(T, n_kv, head_dim)
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()  # a captured step's buffers are int32
+        if k_scale is not None:  # an fp8 pool (kv_quant)
+            kv_quant.write_rows(k_cache, k_scale, slots, k[keep])
+            kv_quant.write_rows(v_cache, v_scale, slots, v[keep])
+            return
         k_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, k[keep])
         v_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, v[keep])
 
 
 def rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, n_q: int, n_kv: int,
                    head_dim: int, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-                   slot_mapping: torch.Tensor | None = None) -> None:
+                   slot_mapping: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
     """In place on qkv [T, (n_q + 2 n_kv) * d]: rotary on q and k at `positions` (rows of the float32
-    cos|sin table [P, d]); then k and v appended to the paged caches at `slot_mapping`."""
+    cos|sin table [P, d]); then k and v appended to the paged caches at `slot_mapping`. With `k_scale` and
+    `v_scale` ([blocks, bs, n_kv] float32) the caches are fp8 (`kv_quant`): each row is quantized as written."""
     if _use_kernels(qkv):
         from .kernels.fused import rope_and_cache as kernel
 
-        return kernel(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cache, v_cache, slot_mapping)
-    return rope_and_cache_reference(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cache, v_cache, slot_mapping)
+        return kernel(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return rope_and_cache_reference(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cache, v_cache, slot_mapping,
+                                    k_scale, v_scale)
 
 
 # ---- act(gate) * up -------------------------------------------------------------------------------
@@ -147,23 +156,34 @@ def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 # ---- attention over the paged cache --------------------------------------------------------------
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` positions of one sequence from a paged cache [blocks, bs, H, d] -> [length, H, d]."""
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The first `length` positions of one sequence from a paged cache [blocks, bs, H, d] -> [length, H, d];
+    from an fp8 cache with its `scales` [blocks, bs, H], dequantized to `dtype`."""
     bs = cache.shape[1]
     nb = -(-length // bs)
-    return cache.index_select(0, block_table[:nb]).flatten(0, 1)[:length]
+    rows = cache.index_select(0, block_table[:nb]).flatten(0, 1)[:length]
+    if scales is None:
+        return rows
+    return kv_quant.dequantize(rows, scales.index_select(0, block_table[:nb]).flatten(0, 1)[:length], dtype)
 
 
-def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, window=None):
+def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, window=None, k_scale=None,
+                           v_scale=None):
     """q [B, Hq, d]; attends each row over its first context_lens[b] cached positions (with `window`,
-    only the last `window` of them) -> [B, Hq, d]."""
+    only the last `window` of them) -> [B, Hq, d]. With `k_scale`/`v_scale` the caches are fp8, dequantized
+    to q's dtype."""
     B, Hq, d = q.shape
     Hkv = k_cache.shape[2]
     L = int(context_lens.max())
     bs = k_cache.shape[1]
     nb = -(-L // bs)
-    k = k_cache[block_tables[:, :nb].long()].flatten(1, 2)[:, :L]  # [B, L, Hkv, d]
-    v = v_cache[block_tables[:, :nb].long()].flatten(1, 2)[:, :L]
+    bt = block_tables[:, :nb].long()
+    k = k_cache[bt].flatten(1, 2)[:, :L]  # [B, L, Hkv, d]
+    v = v_cache[bt].flatten(1, 2)[:, :L]
+    if k_scale is not None:
+        k = kv_quant.dequantize(k, k_scale[bt].flatten(1, 2)[:, :L], q.dtype)
+        v = kv_quant.dequantize(v, v_scale[bt].flatten(1, 2)[:, :L], q.dtype)
     idx = torch.arange(L, device=q.device)[None]
     lens = context_lens[:, None].to(q.device)
     mask = idx < lens
@@ -176,20 +196,23 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scal
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, num_splits: int = 1, out: torch.Tensor | None = None,
-                 workspace=None, window: int | None = None) -> torch.Tensor:
+                 workspace=None, window: int | None = None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over the paged cache, read in place on CUDA; `window`: attend only
-    the last `window` positions (the token itself included)."""
+    the last `window` positions (the token itself included); `k_scale`/`v_scale`: an fp8 cache's scales."""
     if _use_kernels(q) and q.dtype != torch.float32 and q.shape[-1] >= 16:
         from .kernels.paged_attention import paged_decode as kernel
 
-        return kernel(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out, workspace, window)
-    return paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, window)
+        return kernel(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out, workspace, window,
+                      k_scale, v_scale)
+    return paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, window, k_scale, v_scale)
 
 
 def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, n_q: int, n_kv: int, head_dim: int,
-                      num_splits: int = 1, workspace=None, window: int | None = None) -> torch.Tensor:
+                      num_splits: int = 1, workspace=None, window: int | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode rows of qkv [B, (n_q + 2 n_kv) * d] straight from the QKV projection (after any q/k norm):
     rotary of the new token, its K/V appended at `slots`, attention over the cache (the last `window`
     positions with a window) -> [B, n_q, d]. On CUDA one kernel does all three; elsewhere (and for
@@ -199,10 +222,11 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
 
         if fused_rope_supported(head_dim, qkv.dtype):
             return kernel(qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, scale, n_q,
-                          n_kv, num_splits, workspace, window)
-    rope_and_cache(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cache, v_cache, slots)
+                          n_kv, num_splits, workspace, window, k_scale, v_scale)
+    rope_and_cache(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cache, v_cache, slots, k_scale, v_scale)
     q = qkv[:, :n_q * head_dim].view(qkv.shape[0], n_q, head_dim)
-    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, None, workspace, window)
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, None, workspace, window,
+                        k_scale, v_scale)
 
 
 def attention_backends(device: torch.device):

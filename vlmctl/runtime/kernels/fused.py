@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import kv_fp8, pdl
 from .compile_ahead import run as run_triton
 
 
@@ -94,10 +94,11 @@ def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n
 # positions and slots are often views that start past a step's decode rows: unspecialized, an odd number of
 # decode rows (an int64 view 8 bytes off a 16-byte boundary) compiles no second variant mid-serving
 @triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])
-def _rope_cache_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_t, stride_cs,
-                       stride_cb, stride_cs_slot, stride_ch, n_q_heads, n_kv_heads, block_size,
+def _rope_cache_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                       stride_t, stride_cs, stride_cb, stride_cs_slot, stride_ch, n_q_heads, n_kv_heads, block_size,
                        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, WRITE_CACHE: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False, QUANT: tl.constexpr = False):
+    """QUANT: the caches are fp8 (`kv_fp8`), each row written with its scale at slot * n_kv_heads + head."""
     pdl.release(PDL)
     pdl.wait(PDL)
     t = tl.program_id(0)
@@ -125,8 +126,15 @@ def _rope_cache_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_c
                 if slot >= 0:
                     kh = h - n_q_heads
                     dst = k_cache_ptr + blk * stride_cb + off * stride_cs_slot + kh * stride_ch
-                    tl.store(dst + offs, o1)
-                    tl.store(dst + HALF + offs, o2)
+                    if QUANT:
+                        sc = kv_fp8.row_scale(tl.maximum(tl.max(tl.abs(o1.to(tl.float32)), 0),
+                                                         tl.max(tl.abs(o2.to(tl.float32)), 0)))
+                        tl.store(k_scale_ptr + slot * n_kv_heads + kh, sc)
+                        tl.store(dst + offs, kv_fp8.quantize(o1, sc, k_cache_ptr.dtype.element_ty))
+                        tl.store(dst + HALF + offs, kv_fp8.quantize(o2, sc, k_cache_ptr.dtype.element_ty))
+                    else:
+                        tl.store(dst + offs, o1)
+                        tl.store(dst + HALF + offs, o2)
     else:
         if WRITE_CACHE:
             if slot >= 0:
@@ -134,28 +142,37 @@ def _rope_cache_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_c
                 d = tl.arange(0, HEAD_DIM)
                 v = tl.load(base + d)
                 dst = v_cache_ptr + blk * stride_cb + off * stride_cs_slot + vh * stride_ch
-                tl.store(dst + d, v)
+                if QUANT:
+                    sc = kv_fp8.row_scale(tl.max(tl.abs(v.to(tl.float32)), 0))
+                    tl.store(v_scale_ptr + slot * n_kv_heads + vh, sc)
+                    tl.store(dst + d, kv_fp8.quantize(v, sc, v_cache_ptr.dtype.element_ty))
+                else:
+                    tl.store(dst + d, v)
 
 
 def rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, n_q_heads: int,
                    n_kv_heads: int, head_dim: int, k_cache: torch.Tensor | None = None,
-                   v_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> None:
+                   v_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """In place: rotary on the q and k heads of qkv [T, (nq + 2 nkv) * d] at `positions` (rows of the
     cos|sin table [P, d]); then k (rotated) and v written to the paged caches [blocks, block_size,
-    nkv, d] at `slot_mapping` [T] (block * block_size + offset; negative: not written)."""
+    nkv, d] at `slot_mapping` [T] (block * block_size + offset; negative: not written). With `k_scale` and
+    `v_scale` ([blocks, block_size, nkv] float32, contiguous) the caches are fp8 (`vlmctl.runtime.kv_quant`)."""
     T = qkv.shape[0]
     write = k_cache is not None
     heads = n_q_heads + 2 * n_kv_heads if write else n_q_heads + n_kv_heads
     if T == 0:
         return
     kc = k_cache if write else qkv
+    quant = write and k_scale is not None
     run_triton(
         _rope_cache_kernel, (T, heads),
         qkv, cos_sin, positions, slot_mapping if write else positions, kc, v_cache if write else qkv,
-        qkv.stride(0), cos_sin.stride(0),
+        k_scale if quant else qkv, v_scale if quant else qkv, qkv.stride(0), cos_sin.stride(0),
         kc.stride(0) if write else 0, kc.stride(1) if write else 0, kc.stride(2) if write else 0,
         n_q_heads, n_kv_heads, kc.shape[1] if write else 1,
-        HEAD_DIM=head_dim, HALF=head_dim // 2, WRITE_CACHE=write, num_warps=1, **pdl.launch_kwargs(qkv.device))
+        HEAD_DIM=head_dim, HALF=head_dim // 2, WRITE_CACHE=write, QUANT=quant, num_warps=1,
+        **pdl.launch_kwargs(qkv.device))
 
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}

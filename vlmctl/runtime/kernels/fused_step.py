@@ -83,6 +83,8 @@ def unsupported_reason(decoder) -> str | None:
         return "needs a CUDA GPU of compute capability 9.0 or later"
     if decoder.dtype != torch.float16:
         return "fp16 activations only"
+    if decoder.kv_cache_dtype != "auto":
+        return "a 16-bit KV cache only (not --kv-cache-dtype fp8)"
     if not cuda_rtc.available():
         return "NVRTC is not installed"
     if decoder.n_cross_layers or decoder.one_plus or decoder.activation not in ("silu", "gelu_tanh"):

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ...errors import OptionError
-from . import pdl
+from . import kv_fp8, pdl
 from .compile_ahead import run as run_triton
 
 
@@ -39,12 +39,14 @@ _VARYING = ["stride_bt", "num_splits"]
 
 
 @triton.jit(do_not_specialize=_VARYING)
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr,
                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
                    scale_log2, block_size, group, num_splits, window,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr = False,
-                   PDL: tl.constexpr = False):
+                   PDL: tl.constexpr = False, QUANT: tl.constexpr = False):
+    """QUANT: fp8 caches (`kv_fp8`) with a float32 scale a (position, KV head) in ks_ptr / vs_ptr: K's scales
+    multiply the scores, V's the probabilities, so the e4m3 values enter the dots as they are."""
     pdl.release(PDL)
     pdl.wait(PDL)
     seq = tl.program_id(0)
@@ -71,20 +73,31 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_
         blk = tl.load(bt_ptr + seq * stride_bt + tok // block_size, mask=valid, other=0)
         row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        if QUANT:
+            srow = (blk.to(tl.int64) * block_size + tok % block_size) * tl.num_programs(1) + kvh
+            k = k.to(q.dtype)
         if IEEE:  # float32 caches: no TF32 rounding
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [G, N], log2 domain
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G, N]
         else:
-            s = tl.dot(q, tl.trans(k)) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
+            s = tl.dot(q, tl.trans(k))
+        if QUANT:
+            s = s * tl.load(ks_ptr + srow, mask=valid, other=0.0)[None, :]
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))  # log2 domain
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        vt = 1.0
+        if QUANT:  # V's scales relative to the tile's largest, so p times them keeps the model dtype's precision
+            vsc = tl.load(vs_ptr + srow, mask=valid, other=0.0)
+            vt = tl.max(vsc, 0)
+            p = p * (vsc / tl.where(vt > 0, vt, 1.0))[None, :]
+            v = v.to(q.dtype)
         if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            acc = acc * alpha[:, None] + vt * tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + vt * tl.dot(p.to(v.dtype), v)
         m_i = m_new
     if SPLIT:
         # partial results: un-normalized acc, and (max, sum) per head, for the combine kernel
@@ -99,17 +112,19 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_
 
 
 @triton.jit(do_not_specialize=_VARYING)
-def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr,
-                        ml_ptr, cnt_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot,
-                        stride_oh, scale_log2, block_size, group, num_splits, n_q_heads, n_kv_heads, window,
-                        HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                        HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False,
-                        COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32):
+def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr,
+                        out_ptr, part_ptr, ml_ptr, cnt_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh,
+                        stride_bt, stride_ot, stride_oh, scale_log2, block_size, group, num_splits, n_q_heads,
+                        n_kv_heads, window, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                        SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False,
+                        COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32, QUANT: tl.constexpr = False):
     """`_decode_kernel` with the new token's rotary and KV append folded in: q and k of the token are
     rotated here (rounded per term as transformers does), the split that owns the last position
     writes k and v to the cache and attends to them from registers, the others read the cache.
     COMBINE (with SPLIT): the last split of a (sequence, KV head) to finish, counted in cnt_ptr (zero before
-    and after), combines the splits' partials as `_combine_kernel` does, in place of that kernel's launch."""
+    and after), combines the splits' partials as `_combine_kernel` does, in place of that kernel's launch.
+    QUANT: fp8 caches, as in `_decode_kernel`; the new token's k and v are quantized as they are written and
+    attended to as stored (dequantized to the model dtype, as the reference reads them)."""
     pdl.release(PDL)
     pdl.wait(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -152,14 +167,26 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
         row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
         k1 = tl.load(k_ptr + row[:, None] + h[None, :], mask=valid[:, None], other=0.0)
         k2 = tl.load(k_ptr + row[:, None] + HALF + h[None, :], mask=valid[:, None], other=0.0)
-        s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
+        if QUANT:
+            srow = (blk.to(tl.int64) * block_size + tok % block_size) * n_kv_heads + kvh
+            k1 = k1.to(dt)
+            k2 = k2.to(dt)
+        s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+        if QUANT:
+            s = s * tl.load(ks_ptr + srow, mask=valid, other=0.0)[None, :]
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        vt = 1.0
+        if QUANT:  # as in `_decode_kernel`
+            vsc = tl.load(vs_ptr + srow, mask=valid, other=0.0)
+            vt = tl.max(vsc, 0)
+            p = p * (vsc / tl.where(vt > 0, vt, 1.0))[None, :]
+            v = v.to(dt)
+        acc = acc * alpha[:, None] + vt * tl.dot(p.to(v.dtype), v)
         m_i = m_new
     if owner:
         kb = row_q + (n_q_heads + kvh) * HEAD_DIM
@@ -170,9 +197,25 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, b
         vn = tl.load(row_q + (n_q_heads + n_kv_heads + kvh) * HEAD_DIM + d)
         slot = tl.load(slot_ptr + seq)
         dst = (slot // block_size).to(tl.int64) * stride_kb + (slot % block_size) * stride_ks + kvh * stride_kh
-        tl.store(k_ptr + dst + h, kn1)
-        tl.store(k_ptr + dst + HALF + h, kn2)
-        tl.store(v_ptr + dst + d, vn)
+        if QUANT:
+            sk = kv_fp8.row_scale(tl.maximum(tl.max(tl.abs(kn1.to(tl.float32)), 0),
+                                             tl.max(tl.abs(kn2.to(tl.float32)), 0)))
+            sv = kv_fp8.row_scale(tl.max(tl.abs(vn.to(tl.float32)), 0))
+            e1 = kv_fp8.quantize(kn1, sk, k_ptr.dtype.element_ty)
+            e2 = kv_fp8.quantize(kn2, sk, k_ptr.dtype.element_ty)
+            ev = kv_fp8.quantize(vn, sv, v_ptr.dtype.element_ty)
+            tl.store(k_ptr + dst + h, e1)
+            tl.store(k_ptr + dst + HALF + h, e2)
+            tl.store(v_ptr + dst + d, ev)
+            tl.store(ks_ptr + slot.to(tl.int64) * n_kv_heads + kvh, sk)
+            tl.store(vs_ptr + slot.to(tl.int64) * n_kv_heads + kvh, sv)
+            kn1 = (e1.to(tl.float32) * sk).to(dt)
+            kn2 = (e2.to(tl.float32) * sk).to(dt)
+            vn = (ev.to(tl.float32) * sv).to(dt)
+        else:
+            tl.store(k_ptr + dst + h, kn1)
+            tl.store(k_ptr + dst + HALF + h, kn2)
+            tl.store(v_ptr + dst + d, vn)
         s_new = tl.sum(q1.to(tl.float32) * kn1.to(tl.float32)[None, :]
                        + q2.to(tl.float32) * kn2.to(tl.float32)[None, :], 1) * scale_log2
         m_new = tl.maximum(m_i, s_new)
@@ -300,6 +343,16 @@ def _decode_launch_kwargs(device) -> dict:
     return {"PDL": True} if v == "0" and kw.get("launch_pdl") else kw
 
 
+def _scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple:
+    """The scale pointers of an fp8 cache (the kernels index them as [blocks, bs, Hkv], contiguous), or the
+    cache itself twice as unused stand-ins."""
+    if k_scale is None:
+        return k_cache, k_cache
+    if not (k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.shape == k_cache.shape[:3]):
+        raise ValueError(f"fp8 KV scales must be contiguous [blocks, bs, Hkv] = {tuple(k_cache.shape[:3])}")
+    return k_scale, v_scale
+
+
 def fused_rope_supported(head_dim: int, dtype) -> bool:
     return head_dim in (32, 64, 128, 256) and dtype in (torch.float16, torch.bfloat16)
 
@@ -307,10 +360,12 @@ def fused_rope_supported(head_dim: int, dtype) -> bool:
 def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, n_q: int, n_kv: int, num_splits: int = 1,
-                      workspace: tuple | None = None, window: int | None = None) -> torch.Tensor:
+                      workspace: tuple | None = None, window: int | None = None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of qkv rows [B, (n_q + 2 n_kv) * d] (not yet rotated) with the rotary of the new
     token and its KV append done in the same kernel. context_lens count the new token; `window`:
-    attend only the last `window` positions."""
+    attend only the last `window` positions; `k_scale`/`v_scale` ([blocks, bs, n_kv] float32, contiguous):
+    the caches are fp8 (`vlmctl.runtime.kv_quant`)."""
     B = qkv.shape[0]
     D = k_cache.shape[3]
     group = n_q // n_kv
@@ -320,12 +375,14 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
     fold = split and cnt is not None and combine_in_attention()
     run_triton(
         _decode_rope_kernel, (B, n_kv, num_splits),
-        qkv, cos_sin, positions, slots, k_cache, v_cache, block_tables, context_lens, out, part, ml,
+        qkv, cos_sin, positions, slots, k_cache, v_cache, *_scales(k_cache, k_scale, v_scale), block_tables,
+        context_lens, out, part, ml,
         cnt if fold else ml, qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group,
         num_splits, n_q, n_kv, window or 0, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=64 if D <= 128 else 32, SPLIT=split, HAS_WINDOW=window is not None,
-        COMBINE=fold, BLOCK_S=combine_width(num_splits), num_warps=4, num_stages=2, **_decode_launch_kwargs(qkv.device))
+        COMBINE=fold, BLOCK_S=combine_width(num_splits), QUANT=k_scale is not None, num_warps=4, num_stages=2,
+        **_decode_launch_kwargs(qkv.device))
     if split and not fold:
         _combine(part, ml, out, num_splits)
     return out
@@ -333,10 +390,11 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, num_splits: int = 1, out: torch.Tensor | None = None,
-                 workspace: tuple | None = None, window: int | None = None) -> torch.Tensor:
+                 workspace: tuple | None = None, window: int | None = None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, d] (row stride free), caches [blocks, block_size, Hkv, d], block_tables [B, max_blocks]
     int32, context_lens [B] int32 (tokens to attend, the current one included) -> out [B, Hq, d].
-    `window`: attend only the last `window` of them."""
+    `window`: attend only the last `window` of them; `k_scale`/`v_scale`: an fp8 cache's scales."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     group = Hq // Hkv
@@ -347,12 +405,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     part, ml, _ = _partials(out, num_splits, workspace)
     run_triton(
         _decode_kernel, (B, Hkv, num_splits),
-        q, k_cache, v_cache, block_tables, context_lens, out, part, ml,
+        q, k_cache, v_cache, *_scales(k_cache, k_scale, v_scale), block_tables, context_lens, out, part, ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group, num_splits,
         window or 0, HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, SPLIT=split,
-        IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None, num_warps=4, num_stages=2,
-        **pdl.launch_kwargs(q.device))
+        IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None, QUANT=k_scale is not None, num_warps=4,
+        num_stages=2, **pdl.launch_kwargs(q.device))
     if split:
         _combine(part, ml, out, num_splits)
     return out

@@ -1,0 +1,124 @@
+"""The fp8 KV cache (`--kv-cache-dtype fp8`, vlmctl/runtime/kv_quant.py) against transformers running the same
+model with a cache that stores each K/V row of a (token, head) the way the format does: e4m3 with the row's
+largest magnitude / 448 as its scale. Greedy tokens must match and every chosen token's logprob must agree to
+float32 noise, while the same reference without the rounding differs by far more: the engine really reads
+K/V as stored. The format is restated here from its definition (torch's own e4m3 cast), not imported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import cli, write_recipe
+from tiny_models import make_image, make_llava
+
+
+def fp8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] as an fp8 pool holds it: per row over the last axis, scale = max |x| / 448 (1 for zeros)."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return ((xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
+def fp8_row_cache(config, layers=None):
+    """A transformers DynamicCache whose K/V go through `fp8_rows` (in `layers` only, when given) before
+    they are stored and attended to."""
+    from transformers import DynamicCache
+
+    class Fp8RowCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if layers is None or layer_idx in layers:
+                key_states, value_states = fp8_rows(key_states), fp8_rows(value_states)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    return Fp8RowCache(config=config)
+
+
+def hf_logprobs(model, inputs, n, cache=None) -> tuple[list[int], list[float]]:
+    """Greedy tokens of transformers' generate and each one's logprob (log-softmax of its step's logits)."""
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, past_key_values=cache)
+    ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    return ids, [float(torch.log_softmax(lg[0].float(), -1)[t]) for lg, t in zip(out.logits, ids)]
+
+
+def engine_logprobs(engine_dir, messages, images, n, kv_cache_dtype) -> tuple[list[int], list[float]]:
+    from vlmctl.runtime.engine import Engine
+    from vlmctl.runtime.sampling import SamplingParams
+
+    eng = Engine(engine_dir, device="cpu", kv_cache_dtype=kv_cache_dtype)
+    assert eng.decoder.k_cache.dtype == (torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.float32)
+    done = eng.chat(messages, images, SamplingParams(max_tokens=n, temperature=0, logprobs=0, ignore_eos=True))
+    return done.token_ids, [lp["logprob"] for lp in done.logprobs]
+
+
+def check_against(ours, quantized, plain) -> None:
+    assert ours[0] == quantized[0], f"fp8 engine {ours[0]} != transformers with the fp8 cache {quantized[0]}"
+    near = max(abs(a - b) for a, b in zip(ours[1], quantized[1]))
+    assert near < 2e-5, f"fp8 engine's logprobs are {near:.2e} from the reference's"
+    # the rounding matters: the unrounded reference is far from both (where its tokens still agree)
+    same = [i for i, (a, b) in enumerate(zip(plain[0], quantized[0])) if a == b]
+    k = next((i for i, (a, b) in enumerate(zip(plain[0], quantized[0])) if a != b), len(same))
+    far = max(abs(plain[1][i] - quantized[1][i]) for i in range(k)) if k else 1.0
+    assert far > 50 * max(near, 1e-7), f"the fp8 rounding moved the logprobs by only {far:.2e}"
+
+
+@pytest.mark.parametrize("kwargs", [{"num_kv_heads": 2}, {"num_kv_heads": 1, "seed": 2, "tie": True}],
+                         ids=["gqa", "mqa-tied"])
+def test_llava_fp8_kv_matches_transformers_with_an_fp8_cache(tmp_path, capsys, kwargs):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    ckpt = make_llava(tmp_path / "ckpt", **kwargs)
+    cli("build", write_recipe(tmp_path / "r.yaml", ckpt, limits={"max_batch_size": 2}), "-o", tmp_path / "eng",
+        capsys=capsys)
+    img = make_image(3, (40, 30))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "describe the picture"}]}]
+    proc = AutoProcessor.from_pretrained(ckpt)
+    model = LlavaForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    inputs = proc(images=[img], text=proc.apply_chat_template(messages, add_generation_prompt=True),
+                  return_tensors="pt")
+    n = 16
+    check_against(engine_logprobs(tmp_path / "eng", messages, [img], n, "fp8"),
+                  hf_logprobs(model, inputs, n, fp8_row_cache(model.config)), hf_logprobs(model, inputs, n))
+
+
+def test_gemma3_fp8_kv_with_sliding_window_and_image_blocks(tmp_path):
+    """Sliding-window layers (window 12 < an image's 16 rows) and image rows that see each other."""
+    from test_gemma3 import _build, hf_inputs, load_hf, load_proc, user
+    from tiny_gemma3 import make_gemma3
+
+    ckpt = make_gemma3(tmp_path / "ckpt")
+    engine_dir = _build(ckpt, tmp_path)
+    model, proc = load_hf(ckpt), load_proc(ckpt)
+    img = make_image(5, (64, 64))
+    messages = [user(1, "what is this?")]
+    inputs = hf_inputs(proc, messages, [img])
+    n = 14
+    check_against(engine_logprobs(engine_dir, messages, [img], n, "fp8"),
+                  hf_logprobs(model, inputs, n, fp8_row_cache(model.config)), hf_logprobs(model, inputs, n))
+
+
+def test_fp8_pool_holds_more_tokens_in_the_same_bytes(tiny_llava_engine):
+    from vlmctl.runtime.engine import Engine
+
+    plain = Engine(tiny_llava_engine, device="cpu")
+    fp8 = Engine(tiny_llava_engine, device="cpu", kv_cache_dtype="fp8")
+    dec16, dec8 = plain.decoder, fp8.decoder
+    per16, per8 = dec16.kv_bytes_per_token(), dec8.kv_bytes_per_token()
+    # one byte a value against four (this engine is float32), plus a float32 scale a row of head_dim values
+    rows = 2 * dec8.n_self_layers * dec8.n_kv
+    assert per8 == rows * (dec8.head_dim + 4) and per16 == rows * dec16.head_dim * 4
+    used = sum(t.numel() * t.element_size() for t in (dec8.k_cache, dec8.v_cache, dec8.k_scale, dec8.v_scale))
+    assert used == per8 * dec8.num_blocks * dec8.block_size
+    assert dec16.k_scale is None and dec8.k_scale.dtype == torch.float32
+
+
+def test_kv_cache_dtype_is_checked(tiny_llava_engine, capsys):
+    from conftest import one_error_line
+
+    code, _, err = cli("chat", tiny_llava_engine, "--prompt", "hi", "--kv-cache-dtype", "int4", "--json",
+                       capsys=capsys, expect=None)
+    line = one_error_line(code, err, 2)
+    assert "--kv-cache-dtype" in line and "fp8" in line
