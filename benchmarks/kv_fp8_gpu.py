@@ -1,0 +1,103 @@
+"""The fp8 KV cache at the engine: decode ms a step and the KV pool's size with `--kv-cache-dtype auto` against
+`fp8`, on `serving_gpu.py`'s LLaVA-1.5-7B-shaped fp16 engine (random weights, built by `vlmctl build` with the
+engine's defaults, max_batch_size 64), each loaded with its defaults otherwise (async scheduling on a GPU).
+
+For each batch size, B text-only requests of ~`--prompt-words` x 6.5 tokens decode `--output-len` greedy
+tokens (EOS ignored) through `Engine.step()` (async_scheduling_gpu.py's `run`: the decode phase is timed).
+The modes alternate (auto, fp8, auto, fp8), each a fresh Engine in this process, so a drifting clock shows as
+a spread. Printed beside them: the step's bandwidth bound, (weight bytes + the K/V bytes the batch's contexts
+hold at mid-generation) / the copy bandwidth, for each mode.
+
+    python benchmarks/kv_fp8_gpu.py --work /var/tmp/vb [--batches 1 8 64] [--prompt-words 150]
+    python benchmarks/kv_fp8_gpu.py --smoke --work /tmp/smoke      # tiny shapes on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT.parent / "tests"))
+
+from async_scheduling_gpu import run  # noqa: E402
+from gpu_timing import copy_bandwidth  # noqa: E402
+from serving_gpu import SEVEN_B, SMOKE, build_engine, load_engine, make_checkpoint, weight_gib  # noqa: E402
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def step_weight_bytes(eng) -> int:
+    """Weight bytes a decode step reads: every linear, the norms and the lm_head (one embedding row only)."""
+    dec = eng.decoder
+    total = int(weight_gib(eng) * 2**30)
+    if dec.lm_head is not dec.embed:
+        total -= dec.embed.numel() * dec.embed.element_size()
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path("/var/tmp/vlmctl-bench"))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--prompt-words", type=int, default=150)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        args.batches, args.output_len, args.prompt_words = sorted({min(b, 4) for b in args.batches}), 8, 6
+    t0 = time.perf_counter()
+    engine_dir = args.work / "engine"
+    if not (engine_dir / "manifest.json").exists():
+        ckpt = make_checkpoint(args.work / "ckpt", SMOKE if args.smoke else SEVEN_B, dev)
+        engine_dir, _ = build_engine(ckpt, args.work, "float16" if dev == "cuda" else "float32")
+    log(f"engine ready in {time.perf_counter() - t0:.0f} s")
+    bw = copy_bandwidth() if dev == "cuda" else None
+    rows, pools = [], {}
+    for i, kv in enumerate(["auto", "fp8"] * args.repeats):
+        eng, load_s, _ = load_engine(engine_dir, device=dev, kv_cache_dtype=kv)
+        dec = eng.decoder
+        pools[kv] = {"kv_cache_tokens": eng.limits.kv_cache_tokens, "bytes_per_token": dec.kv_bytes_per_token(),
+                     "weight_bytes": step_weight_bytes(eng)}
+        log(f"{kv}: loaded in {load_s:.1f} s; {json.dumps(pools[kv])}")
+        run(eng, 1, args.prompt_words, 4, 999)  # warm-up of the host side
+        for b in args.batches:
+            r = run(eng, b, args.prompt_words, args.output_len, seed=1000 * b + i // 2)
+            ctx = r["prompt_tokens"] + args.output_len // 2
+            r.update(kv_cache_dtype=kv, bound_ms=1000 * (pools[kv]["weight_bytes"] + b * ctx *
+                                                         pools[kv]["bytes_per_token"]) / bw if bw else None)
+            rows.append(r)
+            log(json.dumps(r))
+        del eng, dec
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    log(f"device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}; copy bandwidth "
+        f"{bw / 1e12:.2f} TB/s" if bw else "device: cpu")
+    log("| batch | prompt tokens | auto ms/step | fp8 ms/step | auto bound ms | fp8 bound ms | auto tok/s | fp8 tok/s |")
+    log("| ---: | ---: | --- | --- | ---: | ---: | --- | --- |")
+    for b in args.batches:
+        a = [r for r in rows if r["batch"] == b and r["kv_cache_dtype"] == "auto"]
+        f = [r for r in rows if r["batch"] == b and r["kv_cache_dtype"] == "fp8"]
+        j = lambda rs, k, p: "/".join(f"{r[k]:.{p}f}" for r in rs)  # noqa: E731
+        bound = lambda rs: f"{rs[0]['bound_ms']:.2f}" if rs[0]["bound_ms"] else "-"  # noqa: E731
+        log(f"| {b} | {a[0]['prompt_tokens']} | {j(a, 'ms_per_step', 2)} | {j(f, 'ms_per_step', 2)} | {bound(a)} | "
+            f"{bound(f)} | {j(a, 'tok_s', 0)} | {j(f, 'tok_s', 0)} |")
+    log(f"KV pool: auto {pools['auto']['kv_cache_tokens']} tokens, fp8 {pools['fp8']['kv_cache_tokens']} tokens")
+    if args.out:
+        args.out.write_text(json.dumps({"copy_bandwidth_Bps": bw, "pools": pools, "runs": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
