@@ -60,7 +60,7 @@ def main() -> None:
         args.batches, args.output_len, args.prompt_words = sorted({min(b, 4) for b in args.batches}), 8, 6
     t0 = time.perf_counter()
     engine_dir = args.work / "engine"
-    if not (engine_dir / "manifest.json").exists():
+    if not (engine_dir / "build-llm").is_dir():  # built by an earlier run (or dev_run): reused
         ckpt = make_checkpoint(args.work / "ckpt", SMOKE if args.smoke else SEVEN_B, dev)
         engine_dir, _ = build_engine(ckpt, args.work, "float16" if dev == "cuda" else "float32")
     log(f"engine ready in {time.perf_counter() - t0:.0f} s")
