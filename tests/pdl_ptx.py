@@ -20,6 +20,7 @@ POINTERS = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i3
             "ml_ptr": "*fp32", "bt_ptr": "*i32", "lens_ptr": "*i32", "pos_ptr": "*i32", "slot_ptr": "*i32",
             "cos_sin_ptr": "*fp32"}
 FLOATS = {"eps", "scale_log2"}
+FP8_POOL = {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
 
 
 def kernels():
@@ -39,7 +40,15 @@ def kernels():
         # the folded combine's counter atomics come after the wait
         "decode_rope": (paged_attention._decode_rope_kernel,
                         dict(HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True, HAS_WINDOW=False, COMBINE=True,
-                             BLOCK_S=32), 4, False),
+                             BLOCK_S=32, QUANT=False), 4, False),
+        # the fp8 KV cache's variant (`--kv-cache-dtype fp8`): e4m3 pools and their float32 scales
+        "decode_rope_fp8": (paged_attention._decode_rope_kernel,
+                            dict(HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True, HAS_WINDOW=False, COMBINE=True,
+                                 BLOCK_S=32, QUANT=True, _pointers=FP8_POOL), 4, False),
+        "rope_cache_fp8": (fused._rope_cache_kernel,
+                           dict(HEAD_DIM=128, HALF=64, WRITE_CACHE=True, QUANT=True,
+                                _pointers={"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",
+                                           "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}), 1, False),
         "combine": (paged_attention._combine_kernel, dict(HEAD_DIM=128, D_PAD=128, BLOCK_S=32), 4, False),
     }
 
@@ -48,12 +57,14 @@ def ptx_of(fn, constexprs: dict, num_warps: int) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
 
+    constexprs = dict(constexprs)
+    pointers = {**POINTERS, **constexprs.pop("_pointers", {})}  # a kernel's own pointer types (fp8 pools)
     sig = {}
     for name in fn.arg_names:
         if name in constexprs or name in ("PDL",):
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = POINTERS.get(name, "*fp16")
+            sig[name] = pointers.get(name, "*fp16")
         else:
             sig[name] = "fp32" if name in FLOATS else "i32"
     names = list(sig)

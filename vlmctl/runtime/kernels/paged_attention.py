@@ -73,8 +73,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
         blk = tl.load(bt_ptr + seq * stride_bt + tok // block_size, mask=valid, other=0)
         row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        srow = (blk.to(tl.int64) * block_size + tok % block_size) * tl.num_programs(1) + kvh  # fp8 scales' index
         if QUANT:
-            srow = (blk.to(tl.int64) * block_size + tok % block_size) * tl.num_programs(1) + kvh
             k = k.to(q.dtype)
         if IEEE:  # float32 caches: no TF32 rounding
             s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G, N]
@@ -167,8 +167,8 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, k
         row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
         k1 = tl.load(k_ptr + row[:, None] + h[None, :], mask=valid[:, None], other=0.0)
         k2 = tl.load(k_ptr + row[:, None] + HALF + h[None, :], mask=valid[:, None], other=0.0)
+        srow = (blk.to(tl.int64) * block_size + tok % block_size) * n_kv_heads + kvh  # fp8 scales' index
         if QUANT:
-            srow = (blk.to(tl.int64) * block_size + tok % block_size) * n_kv_heads + kvh
             k1 = k1.to(dt)
             k2 = k2.to(dt)
         s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
