@@ -7,9 +7,9 @@ bits: no calibration, and no value saturates (keys of real models reach the hund
 tokens of a 16-bit one. The division rounds to nearest (the Triton kernels use `div_rn` to match), and the
 cast to e4m3 rounds to nearest even.
 
-Every attention reads K/V as stored, the chunk that wrote them included: a prompt's own K/V go through the
-format before its prefill attends to them (`round_trip`), so a token's output does not depend on how its
-prompt was chunked or whether a prefix came from the cache.
+Every attention reads K/V as stored, the chunk that wrote them included: a prompt's prefill attends to its own
+K/V read back from the pool, so a token's output does not depend on how its prompt was chunked or whether a
+prefix came from the cache.
 
 The Triton kernels read the e4m3 values, convert them to the model dtype (exact) and apply the scale to the
 scores (K) and the probabilities (V); the references here dequantize to the model dtype first. The two agree
@@ -44,12 +44,6 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The values `quantize` stored, in `dtype` (one rounding, from float32)."""
     return (q.float() * scale[..., None]).to(dtype)
-
-
-def round_trip(x: torch.Tensor) -> torch.Tensor:
-    """x as an fp8 cache holds it, in x's dtype."""
-    q, s = quantize(x)
-    return dequantize(q, s, x.dtype)
 
 
 def write_rows(cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
