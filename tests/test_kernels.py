@@ -298,7 +298,8 @@ def test_decode_attention_split_rule():
     assert choose_splits(1, 32, 100, 132) == 2  # a 100-token context has two 64-token tiles
 
 
-# ---- the fp8 KV cache (vlmctl.runtime.kv_quant) ---------------------------------------------------------
+# ---- the 8-bit KV cache (vlmctl.runtime.kv_quant): float8 e4m3 and int8 ------------------------------------
+STORAGES = [torch.float8_e4m3fn, torch.int8]
 def test_fp8_kv_rows_by_hand():
     """One row worked out by hand: scale = 4 / 448; 1, -2 and 4 land on e4m3 values; 0.3 / scale = 33.6 lies
     between the e4m3 neighbours 32 and 36 and rounds to 32. A row of zeros gets scale 1."""
@@ -316,18 +317,28 @@ def test_fp8_kv_rows_by_hand():
                           atol=3000 * 2 ** -9)
 
 
-def _fp8_pool(nblocks, bs, n_kv, d, g):
-    """An fp8 pool filled with quantized random rows (magnitudes varying by row), and its scales."""
+def test_int8_kv_rows_by_hand():
+    """scale = 4 / 127: 1 / scale = 31.75 -> 32, -2 -> -63.5 -> -64 (a tie: to even), 0.3 -> 9.525 -> 10, 4 -> 127."""
+    from vlmctl.runtime import kv_quant
+
+    q, s = kv_quant.quantize(torch.tensor([[1.0, -2.0, 0.3, 4.0]]), torch.int8)
+    assert q.dtype == torch.int8 and q.tolist() == [[32, -64, 10, 127]]
+    assert torch.allclose(s, torch.tensor([4.0 / 127.0]))
+
+
+def _pool8(nblocks, bs, n_kv, d, g, storage):
+    """An 8-bit pool filled with quantized random rows (magnitudes varying by row), and its scales."""
     from vlmctl.runtime import kv_quant
 
     x = torch.randn(nblocks, bs, n_kv, d, generator=g) * torch.exp(torch.randn(nblocks, bs, n_kv, 1, generator=g))
-    q, s = kv_quant.quantize(x)
+    q, s = kv_quant.quantize(x, storage)
     return q.to(DEV), s.to(DEV)
 
 
+@pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else []))
 @pytest.mark.parametrize("n_q,n_kv", [(4, 4), (6, 1)])
-def test_rope_and_cache_fp8(dtype, n_q, n_kv):
+def test_rope_and_cache_8bit(dtype, n_q, n_kv, storage):
     from vlmctl.runtime import kv_quant
     from vlmctl.runtime.kernels.fused import rope_and_cache
 
@@ -340,7 +351,7 @@ def test_rope_and_cache_fp8(dtype, n_q, n_kv):
     pos = torch.randint(0, 40, (T,), generator=g).to(DEV)
     slots = torch.randperm(nblocks * bs, generator=g)[:T].to(DEV)
     slots[3] = -1
-    kc = torch.full((nblocks, bs, n_kv, d), 7.0, device=DEV).to(kv_quant.FP8)
+    kc = torch.full((nblocks, bs, n_kv, d), 7.0, device=DEV).to(storage)
     vc, ks, vs = kc.clone(), torch.full((nblocks, bs, n_kv), 5.0, device=DEV), torch.full((nblocks, bs, n_kv), 5.0,
                                                                                           device=DEV)
     refs = [t.clone() for t in (qkv, kc, vc, ks, vs)]
@@ -357,19 +368,20 @@ def test_rope_and_cache_fp8(dtype, n_q, n_kv):
     assert (vs[written] > 0).all() and torch.equal(vs != 5.0, written)
 
 
+@pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n_q,n_kv,d", [(4, 4, 16), (8, 2, 32)])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_decode_fp8(dtype, n_q, n_kv, d, splits, window):
+def test_paged_decode_8bit(dtype, n_q, n_kv, d, splits, window, storage):
     from vlmctl.runtime.kernels.paged_attention import paged_decode
 
     g = torch.Generator().manual_seed(22)
     B, bs, nblocks, maxb = 3, 8, 24, 6
     lens = torch.tensor([1, 19, 45], dtype=torch.int32).to(DEV)
     tables = torch.stack([torch.randperm(nblocks, generator=g)[:maxb] for _ in range(B)]).to(torch.int32).to(DEV)
-    kc, ks = _fp8_pool(nblocks, bs, n_kv, d, g)
-    vc, vs = _fp8_pool(nblocks, bs, n_kv, d, g)
+    kc, ks = _pool8(nblocks, bs, n_kv, d, g, storage)
+    vc, vs = _pool8(nblocks, bs, n_kv, d, g, storage)
     q = torch.randn(B, n_q + 2 * n_kv, d, generator=g).to(DEV, dtype)[:, :n_q]
     want = ops.paged_decode_reference(q.float(), kc, vc, tables, lens, d ** -0.5, window, ks, vs)
     got = paged_decode(q, kc, vc, tables, lens, d ** -0.5, num_splits=splits, window=window, k_scale=ks, v_scale=vs)
@@ -380,10 +392,11 @@ def test_paged_decode_fp8(dtype, n_q, n_kv, d, splits, window):
                    want) > 0.05
 
 
+@pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("n_q,n_kv", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_paged_decode_with_rope_and_append_fp8(n_q, n_kv, splits):
-    """The fused decode kernel on an fp8 pool == rotary + quantized append + attention over the stored rows."""
+def test_paged_decode_with_rope_and_append_8bit(n_q, n_kv, splits, storage):
+    """The fused decode kernel on an 8-bit pool == rotary + quantized append + attention over the stored rows."""
     from vlmctl.runtime import kv_quant
     from vlmctl.runtime.kernels.paged_attention import paged_decode_rope, split_workspace
 
@@ -394,8 +407,8 @@ def test_paged_decode_with_rope_and_append_fp8(n_q, n_kv, splits):
     lens = torch.tensor([1, 20, 45, 200], dtype=torch.int32)
     tables = (torch.randperm(nblocks - 1, generator=g)[:B * maxb].view(B, maxb) + 1).to(torch.int32)
     slots = torch.tensor([int(tables[b, (int(lens[b]) - 1) // bs]) * bs + (int(lens[b]) - 1) % bs for b in range(B)])
-    kc, ks = _fp8_pool(nblocks, bs, n_kv, d, g)
-    vc, vs = _fp8_pool(nblocks, bs, n_kv, d, g)
+    kc, ks = _pool8(nblocks, bs, n_kv, d, g, storage)
+    vc, vs = _pool8(nblocks, bs, n_kv, d, g, storage)
     qkv = (torch.randn(B, (n_q + 2 * n_kv) * d, generator=g) * 3).to(DEV, dtype)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     f = torch.arange(256).float()[:, None] * inv

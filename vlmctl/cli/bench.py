@@ -33,8 +33,8 @@ def bench_command(
                                                  help="Engine mode: launch each decode step before the previous "
                                                  "step's tokens are read [default: on with a GPU]",
                                                  show_default=False),
-    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="Engine mode: KV cache storage, auto or "
-                                       "fp8 (as `serve --kv-cache-dtype`)"),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="Engine mode: KV cache storage, auto, "
+                                       "int8 or fp8 (as `serve --kv-cache-dtype`)"),
     model: str = typer.Option(None, "--model", help="URL mode: model id (default: the server's first)"),
     api_key: str = typer.Option(None, "--api-key", envvar="VLMCTL_API_KEY", help="URL mode: bearer key"),
     timeout: float = typer.Option(600.0, "--timeout", help="URL mode: seconds allowed per request"),

@@ -81,8 +81,8 @@ def chat_command(
     if max_tokens > engine.limits.max_output_len:  # now, not at every turn of the interactive chat
         raise LimitError(f"--max-tokens {max_tokens} exceeds this engine's max_output_len {engine.limits.max_output_len}")
     if not json_:
-        kv = (f", KV cache {engine.limits.kv_cache_tokens} tokens{' (fp8)' if engine.kv_cache_dtype == 'fp8' else ''}"
-              if engine.limits.kv_cache_tokens else "")
+        kv8 = "" if engine.kv_cache_dtype == "auto" else f" ({engine.kv_cache_dtype})"
+        kv = f", KV cache {engine.limits.kv_cache_tokens} tokens{kv8}" if engine.limits.kv_cache_tokens else ""
         console.print(f"[dim]{engine.model_name}: {engine.device}, vision {engine.vision_summary}{kv}[/dim]")
     if prompt is not None:
         messages = ([{"role": "system", "content": system}] if system else []) + \

@@ -16,9 +16,9 @@ out = Console(soft_wrap=True)
 
 SetOption = typer.Option(None, "--set", help="Override a recipe key: --set dotted.key=value (repeatable)")
 JsonOption = typer.Option(False, "--json", help="Print one machine-readable JSON object instead of progress")
-KvCacheDtypeOption = typer.Option("auto", "--kv-cache-dtype", help="KV cache storage: auto (the model's dtype) or "
-                                  "fp8 (e4m3 with a scale a token and KV head: about 1.9x the tokens in the same "
-                                  "memory; the torch decoder only)")
+KvCacheDtypeOption = typer.Option("auto", "--kv-cache-dtype", help="KV cache storage: auto (the model's dtype), "
+                                  "int8 or fp8 (8 bits with a scale a token and KV head: about 1.9x the tokens in "
+                                  "the same memory; the torch decoder only)")
 
 
 class RichProgress:

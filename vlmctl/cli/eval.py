@@ -22,6 +22,8 @@ def ppl_command(
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
     threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: the usable CPUs minus "
                                                               "one)"),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto, int8 or fp8: attention reads K/V "
+                                       "as `serve --kv-cache-dtype` stores them (the quality cost on this model)"),
     json_: bool = JsonOption,
 ):
     from ..errors import OptionError
@@ -35,10 +37,11 @@ def ppl_command(
     configure_threads(threads)
     with progress_for(json_) as progress:
         res = evaluate_perplexity(model, data, seq_len=seq_len, samples=samples, dtype=dtype, device=device,
-                                  base_dir=Path.cwd(), progress=progress)
+                                  base_dir=Path.cwd(), progress=progress, kv_cache_dtype=kv_cache_dtype)
     if json_:
         print_json(res)
     else:
         out.print(f"perplexity: {res['perplexity']:.4f}")
+        kv = "" if kv_cache_dtype == "auto" else f"; {kv_cache_dtype} KV"
         console.print(f"  {res['samples']} windows × {res['seq_len']} tokens of {data}; decoder {res['decoder_dir']} "
-                      f"({res['quantization']})")
+                      f"({res['quantization']}{kv})")

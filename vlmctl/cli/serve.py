@@ -156,7 +156,8 @@ def serve_command(
     logging.getLogger("vlmctl.serve").info(
         "vlmctl serve %s on http://%s:%d/v1 (%s; max batch %d; %s%svision %s; %s)", app.state.model_name, host, port,
         eng.device, eng.limits.max_batch_size,
-        f"KV cache {eng.limits.kv_cache_tokens} tokens{' (fp8)' if eng.kv_cache_dtype == 'fp8' else ''}; "
+        f"KV cache {eng.limits.kv_cache_tokens} tokens"
+        f"{'' if eng.kv_cache_dtype == 'auto' else ' (' + eng.kv_cache_dtype + ')'}; "
         if eng.limits.kv_cache_tokens else "",
         "async scheduling; " if eng.async_scheduling else "", eng.vision_summary,
         "API key required" if keys else "no API key")

@@ -100,12 +100,18 @@ def _is_whole_vlm(cfg: dict) -> bool:
     return True
 
 
-def load_logits_fn(model: Path, dtype: str | None = None, device: str = "cpu") -> tuple[Callable, Path, dict]:
+def load_logits_fn(model: Path, dtype: str | None = None, device: str = "cpu",
+                   kv_cache_dtype: str = "auto") -> tuple[Callable, Path, dict]:
     """(logits_fn, tokenizer directory, description) for `model` (see `find_decoder_dir`).
 
     `dtype` is the compute dtype of a Hugging Face directory (default float32). An engine's decoder runs in
-    the dtype it was built in: another `dtype` is refused (OptionError), not silently ignored."""
+    the dtype it was built in: another `dtype` is refused (OptionError), not silently ignored.
+    `kv_cache_dtype` "fp8" / "int8": attention reads K/V as an 8-bit pool stores them (runtime/kv_quant.py), as
+    serving with that `--kv-cache-dtype` does."""
     from ..runtime.decoder import TorchDecoder
+    from ..runtime.kv_quant import check_kv_cache_dtype
+
+    check_kv_cache_dtype(kv_cache_dtype)
 
     d, tok_dir = find_decoder_dir(model)
     cfg = json.loads((d / "config.json").read_text())
@@ -130,19 +136,20 @@ def load_logits_fn(model: Path, dtype: str | None = None, device: str = "cpu") -
         kind = "hf"
     if not has_tokenizer(tok_dir):
         raise CheckpointError(f"{model}: no tokenizer found (looked in {tok_dir})")
+    dec.kv_cache_dtype = kv_cache_dtype
     return dec.logits, tok_dir, {"kind": kind, "decoder_dir": str(d), "quantization": quant,
-                                 "max_positions": dec.spec.max_position_embeddings}
+                                 "kv_cache_dtype": kv_cache_dtype, "max_positions": dec.spec.max_position_embeddings}
 
 
 def evaluate_perplexity(model: Path, data: str, seq_len: int = 512, samples: int | None = None,
                         dtype: str | None = None, device: str = "cpu", base_dir: Path | None = None,
-                        progress: Progress | None = None) -> dict:
-    """Library entry point of `vlmctl eval ppl`. `dtype`: as `load_logits_fn` takes it."""
+                        progress: Progress | None = None, kv_cache_dtype: str = "auto") -> dict:
+    """Library entry point of `vlmctl eval ppl`. `dtype`, `kv_cache_dtype`: as `load_logits_fn` takes them."""
     from transformers import AutoTokenizer
 
     from ..quant.calibration import load_eval_tokens
 
-    logits_fn, tok_dir, info = load_logits_fn(model, dtype=dtype, device=device)
+    logits_fn, tok_dir, info = load_logits_fn(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
     most = info.pop("max_positions")
     if seq_len > most:  # positions past the model's own have no rotary angle (and were never trained)
         raise OptionError(f"--seq-len {seq_len}: longer than this model's {most} positions "

@@ -292,8 +292,8 @@ class TorchDecoder:
         self.n_self_layers, self.n_cross_layers = n_self, n_cross
         self.inter = spec.intermediate_size
         self.k_cache = self.v_cache = None
-        self.kv_cache_dtype = "auto"  # "fp8": e4m3 rows with a scale each (kv_quant); set before allocate_cache
-        self.k_scale = self.v_scale = None  # an fp8 pool's scales, [layers, blocks, block_size, kv heads] float32
+        self.kv_cache_dtype = "auto"  # "fp8", "int8": 8-bit rows, a scale each (kv_quant); before allocate_cache
+        self.k_scale = self.v_scale = None  # an 8-bit pool's scales, [layers, blocks, block_size, kv heads] float32
         self.xk_cache = self.xv_cache = None  # the cross-attention pool (always in the model dtype)
         self.block_size = 0
         self.max_cross_rows = 0  # most image rows one sequence's cross KV holds
@@ -374,9 +374,9 @@ class TorchDecoder:
 
     # ---- KV cache ----------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        """Bytes of self-attention KV per token (cross-attention layers hold none); an fp8 pool holds one
+        """Bytes of self-attention KV per token (cross-attention layers hold none); an 8-bit pool holds one
         byte a value and a float32 scale a row."""
-        if self.kv_cache_dtype == "fp8":
+        if self.kv_cache_dtype != "auto":
             return 2 * self.n_self_layers * (self.kv_size + 4 * self.n_kv)
         return 2 * self.n_self_layers * self.kv_size * torch.tensor([], dtype=self.dtype).element_size()
 
@@ -387,11 +387,11 @@ class TorchDecoder:
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         """The block pool: K and V of every self-attention layer, [layers, blocks, block_size, kv heads, head dim]."""
         shape = (self.n_self_layers, num_blocks, block_size, self.n_kv, self.head_dim)
-        fp8 = self.kv_cache_dtype == "fp8"
-        self.k_cache = torch.zeros(shape, dtype=kv_quant.FP8 if fp8 else self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=kv_quant.FP8 if fp8 else self.dtype, device=self.device)
-        self.k_scale = torch.ones(shape[:4], dtype=torch.float32, device=self.device) if fp8 else None
-        self.v_scale = torch.ones(shape[:4], dtype=torch.float32, device=self.device) if fp8 else None
+        storage = kv_quant.STORAGE.get(self.kv_cache_dtype)  # None: the model dtype
+        self.k_cache = torch.zeros(shape, dtype=storage or self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=storage or self.dtype, device=self.device)
+        self.k_scale = torch.ones(shape[:4], dtype=torch.float32, device=self.device) if storage else None
+        self.v_scale = torch.ones(shape[:4], dtype=torch.float32, device=self.device) if storage else None
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._graphs.clear()
@@ -507,7 +507,7 @@ class TorchDecoder:
         return logits.float()
 
     def _scales(self, cache_index: int) -> tuple:
-        """(K scales, V scales) of one self-attention layer's fp8 pool, or (None, None) for a 16-bit pool."""
+        """(K scales, V scales) of one self-attention layer's 8-bit pool, or (None, None) for a 16-bit pool."""
         if self.k_scale is None:
             return None, None
         return self.k_scale[cache_index], self.v_scale[cache_index]
@@ -617,7 +617,7 @@ class TorchDecoder:
             for rows, start, n, bt, blocks in prefill:
                 if start == 0 and ks is None:
                     k, v = self._split(qkv, rows, n)
-                else:  # an fp8 pool's prompt attends to its own K/V as stored too (kv_quant)
+                else:  # an 8-bit pool's prompt attends to its own K/V as stored too (kv_quant)
                     k = ops.gather_context(kc, bt, start + n, ks, self.dtype)
                     v = ops.gather_context(vc, bt, start + n, vs, self.dtype)
                 out[rows] = ops.prefill_attention(q[rows], k, v, self.scale, window, blocks)
@@ -1042,7 +1042,8 @@ class TorchDecoder:
     # ---- full causal forward without the cache ---------------------------------------------------
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, T] -> [B, T, V] logits of a plain causal forward (perplexity, tests). Cross-attention
+        """[B, T] -> [B, T, V] logits of a plain causal forward (perplexity, tests); with an 8-bit `kv_cache_dtype`
+        attention reads K/V rounded as the pool stores them. Cross-attention
         layers are skipped, as for a prompt without images."""
         B, T = input_ids.shape
         dev = self.device
@@ -1068,6 +1069,10 @@ class TorchDecoder:
             for b in range(B):
                 rows = slice(b * T, (b + 1) * T)
                 k, v = self._split(qkv, rows, T)
+                storage = kv_quant.STORAGE.get(self.kv_cache_dtype)
+                if storage is not None:  # as an 8-bit pool would hold them (serving's prefill reads them so)
+                    k = kv_quant.dequantize(*kv_quant.quantize(k, storage), k.dtype)
+                    v = kv_quant.dequantize(*kv_quant.quantize(v, storage), v.dtype)
                 out[rows] = ops.prefill_attention(q[rows], k, v, self.scale, layer.window, blocks[b])
             return out
 

@@ -84,7 +84,7 @@ class EngineOptions:
     max_num_batched_tokens: int | None = None  # tokens one step computes (prompt chunks + decode)
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory this engine may use (weights, KV, rest)
     kv_cache_tokens: int | None = None  # explicit KV pool size, overriding the memory-based sizing
-    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8": e4m3 with a scale a row (runtime/kv_quant.py)
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8" / "int8": 8 bits and a scale a row (kv_quant.py)
     block_size: int = 16
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True

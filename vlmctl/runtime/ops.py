@@ -104,7 +104,7 @@ def rope_and_cache_reference(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cac
         v = qkv[:, (n_q + n_kv) * head_dim:].view(T, n_kv, head_dim)
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()  # a captured step's buffers are int32
-        if k_scale is not None:  # an fp8 pool (kv_quant)
+        if k_scale is not None:  # an 8-bit pool (kv_quant)
             kv_quant.write_rows(k_cache, k_scale, slots, k[keep])
             kv_quant.write_rows(v_cache, v_scale, slots, v[keep])
             return
@@ -118,7 +118,7 @@ def rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Te
                    v_scale: torch.Tensor | None = None) -> None:
     """In place on qkv [T, (n_q + 2 n_kv) * d]: rotary on q and k at `positions` (rows of the float32
     cos|sin table [P, d]); then k and v appended to the paged caches at `slot_mapping`. With `k_scale` and
-    `v_scale` ([blocks, bs, n_kv] float32) the caches are fp8 (`kv_quant`): each row is quantized as written."""
+    `v_scale` ([blocks, bs, n_kv] float32) the caches are 8-bit (`kv_quant`): each row is quantized as written."""
     if _use_kernels(qkv):
         from .kernels.fused import rope_and_cache as kernel
 
@@ -159,7 +159,7 @@ def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None,
                    dtype: torch.dtype | None = None) -> torch.Tensor:
     """The first `length` positions of one sequence from a paged cache [blocks, bs, H, d] -> [length, H, d];
-    from an fp8 cache with its `scales` [blocks, bs, H], dequantized to `dtype`."""
+    from an 8-bit cache with its `scales` [blocks, bs, H], dequantized to `dtype`."""
     bs = cache.shape[1]
     nb = -(-length // bs)
     rows = cache.index_select(0, block_table[:nb]).flatten(0, 1)[:length]
@@ -171,7 +171,7 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, 
 def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, window=None, k_scale=None,
                            v_scale=None):
     """q [B, Hq, d]; attends each row over its first context_lens[b] cached positions (with `window`,
-    only the last `window` of them) -> [B, Hq, d]. With `k_scale`/`v_scale` the caches are fp8, dequantized
+    only the last `window` of them) -> [B, Hq, d]. With `k_scale`/`v_scale` the caches are 8-bit, dequantized
     to q's dtype."""
     B, Hq, d = q.shape
     Hkv = k_cache.shape[2]
@@ -199,7 +199,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  workspace=None, window: int | None = None, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over the paged cache, read in place on CUDA; `window`: attend only
-    the last `window` positions (the token itself included); `k_scale`/`v_scale`: an fp8 cache's scales."""
+    the last `window` positions (the token itself included); `k_scale`/`v_scale`: an 8-bit cache's scales."""
     if _use_kernels(q) and q.dtype != torch.float32 and q.shape[-1] >= 16:
         from .kernels.paged_attention import paged_decode as kernel
 

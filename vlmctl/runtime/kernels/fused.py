@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import kv_fp8, pdl
+from . import kv_rows, pdl
 from .compile_ahead import run as run_triton
 
 
@@ -98,7 +98,8 @@ def _rope_cache_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_c
                        stride_t, stride_cs, stride_cb, stride_cs_slot, stride_ch, n_q_heads, n_kv_heads, block_size,
                        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, WRITE_CACHE: tl.constexpr,
                        PDL: tl.constexpr = False, QUANT: tl.constexpr = False):
-    """QUANT: the caches are fp8 (`kv_fp8`), each row written with its scale at slot * n_kv_heads + head."""
+    """QUANT: 8-bit caches (float8 e4m3 or int8, `kv_rows`), each row written with its scale at
+    slot * n_kv_heads + head."""
     pdl.release(PDL)
     pdl.wait(PDL)
     t = tl.program_id(0)
@@ -127,11 +128,12 @@ def _rope_cache_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_c
                     kh = h - n_q_heads
                     dst = k_cache_ptr + blk * stride_cb + off * stride_cs_slot + kh * stride_ch
                     if QUANT:
-                        sc = kv_fp8.row_scale(tl.maximum(tl.max(tl.abs(o1.to(tl.float32)), 0),
-                                                         tl.max(tl.abs(o2.to(tl.float32)), 0)))
+                        sc = kv_rows.row_scale(tl.maximum(tl.max(tl.abs(o1.to(tl.float32)), 0),
+                                                          tl.max(tl.abs(o2.to(tl.float32)), 0)),
+                                               k_cache_ptr.dtype.element_ty)
                         tl.store(k_scale_ptr + slot * n_kv_heads + kh, sc)
-                        tl.store(dst + offs, kv_fp8.quantize(o1, sc, k_cache_ptr.dtype.element_ty))
-                        tl.store(dst + HALF + offs, kv_fp8.quantize(o2, sc, k_cache_ptr.dtype.element_ty))
+                        tl.store(dst + offs, kv_rows.quantize(o1, sc, k_cache_ptr.dtype.element_ty))
+                        tl.store(dst + HALF + offs, kv_rows.quantize(o2, sc, k_cache_ptr.dtype.element_ty))
                     else:
                         tl.store(dst + offs, o1)
                         tl.store(dst + HALF + offs, o2)
@@ -143,9 +145,9 @@ def _rope_cache_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_c
                 v = tl.load(base + d)
                 dst = v_cache_ptr + blk * stride_cb + off * stride_cs_slot + vh * stride_ch
                 if QUANT:
-                    sc = kv_fp8.row_scale(tl.max(tl.abs(v.to(tl.float32)), 0))
+                    sc = kv_rows.row_scale(tl.max(tl.abs(v.to(tl.float32)), 0), v_cache_ptr.dtype.element_ty)
                     tl.store(v_scale_ptr + slot * n_kv_heads + vh, sc)
-                    tl.store(dst + d, kv_fp8.quantize(v, sc, v_cache_ptr.dtype.element_ty))
+                    tl.store(dst + d, kv_rows.quantize(v, sc, v_cache_ptr.dtype.element_ty))
                 else:
                     tl.store(dst + d, v)
 
@@ -157,7 +159,7 @@ def rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Te
     """In place: rotary on the q and k heads of qkv [T, (nq + 2 nkv) * d] at `positions` (rows of the
     cos|sin table [P, d]); then k (rotated) and v written to the paged caches [blocks, block_size,
     nkv, d] at `slot_mapping` [T] (block * block_size + offset; negative: not written). With `k_scale` and
-    `v_scale` ([blocks, block_size, nkv] float32, contiguous) the caches are fp8 (`vlmctl.runtime.kv_quant`)."""
+    `v_scale` ([blocks, block_size, nkv] float32, contiguous) the caches are 8-bit (`vlmctl.runtime.kv_quant`)."""
     T = qkv.shape[0]
     write = k_cache is not None
     heads = n_q_heads + 2 * n_kv_heads if write else n_q_heads + n_kv_heads

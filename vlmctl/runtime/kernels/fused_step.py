@@ -84,7 +84,7 @@ def unsupported_reason(decoder) -> str | None:
     if decoder.dtype != torch.float16:
         return "fp16 activations only"
     if decoder.kv_cache_dtype != "auto":
-        return "a 16-bit KV cache only (not --kv-cache-dtype fp8)"
+        return "a 16-bit KV cache only (not --kv-cache-dtype fp8 or int8)"
     if not cuda_rtc.available():
         return "NVRTC is not installed"
     if decoder.n_cross_layers or decoder.one_plus or decoder.activation not in ("silu", "gelu_tanh"):

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ...errors import OptionError
-from . import kv_fp8, pdl
+from . import kv_rows, pdl
 from .compile_ahead import run as run_triton
 
 
@@ -45,7 +45,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr = False,
                    PDL: tl.constexpr = False, QUANT: tl.constexpr = False):
-    """QUANT: fp8 caches (`kv_fp8`) with a float32 scale a (position, KV head) in ks_ptr / vs_ptr: K's scales
+    """QUANT: 8-bit caches (`kv_rows`) with a float32 scale a (position, KV head) in ks_ptr / vs_ptr: K's scales
     multiply the scores, V's the probabilities, so the e4m3 values enter the dots as they are."""
     pdl.release(PDL)
     pdl.wait(PDL)
@@ -73,7 +73,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
         blk = tl.load(bt_ptr + seq * stride_bt + tok // block_size, mask=valid, other=0)
         row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-        srow = (blk.to(tl.int64) * block_size + tok % block_size) * tl.num_programs(1) + kvh  # fp8 scales' index
+        srow = (blk.to(tl.int64) * block_size + tok % block_size) * tl.num_programs(1) + kvh  # 8-bit scales' index
         if QUANT:
             k = k.to(q.dtype)
         if IEEE:  # float32 caches: no TF32 rounding
@@ -123,7 +123,7 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, k
     writes k and v to the cache and attends to them from registers, the others read the cache.
     COMBINE (with SPLIT): the last split of a (sequence, KV head) to finish, counted in cnt_ptr (zero before
     and after), combines the splits' partials as `_combine_kernel` does, in place of that kernel's launch.
-    QUANT: fp8 caches, as in `_decode_kernel`; the new token's k and v are quantized as they are written and
+    QUANT: 8-bit caches, as in `_decode_kernel`; the new token's k and v are quantized as they are written and
     attended to as stored (dequantized to the model dtype, as the reference reads them)."""
     pdl.release(PDL)
     pdl.wait(PDL)
@@ -167,7 +167,7 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, k
         row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
         k1 = tl.load(k_ptr + row[:, None] + h[None, :], mask=valid[:, None], other=0.0)
         k2 = tl.load(k_ptr + row[:, None] + HALF + h[None, :], mask=valid[:, None], other=0.0)
-        srow = (blk.to(tl.int64) * block_size + tok % block_size) * n_kv_heads + kvh  # fp8 scales' index
+        srow = (blk.to(tl.int64) * block_size + tok % block_size) * n_kv_heads + kvh  # 8-bit scales' index
         if QUANT:
             k1 = k1.to(dt)
             k2 = k2.to(dt)
@@ -198,12 +198,12 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, k
         slot = tl.load(slot_ptr + seq)
         dst = (slot // block_size).to(tl.int64) * stride_kb + (slot % block_size) * stride_ks + kvh * stride_kh
         if QUANT:
-            sk = kv_fp8.row_scale(tl.maximum(tl.max(tl.abs(kn1.to(tl.float32)), 0),
-                                             tl.max(tl.abs(kn2.to(tl.float32)), 0)))
-            sv = kv_fp8.row_scale(tl.max(tl.abs(vn.to(tl.float32)), 0))
-            e1 = kv_fp8.quantize(kn1, sk, k_ptr.dtype.element_ty)
-            e2 = kv_fp8.quantize(kn2, sk, k_ptr.dtype.element_ty)
-            ev = kv_fp8.quantize(vn, sv, v_ptr.dtype.element_ty)
+            sk = kv_rows.row_scale(tl.maximum(tl.max(tl.abs(kn1.to(tl.float32)), 0),
+                                              tl.max(tl.abs(kn2.to(tl.float32)), 0)), k_ptr.dtype.element_ty)
+            sv = kv_rows.row_scale(tl.max(tl.abs(vn.to(tl.float32)), 0), v_ptr.dtype.element_ty)
+            e1 = kv_rows.quantize(kn1, sk, k_ptr.dtype.element_ty)
+            e2 = kv_rows.quantize(kn2, sk, k_ptr.dtype.element_ty)
+            ev = kv_rows.quantize(vn, sv, v_ptr.dtype.element_ty)
             tl.store(k_ptr + dst + h, e1)
             tl.store(k_ptr + dst + HALF + h, e2)
             tl.store(v_ptr + dst + d, ev)
@@ -343,13 +343,28 @@ def _decode_launch_kwargs(device) -> dict:
     return {"PDL": True} if v == "0" and kw.get("launch_pdl") else kw
 
 
+def _tile(head_dim: int, quant: bool) -> tuple[int, int]:
+    """(context positions a loop iteration reads, warps) of the decode kernels. An 8-bit pool reads twice the
+    positions of a 16-bit one, so that an iteration keeps the same bytes in flight (on an H100 at batch 64 an
+    fp8 pool read 64 positions an iteration ran its attention at ~1.1 TB/s, the 16-bit one at ~2.9).
+    `VLMCTL_ATTN_KV8_TILE` and `VLMCTL_ATTN_KV8_WARPS` override the 8-bit pool's (measurements)."""
+    from .settings import env_int
+
+    if not quant:
+        return (64 if head_dim <= 128 else 32), 4
+    tile = env_int("VLMCTL_ATTN_KV8_TILE", 128 if head_dim <= 128 else 64, minimum=16)
+    if tile & (tile - 1):
+        raise OptionError(f"VLMCTL_ATTN_KV8_TILE={tile}: expected a power of two (16 or more)")
+    return tile, env_int("VLMCTL_ATTN_KV8_WARPS", 4, minimum=1)
+
+
 def _scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple:
-    """The scale pointers of an fp8 cache (the kernels index them as [blocks, bs, Hkv], contiguous), or the
+    """The scale pointers of an 8-bit cache (the kernels index them as [blocks, bs, Hkv], contiguous), or the
     cache itself twice as unused stand-ins."""
     if k_scale is None:
         return k_cache, k_cache
     if not (k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.shape == k_cache.shape[:3]):
-        raise ValueError(f"fp8 KV scales must be contiguous [blocks, bs, Hkv] = {tuple(k_cache.shape[:3])}")
+        raise ValueError(f"8-bit KV scales must be contiguous [blocks, bs, Hkv] = {tuple(k_cache.shape[:3])}")
     return k_scale, v_scale
 
 
@@ -365,7 +380,7 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
     """Decode attention of qkv rows [B, (n_q + 2 n_kv) * d] (not yet rotated) with the rotary of the new
     token and its KV append done in the same kernel. context_lens count the new token; `window`:
     attend only the last `window` positions; `k_scale`/`v_scale` ([blocks, bs, n_kv] float32, contiguous):
-    the caches are fp8 (`vlmctl.runtime.kv_quant`)."""
+    the caches are 8-bit (`vlmctl.runtime.kv_quant`)."""
     B = qkv.shape[0]
     D = k_cache.shape[3]
     group = n_q // n_kv
@@ -373,6 +388,7 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
     split = num_splits > 1
     part, ml, cnt = _partials(out, num_splits, workspace)
     fold = split and cnt is not None and combine_in_attention()
+    block_n, warps = _tile(D, k_scale is not None)
     run_triton(
         _decode_rope_kernel, (B, n_kv, num_splits),
         qkv, cos_sin, positions, slots, k_cache, v_cache, *_scales(k_cache, k_scale, v_scale), block_tables,
@@ -380,8 +396,8 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
         cnt if fold else ml, qkv.stride(0), cos_sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group,
         num_splits, n_q, n_kv, window or 0, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=64 if D <= 128 else 32, SPLIT=split, HAS_WINDOW=window is not None,
-        COMBINE=fold, BLOCK_S=combine_width(num_splits), QUANT=k_scale is not None, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, SPLIT=split, HAS_WINDOW=window is not None,
+        COMBINE=fold, BLOCK_S=combine_width(num_splits), QUANT=k_scale is not None, num_warps=warps, num_stages=2,
         **_decode_launch_kwargs(qkv.device))
     if split and not fold:
         _combine(part, ml, out, num_splits)
@@ -394,13 +410,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, d] (row stride free), caches [blocks, block_size, Hkv, d], block_tables [B, max_blocks]
     int32, context_lens [B] int32 (tokens to attend, the current one included) -> out [B, Hq, d].
-    `window`: attend only the last `window` of them; `k_scale`/`v_scale`: an fp8 cache's scales."""
+    `window`: attend only the last `window` of them; `k_scale`/`v_scale`: an 8-bit cache's scales."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     group = Hq // Hkv
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device) if out is None else out
     BLOCK_G = max(16, triton.next_power_of_2(group))
-    BLOCK_N = 64 if D <= 128 else 32
+    BLOCK_N, warps = _tile(D, k_scale is not None)
     split = num_splits > 1
     part, ml, _ = _partials(out, num_splits, workspace)
     run_triton(
@@ -409,7 +425,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group, num_splits,
         window or 0, HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, SPLIT=split,
-        IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None, QUANT=k_scale is not None, num_warps=4,
+        IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None, QUANT=k_scale is not None, num_warps=warps,
         num_stages=2, **pdl.launch_kwargs(q.device))
     if split:
         _combine(part, ml, out, num_splits)

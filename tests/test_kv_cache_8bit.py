@@ -1,8 +1,9 @@
-"""The fp8 KV cache (`--kv-cache-dtype fp8`, vlmctl/runtime/kv_quant.py) against transformers running the same
-model with a cache that stores each K/V row of a (token, head) the way the format does: e4m3 with the row's
-largest magnitude / 448 as its scale. Greedy tokens must match and every chosen token's logprob must agree to
-float32 noise, while the same reference without the rounding differs by far more: the engine really reads
-K/V as stored. The format is restated here from its definition (torch's own e4m3 cast), not imported."""
+"""The 8-bit KV cache (`--kv-cache-dtype fp8 | int8`, vlmctl/runtime/kv_quant.py) against transformers running
+the same model with a cache that stores each K/V row of a (token, head) the way the format does: e4m3 with the
+row's largest magnitude / 448 as its scale, or integers with largest magnitude / 127. Greedy tokens must match
+and every chosen token's logprob must agree to float32 noise, while the same reference without the rounding
+differs by far more: the engine really reads K/V as stored. The formats are restated here from their
+definitions (torch's own e4m3 cast and round), not imported."""
 
 from __future__ import annotations
 
@@ -13,26 +14,30 @@ from conftest import cli, write_recipe
 from tiny_models import make_image, make_llava
 
 
-def fp8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., d] as an fp8 pool holds it: per row over the last axis, scale = max |x| / 448 (1 for zeros)."""
+def rows_8bit(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """x [..., d] as an 8-bit pool holds it: per row over the last axis, scale = max |x| / 448 (fp8) or / 127
+    (int8), 1 for a row of zeros; the row / scale cast to e4m3, or rounded to an integer."""
+    top = 448.0 if kind == "fp8" else 127.0
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    return ((xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    y = (xf / scale).clamp(-top, top)
+    y = y.to(torch.float8_e4m3fn).float() if kind == "fp8" else torch.round(y)
+    return (y * scale).to(x.dtype)
 
 
-def fp8_row_cache(config, layers=None):
-    """A transformers DynamicCache whose K/V go through `fp8_rows` (in `layers` only, when given) before
+def row_cache_8bit(config, kind, layers=None):
+    """A transformers DynamicCache whose K/V go through `rows_8bit` (in `layers` only, when given) before
     they are stored and attended to."""
     from transformers import DynamicCache
 
-    class Fp8RowCache(DynamicCache):
+    class RowCache8(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             if layers is None or layer_idx in layers:
-                key_states, value_states = fp8_rows(key_states), fp8_rows(value_states)
+                key_states, value_states = rows_8bit(key_states, kind), rows_8bit(value_states, kind)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    return Fp8RowCache(config=config)
+    return RowCache8(config=config)
 
 
 def hf_logprobs(model, inputs, n, cache=None) -> tuple[list[int], list[float]]:
@@ -49,25 +54,29 @@ def engine_logprobs(engine_dir, messages, images, n, kv_cache_dtype) -> tuple[li
     from vlmctl.runtime.sampling import SamplingParams
 
     eng = Engine(engine_dir, device="cpu", kv_cache_dtype=kv_cache_dtype)
-    assert eng.decoder.k_cache.dtype == (torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.float32)
+    assert eng.decoder.k_cache.dtype == {"fp8": torch.float8_e4m3fn, "int8": torch.int8}[kv_cache_dtype]
     done = eng.chat(messages, images, SamplingParams(max_tokens=n, temperature=0, logprobs=0, ignore_eos=True))
     return done.token_ids, [lp["logprob"] for lp in done.logprobs]
 
 
 def check_against(ours, quantized, plain) -> None:
-    assert ours[0] == quantized[0], f"fp8 engine {ours[0]} != transformers with the fp8 cache {quantized[0]}"
-    near = max(abs(a - b) for a, b in zip(ours[1], quantized[1]))
-    assert near < 2e-5, f"fp8 engine's logprobs are {near:.2e} from the reference's"
-    # the rounding matters: the unrounded reference is far from both (where its tokens still agree)
-    same = [i for i, (a, b) in enumerate(zip(plain[0], quantized[0])) if a == b]
-    k = next((i for i, (a, b) in enumerate(zip(plain[0], quantized[0])) if a != b), len(same))
+    """Tokens equal; logprobs at float32 noise for most steps. A value computed a rounding apart by the two
+    (another GEMM shape) can land on the other side of a quantization step, and that row then differs by one
+    step for the rest of the run, so the largest difference is held to a tenth of what the rounding itself
+    moves the logprobs (the unrounded reference against the rounded one), not to the noise."""
+    assert ours[0] == quantized[0], f"8-bit engine {ours[0]} != transformers with the 8-bit cache {quantized[0]}"
+    diffs = sorted(abs(a - b) for a, b in zip(ours[1], quantized[1]))
+    k = next((i for i, (a, b) in enumerate(zip(plain[0], quantized[0])) if a != b), len(plain[0]))
     far = max(abs(plain[1][i] - quantized[1][i]) for i in range(k)) if k else 1.0
-    assert far > 50 * max(near, 1e-7), f"the fp8 rounding moved the logprobs by only {far:.2e}"
+    assert diffs[len(diffs) // 2] < 1e-5, f"8-bit engine's logprobs: median {diffs[len(diffs) // 2]:.2e} off"
+    assert diffs[-1] < far / 10, f"8-bit engine's logprobs up to {diffs[-1]:.2e} off; the rounding moves them {far:.2e}"
+    assert far > 1e-3, f"the 8-bit rounding moved the logprobs by only {far:.2e}"
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
 @pytest.mark.parametrize("kwargs", [{"num_kv_heads": 2}, {"num_kv_heads": 1, "seed": 2, "tie": True}],
                          ids=["gqa", "mqa-tied"])
-def test_llava_fp8_kv_matches_transformers_with_an_fp8_cache(tmp_path, capsys, kwargs):
+def test_llava_8bit_kv_matches_transformers_with_an_8bit_cache(tmp_path, capsys, kwargs, kind):
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     ckpt = make_llava(tmp_path / "ckpt", **kwargs)
@@ -80,11 +89,12 @@ def test_llava_fp8_kv_matches_transformers_with_an_fp8_cache(tmp_path, capsys, k
     inputs = proc(images=[img], text=proc.apply_chat_template(messages, add_generation_prompt=True),
                   return_tensors="pt")
     n = 16
-    check_against(engine_logprobs(tmp_path / "eng", messages, [img], n, "fp8"),
-                  hf_logprobs(model, inputs, n, fp8_row_cache(model.config)), hf_logprobs(model, inputs, n))
+    check_against(engine_logprobs(tmp_path / "eng", messages, [img], n, kind),
+                  hf_logprobs(model, inputs, n, row_cache_8bit(model.config, kind)), hf_logprobs(model, inputs, n))
 
 
-def test_gemma3_fp8_kv_with_sliding_window_and_image_blocks(tmp_path):
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_gemma3_8bit_kv_with_sliding_window_and_image_blocks(tmp_path, kind):
     """Sliding-window layers (window 12 < an image's 16 rows) and image rows that see each other."""
     from test_gemma3 import _build, hf_inputs, load_hf, load_proc, user
     from tiny_gemma3 import make_gemma3
@@ -96,11 +106,11 @@ def test_gemma3_fp8_kv_with_sliding_window_and_image_blocks(tmp_path):
     messages = [user(1, "what is this?")]
     inputs = hf_inputs(proc, messages, [img])
     n = 14
-    check_against(engine_logprobs(engine_dir, messages, [img], n, "fp8"),
-                  hf_logprobs(model, inputs, n, fp8_row_cache(model.config)), hf_logprobs(model, inputs, n))
+    check_against(engine_logprobs(engine_dir, messages, [img], n, kind),
+                  hf_logprobs(model, inputs, n, row_cache_8bit(model.config, kind)), hf_logprobs(model, inputs, n))
 
 
-def test_fp8_pool_holds_more_tokens_in_the_same_bytes(tiny_llava_engine):
+def test_8bit_pool_holds_more_tokens_in_the_same_bytes(tiny_llava_engine):
     from vlmctl.runtime.engine import Engine
 
     plain = Engine(tiny_llava_engine, device="cpu")

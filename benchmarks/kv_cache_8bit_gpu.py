@@ -1,21 +1,24 @@
-"""The fp8 KV cache at the engine: decode ms a step and the KV pool's size with `--kv-cache-dtype auto` against
-`fp8`, on `serving_gpu.py`'s LLaVA-1.5-7B-shaped fp16 engine (random weights, built by `vlmctl build` with the
+"""The 8-bit KV cache at the engine: decode ms a step and the KV pool's size with `--kv-cache-dtype auto`, `int8`
+and `fp8`, on `serving_gpu.py`'s LLaVA-1.5-7B-shaped fp16 engine (random weights, built by `vlmctl build` with the
 engine's defaults, max_batch_size 64), each loaded with its defaults otherwise (async scheduling on a GPU).
+A mode `KIND@TILExWARPS` (e.g. `fp8@64x4`) sets VLMCTL_ATTN_KV8_TILE / _WARPS for that engine (measurements).
 
 For each batch size, B text-only requests of ~`--prompt-words` x 6.5 tokens decode `--output-len` greedy
 tokens (EOS ignored) through `Engine.step()` (async_scheduling_gpu.py's `run`: the decode phase is timed).
-The modes alternate (auto, fp8, auto, fp8), each a fresh Engine in this process, so a drifting clock shows as
-a spread. Printed beside them: the step's bandwidth bound, (weight bytes + the K/V bytes the batch's contexts
+The modes alternate (auto, int8, fp8, auto, int8, fp8 by default), each a fresh Engine in this process, so a
+drifting clock shows as a spread. Printed beside them: the step's bandwidth bound, (weight bytes + the K/V bytes the batch's contexts
 hold at mid-generation) / the copy bandwidth, for each mode.
 
-    python benchmarks/kv_fp8_gpu.py --work /var/tmp/vb [--batches 1 8 64] [--prompt-words 150]
-    python benchmarks/kv_fp8_gpu.py --smoke --work /tmp/smoke      # tiny shapes on the CPU
+    python benchmarks/kv_cache_8bit_gpu.py --work /var/tmp/vb [--batches 1 8 64] [--prompt-words 150] \
+        [--modes auto int8 fp8 fp8@64x4]
+    python benchmarks/kv_cache_8bit_gpu.py --smoke --work /tmp/smoke      # tiny shapes on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -52,6 +55,7 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=150)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--modes", nargs="+", default=["auto", "int8", "fp8"], help="KIND or KIND@TILExWARPS")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -66,18 +70,21 @@ def main() -> None:
     log(f"engine ready in {time.perf_counter() - t0:.0f} s")
     bw = copy_bandwidth() if dev == "cuda" else None
     rows, pools = [], {}
-    for i, kv in enumerate(["auto", "fp8"] * args.repeats):
+    for i, mode in enumerate(args.modes * args.repeats):
+        kv, _, tile = mode.partition("@")
+        for var, val in zip(("VLMCTL_ATTN_KV8_TILE", "VLMCTL_ATTN_KV8_WARPS"), tile.split("x") if tile else ("", "")):
+            os.environ[var] = val
         eng, load_s, _ = load_engine(engine_dir, device=dev, kv_cache_dtype=kv)
         dec = eng.decoder
-        pools[kv] = {"kv_cache_tokens": eng.limits.kv_cache_tokens, "bytes_per_token": dec.kv_bytes_per_token(),
-                     "weight_bytes": step_weight_bytes(eng)}
-        log(f"{kv}: loaded in {load_s:.1f} s; {json.dumps(pools[kv])}")
+        pools[mode] = {"kv_cache_tokens": eng.limits.kv_cache_tokens, "bytes_per_token": dec.kv_bytes_per_token(),
+                       "weight_bytes": step_weight_bytes(eng)}
+        log(f"{mode}: loaded in {load_s:.1f} s; {json.dumps(pools[mode])}")
         run(eng, 1, args.prompt_words, 4, 999)  # warm-up of the host side
         for b in args.batches:
-            r = run(eng, b, args.prompt_words, args.output_len, seed=1000 * b + i // 2)
+            r = run(eng, b, args.prompt_words, args.output_len, seed=1000 * b + i // len(args.modes))
             ctx = r["prompt_tokens"] + args.output_len // 2
-            r.update(kv_cache_dtype=kv, bound_ms=1000 * (pools[kv]["weight_bytes"] + b * ctx *
-                                                         pools[kv]["bytes_per_token"]) / bw if bw else None)
+            r.update(mode=mode, bound_ms=1000 * (pools[mode]["weight_bytes"] + b * ctx *
+                                                 pools[mode]["bytes_per_token"]) / bw if bw else None)
             rows.append(r)
             log(json.dumps(r))
         del eng, dec
@@ -85,16 +92,15 @@ def main() -> None:
             torch.cuda.empty_cache()
     log(f"device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}; copy bandwidth "
         f"{bw / 1e12:.2f} TB/s" if bw else "device: cpu")
-    log("| batch | prompt tokens | auto ms/step | fp8 ms/step | auto bound ms | fp8 bound ms | auto tok/s | fp8 tok/s |")
-    log("| ---: | ---: | --- | --- | ---: | ---: | --- | --- |")
-    for b in args.batches:
-        a = [r for r in rows if r["batch"] == b and r["kv_cache_dtype"] == "auto"]
-        f = [r for r in rows if r["batch"] == b and r["kv_cache_dtype"] == "fp8"]
-        j = lambda rs, k, p: "/".join(f"{r[k]:.{p}f}" for r in rs)  # noqa: E731
-        bound = lambda rs: f"{rs[0]['bound_ms']:.2f}" if rs[0]["bound_ms"] else "-"  # noqa: E731
-        log(f"| {b} | {a[0]['prompt_tokens']} | {j(a, 'ms_per_step', 2)} | {j(f, 'ms_per_step', 2)} | {bound(a)} | "
-            f"{bound(f)} | {j(a, 'tok_s', 0)} | {j(f, 'tok_s', 0)} |")
-    log(f"KV pool: auto {pools['auto']['kv_cache_tokens']} tokens, fp8 {pools['fp8']['kv_cache_tokens']} tokens")
+    log("| mode | batch | prompt tokens | ms/step | bound ms | tok/s | KV pool tokens |")
+    log("| --- | ---: | ---: | --- | ---: | --- | ---: |")
+    for mode in args.modes:
+        for b in args.batches:
+            rs = [r for r in rows if r["batch"] == b and r["mode"] == mode]
+            j = lambda k, p: "/".join(f"{r[k]:.{p}f}" for r in rs)  # noqa: E731
+            bound = f"{rs[0]['bound_ms']:.2f}" if rs[0]["bound_ms"] else "-"
+            log(f"| {mode} | {b} | {rs[0]['prompt_tokens']} | {j('ms_per_step', 2)} | {bound} | {j('tok_s', 0)} | "
+                f"{pools[mode]['kv_cache_tokens']} |")
     if args.out:
         args.out.write_text(json.dumps({"copy_bandwidth_Bps": bw, "pools": pools, "runs": rows}, indent=1))
 
