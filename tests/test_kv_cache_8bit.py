@@ -132,3 +132,44 @@ def test_kv_cache_dtype_is_checked(tiny_llava_engine, capsys):
                        capsys=capsys, expect=None)
     line = one_error_line(code, err, 2)
     assert "--kv-cache-dtype" in line and "fp8" in line
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_qwen2_vl_8bit_kv_with_mrope(tmp_path, kind):
+    """M-RoPE (3-D positions): the rotated keys are what is rounded and stored."""
+    from test_qwen2_vl import _hf_class, hf_inputs, user
+
+    from tiny_models import make_qwen2_vl
+    from vlmctl.pipeline import build
+    from vlmctl.recipe import load_recipe
+
+    ckpt = make_qwen2_vl(tmp_path / "ckpt", version="2", num_kv_heads=1, seed=4)
+    build(load_recipe(write_recipe(tmp_path / "r.yaml", ckpt, limits={"max_batch_size": 2})), tmp_path / "eng")
+    img = make_image(21, (64, 40))
+    messages = user("describe the picture", 1)
+    model = _hf_class("2").from_pretrained(ckpt, dtype=torch.float32).eval()
+    inputs = hf_inputs(ckpt, messages, [img])
+    n = 14
+    check_against(engine_logprobs(tmp_path / "eng", messages, [img], n, kind),
+                  hf_logprobs(model, inputs, n, row_cache_8bit(model.config, kind)), hf_logprobs(model, inputs, n))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_mllama_8bit_kv_rounds_self_attention_only(tmp_path, kind):
+    """Llama 3.2 Vision: the self-attention layers' pool is 8-bit; the cross-attention pool (image K/V, computed
+    once at admission) stays in the model dtype, so the reference rounds only the self-attention layers."""
+    from test_mllama import _build, hf_inputs, load_hf, load_proc, user
+    from tiny_mllama import make_mllama
+
+    ckpt = make_mllama(tmp_path / "ckpt")
+    engine_dir = _build(ckpt, tmp_path)
+    model, proc = load_hf(ckpt), load_proc(ckpt)
+    text = model.config.text_config
+    self_layers = set(range(text.num_hidden_layers)) - set(text.cross_attention_layers)
+    img = make_image(6, (40, 30))
+    messages = [user(None, "what is in this image?")]
+    inputs = hf_inputs(proc, messages, [img])
+    n = 12
+    check_against(engine_logprobs(engine_dir, messages, [img], n, kind),
+                  hf_logprobs(model, inputs, n, row_cache_8bit(model.config, kind, self_layers)),
+                  hf_logprobs(model, inputs, n))
