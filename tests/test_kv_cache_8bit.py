@@ -173,3 +173,35 @@ def test_mllama_8bit_kv_rounds_self_attention_only(tmp_path, kind):
     check_against(engine_logprobs(engine_dir, messages, [img], n, kind),
                   hf_logprobs(model, inputs, n, row_cache_8bit(model.config, kind, self_layers)),
                   hf_logprobs(model, inputs, n))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_eval_ppl_with_an_8bit_cache_is_transformers_with_the_rounding_cache(tmp_path, capsys, kind):
+    """`vlmctl eval ppl --kv-cache-dtype K` (the quality cost of an 8-bit pool) == the perplexity of transformers'
+    forward over the same windows with a cache that rounds K/V the same way; and != the unrounded one."""
+    import math
+
+    from conftest import cli_json
+    from test_awq_quantize import calib_file, make_tiny_llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vlmctl.quant.calibration import load_eval_tokens
+
+    src = make_tiny_llama(tmp_path / "src")
+    data = calib_file(tmp_path)
+    seq, windows = 32, 3
+    got = cli_json("eval", "ppl", src, "--data", data, "--seq-len", str(seq), "--samples", str(windows),
+                   "--kv-cache-dtype", kind, "--json", capsys=capsys)
+    plain = cli_json("eval", "ppl", src, "--data", data, "--seq-len", str(seq), "--samples", str(windows), "--json",
+                     capsys=capsys)
+    assert got["kv_cache_dtype"] == kind and plain["kv_cache_dtype"] == "auto"
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ids = load_eval_tokens(str(data), AutoTokenizer.from_pretrained(src))[: windows * seq].view(windows, seq)
+    nll = []
+    with torch.no_grad():
+        for w in ids:
+            logits = model(w[None], past_key_values=row_cache_8bit(model.config, kind), use_cache=True).logits[0]
+            nll.append(torch.nn.functional.cross_entropy(logits[:-1].double(), w[1:], reduction="none"))
+    want = math.exp(float(torch.cat(nll).mean()))
+    assert got["perplexity"] == pytest.approx(want, rel=1e-5)
+    assert abs(got["perplexity"] - plain["perplexity"]) > 1e-4 * plain["perplexity"]
