@@ -31,10 +31,25 @@ def test_offline_bench_json_and_batching(tiny_llava_engine, tmp_path, capsys):
     assert res["output_throughput_vs_first"][0] == 1.0
 
 
+def test_offline_bench_counts_preemptions(tiny_llava_engine):
+    """An engine run reports its preemptions: none where the KV pool holds every request in flight, some where it
+    holds two prompts but not their answers (admitted together, they outgrow it; all still complete)."""
+    from vlmctl.measure.bench import BenchConfig, bench_engine
+    from vlmctl.runtime.engine import Engine
+
+    out = 24
+    cfg = BenchConfig(num_requests=4, concurrency=4, output_len=out, image_size=(16, 16), prompt_len=4, warmup=0)
+    roomy = bench_engine(Engine(tiny_llava_engine, block_size=4), cfg)
+    assert roomy["preemptions"] == 0 and roomy["kv_cache_tokens"] >= 4 * (roomy["mean_prompt_tokens"] + out)
+    tight = bench_engine(Engine(tiny_llava_engine, block_size=4,
+                                kv_cache_tokens=2 * int(roomy["mean_prompt_tokens"]) + 12), cfg)
+    assert tight["completed"] == 4 and tight["preemptions"] > 0, tight
+
+
 def test_offline_bench_table_output(tiny_llava_engine, capsys):
     _, o, _ = cli("bench", tiny_llava_engine, "-n", "2", "-c", "2", "--output-len", "3", "--image-size", "16x16",
                   "--prompt-len", "2", "--warmup", "0", "--same-image", capsys=capsys)
-    assert "output tokens/s" in o and "TTFT ms p99" in o and "max running batch" in o
+    assert "output tokens/s" in o and "TTFT ms p99" in o and "max running batch" in o and "preemptions" in o
 
 
 def test_same_image_hits_the_feature_cache(tiny_llava_engine):

@@ -145,6 +145,8 @@ def _render(result: dict) -> None:
             t.add_row(f"{label} {stat}", *(fmt(r[key][stat]) for r in runs))
     t.add_row("max running batch", *("-" if r.get("max_running") is None else str(r["max_running"]) for r in runs))
     t.add_row("mean batch", *(fmt(r.get("mean_batch_size"), 2) for r in runs))
+    if first["mode"] == "engine":
+        t.add_row("preemptions", *("-" if r.get("preemptions") is None else str(r["preemptions"]) for r in runs))
     t.add_row("failed", *(str(r["failed"]) for r in runs))
     out.print(t)
     if "output_throughput_vs_first" in result:

@@ -158,6 +158,8 @@ def bench_engine(engine, cfg: BenchConfig, progress: Progress | None = None) -> 
     inflight: dict[str, int] = {}
     samples: list[Sample | None] = [None] * cfg.num_requests
     steps = batch_total = max_running = 0
+    scheduler = getattr(engine, "scheduler", None)  # None for a TensorRT-LLM decoder (its own batching)
+    preempted0 = scheduler.preemptions if scheduler is not None else 0
     t0 = time.perf_counter()
     while pending or inflight:
         while pending and len(inflight) < cfg.concurrency:
@@ -188,10 +190,12 @@ def bench_engine(engine, cfg: BenchConfig, progress: Progress | None = None) -> 
     task.done()
     res = {"mode": "engine", "target": str(engine.engine_dir), "model": engine.model_name, "device": str(engine.device),
            "max_batch_size": engine.limits["max_batch_size"], "kv_cache_dtype": engine.kv_cache_dtype,
-           "config": _cfg_json(cfg)}
+           "kv_cache_tokens": engine.limits["kv_cache_tokens"], "config": _cfg_json(cfg)}
     res.update(summarize(samples, duration))
     res.update({"max_running": max_running, "mean_batch_size": round(batch_total / steps, 3) if steps else None,
-                "steps": steps})
+                "steps": steps,
+                # requests whose KV blocks were taken back for others, to be recomputed (a full KV pool)
+                "preemptions": scheduler.preemptions - preempted0 if scheduler is not None else None})
     return res
 
 
