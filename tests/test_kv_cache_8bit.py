@@ -205,3 +205,38 @@ def test_eval_ppl_with_an_8bit_cache_is_transformers_with_the_rounding_cache(tmp
     want = math.exp(float(torch.cat(nll).mean()))
     assert got["perplexity"] == pytest.approx(want, rel=1e-5)
     assert abs(got["perplexity"] - plain["perplexity"]) > 1e-4 * plain["perplexity"]
+
+
+def test_served_through_the_openai_client(tiny_llava_engine, tmp_path):
+    """`vlmctl serve --kv-cache-dtype int8` as a process, asked through the official `openai` client: the start-up
+    line and /metrics name the pool's type, and the greedy answer's tokens are the library engine's with the same
+    pool (and not the 16-bit pool's logprobs)."""
+    import signal
+
+    import httpx
+    import openai
+
+    from conftest import serve_process
+    from vlmctl.runtime.engine import Engine
+    from vlmctl.runtime.sampling import SamplingParams
+
+    messages = [{"role": "user", "content": "tell me about the sea"}]
+    err = open(tmp_path / "serve.err", "w+")
+    with serve_process(tiny_llava_engine, tmp_path, "--kv-cache-dtype", "int8", "--stats-interval", "0",
+                       err=err) as (proc, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                           logprobs=True)
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    start = next(line for line in (tmp_path / "serve.err").read_text().splitlines() if "vlmctl serve" in line)
+    assert "tokens (int8);" in start, start
+    assert 'vlmctl_kv_cache_config_info{block_size="16",dtype="int8",model_name="tiny"} 1.0' in metrics
+    served = [t.logprob for t in r.choices[0].logprobs.content]
+    p = SamplingParams(max_tokens=10, temperature=0, logprobs=0)
+    want = Engine(tiny_llava_engine, device="cpu", kv_cache_dtype="int8").chat(messages, [], p)
+    plain = Engine(tiny_llava_engine, device="cpu").chat(messages, [], p)
+    assert r.choices[0].message.content == want.text
+    assert served == pytest.approx([lp["logprob"] for lp in want.logprobs], abs=1e-4)
+    assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(want.logprobs, plain.logprobs)) > 1e-3

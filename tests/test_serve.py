@@ -493,6 +493,7 @@ def test_metrics_exposes_the_documented_series(server, client):
         assert name in text, name
     assert server.metric("vlmctl_prompt_tokens_total") > 0
     assert server.metric("vlmctl_generation_tokens_total") > 0
+    assert 'vlmctl_kv_cache_config_info{block_size="16",dtype="auto",model_name="tiny"} 1.0' in text
 
 
 def test_bench_against_the_server(server, tmp_path, capsys):

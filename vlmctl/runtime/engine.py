@@ -618,7 +618,8 @@ class Engine:
                "async_scheduling": self.async_scheduling, "steps_ahead": self.steps_ahead,
                "vision_graph_replays": getattr(self.vision.runner, "graph_replays", 0)}
         if self.scheduler is not None:
-            out.update(kv_blocks_total=self.pool.capacity, kv_blocks_used=self.pool.num_used(),
+            out.update(kv_cache_dtype=self.kv_cache_dtype, kv_block_size=self.pool.block_size,
+                       kv_blocks_total=self.pool.capacity, kv_blocks_used=self.pool.num_used(),
                        kv_blocks_free=self.pool.num_free(), prefix_cache_queried_tokens=self.pool.queried_tokens,
                        prefix_cache_hit_tokens=self.pool.hit_tokens, preemptions=self.scheduler.preemptions)
             if self.cross_pool is not None:

@@ -52,6 +52,11 @@ class _EngineCollector:
                                  labels=list(lab) + ["backend"])
         info.add_metric(list(lab.values()) + [st["vision_backend"]], 1)
         yield info
+        if "kv_cache_dtype" in st:
+            kv = GaugeMetricFamily(f"{PREFIX}_kv_cache_config_info", "The paged KV pool's storage and block size "
+                                   "(value 1).", labels=list(lab) + ["dtype", "block_size"])
+            kv.add_metric(list(lab.values()) + [st["kv_cache_dtype"], str(st["kv_block_size"])], 1)
+            yield kv
         counters = [
             ("engine_steps", "Engine steps run (decoder forwards).", st["steps"]),
             ("engine_steps_ahead", "Engine steps launched before the previous step's tokens were read (async "
