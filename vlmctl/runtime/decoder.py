@@ -1061,6 +1061,8 @@ class TorchDecoder:
             blocks = [None if (b := image_blocks(ids_np[i], self.table_base)) is None else torch.from_numpy(b).to(dev)
                       for i in range(B)]
 
+        storage = kv_quant.STORAGE.get(self.kv_cache_dtype)  # an 8-bit pool's element type, or None
+
         def attend(li, qkv):
             layer = self.layers[li]
             ops.rope_and_cache(qkv, layer.cos_sin, positions, self.n_heads, self.n_kv, self.head_dim)
@@ -1069,7 +1071,6 @@ class TorchDecoder:
             for b in range(B):
                 rows = slice(b * T, (b + 1) * T)
                 k, v = self._split(qkv, rows, T)
-                storage = kv_quant.STORAGE.get(self.kv_cache_dtype)
                 if storage is not None:  # as an 8-bit pool would hold them (serving's prefill reads them so)
                     k = kv_quant.dequantize(*kv_quant.quantize(k, storage), k.dtype)
                     v = kv_quant.dequantize(*kv_quant.quantize(v, storage), v.dtype)
