@@ -1,7 +1,8 @@
 """The 8-bit KV cache at the engine: decode ms a step and the KV pool's size with `--kv-cache-dtype auto`, `int8`
 and `fp8`, on `serving_gpu.py`'s LLaVA-1.5-7B-shaped fp16 engine (random weights, built by `vlmctl build` with the
 engine's defaults, max_batch_size 64), each loaded with its defaults otherwise (async scheduling on a GPU).
-A mode `KIND@TILExWARPS` (e.g. `fp8@64x4`) sets VLMCTL_ATTN_KV8_TILE / _WARPS for that engine (measurements).
+A mode `KIND@TILExWARPS` (e.g. `fp8@64x4`) sets VLMCTL_ATTN_KV8_TILE / _WARPS for that engine, and `+VAR=VALUE`
+after it any other setting (e.g. `int8+VLMCTL_ATTN_KV8_WIDEN=0`; measurements).
 
 For each batch size, B text-only requests of ~`--prompt-words` x 6.5 tokens decode `--output-len` greedy
 tokens (EOS ignored) through `Engine.step()` (async_scheduling_gpu.py's `run`: the decode phase is timed).
@@ -10,7 +11,7 @@ drifting clock shows as a spread. Printed beside them: the step's bandwidth boun
 hold at mid-generation) / the copy bandwidth, for each mode.
 
     python benchmarks/kv_cache_8bit_gpu.py --work /var/tmp/vb [--batches 1 8 64] [--prompt-words 150] \
-        [--modes auto int8 fp8 fp8@64x4]
+        [--modes auto int8 fp8 fp8@64x4 fp8+VLMCTL_ATTN_KV8_WIDEN=0]
     python benchmarks/kv_cache_8bit_gpu.py --smoke --work /tmp/smoke      # tiny shapes on the CPU
 """
 
@@ -55,7 +56,7 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=150)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--modes", nargs="+", default=["auto", "int8", "fp8"], help="KIND or KIND@TILExWARPS")
+    ap.add_argument("--modes", nargs="+", default=["auto", "int8", "fp8"], help="KIND[@TILExWARPS][+VAR=VALUE...]")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -69,11 +70,16 @@ def main() -> None:
         engine_dir, _ = build_engine(ckpt, args.work, "float16" if dev == "cuda" else "float32")
     log(f"engine ready in {time.perf_counter() - t0:.0f} s")
     bw = copy_bandwidth() if dev == "cuda" else None
-    rows, pools = [], {}
+    rows, pools, overridden = [], {}, {}
     for i, mode in enumerate(args.modes * args.repeats):
-        kv, _, tile = mode.partition("@")
-        for var, val in zip(("VLMCTL_ATTN_KV8_TILE", "VLMCTL_ATTN_KV8_WARPS"), tile.split("x") if tile else ("", "")):
-            os.environ[var] = val
+        head, *extra = mode.split("+")
+        kv, _, tile = head.partition("@")
+        settings = dict(zip(("VLMCTL_ATTN_KV8_TILE", "VLMCTL_ATTN_KV8_WARPS"), tile.split("x") if tile else ("", "")))
+        settings.update(e.split("=", 1) for e in extra)
+        for var in set(overridden) - set(settings):
+            os.environ.pop(var, None)
+        os.environ.update(settings)
+        overridden = settings
         eng, load_s, _ = load_engine(engine_dir, device=dev, kv_cache_dtype=kv)
         dec = eng.decoder
         pools[mode] = {"kv_cache_tokens": eng.limits.kv_cache_tokens, "bytes_per_token": dec.kv_bytes_per_token(),

@@ -21,6 +21,7 @@ POINTERS = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i3
             "cos_sin_ptr": "*fp32"}
 FLOATS = {"eps", "scale_log2"}
 FP8_POOL = {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+INT8_POOL = {"k_ptr": "*i8", "v_ptr": "*i8", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
 
 
 def kernels():
@@ -41,10 +42,14 @@ def kernels():
         "decode_rope": (paged_attention._decode_rope_kernel,
                         dict(HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True, HAS_WINDOW=False, COMBINE=True,
                              BLOCK_S=32, QUANT=False), 4, False),
-        # the fp8 KV cache's variant (`--kv-cache-dtype fp8`): e4m3 pools and their float32 scales
+        # the 8-bit KV caches' variants (`--kv-cache-dtype fp8 | int8`) as an fp16 model runs them: 8-bit pools,
+        # their float32 scales, the tiles widened where they are loaded (ASM)
         "decode_rope_fp8": (paged_attention._decode_rope_kernel,
-                            dict(HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True, HAS_WINDOW=False, COMBINE=True,
-                                 BLOCK_S=32, QUANT=True, _pointers=FP8_POOL), 4, False),
+                            dict(HEAD_DIM=128, BLOCK_G=16, BLOCK_N=128, SPLIT=True, HAS_WINDOW=False, COMBINE=True,
+                                 BLOCK_S=32, QUANT=True, ASM=True, _pointers=FP8_POOL), 4, False),
+        "decode_rope_int8": (paged_attention._decode_rope_kernel,
+                             dict(HEAD_DIM=128, BLOCK_G=16, BLOCK_N=128, SPLIT=True, HAS_WINDOW=False, COMBINE=True,
+                                  BLOCK_S=32, QUANT=True, ASM=True, _pointers=INT8_POOL), 4, False),
         "rope_cache_fp8": (fused._rope_cache_kernel,
                            dict(HEAD_DIM=128, HALF=64, WRITE_CACHE=True, QUANT=True,
                                 _pointers={"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",
@@ -86,6 +91,9 @@ def facts(ptx: str) -> dict:
         "stores_before_wait": sum(bool(re.match(r"(@%p\d+ )?(st\.global|atom\.|red\.)", ln)) for ln in before),
         "loads_before_wait": sum(bool(re.match(r"(@%p\d+ )?ld\.global", ln)) for ln in before),
         "l2_prefetches_before_wait": sum("cp.async.bulk.prefetch.L2" in ln for ln in before),
+        # tensor-core operands brought from shared memory as 16-bit tiles, and unpacked int8 converts
+        "ldmatrix": sum(ln.startswith("ldmatrix") for ln in lines),
+        "s8_converts": sum(bool(re.match(r"(@%p\d+ )?cvt\.\w+\.f16\.s8", ln)) for ln in lines),
     }
 
 

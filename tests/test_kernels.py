@@ -13,6 +13,9 @@ import torch
 from vlmctl.runtime import ops
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+import triton.language as tl  # noqa: E402
+
+from vlmctl.runtime.kernels import kv_rows  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
@@ -324,6 +327,25 @@ def test_int8_kv_rows_by_hand():
     q, s = kv_quant.quantize(torch.tensor([[1.0, -2.0, 0.3, 4.0]]), torch.int8)
     assert q.dtype == torch.int8 and q.tolist() == [[32, -64, 10, 127]]
     assert torch.allclose(s, torch.tensor([4.0 / 127.0]))
+
+
+@triton.jit
+def _widen_all(x_ptr, y_ptr, ASM: tl.constexpr):
+    i = tl.arange(0, 256)
+    tl.store(y_ptr + i, kv_rows.widen(tl.load(x_ptr + i), tl.float16, ASM))
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="kv_rows.widen's PTX runs only in compiled kernels (a GPU)")
+@pytest.mark.parametrize("storage", STORAGES)
+def test_widen_every_8bit_value_exactly(storage):
+    """`kv_rows.widen` (the decode kernels' 8-bit -> fp16 conversion) on all 256 bit patterns equals torch's
+    cast, with its PTX and without it (NaN patterns of e4m3 give NaN)."""
+    x = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(storage).to(DEV)
+    want = x.to(torch.float16)
+    for asm in (True, False):
+        y = torch.full((256,), 7.0, dtype=torch.float16, device=DEV)
+        _widen_all[(1,)](x, y, ASM=asm, num_warps=1)
+        assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y[~want.isnan()], want[~want.isnan()]), asm
 
 
 def _pool8(nblocks, bs, n_kv, d, g, storage):

@@ -37,3 +37,30 @@ def quantize(x, scale, dtype: tl.constexpr):
         r = ((y * to_units + 12582912.0) - 12582912.0) * unit
         q = tl.where(r == 0, y * 0.0, r).to(dtype)  # a negative that rounds to zero stays -0, as the cast gives
     return q
+
+
+# 8-bit values -> fp16, four a PTX block. int8: the byte + 128 placed under fp16's exponent of 1024 (PRMT) is
+# 1024 + 128 + value exactly, and one packed subtraction of 1152 leaves the value. e4m3: the hardware's packed
+# converter. Opaque to the compiler, which therefore converts where the tile is loaded, before the tile's trip
+# through shared memory to the tensor cores (16-bit values by ldmatrix, as a 16-bit cache's), rather than after
+# it (8-bit values by scalar shared-memory loads, then an unpacked convert for int8). The blocks are declared impure
+# only so that the compiler keeps them where they are: a pure elementwise op it moves after the trip.
+_WIDEN_I8 = tl.constexpr("{\n.reg .b32 t, c;\nxor.b32 t, $2, 0x80808080;\nmov.b32 c, 0x64806480;\n"
+                         "prmt.b32 $0, t, 0x64646464, 0x5140;\nprmt.b32 $1, t, 0x64646464, 0x7362;\n"
+                         "sub.f16x2 $0, $0, c;\nsub.f16x2 $1, $1, c;\n}")
+_WIDEN_E4M3 = tl.constexpr("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.rn.f16x2.e4m3x2 $0, lo;\n"
+                           "cvt.rn.f16x2.e4m3x2 $1, hi;\n}")
+
+
+@triton.jit
+def widen(x, dtype: tl.constexpr, ASM: tl.constexpr):
+    """8-bit cache values x (int8 or float8 e4m3) as `dtype`, exactly. ASM (a GPU, fp16): by `_WIDEN_*`;
+    otherwise (the interpreter, bf16) by a cast."""
+    if ASM and dtype == tl.float16:
+        if x.dtype == tl.int8:
+            y = tl.inline_asm_elementwise(_WIDEN_I8, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+        else:
+            y = tl.inline_asm_elementwise(_WIDEN_E4M3, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        y = x.to(dtype)
+    return y

@@ -44,9 +44,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
                    scale_log2, block_size, group, num_splits, window,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr = False,
-                   PDL: tl.constexpr = False, QUANT: tl.constexpr = False):
+                   PDL: tl.constexpr = False, QUANT: tl.constexpr = False, ASM: tl.constexpr = False):
     """QUANT: 8-bit caches (`kv_rows`) with a float32 scale a (position, KV head) in ks_ptr / vs_ptr: K's scales
-    multiply the scores, V's the probabilities, so the e4m3 values enter the dots as they are."""
+    multiply the scores, V's the probabilities, so the 8-bit values enter the dots as they are (widened exactly to
+    the model dtype; ASM: by `kv_rows.widen`'s PTX where the tiles are loaded)."""
     pdl.release(PDL)
     pdl.wait(PDL)
     seq = tl.program_id(0)
@@ -75,7 +76,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
         srow = (blk.to(tl.int64) * block_size + tok % block_size) * tl.num_programs(1) + kvh  # 8-bit scales' index
         if QUANT:
-            k = k.to(q.dtype)
+            k = kv_rows.widen(k, q.dtype, ASM)
         if IEEE:  # float32 caches: no TF32 rounding
             s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G, N]
         else:
@@ -93,7 +94,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
             vsc = tl.load(vs_ptr + srow, mask=valid, other=0.0)
             vt = tl.max(vsc, 0)
             p = p * (vsc / tl.where(vt > 0, vt, 1.0))[None, :]
-            v = v.to(q.dtype)
+            v = kv_rows.widen(v, q.dtype, ASM)
         if IEEE:
             acc = acc * alpha[:, None] + vt * tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -117,7 +118,8 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, k
                         stride_bt, stride_ot, stride_oh, scale_log2, block_size, group, num_splits, n_q_heads,
                         n_kv_heads, window, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False,
-                        COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32, QUANT: tl.constexpr = False):
+                        COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32, QUANT: tl.constexpr = False,
+                        ASM: tl.constexpr = False):
     """`_decode_kernel` with the new token's rotary and KV append folded in: q and k of the token are
     rotated here (rounded per term as transformers does), the split that owns the last position
     writes k and v to the cache and attends to them from registers, the others read the cache.
@@ -169,8 +171,8 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, k
         k2 = tl.load(k_ptr + row[:, None] + HALF + h[None, :], mask=valid[:, None], other=0.0)
         srow = (blk.to(tl.int64) * block_size + tok % block_size) * n_kv_heads + kvh  # 8-bit scales' index
         if QUANT:
-            k1 = k1.to(dt)
-            k2 = k2.to(dt)
+            k1 = kv_rows.widen(k1, dt, ASM)
+            k2 = kv_rows.widen(k2, dt, ASM)
         s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
         if QUANT:
             s = s * tl.load(ks_ptr + srow, mask=valid, other=0.0)[None, :]
@@ -185,7 +187,7 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, k
             vsc = tl.load(vs_ptr + srow, mask=valid, other=0.0)
             vt = tl.max(vsc, 0)
             p = p * (vsc / tl.where(vt > 0, vt, 1.0))[None, :]
-            v = v.to(dt)
+            v = kv_rows.widen(v, dt, ASM)
         acc = acc * alpha[:, None] + vt * tl.dot(p.to(v.dtype), v)
         m_i = m_new
     if owner:
@@ -358,6 +360,20 @@ def _tile(head_dim: int, quant: bool) -> tuple[int, int]:
     return tile, env_int("VLMCTL_ATTN_KV8_WARPS", 4, minimum=1)
 
 
+def _widen_in_registers(k_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the decode kernels widen an 8-bit pool's tiles to fp16 by `kv_rows.widen`'s PTX where they are
+    loaded (then through shared memory as 16-bit values, by ldmatrix), not after the trip to the tensor cores.
+    Compiled kernels with fp16 models only; `VLMCTL_ATTN_KV8_WIDEN=0` keeps the cast after the trip (measurements)."""
+    if k_cache.dtype not in (torch.int8, torch.float8_e4m3fn) or dtype != torch.float16:
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    v = os.environ.get("VLMCTL_ATTN_KV8_WIDEN", "1").strip()
+    if v not in ("0", "1"):
+        raise OptionError(f"VLMCTL_ATTN_KV8_WIDEN={v!r}: expected 1 (the default) or 0")
+    return v == "1"
+
+
 def _scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple:
     """The scale pointers of an 8-bit cache (the kernels index them as [blocks, bs, Hkv], contiguous), or the
     cache itself twice as unused stand-ins."""
@@ -397,7 +413,8 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group,
         num_splits, n_q, n_kv, window or 0, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, SPLIT=split, HAS_WINDOW=window is not None,
-        COMBINE=fold, BLOCK_S=combine_width(num_splits), QUANT=k_scale is not None, num_warps=warps, num_stages=2,
+        COMBINE=fold, BLOCK_S=combine_width(num_splits), QUANT=k_scale is not None,
+        ASM=_widen_in_registers(k_cache, qkv.dtype), num_warps=warps, num_stages=2,
         **_decode_launch_kwargs(qkv.device))
     if split and not fold:
         _combine(part, ml, out, num_splits)
@@ -425,7 +442,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group, num_splits,
         window or 0, HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, SPLIT=split,
-        IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None, QUANT=k_scale is not None, num_warps=warps,
+        IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None, QUANT=k_scale is not None,
+        ASM=_widen_in_registers(k_cache, q.dtype), num_warps=warps,
         num_stages=2, **pdl.launch_kwargs(q.device))
     if split:
         _combine(part, ml, out, num_splits)
