@@ -41,7 +41,7 @@ _VARYING = ["stride_bt", "num_splits"]
 @triton.jit(do_not_specialize=_VARYING)
 def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr,
                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
-                   scale_log2, block_size, group, num_splits, window,
+                   scale_log2, block_size: tl.constexpr, group, num_splits, window,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr = False,
                    PDL: tl.constexpr = False, QUANT: tl.constexpr = False, ASM: tl.constexpr = False):
@@ -115,7 +115,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
 @triton.jit(do_not_specialize=_VARYING)
 def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr,
                         out_ptr, part_ptr, ml_ptr, cnt_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh,
-                        stride_bt, stride_ot, stride_oh, scale_log2, block_size, group, num_splits, n_q_heads,
+                        stride_bt, stride_ot, stride_oh, scale_log2, block_size: tl.constexpr, group, num_splits, n_q_heads,
                         n_kv_heads, window, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False,
                         COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32, QUANT: tl.constexpr = False,
