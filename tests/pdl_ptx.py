@@ -40,16 +40,21 @@ def kernels():
         "act_mul": (fused._act_mul_kernel, dict(BLOCK=1024, ACT=0), 4, False),
         # the folded combine's counter atomics come after the wait
         "decode_rope": (paged_attention._decode_rope_kernel,
-                        dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=64, SPLIT=True, HAS_WINDOW=False, COMBINE=True,
-                             BLOCK_S=32, QUANT=False), 4, False),
-        # the 8-bit KV caches' variants (`--kv-cache-dtype fp8 | int8`) as an fp16 model runs them: 8-bit pools,
-        # their float32 scales, the tiles widened where they are loaded (ASM)
+                        dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=64, SPLIT=True, HAS_WINDOW=False,
+                             COMBINE=True, BLOCK_S=32, QUANT=False), 4, False),
+        # the 8-bit KV caches' variants (`--kv-cache-dtype fp8 | int8`) as an fp16 model runs them: 8-bit pools and
+        # their float32 scales; int8 tiles widened where they are loaded (ASM), fp8 ones cast after shared memory
+        # unless VLMCTL_ATTN_KV8_WIDEN=1 (decode_rope_fp8_widen)
         "decode_rope_fp8": (paged_attention._decode_rope_kernel,
-                            dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=128, SPLIT=True, HAS_WINDOW=False, COMBINE=True,
-                                 BLOCK_S=32, QUANT=True, ASM=True, _pointers=FP8_POOL), 4, False),
+                            dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=128, SPLIT=True, HAS_WINDOW=False,
+                                 COMBINE=True, BLOCK_S=32, QUANT=True, ASM=False, _pointers=FP8_POOL), 4, False),
+        "decode_rope_fp8_widen": (paged_attention._decode_rope_kernel,
+                                  dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=128, SPLIT=True,
+                                       HAS_WINDOW=False, COMBINE=True, BLOCK_S=32, QUANT=True, ASM=True,
+                                       _pointers=FP8_POOL), 4, False),
         "decode_rope_int8": (paged_attention._decode_rope_kernel,
-                             dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=128, SPLIT=True, HAS_WINDOW=False, COMBINE=True,
-                                  BLOCK_S=32, QUANT=True, ASM=True, _pointers=INT8_POOL), 4, False),
+                             dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=128, SPLIT=True, HAS_WINDOW=False,
+                                  COMBINE=True, BLOCK_S=32, QUANT=True, ASM=True, _pointers=INT8_POOL), 4, False),
         "rope_cache_fp8": (fused._rope_cache_kernel,
                            dict(HEAD_DIM=128, HALF=64, WRITE_CACHE=True, QUANT=True,
                                 _pointers={"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",

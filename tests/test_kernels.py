@@ -348,6 +348,30 @@ def test_widen_every_8bit_value_exactly(storage):
         assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y[~want.isnan()], want[~want.isnan()]), asm
 
 
+def test_widen_switch(monkeypatch):
+    """Which 8-bit pools the compiled decode kernels widen where they load them: int8 by default, fp8 not (the
+    cast measured faster there), both or neither by VLMCTL_ATTN_KV8_WIDEN; never bf16 models, 16-bit pools or
+    the interpreter; a bad value is an OptionError (one line, exit code 2 from the CLI)."""
+    from vlmctl.errors import OptionError
+    from vlmctl.runtime.kernels.paged_attention import _widen_in_registers as widen
+
+    i8, f8, f16 = (torch.zeros(1, dtype=t) for t in (torch.int8, torch.float8_e4m3fn, torch.float16))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("VLMCTL_ATTN_KV8_WIDEN", raising=False)
+    assert widen(i8, torch.float16) and not widen(f8, torch.float16)
+    assert not widen(i8, torch.bfloat16) and not widen(f16, torch.float16)
+    monkeypatch.setenv("VLMCTL_ATTN_KV8_WIDEN", "1")
+    assert widen(i8, torch.float16) and widen(f8, torch.float16) and not widen(f8, torch.bfloat16)
+    monkeypatch.setenv("VLMCTL_ATTN_KV8_WIDEN", "0")
+    assert not widen(i8, torch.float16) and not widen(f8, torch.float16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("VLMCTL_ATTN_KV8_WIDEN", "1")
+    assert not widen(i8, torch.float16)
+    monkeypatch.setenv("VLMCTL_ATTN_KV8_WIDEN", "yes")
+    with pytest.raises(OptionError, match="VLMCTL_ATTN_KV8_WIDEN"):
+        widen(i8, torch.float16)
+
+
 def _pool8(nblocks, bs, n_kv, d, g, storage):
     """An 8-bit pool filled with quantized random rows (magnitudes varying by row), and its scales."""
     from vlmctl.runtime import kv_quant

@@ -362,16 +362,18 @@ def _tile(head_dim: int, quant: bool) -> tuple[int, int]:
 
 def _widen_in_registers(k_cache: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether the decode kernels widen an 8-bit pool's tiles to fp16 by `kv_rows.widen`'s PTX where they are
-    loaded (then through shared memory as 16-bit values, by ldmatrix), not after the trip to the tensor cores.
-    Compiled kernels with fp16 models only; `VLMCTL_ATTN_KV8_WIDEN=0` keeps the cast after the trip (measurements)."""
+    loaded (then through shared memory as 16-bit values, by ldmatrix) rather than by a cast after that trip.
+    Compiled kernels with fp16 models only. By default int8 pools do (on an H100 at batch 64 their decode step
+    took 15.9 ms against 17.8 with the cast, which is unpacked for int8) and fp8 pools do not (15.3 with the cast,
+    the hardware's packed one, against 15.5); `VLMCTL_ATTN_KV8_WIDEN=1` or `0` sets it for both (measurements)."""
+    v = os.environ.get("VLMCTL_ATTN_KV8_WIDEN", "").strip()
+    if v not in ("", "0", "1"):
+        raise OptionError(f"VLMCTL_ATTN_KV8_WIDEN={v!r}: expected 0 or 1 (unset: int8 pools only)")
     if k_cache.dtype not in (torch.int8, torch.float8_e4m3fn) or dtype != torch.float16:
         return False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    v = os.environ.get("VLMCTL_ATTN_KV8_WIDEN", "1").strip()
-    if v not in ("0", "1"):
-        raise OptionError(f"VLMCTL_ATTN_KV8_WIDEN={v!r}: expected 1 (the default) or 0")
-    return v == "1"
+    return k_cache.dtype == torch.int8 if v == "" else v == "1"
 
 
 def _scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple:
