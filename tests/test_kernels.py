@@ -401,6 +401,7 @@ def test_rope_and_cache_8bit(dtype, n_q, n_kv, storage):
     vc, ks, vs = kc.clone(), torch.full((nblocks, bs, n_kv), 5.0, device=DEV), torch.full((nblocks, bs, n_kv), 5.0,
                                                                                           device=DEV)
     refs = [t.clone() for t in (qkv, kc, vc, ks, vs)]
+    v_in = qkv[:, (n_q + n_kv) * d:].clone()
     ops.rope_and_cache_reference(refs[0], cos_sin, pos, n_q, n_kv, d, refs[1], refs[2], slots, refs[3], refs[4])
     rope_and_cache(qkv, cos_sin, pos, n_q, n_kv, d, kc, vc, slots, ks, vs)
     assert rel_err(qkv, refs[0]) < tol(dtype)
@@ -412,6 +413,18 @@ def test_rope_and_cache_8bit(dtype, n_q, n_kv, storage):
     written = (ks != 5.0)
     assert int(written.sum()) == (T - 1) * n_kv  # the -1 slot wrote nothing
     assert (vs[written] > 0).all() and torch.equal(vs != 5.0, written)
+    # qkv's k and v rows of the written slots are now what the pool holds (what a fresh prompt attends to); the
+    # unwritten row keeps its rotated, unrounded values
+    keep = slots >= 0
+    k_rows = qkv[:, n_q * d:(n_q + n_kv) * d].view(T, n_kv, d)
+    v_rows = qkv[:, (n_q + n_kv) * d:].view(T, n_kv, d)
+    at = slots[keep].long()
+    stored_k = kv_quant.dequantize(kc.view(-1, n_kv, d)[at], ks.view(-1, n_kv)[at], dtype)
+    stored_v = kv_quant.dequantize(vc.view(-1, n_kv, d)[at], vs.view(-1, n_kv)[at], dtype)
+    assert torch.equal(k_rows[keep], stored_k) and torch.equal(v_rows[keep], stored_v)
+    assert torch.equal(refs[0][:, (n_q + n_kv) * d:], qkv[:, (n_q + n_kv) * d:])  # the reference does the same
+    v_in = v_in.view(T, n_kv, d)
+    assert torch.equal(v_rows[3], v_in[3]) and not torch.equal(v_rows[keep], v_in[keep])
 
 
 @pytest.mark.parametrize("storage", STORAGES)

@@ -591,8 +591,7 @@ class TorchDecoder:
         for c in cs[n_dec:]:
             blocks = image_blocks(c.ids, self.table_base) if self.bidirectional_images else None
             prefill.append((slice(row, row + c.n), c.start, c.n,
-                            to_device(c.block_table, torch.long, dev) if c.start or self.k_scale is not None
-                            else None,
+                            to_device(c.block_table, torch.long, dev) if c.start else None,
                             None if blocks is None else to_device(blocks, None, dev)))
             row += c.n
 
@@ -615,9 +614,9 @@ class TorchDecoder:
                                slot_t[n_dec:], ks, vs)
             q = qkv[:, :self.q_size].view(T, self.n_heads, self.head_dim)
             for rows, start, n, bt, blocks in prefill:
-                if start == 0 and ks is None:
+                if start == 0:  # with an 8-bit pool rope_and_cache left qkv's k and v as stored (kv_quant)
                     k, v = self._split(qkv, rows, n)
-                else:  # an 8-bit pool's prompt attends to its own K/V as stored too (kv_quant)
+                else:
                     k = ops.gather_context(kc, bt, start + n, ks, self.dtype)
                     v = ops.gather_context(vc, bt, start + n, vs, self.dtype)
                 out[rows] = ops.prefill_attention(q[rows], k, v, self.scale, window, blocks)

@@ -55,11 +55,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.float() * scale[..., None]).to(dtype)
 
 
-def write_rows(cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+def write_rows(cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """rows [n, H, d] quantized into a pool [blocks, bs, H, d] of the cache's 8-bit type and its scales
-    [blocks, bs, H] at `slots` [n] (block * bs + offset). Through a byte view: torch has no CPU index_copy for
-    float8."""
+    [blocks, bs, H] at `slots` [n] (block * bs + offset); returns the rows as stored, in their dtype. Through a
+    byte view: torch has no CPU index_copy for float8."""
     q, s = quantize(rows, cache.dtype)
     H, d = cache.shape[2], cache.shape[3]
     cache.view(torch.uint8).view(-1, H, d).index_copy_(0, slots, q.view(torch.uint8))
     scales.view(-1, H).index_copy_(0, slots, s)
+    return dequantize(q, s, rows.dtype)

@@ -104,9 +104,9 @@ def rope_and_cache_reference(qkv, cos_sin, positions, n_q, n_kv, head_dim, k_cac
         v = qkv[:, (n_q + n_kv) * head_dim:].view(T, n_kv, head_dim)
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()  # a captured step's buffers are int32
-        if k_scale is not None:  # an 8-bit pool (kv_quant)
-            kv_quant.write_rows(k_cache, k_scale, slots, k[keep])
-            kv_quant.write_rows(v_cache, v_scale, slots, v[keep])
+        if k_scale is not None:  # an 8-bit pool (kv_quant); qkv keeps the rows as stored
+            k[keep] = kv_quant.write_rows(k_cache, k_scale, slots, k[keep])
+            v[keep] = kv_quant.write_rows(v_cache, v_scale, slots, v[keep])
             return
         k_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, k[keep])
         v_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, v[keep])
@@ -118,7 +118,9 @@ def rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Te
                    v_scale: torch.Tensor | None = None) -> None:
     """In place on qkv [T, (n_q + 2 n_kv) * d]: rotary on q and k at `positions` (rows of the float32
     cos|sin table [P, d]); then k and v appended to the paged caches at `slot_mapping`. With `k_scale` and
-    `v_scale` ([blocks, bs, n_kv] float32) the caches are 8-bit (`kv_quant`): each row is quantized as written."""
+    `v_scale` ([blocks, bs, n_kv] float32) the caches are 8-bit (`kv_quant`): each row is quantized as written,
+    and the written k and v rows of qkv become what the pool holds (dequantized), which a fresh prompt's
+    attention then reads from qkv instead of gathering them back."""
     if _use_kernels(qkv):
         from .kernels.fused import rope_and_cache as kernel
 

@@ -99,7 +99,8 @@ def _rope_cache_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_c
                        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, WRITE_CACHE: tl.constexpr,
                        PDL: tl.constexpr = False, QUANT: tl.constexpr = False):
     """QUANT: 8-bit caches (float8 e4m3 or int8, `kv_rows`), each row written with its scale at
-    slot * n_kv_heads + head."""
+    slot * n_kv_heads + head, and qkv's k and v rows of a written slot replaced by what the pool now holds
+    (dequantized to qkv's dtype), so that a prompt's attention can read them there instead of from the pool."""
     pdl.release(PDL)
     pdl.wait(PDL)
     t = tl.program_id(0)
@@ -131,9 +132,13 @@ def _rope_cache_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_c
                         sc = kv_rows.row_scale(tl.maximum(tl.max(tl.abs(o1.to(tl.float32)), 0),
                                                           tl.max(tl.abs(o2.to(tl.float32)), 0)),
                                                k_cache_ptr.dtype.element_ty)
+                        e1 = kv_rows.quantize(o1, sc, k_cache_ptr.dtype.element_ty)
+                        e2 = kv_rows.quantize(o2, sc, k_cache_ptr.dtype.element_ty)
                         tl.store(k_scale_ptr + slot * n_kv_heads + kh, sc)
-                        tl.store(dst + offs, kv_rows.quantize(o1, sc, k_cache_ptr.dtype.element_ty))
-                        tl.store(dst + HALF + offs, kv_rows.quantize(o2, sc, k_cache_ptr.dtype.element_ty))
+                        tl.store(dst + offs, e1)
+                        tl.store(dst + HALF + offs, e2)
+                        tl.store(base + offs, (e1.to(tl.float32) * sc).to(x1.dtype))
+                        tl.store(base + HALF + offs, (e2.to(tl.float32) * sc).to(x1.dtype))
                     else:
                         tl.store(dst + offs, o1)
                         tl.store(dst + HALF + offs, o2)
@@ -146,8 +151,10 @@ def _rope_cache_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_c
                 dst = v_cache_ptr + blk * stride_cb + off * stride_cs_slot + vh * stride_ch
                 if QUANT:
                     sc = kv_rows.row_scale(tl.max(tl.abs(v.to(tl.float32)), 0), v_cache_ptr.dtype.element_ty)
+                    ev = kv_rows.quantize(v, sc, v_cache_ptr.dtype.element_ty)
                     tl.store(v_scale_ptr + slot * n_kv_heads + vh, sc)
-                    tl.store(dst + d, kv_rows.quantize(v, sc, v_cache_ptr.dtype.element_ty))
+                    tl.store(dst + d, ev)
+                    tl.store(base + d, (ev.to(tl.float32) * sc).to(v.dtype))
                 else:
                     tl.store(dst + d, v)
 
@@ -159,7 +166,8 @@ def rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Te
     """In place: rotary on the q and k heads of qkv [T, (nq + 2 nkv) * d] at `positions` (rows of the
     cos|sin table [P, d]); then k (rotated) and v written to the paged caches [blocks, block_size,
     nkv, d] at `slot_mapping` [T] (block * block_size + offset; negative: not written). With `k_scale` and
-    `v_scale` ([blocks, block_size, nkv] float32, contiguous) the caches are 8-bit (`vlmctl.runtime.kv_quant`)."""
+    `v_scale` ([blocks, block_size, nkv] float32, contiguous) the caches are 8-bit (`vlmctl.runtime.kv_quant`),
+    and the k and v rows written are left in qkv as the pool holds them (dequantized)."""
     T = qkv.shape[0]
     write = k_cache is not None
     heads = n_q_heads + 2 * n_kv_heads if write else n_q_heads + n_kv_heads
