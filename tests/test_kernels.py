@@ -404,7 +404,10 @@ def test_rope_and_cache_8bit(dtype, n_q, n_kv, storage):
     v_in = qkv[:, (n_q + n_kv) * d:].clone()
     ops.rope_and_cache_reference(refs[0], cos_sin, pos, n_q, n_kv, d, refs[1], refs[2], slots, refs[3], refs[4])
     rope_and_cache(qkv, cos_sin, pos, n_q, n_kv, d, kc, vc, slots, ks, vs)
-    assert rel_err(qkv, refs[0]) < tol(dtype)
+    assert rel_err(qkv[:, :n_q * d], refs[0][:, :n_q * d]) < tol(dtype)
+    # K's rows in qkv are now as stored (below): one rounding of the rotary apart on CUDA can move a value by a
+    # step of the 8-bit grid, so they are compared as the pool's K is
+    assert rel_err(qkv[:, n_q * d:], refs[0][:, n_q * d:]) <= (0 if DEV == "cpu" else 0.02)
     # V's rows are copied, so their quantization is exact; K's rotary may differ by a rounding on CUDA (see
     # test_paged_decode_with_rope_and_append), so its stored values are compared dequantized
     assert torch.equal(vc.view(torch.uint8), refs[2].view(torch.uint8)) and torch.equal(vs, refs[4])

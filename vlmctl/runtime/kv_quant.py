@@ -14,8 +14,9 @@ fp8 (docs/serving.md). The scale costs 4 bytes a row: with 128-wide heads the po
 Python scalar divisor, which is not the same number); the Triton kernels use `div_rn` to match.
 
 Every attention reads K/V as stored, the chunk that wrote them included: a prompt's prefill attends to its own
-K/V read back from the pool, so a token's output does not depend on how its prompt was chunked or whether a
-prefix came from the cache.
+K/V as the pool holds them (a chunk that starts a prompt reads them from qkv, where `rope_and_cache` leaves the
+stored values; a later chunk gathers them back from the pool), so a token's output does not depend on how its
+prompt was chunked or whether a prefix came from the cache.
 
 The Triton kernels read the 8-bit values, convert them to the model dtype (exact for both formats) and apply
 the scale to the scores (K) and the probabilities (V); the references here dequantize to the model dtype
