@@ -62,6 +62,34 @@ def test_until_and_dry_run(tiny_llava, tmp_path, capsys):
     assert "unknown stage" in err
 
 
+def test_a_refused_decoder_backend_stops_the_build_before_any_stage(tiny_llava, tmp_path, capsys):
+    """decoder.backend trtllm for a family TensorRT-LLM does not serve (Qwen2-VL: M-RoPE), or on a host without
+    TensorRT-LLM: `build` and its dry run refuse at once with build-llm's own message and exit code, before
+    convert runs (nothing is written); a build that stops before build-llm is not refused."""
+    from tiny_models import make_qwen2_vl
+
+    from vlmctl.backends.trtllm import trtllm_available
+
+    qwen = make_qwen2_vl(tmp_path / "qwen")
+    recipe = write_recipe(tmp_path / "q.yaml", qwen, profiles=[], dtype="float16", decoder={"backend": "trtllm"})
+    eng = tmp_path / "eng"
+    for extra in (["--dry-run"], []):
+        code, _, err = cli("build", recipe, "-o", eng, *extra, capsys=capsys, expect=7)
+        assert "the qwen2_vl family is not served by TensorRT-LLM" in err and "use decoder.backend: torch" in err
+        assert not eng.exists()
+    # tensor parallelism asks for TensorRT-LLM too
+    recipe = write_recipe(tmp_path / "q2.yaml", qwen, profiles=[], dtype="float16", decoder={"tp_size": 2})
+    code, _, err = cli("build", recipe, "-o", eng, "--dry-run", capsys=capsys, expect=7)
+    assert "not served by TensorRT-LLM" in err
+    plan = cli_json("build", recipe, "-o", eng, "--until", "quantize", "--dry-run", "--json", capsys=capsys)
+    assert [p["stage"] for p in plan["plan"]] == ["convert", "quantize"]
+    if not trtllm_available():  # a family it serves, on this host without it: exit code 6, before convert
+        recipe = write_recipe(tmp_path / "l.yaml", tiny_llava, profiles=[], dtype="float16",
+                              decoder={"backend": "trtllm"})
+        code, _, err = cli("build", recipe, "-o", eng, capsys=capsys, expect=6)
+        assert "tensorrt_llm is not installed" in err and not eng.exists()
+
+
 def test_failed_stage_leaves_nothing_half_written(tiny_llava, tmp_path, capsys, monkeypatch):
     import vlmctl.export.onnx_vision as ov
 

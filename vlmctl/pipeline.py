@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import (BackendUnavailableError, CheckpointError, InputError, OptionError, RecipeError, StageError,
-                     UnsupportedModelError)
+                     UnsupportedModelError, VlmctlError)
 from .formats.artifacts import (StageResult, atomic_dir, cache_status, hash_tree, read_manifest, run_stage,
                                 stage_part_hash)
 from .formats.workdir import CHECKPOINT, MANIFEST, RECIPE_FILE, STAGES, WorkDir, Workspace, classify
@@ -380,11 +380,12 @@ def _stage_status(recipe: Recipe, workdir: Path, stage: str) -> "tuple[StageSpec
 
 def plan(recipe: Recipe, workdir: Path, until: str | None = None, force: bool = False) -> list[PlanItem]:
     """What `build` would do, without doing it: per stage, whether it runs and why. Reads the source
-    (its stat-cached hashes) and the manifests; writes nothing. A missing source is the same error
-    `build` gives."""
+    (its stat-cached hashes) and the manifests; writes nothing. A missing source, or a decoder backend that
+    build-llm would refuse, is the same error `build` gives."""
     workdir = Path(workdir)
     stages = STAGES[: STAGES.index(until) + 1] if until else STAGES
     resolve_source(recipe)  # a missing source fails the dry run as it would fail the build
+    _check_decoder_backend(recipe, until)  # and so does a decoder backend that build-llm would refuse
     items: list[PlanItem] = []
     runs: set[str] = set()
     for s in stages:
@@ -537,6 +538,22 @@ def _check_workdir_is_a_directory(workdir: Path) -> None:
         raise OptionError(f"-o {workdir}: the output {where} a file, not a directory")
 
 
+def _check_decoder_backend(recipe: Recipe, until: str | None) -> None:
+    """build-llm's decoder-backend decision, taken before any stage runs wherever it can refuse: TensorRT-LLM asked
+    for (explicitly, or by tensor/pipeline parallelism) for a family it does not serve, or on a host without it.
+    Otherwise convert and quantize (an hour of AWQ on a large model) would run first, and a dry run would not say.
+    `auto` on one GPU never refuses (it falls back to torch) and is left to build-llm."""
+    dec = recipe.decoder
+    if (until is not None and until != "build-llm") or (dec.backend == "auto" and dec.tp_size * dec.pp_size == 1):
+        return
+    try:
+        src = resolve_source(recipe)
+        family = detect_family(read_config(src), where=str(src / "config.json"))
+    except VlmctlError:
+        return  # convert says what is wrong with the source
+    resolve_decoder_backend(recipe, family)
+
+
 def _check_output_outside_source(recipe: Recipe, workdir: Path) -> None:
     """The work directory may not be the source checkpoint or lie inside it: its stages would be written
     among the checkpoint's files, and the source's hash (the convert cache key) would take them in. Nor may the
@@ -580,6 +597,7 @@ def build(recipe: Recipe, workdir: Path, *, until: str | None = None, force: boo
     workdir = Path(workdir)
     _check_workdir_is_a_directory(workdir)
     _check_output_outside_source(recipe, workdir)
+    _check_decoder_backend(recipe, until)
     results = []
     stages = STAGES[: STAGES.index(until) + 1] if until else STAGES
     had_recipe = WorkDir(workdir).recipe_file.is_file()
