@@ -59,6 +59,7 @@ def test_missing_recipe_file(tmp_path):
 # ---- --set values and keys that must not slip through -------------------------------------------
 @pytest.mark.parametrize("item,fragment", [
     ("vision.validate_batch_size=yes", "vision.validate_batch_size: expected a number, got the boolean true"),
+    ("vision.validate_batch_size=100000", "vision.validate_batch_size: Input should be less than or equal to 64"),
     ("limits.max_batch_size=true", "limits.max_batch_size: expected a number, got the boolean true"),
     ("decoder.backend=on", "decoder.backend: expected text, got the boolean true"),
     ("name=../../escape", "not a plain name"),

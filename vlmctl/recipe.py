@@ -86,8 +86,9 @@ class QuantizationSettings(_Strict):
 class VisionSettings(_Strict):
     backend: Literal["auto", "tensorrt", "onnxruntime", "torch"] = "auto"
     opset: int = Field(18, ge=18)
-    # Validation runs at a batch size the export never used, so a frozen batch axis fails.
-    validate_batch_size: int = Field(3, ge=1)
+    # Validation runs at a batch size the export never used, so a frozen batch axis fails. Capped: the images go
+    # through torch and ONNX Runtime at once, and any size but the trace's 2 shows a frozen axis.
+    validate_batch_size: int = Field(3, ge=1, le=64)
     # ONNX Runtime vs torch, judged relative to the features' magnitude (projectors output values in the
     # tens): max |onnx - torch| / max |torch|. An absolute bound is optional (off by default).
     max_rel_error: float = Field(1e-4, gt=0)
