@@ -32,6 +32,9 @@ def _split_span(lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.constexpr,
     return ctx, lo, per_split, lo + split * per_split
 
 
+# The pool's block size is a compile-time constant (one value an engine): a position's block and slot are then a
+# shift and a mask, where runtime divisions in every layout a tile is loaded in made the 8-bit kernel spill
+# (docs/benchmarks.md, session 42).
 # The block-table width and the split count vary from step to step outside the captured graphs (eager decode
 # rows: graphs off, or rows a graph cannot take): left unspecialized, they cannot make Triton compile a new
 # variant in the middle of serving (docs/benchmarks.md, session 19).
@@ -115,8 +118,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
 @triton.jit(do_not_specialize=_VARYING)
 def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr,
                         out_ptr, part_ptr, ml_ptr, cnt_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh,
-                        stride_bt, stride_ot, stride_oh, scale_log2, block_size: tl.constexpr, group, num_splits, n_q_heads,
-                        n_kv_heads, window, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                        stride_bt, stride_ot, stride_oh, scale_log2, block_size: tl.constexpr, group, num_splits,
+                        n_q_heads, n_kv_heads, window, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False,
                         COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32, QUANT: tl.constexpr = False,
                         ASM: tl.constexpr = False):
