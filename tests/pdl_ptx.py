@@ -20,6 +20,7 @@ POINTERS = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i3
             "ml_ptr": "*fp32", "bt_ptr": "*i32", "lens_ptr": "*i32", "pos_ptr": "*i32", "slot_ptr": "*i32",
             "cos_sin_ptr": "*fp32"}
 FLOATS = {"eps", "scale_log2"}
+_VARYING = {"stride_bt"}  # the block table's width varies from step to step: left unspecialized
 FP8_POOL = {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
 INT8_POOL = {"k_ptr": "*i8", "v_ptr": "*i8", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
 
@@ -78,7 +79,10 @@ def ptx_of(fn, constexprs: dict, num_warps: int) -> str:
         else:
             sig[name] = "fp32" if name in FLOATS else "i32"
     names = list(sig)
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in sig if sig[a].startswith("*")}
+    # as the runtime specializes them for an engine: pointers and the pools' and rows' strides divisible by 16
+    # (without that, the kernels' K/V loads compile to 2-byte scalar loads and far more integer work)
+    divisible = [a for a in sig if sig[a].startswith("*") or (a.startswith("stride_") and a not in _VARYING)]
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=dict(constexprs), attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": 2}).asm["ptx"]

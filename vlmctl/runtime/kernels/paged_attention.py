@@ -33,8 +33,8 @@ def _split_span(lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.constexpr,
 
 
 # The pool's block size is a compile-time constant (one value an engine): a position's block and slot are then a
-# shift and a mask, where runtime divisions in every layout a tile is loaded in made the 8-bit kernel spill
-# (docs/benchmarks.md, session 42).
+# shift and a mask instead of runtime divisions in every layout a tile is loaded in (1.5-3 % of a decode step on
+# an H100; docs/benchmarks.md, session 42).
 # The block-table width and the split count vary from step to step outside the captured graphs (eager decode
 # rows: graphs off, or rows a graph cannot take): left unspecialized, they cannot make Triton compile a new
 # variant in the middle of serving (docs/benchmarks.md, session 19).
