@@ -372,6 +372,28 @@ def test_widen_switch(monkeypatch):
         widen(i8, torch.float16)
 
 
+def test_decode_tile_settings(monkeypatch):
+    """The decode kernels' (positions an iteration, warps, pipeline stages): 64 x 4 x 2 for 16-bit pools of
+    128-wide heads, 128 x 4 x 2 for 8-bit ones, which VLMCTL_ATTN_KV8_TILE / _WARPS / _STAGES override; a value
+    that cannot be used is an OptionError naming it."""
+    from vlmctl.errors import OptionError
+    from vlmctl.runtime.kernels.paged_attention import _tile
+
+    for var in ("VLMCTL_ATTN_KV8_TILE", "VLMCTL_ATTN_KV8_WARPS", "VLMCTL_ATTN_KV8_STAGES"):
+        monkeypatch.delenv(var, raising=False)
+    assert _tile(128, False) == (64, 4, 2) and _tile(256, False) == (32, 4, 2)
+    assert _tile(128, True) == (128, 4, 2) and _tile(256, True) == (64, 4, 2)
+    monkeypatch.setenv("VLMCTL_ATTN_KV8_TILE", "64")
+    monkeypatch.setenv("VLMCTL_ATTN_KV8_WARPS", "8")
+    monkeypatch.setenv("VLMCTL_ATTN_KV8_STAGES", "1")
+    assert _tile(128, True) == (64, 8, 1) and _tile(128, False) == (64, 4, 2)
+    for var, bad in (("VLMCTL_ATTN_KV8_TILE", "96"), ("VLMCTL_ATTN_KV8_STAGES", "0"), ("VLMCTL_ATTN_KV8_WARPS", "x")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(OptionError, match=var):
+            _tile(128, True)
+        monkeypatch.delenv(var)
+
+
 def _pool8(nblocks, bs, n_kv, d, g, storage):
     """An 8-bit pool filled with quantized random rows (magnitudes varying by row), and its scales."""
     from vlmctl.runtime import kv_quant

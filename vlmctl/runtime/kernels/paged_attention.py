@@ -348,19 +348,21 @@ def _decode_launch_kwargs(device) -> dict:
     return {"PDL": True} if v == "0" and kw.get("launch_pdl") else kw
 
 
-def _tile(head_dim: int, quant: bool) -> tuple[int, int]:
-    """(context positions a loop iteration reads, warps) of the decode kernels. An 8-bit pool reads twice the
-    positions of a 16-bit one, so that an iteration keeps the same bytes in flight (on an H100 at batch 64 an
-    fp8 pool read 64 positions an iteration ran its attention at ~1.1 TB/s, the 16-bit one at ~2.9).
-    `VLMCTL_ATTN_KV8_TILE` and `VLMCTL_ATTN_KV8_WARPS` override the 8-bit pool's (measurements)."""
+def _tile(head_dim: int, quant: bool) -> tuple[int, int, int]:
+    """(context positions a loop iteration reads, warps, software-pipeline stages) of the decode kernels. An 8-bit
+    pool reads twice the positions of a 16-bit one, so that an iteration keeps the same bytes in flight (on an H100
+    at batch 64 an fp8 pool read 64 positions an iteration ran its attention at ~1.1 TB/s, the 16-bit one at ~2.9).
+    `VLMCTL_ATTN_KV8_TILE`, `VLMCTL_ATTN_KV8_WARPS` and `VLMCTL_ATTN_KV8_STAGES` override the 8-bit pool's
+    (measurements; one stage drops the 8-bit staging copies in shared memory: 41 KB a program instead of 75 for a
+    widened 128-position tile, sm_90 with Triton 3.6)."""
     from .settings import env_int
 
     if not quant:
-        return (64 if head_dim <= 128 else 32), 4
+        return (64 if head_dim <= 128 else 32), 4, 2
     tile = env_int("VLMCTL_ATTN_KV8_TILE", 128 if head_dim <= 128 else 64, minimum=16)
     if tile & (tile - 1):
         raise OptionError(f"VLMCTL_ATTN_KV8_TILE={tile}: expected a power of two (16 or more)")
-    return tile, env_int("VLMCTL_ATTN_KV8_WARPS", 4, minimum=1)
+    return tile, env_int("VLMCTL_ATTN_KV8_WARPS", 4, minimum=1), env_int("VLMCTL_ATTN_KV8_STAGES", 2, minimum=1)
 
 
 def _widen_in_registers(k_cache: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -409,7 +411,7 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
     split = num_splits > 1
     part, ml, cnt = _partials(out, num_splits, workspace)
     fold = split and cnt is not None and combine_in_attention()
-    block_n, warps = _tile(D, k_scale is not None)
+    block_n, warps, stages = _tile(D, k_scale is not None)
     run_triton(
         _decode_rope_kernel, (B, n_kv, num_splits),
         qkv, cos_sin, positions, slots, k_cache, v_cache, *_scales(k_cache, k_scale, v_scale), block_tables,
@@ -419,7 +421,7 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
         num_splits, n_q, n_kv, window or 0, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, SPLIT=split, HAS_WINDOW=window is not None,
         COMBINE=fold, BLOCK_S=combine_width(num_splits), QUANT=k_scale is not None,
-        ASM=_widen_in_registers(k_cache, qkv.dtype), num_warps=warps, num_stages=2,
+        ASM=_widen_in_registers(k_cache, qkv.dtype), num_warps=warps, num_stages=stages,
         **_decode_launch_kwargs(qkv.device))
     if split and not fold:
         _combine(part, ml, out, num_splits)
@@ -438,7 +440,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     group = Hq // Hkv
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device) if out is None else out
     BLOCK_G = max(16, triton.next_power_of_2(group))
-    BLOCK_N, warps = _tile(D, k_scale is not None)
+    BLOCK_N, warps, stages = _tile(D, k_scale is not None)
     split = num_splits > 1
     part, ml, _ = _partials(out, num_splits, workspace)
     run_triton(
@@ -449,7 +451,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         window or 0, HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, SPLIT=split,
         IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None, QUANT=k_scale is not None,
         ASM=_widen_in_registers(k_cache, q.dtype), num_warps=warps,
-        num_stages=2, **pdl.launch_kwargs(q.device))
+        num_stages=stages, **pdl.launch_kwargs(q.device))
     if split:
         _combine(part, ml, out, num_splits)
     return out
