@@ -106,9 +106,7 @@ def resolve_decoder_backend(recipe: Recipe, family=None) -> str:
     want = recipe.decoder.backend
     parallel = recipe.decoder.tp_size * recipe.decoder.pp_size > 1
     if family is not None and not family.supports_trtllm:
-        if want == "trtllm" or parallel:
-            raise StageError(f"decoder.backend trtllm: the {family.name} family is not served by TensorRT-LLM: "
-                             f"{family.trtllm_refusal}; use decoder.backend: torch (one GPU)")
+        _refuse_unserved_family(recipe, family)
         return "torch"
     if want == "auto":
         if recipe.dtype == "float32" and not parallel:
@@ -120,6 +118,15 @@ def resolve_decoder_backend(recipe: Recipe, family=None) -> str:
     if want == "trtllm":
         trtllm_available(required=True)
     return want
+
+
+def _refuse_unserved_family(recipe: Recipe, family) -> None:
+    """StageError when the recipe asks for TensorRT-LLM (explicitly, or by tensor/pipeline parallelism) and the
+    family is one it does not serve."""
+    dec = recipe.decoder
+    if not family.supports_trtllm and (dec.backend == "trtllm" or dec.tp_size * dec.pp_size > 1):
+        raise StageError(f"decoder.backend trtllm: the {family.name} family is not served by TensorRT-LLM: "
+                         f"{family.trtllm_refusal}; use decoder.backend: torch (one GPU)")
 
 
 def backend_fingerprint(kind: str) -> dict:
@@ -380,12 +387,12 @@ def _stage_status(recipe: Recipe, workdir: Path, stage: str) -> "tuple[StageSpec
 
 def plan(recipe: Recipe, workdir: Path, until: str | None = None, force: bool = False) -> list[PlanItem]:
     """What `build` would do, without doing it: per stage, whether it runs and why. Reads the source
-    (its stat-cached hashes) and the manifests; writes nothing. A missing source, or a decoder backend that
-    build-llm would refuse, is the same error `build` gives."""
+    (its stat-cached hashes) and the manifests; writes nothing. A missing source, or TensorRT-LLM asked for a
+    family it does not serve, is the same error `build` gives."""
     workdir = Path(workdir)
     stages = STAGES[: STAGES.index(until) + 1] if until else STAGES
     resolve_source(recipe)  # a missing source fails the dry run as it would fail the build
-    _check_decoder_backend(recipe, until)  # and so does a decoder backend that build-llm would refuse
+    _check_decoder_backend(recipe, until)  # and so does a family build-llm would refuse TensorRT-LLM
     items: list[PlanItem] = []
     runs: set[str] = set()
     for s in stages:
@@ -539,19 +546,18 @@ def _check_workdir_is_a_directory(workdir: Path) -> None:
 
 
 def _check_decoder_backend(recipe: Recipe, until: str | None) -> None:
-    """build-llm's decoder-backend decision, taken before any stage runs wherever it can refuse: TensorRT-LLM asked
-    for (explicitly, or by tensor/pipeline parallelism) for a family it does not serve, or on a host without it.
-    Otherwise convert and quantize (an hour of AWQ on a large model) would run first, and a dry run would not say.
-    `auto` on one GPU never refuses (it falls back to torch) and is left to build-llm."""
-    dec = recipe.decoder
-    if (until is not None and until != "build-llm") or (dec.backend == "auto" and dec.tp_size * dec.pp_size == 1):
+    """build-llm's refusal of TensorRT-LLM for a family it does not serve, before any stage runs: no install can
+    lift it, and otherwise convert and quantize (an hour of AWQ on a large model) would run first and a dry run would
+    not say. TensorRT-LLM missing on this host is left to build-llm (docs/tensorrt-llm.md: the stages before it are
+    kept, for build-llm to run once it is installed)."""
+    if until is not None and until != "build-llm":
         return
     try:
         src = resolve_source(recipe)
         family = detect_family(read_config(src), where=str(src / "config.json"))
     except VlmctlError:
         return  # convert says what is wrong with the source
-    resolve_decoder_backend(recipe, family)
+    _refuse_unserved_family(recipe, family)
 
 
 def _check_output_outside_source(recipe: Recipe, workdir: Path) -> None:
