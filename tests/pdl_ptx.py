@@ -44,18 +44,20 @@ def kernels():
                         dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=64, SPLIT=True, HAS_WINDOW=False,
                              COMBINE=True, BLOCK_S=32, QUANT=False), 4, False),
         # the 8-bit KV caches' variants (`--kv-cache-dtype fp8 | int8`) as an fp16 model runs them: 8-bit pools and
-        # their float32 scales; int8 tiles widened where they are loaded (ASM), fp8 ones cast after shared memory
-        # unless VLMCTL_ATTN_KV8_WIDEN=1 (decode_rope_fp8_widen)
+        # their float32 scales, tiles widened where they are loaded (ASM) in one pipeline stage; with
+        # VLMCTL_ATTN_KV8_WIDEN=0 cast after shared memory in two (decode_rope_fp8_cast)
+        "decode_rope_fp8_cast": (paged_attention._decode_rope_kernel,
+                                 dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=128, SPLIT=True,
+                                      HAS_WINDOW=False, COMBINE=True, BLOCK_S=32, QUANT=True, ASM=False,
+                                      _pointers=FP8_POOL), 4, False),
         "decode_rope_fp8": (paged_attention._decode_rope_kernel,
                             dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=128, SPLIT=True, HAS_WINDOW=False,
-                                 COMBINE=True, BLOCK_S=32, QUANT=True, ASM=False, _pointers=FP8_POOL), 4, False),
-        "decode_rope_fp8_widen": (paged_attention._decode_rope_kernel,
-                                  dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=128, SPLIT=True,
-                                       HAS_WINDOW=False, COMBINE=True, BLOCK_S=32, QUANT=True, ASM=True,
-                                       _pointers=FP8_POOL), 4, False),
+                                 COMBINE=True, BLOCK_S=32, QUANT=True, ASM=True, _pointers=FP8_POOL, _stages=1),
+                            4, False),
         "decode_rope_int8": (paged_attention._decode_rope_kernel,
                              dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=128, SPLIT=True, HAS_WINDOW=False,
-                                  COMBINE=True, BLOCK_S=32, QUANT=True, ASM=True, _pointers=INT8_POOL), 4, False),
+                                  COMBINE=True, BLOCK_S=32, QUANT=True, ASM=True, _pointers=INT8_POOL, _stages=1),
+                             4, False),
         "rope_cache_fp8": (fused._rope_cache_kernel,
                            dict(HEAD_DIM=128, HALF=64, WRITE_CACHE=True, QUANT=True,
                                 _pointers={"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",
@@ -70,6 +72,7 @@ def ptx_of(fn, constexprs: dict, num_warps: int) -> str:
 
     constexprs = dict(constexprs)
     pointers = {**POINTERS, **constexprs.pop("_pointers", {})}  # a kernel's own pointer types (fp8 pools)
+    stages = constexprs.pop("_stages", 2)  # as the runtime launches it
     sig = {}
     for name in fn.arg_names:
         if name in constexprs or name in ("PDL",):
@@ -85,7 +88,7 @@ def ptx_of(fn, constexprs: dict, num_warps: int) -> str:
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=dict(constexprs), attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": 2}).asm["ptx"]
+                          options={"num_warps": num_warps, "num_stages": stages}).asm["ptx"]
 
 
 def facts(ptx: str) -> dict:

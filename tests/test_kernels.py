@@ -349,17 +349,17 @@ def test_widen_every_8bit_value_exactly(storage):
 
 
 def test_widen_switch(monkeypatch):
-    """Which 8-bit pools the compiled decode kernels widen where they load them: int8 by default, fp8 not (the
-    cast measured faster there), both or neither by VLMCTL_ATTN_KV8_WIDEN; never bf16 models, 16-bit pools or
-    the interpreter; a bad value is an OptionError (one line, exit code 2 from the CLI)."""
+    """Which 8-bit pools the compiled decode kernels widen where they load them: int8 and fp8 by default, neither
+    with VLMCTL_ATTN_KV8_WIDEN=0; never bf16 models, 16-bit pools or the interpreter; a bad value is an
+    OptionError (one line, exit code 2 from the CLI)."""
     from vlmctl.errors import OptionError
     from vlmctl.runtime.kernels.paged_attention import _widen_in_registers as widen
 
     i8, f8, f16 = (torch.zeros(1, dtype=t) for t in (torch.int8, torch.float8_e4m3fn, torch.float16))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv("VLMCTL_ATTN_KV8_WIDEN", raising=False)
-    assert widen(i8, torch.float16) and not widen(f8, torch.float16)
-    assert not widen(i8, torch.bfloat16) and not widen(f16, torch.float16)
+    assert widen(i8, torch.float16) and widen(f8, torch.float16)
+    assert not widen(i8, torch.bfloat16) and not widen(f8, torch.bfloat16) and not widen(f16, torch.float16)
     monkeypatch.setenv("VLMCTL_ATTN_KV8_WIDEN", "1")
     assert widen(i8, torch.float16) and widen(f8, torch.float16) and not widen(f8, torch.bfloat16)
     monkeypatch.setenv("VLMCTL_ATTN_KV8_WIDEN", "0")
@@ -374,7 +374,8 @@ def test_widen_switch(monkeypatch):
 
 def test_decode_tile_settings(monkeypatch):
     """The decode kernels' (positions an iteration, warps, pipeline stages): 64 x 4 x 2 for 16-bit pools of
-    128-wide heads, 128 x 4 x 2 for 8-bit ones, which VLMCTL_ATTN_KV8_TILE / _WARPS / _STAGES override; a value
+    128-wide heads, 128 x 4 for 8-bit ones, in one stage where the tiles are widened as loaded and two where they
+    are cast after shared memory; VLMCTL_ATTN_KV8_TILE / _WARPS / _STAGES override the 8-bit pool's; a value
     that cannot be used is an OptionError naming it."""
     from vlmctl.errors import OptionError
     from vlmctl.runtime.kernels.paged_attention import _tile
@@ -383,10 +384,12 @@ def test_decode_tile_settings(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     assert _tile(128, False) == (64, 4, 2) and _tile(256, False) == (32, 4, 2)
     assert _tile(128, True) == (128, 4, 2) and _tile(256, True) == (64, 4, 2)
+    assert _tile(128, True, widened=True) == (128, 4, 1) and _tile(128, False, widened=True) == (64, 4, 2)
     monkeypatch.setenv("VLMCTL_ATTN_KV8_TILE", "64")
     monkeypatch.setenv("VLMCTL_ATTN_KV8_WARPS", "8")
-    monkeypatch.setenv("VLMCTL_ATTN_KV8_STAGES", "1")
-    assert _tile(128, True) == (64, 8, 1) and _tile(128, False) == (64, 4, 2)
+    monkeypatch.setenv("VLMCTL_ATTN_KV8_STAGES", "3")
+    assert _tile(128, True) == (64, 8, 3) and _tile(128, True, widened=True) == (64, 8, 3)
+    assert _tile(128, False) == (64, 4, 2)
     for var, bad in (("VLMCTL_ATTN_KV8_TILE", "96"), ("VLMCTL_ATTN_KV8_STAGES", "0"), ("VLMCTL_ATTN_KV8_WARPS", "x")):
         monkeypatch.setenv(var, bad)
         with pytest.raises(OptionError, match=var):
@@ -401,6 +404,29 @@ def _pool8(nblocks, bs, n_kv, d, g, storage):
     x = torch.randn(nblocks, bs, n_kv, d, generator=g) * torch.exp(torch.randn(nblocks, bs, n_kv, 1, generator=g))
     q, s = kv_quant.quantize(x, storage)
     return q.to(DEV), s.to(DEV)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_kv,d,length", [(2, 32, 37), (3, 80, 64), (1, 16, 1)])
+def test_gather_dequantized(dtype, n_kv, d, length, storage):
+    """A context gathered from an 8-bit pool in one kernel equals the torch reference bit for bit (the same float32
+    product and rounding), for head sizes that are not powers of two and lengths that end mid-block; nothing past
+    `length` is read from blocks the table does not hand out."""
+    from vlmctl.runtime.kernels.kv_rows import gather_dequantized
+
+    g = torch.Generator().manual_seed(23)
+    bs, nblocks = 8, 16
+    cache, scales = _pool8(nblocks, bs, n_kv, d, g, storage)
+    nb = -(-length // bs)
+    table = torch.randperm(nblocks, generator=g)[:nb + 2].to(DEV)  # longer than the context, as a sequence's is
+    want = ops.gather_context_reference(cache, table, length, scales, dtype)
+    assert want.shape == (length, n_kv, d) and want.dtype == dtype
+    got = gather_dequantized(cache, scales, table, length, dtype)
+    assert torch.equal(got, want)
+    # the rows come from the blocks the table names, in its order: a different table gives different rows
+    other = table.roll(1)
+    assert not torch.equal(gather_dequantized(cache, scales, other, length, dtype), want)
 
 
 @pytest.mark.parametrize("storage", STORAGES)

@@ -61,13 +61,13 @@ def test_every_step_kernel_waits_once_and_stores_nothing_before(ptx_facts):
 
 
 def test_8bit_decode_kernels_widen_their_tiles_before_shared_memory(ptx_facts):
-    """With `kv_rows.widen` (int8 pools by default, fp8 ones with VLMCTL_ATTN_KV8_WIDEN=1) an 8-bit pool's K/V
+    """With `kv_rows.widen` (the default for fp16 models; VLMCTL_ATTN_KV8_WIDEN=0 casts instead) an 8-bit pool's K/V
     tiles reach the tensor cores as the 16-bit pool's do: widened to fp16 where they are loaded, then by ldmatrix.
     Triton moves a plain cast after the trip through shared memory, where 8-bit values take scalar loads and
     int8 an unpacked convert each (session 41's kernel, 12 % slower a batch-64 step with int8 on an H100)."""
     f16 = ptx_facts["decode_rope"]["pdl"]
-    assert ptx_facts["decode_rope_fp8"]["pdl"]["ldmatrix"] < f16["ldmatrix"]  # the cast: what the check tells apart
-    for name in ("decode_rope_fp8_widen", "decode_rope_int8"):
+    assert ptx_facts["decode_rope_fp8_cast"]["pdl"]["ldmatrix"] < f16["ldmatrix"]  # the cast: what the check tells apart
+    for name in ("decode_rope_fp8", "decode_rope_int8"):
         f = ptx_facts[name]["pdl"]
         assert f["ldmatrix"] >= f16["ldmatrix"] > 0, (name, f, f16)
         assert f["s8_converts"] == 0, (name, f)

@@ -158,16 +158,24 @@ def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 # ---- attention over the paged cache --------------------------------------------------------------
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None,
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The first `length` positions of one sequence from a paged cache [blocks, bs, H, d] -> [length, H, d];
-    from an 8-bit cache with its `scales` [blocks, bs, H], dequantized to `dtype`."""
+def gather_context_reference(cache, block_table, length, scales=None, dtype=None):
     bs = cache.shape[1]
     nb = -(-length // bs)
     rows = cache.index_select(0, block_table[:nb]).flatten(0, 1)[:length]
     if scales is None:
         return rows
     return kv_quant.dequantize(rows, scales.index_select(0, block_table[:nb]).flatten(0, 1)[:length], dtype)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The first `length` positions of one sequence from a paged cache [blocks, bs, H, d] -> [length, H, d];
+    from an 8-bit cache with its `scales` [blocks, bs, H], dequantized to `dtype` (on CUDA in one kernel)."""
+    if scales is not None and _use_kernels(cache):
+        from .kernels.kv_rows import gather_dequantized
+
+        return gather_dequantized(cache, scales, block_table, length, dtype)
+    return gather_context_reference(cache, block_table, length, scales, dtype)
 
 
 def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, window=None, k_scale=None,

@@ -5,8 +5,11 @@ tensors), then rounded to nearest even onto the format's grid."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from .compile_ahead import run as run_triton
 
 
 @triton.jit
@@ -64,3 +67,38 @@ def widen(x, dtype: tl.constexpr, ASM: tl.constexpr):
     else:
         y = x.to(dtype)
     return y
+
+
+# A context's rows from an 8-bit pool, dequantized in one pass (a chunk that continues a prompt, or follows a prefix
+# found in the cache, attends over them): the torch reference (`ops.gather_context_reference`) gathers the 8-bit rows, widens
+# them to float32, scales and rounds them, four passes over the context through a float32 copy twice its size.
+# The context length varies from call to call: left unspecialized, it cannot make Triton compile a new variant in
+# the middle of serving (the engine's warm-up compiles this kernel at load).
+@triton.jit(do_not_specialize=["length"])
+def _gather_kernel(cache_ptr, scale_ptr, bt_ptr, out_ptr, length, H: tl.constexpr, D: tl.constexpr,
+                   D_PAD: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr):
+    pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    h = tl.program_id(1)
+    col = tl.arange(0, D_PAD)
+    keep = pos < length
+    slot = tl.load(bt_ptr + pos // BS, mask=keep, other=0).to(tl.int64) * BS + pos % BS
+    m = keep[:, None] & (col < D)[None, :]
+    q = tl.load(cache_ptr + (slot * H + h)[:, None] * D + col[None, :], mask=m)
+    s = tl.load(scale_ptr + slot * H + h, mask=keep, other=0.0)
+    y = q.to(tl.float32) * s[:, None]  # exact widening, one float32 product, one rounding: as kv_quant.dequantize
+    tl.store(out_ptr + (pos.to(tl.int64) * H + h)[:, None] * D + col[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=m)
+
+
+def gather_dequantized(cache: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, length: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """The first `length` positions of one sequence from an 8-bit pool [blocks, bs, H, d] and its scales
+    [blocks, bs, H] (both contiguous) through its block table -> [length, H, d] in `dtype`, bit for bit what
+    `ops.gather_context_reference` returns."""
+    _, bs, H, d = cache.shape
+    out = torch.empty((length, H, d), dtype=dtype, device=cache.device)
+    if length:
+        rows = 32
+        run_triton(_gather_kernel, (triton.cdiv(length, rows), H), cache, scales, block_table, out, length,
+                   H=H, D=d, D_PAD=triton.next_power_of_2(d), BS=bs, ROWS=rows, num_warps=4)
+    return out

@@ -348,13 +348,16 @@ def _decode_launch_kwargs(device) -> dict:
     return {"PDL": True} if v == "0" and kw.get("launch_pdl") else kw
 
 
-def _tile(head_dim: int, quant: bool) -> tuple[int, int, int]:
+def _tile(head_dim: int, quant: bool, widened: bool = False) -> tuple[int, int, int]:
     """(context positions a loop iteration reads, warps, software-pipeline stages) of the decode kernels. An 8-bit
     pool reads twice the positions of a 16-bit one, so that an iteration keeps the same bytes in flight (on an H100
     at batch 64 an fp8 pool read 64 positions an iteration ran its attention at ~1.1 TB/s, the 16-bit one at ~2.9).
-    `VLMCTL_ATTN_KV8_TILE`, `VLMCTL_ATTN_KV8_WARPS` and `VLMCTL_ATTN_KV8_STAGES` override the 8-bit pool's
-    (measurements; one stage drops the 8-bit staging copies in shared memory: 41 KB a program instead of 75 for a
-    widened 128-position tile, sm_90 with Triton 3.6)."""
+    Tiles widened where they are loaded (`_widen_in_registers`) take one stage: with two, each tile sat in shared
+    memory twice, 8-bit as copied and 16-bit as widened (75 KB a program against 41 for a 128-position tile on
+    sm_90, Triton 3.6), and on an H100 at batch 64 the step took 15.9 (int8) and 15.5 ms (fp8) against 14.7 and
+    14.5 with one; tiles cast after the trip keep two (fp8 with one: 17.9 against 15.3; docs/benchmarks.md,
+    session 43). `VLMCTL_ATTN_KV8_TILE`, `VLMCTL_ATTN_KV8_WARPS` and `VLMCTL_ATTN_KV8_STAGES` override the 8-bit
+    pool's (measurements)."""
     from .settings import env_int
 
     if not quant:
@@ -362,23 +365,24 @@ def _tile(head_dim: int, quant: bool) -> tuple[int, int, int]:
     tile = env_int("VLMCTL_ATTN_KV8_TILE", 128 if head_dim <= 128 else 64, minimum=16)
     if tile & (tile - 1):
         raise OptionError(f"VLMCTL_ATTN_KV8_TILE={tile}: expected a power of two (16 or more)")
-    return tile, env_int("VLMCTL_ATTN_KV8_WARPS", 4, minimum=1), env_int("VLMCTL_ATTN_KV8_STAGES", 2, minimum=1)
+    return (tile, env_int("VLMCTL_ATTN_KV8_WARPS", 4, minimum=1),
+            env_int("VLMCTL_ATTN_KV8_STAGES", 1 if widened else 2, minimum=1))
 
 
 def _widen_in_registers(k_cache: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether the decode kernels widen an 8-bit pool's tiles to fp16 by `kv_rows.widen`'s PTX where they are
-    loaded (then through shared memory as 16-bit values, by ldmatrix) rather than by a cast after that trip.
-    Compiled kernels with fp16 models only. By default int8 pools do (on an H100 at batch 64 their decode step
-    took 15.9 ms against 17.8 with the cast, which is unpacked for int8) and fp8 pools do not (15.3 with the cast,
-    the hardware's packed one, against 15.5); `VLMCTL_ATTN_KV8_WIDEN=1` or `0` sets it for both (measurements)."""
+    loaded (then through shared memory as 16-bit values, by ldmatrix, in one pipeline stage: `_tile`) rather than
+    by a cast after that trip. Compiled kernels with fp16 models only. On an H100 at batch 64 a decode step took
+    14.7 ms (int8) and 14.5 (fp8) widened, against 17.8 and 15.3 cast (docs/benchmarks.md, session 43);
+    `VLMCTL_ATTN_KV8_WIDEN=0` casts instead (measurements)."""
     v = os.environ.get("VLMCTL_ATTN_KV8_WIDEN", "").strip()
     if v not in ("", "0", "1"):
-        raise OptionError(f"VLMCTL_ATTN_KV8_WIDEN={v!r}: expected 0 or 1 (unset: int8 pools only)")
+        raise OptionError(f"VLMCTL_ATTN_KV8_WIDEN={v!r}: expected 0 or 1 (unset: 1)")
     if k_cache.dtype not in (torch.int8, torch.float8_e4m3fn) or dtype != torch.float16:
         return False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    return k_cache.dtype == torch.int8 if v == "" else v == "1"
+    return v != "0"
 
 
 def _scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple:
@@ -411,7 +415,8 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
     split = num_splits > 1
     part, ml, cnt = _partials(out, num_splits, workspace)
     fold = split and cnt is not None and combine_in_attention()
-    block_n, warps, stages = _tile(D, k_scale is not None)
+    widen = _widen_in_registers(k_cache, qkv.dtype)
+    block_n, warps, stages = _tile(D, k_scale is not None, widen)
     run_triton(
         _decode_rope_kernel, (B, n_kv, num_splits),
         qkv, cos_sin, positions, slots, k_cache, v_cache, *_scales(k_cache, k_scale, v_scale), block_tables,
@@ -421,7 +426,7 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
         num_splits, n_q, n_kv, window or 0, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, SPLIT=split, HAS_WINDOW=window is not None,
         COMBINE=fold, BLOCK_S=combine_width(num_splits), QUANT=k_scale is not None,
-        ASM=_widen_in_registers(k_cache, qkv.dtype), num_warps=warps, num_stages=stages,
+        ASM=widen, num_warps=warps, num_stages=stages,
         **_decode_launch_kwargs(qkv.device))
     if split and not fold:
         _combine(part, ml, out, num_splits)
@@ -440,7 +445,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     group = Hq // Hkv
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device) if out is None else out
     BLOCK_G = max(16, triton.next_power_of_2(group))
-    BLOCK_N, warps, stages = _tile(D, k_scale is not None)
+    widen = _widen_in_registers(k_cache, q.dtype)
+    BLOCK_N, warps, stages = _tile(D, k_scale is not None, widen)
     split = num_splits > 1
     part, ml, _ = _partials(out, num_splits, workspace)
     run_triton(
@@ -450,7 +456,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1], group, num_splits,
         window or 0, HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, SPLIT=split,
         IEEE=q.dtype == torch.float32, HAS_WINDOW=window is not None, QUANT=k_scale is not None,
-        ASM=_widen_in_registers(k_cache, q.dtype), num_warps=warps,
+        ASM=widen, num_warps=warps,
         num_stages=stages, **pdl.launch_kwargs(q.device))
     if split:
         _combine(part, ml, out, num_splits)
