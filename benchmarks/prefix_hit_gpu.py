@@ -11,8 +11,9 @@ set-up); the median and the fastest are printed, with the tokens found in the ca
 
 Before the engines, `--gather` times what such a chunk's attention reads per layer, apart from the engine: a
 context's K and V gathered from a pool of the 7B's shape (32 KV heads of 128), 16-bit (`index_select`) and 8-bit
-(the torch reference through float32, and the kernel that `ops.gather_context` runs on CUDA), median of 50 CUDA-
-event timings.
+(the torch reference through float32, and the kernel that `ops.gather_context` runs on CUDA): the GPU's time, by
+CUDA events behind a ~1 ms sleep kernel so that the launches queue up before the first event runs, and the host's
+time to launch them, medians of 50.
 
     python benchmarks/prefix_hit_gpu.py --work /var/tmp/vb [--contexts 512 1900] [--modes auto fp8 int8] \
         [--gather 2048 8192]
@@ -88,16 +89,20 @@ def gather_times(contexts: list[int], reps: int = 50) -> list[dict]:
             cases[f"{name} kernel"] = lambda c=cache, s=sc: gather_dequantized(c, s, table, L, torch.float16)
         for name, fn in cases.items():
             fn()
-            times = []
+            gpu, host = [], []
             for _ in range(reps):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(2_000_000)  # ~1 ms of GPU work ahead, so that the events time the GPU, not launches
                 a.record()
+                t0 = time.perf_counter()
                 fn()
                 fn()  # K and V
+                host.append(1e6 * (time.perf_counter() - t0))
                 b.record()
                 b.synchronize()
-                times.append(1000 * a.elapsed_time(b))
-            rows.append({"context": L, "pool": name, "us_per_layer": statistics.median(times)})
+                gpu.append(1000 * a.elapsed_time(b))
+            rows.append({"context": L, "pool": name, "gpu_us_per_layer": statistics.median(gpu),
+                         "host_us_per_layer": statistics.median(host)})
             log(json.dumps(rows[-1]))
     return rows
 
@@ -152,10 +157,10 @@ def main() -> None:
             torch.cuda.empty_cache()
     log(f"device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}")
     if gathered:
-        log("| context | pool | K and V gathered, µs a layer |")
-        log("| ---: | --- | ---: |")
+        log("| context | pool | K and V gathered: GPU µs a layer | host µs to launch them |")
+        log("| ---: | --- | ---: | ---: |")
         for r in gathered:
-            log(f"| {r['context']} | {r['pool']} | {r['us_per_layer']:.1f} |")
+            log(f"| {r['context']} | {r['pool']} | {r['gpu_us_per_layer']:.1f} | {r['host_us_per_layer']:.1f} |")
     log("| KV pool | prompt tokens | from the cache | first token, ms (median / fastest) | the whole prompt cold, ms |")
     log("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:
