@@ -410,23 +410,24 @@ def _pool8(nblocks, bs, n_kv, d, g, storage):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_kv,d,length", [(2, 32, 37), (3, 80, 64), (1, 16, 1)])
 def test_gather_dequantized(dtype, n_kv, d, length, storage):
-    """A context gathered from an 8-bit pool in one kernel equals the torch reference bit for bit (the same float32
-    product and rounding), for head sizes that are not powers of two and lengths that end mid-block; nothing past
-    `length` is read from blocks the table does not hand out."""
+    """A context's K and V gathered from 8-bit pools in one kernel equal the torch reference bit for bit (the same
+    float32 product and rounding), for head sizes that are not powers of two and lengths that end mid-block."""
     from vlmctl.runtime.kernels.kv_rows import gather_dequantized
 
     g = torch.Generator().manual_seed(23)
     bs, nblocks = 8, 16
-    cache, scales = _pool8(nblocks, bs, n_kv, d, g, storage)
+    kc, ks = _pool8(nblocks, bs, n_kv, d, g, storage)
+    vc, vs = _pool8(nblocks, bs, n_kv, d, g, storage)
     nb = -(-length // bs)
     table = torch.randperm(nblocks, generator=g)[:nb + 2].to(DEV)  # longer than the context, as a sequence's is
-    want = ops.gather_context_reference(cache, table, length, scales, dtype)
-    assert want.shape == (length, n_kv, d) and want.dtype == dtype
-    got = gather_dequantized(cache, scales, table, length, dtype)
-    assert torch.equal(got, want)
+    want_k = ops.gather_context(kc, table, length, ks, dtype)
+    want_v = ops.gather_context(vc, table, length, vs, dtype)
+    assert want_k.shape == (length, n_kv, d) and want_k.dtype == dtype
+    k, v = gather_dequantized(kc, vc, ks, vs, table, length, dtype)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
     # the rows come from the blocks the table names, in its order: a different table gives different rows
-    other = table.roll(1)
-    assert not torch.equal(gather_dequantized(cache, scales, other, length, dtype), want)
+    k2, _ = gather_dequantized(kc, vc, ks, vs, table.roll(1), length, dtype)
+    assert not torch.equal(k2, want_k)
 
 
 @pytest.mark.parametrize("storage", STORAGES)

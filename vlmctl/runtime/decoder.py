@@ -617,8 +617,7 @@ class TorchDecoder:
                 if start == 0:  # with an 8-bit pool rope_and_cache left qkv's k and v as stored (kv_quant)
                     k, v = self._split(qkv, rows, n)
                 else:
-                    k = ops.gather_context(kc, bt, start + n, ks, self.dtype)
-                    v = ops.gather_context(vc, bt, start + n, vs, self.dtype)
+                    k, v = ops.gather_kv(kc, vc, bt, start + n, ks, vs, self.dtype)
                 out[rows] = ops.prefill_attention(q[rows], k, v, self.scale, window, blocks)
             return out
 

@@ -158,7 +158,10 @@ def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 # ---- attention over the paged cache --------------------------------------------------------------
-def gather_context_reference(cache, block_table, length, scales=None, dtype=None):
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The first `length` positions of one sequence from a paged cache [blocks, bs, H, d] -> [length, H, d];
+    from an 8-bit cache with its `scales` [blocks, bs, H], dequantized to `dtype`."""
     bs = cache.shape[1]
     nb = -(-length // bs)
     rows = cache.index_select(0, block_table[:nb]).flatten(0, 1)[:length]
@@ -167,15 +170,16 @@ def gather_context_reference(cache, block_table, length, scales=None, dtype=None
     return kv_quant.dequantize(rows, scales.index_select(0, block_table[:nb]).flatten(0, 1)[:length], dtype)
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None,
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The first `length` positions of one sequence from a paged cache [blocks, bs, H, d] -> [length, H, d];
-    from an 8-bit cache with its `scales` [blocks, bs, H], dequantized to `dtype` (on CUDA in one kernel)."""
-    if scales is not None and _use_kernels(cache):
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, length: int,
+              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gather_context` of K and of V; from 8-bit pools on CUDA, both in one kernel."""
+    if k_scale is not None and _use_kernels(k_cache):
         from .kernels.kv_rows import gather_dequantized
 
-        return gather_dequantized(cache, scales, block_table, length, dtype)
-    return gather_context_reference(cache, block_table, length, scales, dtype)
+        return gather_dequantized(k_cache, v_cache, k_scale, v_scale, block_table, length, dtype)
+    return (gather_context(k_cache, block_table, length, k_scale, dtype),
+            gather_context(v_cache, block_table, length, v_scale, dtype))
 
 
 def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, window=None, k_scale=None,

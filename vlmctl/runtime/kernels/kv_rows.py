@@ -69,19 +69,16 @@ def widen(x, dtype: tl.constexpr, ASM: tl.constexpr):
     return y
 
 
-# A context's rows from an 8-bit pool, dequantized in one pass (a chunk that continues a prompt, or follows a prefix
-# found in the cache, attends over them): the torch reference (`ops.gather_context_reference`) gathers the 8-bit rows, widens
-# them to float32, scales and rounds them, four passes over the context through a float32 copy twice its size.
+# A context's K and V rows from an 8-bit pool, dequantized in one launch (a chunk that continues a prompt, or follows
+# a prefix found in the cache, attends over them): the torch reference (`ops.gather_context`, once for K and once
+# for V) gathers the 8-bit rows and their scales, widens the rows to float32, scales and rounds them: four passes
+# over the context through a float32 copy twice its size, and some ten launches.
 # The context length varies from call to call: left unspecialized, it cannot make Triton compile a new variant in
 # the middle of serving (the engine's warm-up compiles this kernel at load).
-@triton.jit(do_not_specialize=["length"])
-def _gather_kernel(cache_ptr, scale_ptr, bt_ptr, out_ptr, length, H: tl.constexpr, D: tl.constexpr,
-                   D_PAD: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr):
-    pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    h = tl.program_id(1)
+@triton.jit
+def _gather_rows(cache_ptr, scale_ptr, out_ptr, slot, pos, keep, h, H: tl.constexpr, D: tl.constexpr,
+                 D_PAD: tl.constexpr):
     col = tl.arange(0, D_PAD)
-    keep = pos < length
-    slot = tl.load(bt_ptr + pos // BS, mask=keep, other=0).to(tl.int64) * BS + pos % BS
     m = keep[:, None] & (col < D)[None, :]
     q = tl.load(cache_ptr + (slot * H + h)[:, None] * D + col[None, :], mask=m)
     s = tl.load(scale_ptr + slot * H + h, mask=keep, other=0.0)
@@ -90,15 +87,30 @@ def _gather_kernel(cache_ptr, scale_ptr, bt_ptr, out_ptr, length, H: tl.constexp
              mask=m)
 
 
-def gather_dequantized(cache: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, length: int,
-                       dtype: torch.dtype) -> torch.Tensor:
-    """The first `length` positions of one sequence from an 8-bit pool [blocks, bs, H, d] and its scales
-    [blocks, bs, H] (both contiguous) through its block table -> [length, H, d] in `dtype`, bit for bit what
-    `ops.gather_context_reference` returns."""
-    _, bs, H, d = cache.shape
-    out = torch.empty((length, H, d), dtype=dtype, device=cache.device)
+@triton.jit(do_not_specialize=["length"])
+def _gather_kernel(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, k_out_ptr, v_out_ptr, length, H: tl.constexpr,
+                   D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr):
+    pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    h = tl.program_id(1)
+    keep = pos < length
+    slot = tl.load(bt_ptr + pos // BS, mask=keep, other=0).to(tl.int64) * BS + pos % BS
+    if tl.program_id(2) == 0:
+        _gather_rows(k_ptr, ks_ptr, k_out_ptr, slot, pos, keep, h, H, D, D_PAD)
+    else:
+        _gather_rows(v_ptr, vs_ptr, v_out_ptr, slot, pos, keep, h, H, D, D_PAD)
+
+
+def gather_dequantized(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                       block_table: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `length` positions of one sequence's K and V from 8-bit pools [blocks, bs, H, d] and their scales
+    [blocks, bs, H] (all contiguous) through its block table -> two [length, H, d] in `dtype`, bit for bit what
+    `ops.gather_context` returns for each."""
+    _, bs, H, d = k_cache.shape
+    k = torch.empty((length, H, d), dtype=dtype, device=k_cache.device)
+    v = torch.empty_like(k)
     if length:
         rows = 32
-        run_triton(_gather_kernel, (triton.cdiv(length, rows), H), cache, scales, block_table, out, length,
-                   H=H, D=d, D_PAD=triton.next_power_of_2(d), BS=bs, ROWS=rows, num_warps=4)
-    return out
+        run_triton(_gather_kernel, (triton.cdiv(length, rows), H, 2), k_cache, v_cache, k_scale, v_scale,
+                   block_table, k, v, length, H=H, D=d, D_PAD=triton.next_power_of_2(d), BS=bs, ROWS=rows,
+                   num_warps=4)
+    return k, v
