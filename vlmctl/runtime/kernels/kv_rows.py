@@ -1,7 +1,8 @@
 """Triton helpers of the 8-bit KV cache's formats (`vlmctl.runtime.kv_quant` defines them and holds the torch
 reference): one float32 scale a (token, KV head) row, its largest magnitude / the format's largest value (448
 for float8 e4m3, 127 for int8), and the row divided by it (`div_rn`: rounded to nearest, as torch divides two
-tensors), then rounded to nearest even onto the format's grid."""
+tensors), then rounded to nearest even onto the format's grid. Also the kernel that gathers a context's K and V
+back from 8-bit pools, dequantized (`gather_dequantized`)."""
 
 from __future__ import annotations
 
