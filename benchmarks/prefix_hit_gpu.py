@@ -16,7 +16,7 @@ CUDA events behind a ~1 ms sleep kernel so that the launches queue up before the
 time to launch them, medians of 50.
 
     python benchmarks/prefix_hit_gpu.py --work /var/tmp/vb [--contexts 512 1900] [--modes auto fp8 int8] \
-        [--gather 2048 8192]
+        [--gather 2048 8192] [--profile]
     python benchmarks/prefix_hit_gpu.py --smoke --work /tmp/smoke      # tiny shapes on the CPU
 """
 
@@ -107,6 +107,18 @@ def gather_times(contexts: list[int], reps: int = 50) -> list[dict]:
     return rows
 
 
+def profiled(eng, prompt, params) -> dict:
+    """One continuation under torch.profiler (CPU and, where there is one, CUDA activity)."""
+    from serving_gpu import kernel_profile
+
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        dt, req = first_token(eng, prompt, params)
+    return kernel_profile(prof, dt, len(req.prompt.token_ids) - req.num_cached_tokens)
+
+
 def main() -> None:
     from vlmctl.runtime.sampling import SamplingParams
 
@@ -119,6 +131,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed continuations before the timed ones")
     ap.add_argument("--gather", type=int, nargs="*", default=[2048, 8192], help="context lengths (GPU only)")
     ap.add_argument("--modes", nargs="+", default=["auto", "fp8", "int8"], help="--kv-cache-dtype values")
+    ap.add_argument("--profile", action="store_true",
+                    help="also one continuation per mode and context under torch.profiler: its wall time against "
+                         "its GPU kernels' sum, the costliest kernels and host ops (is the step the GPU's or the host's?)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -150,6 +165,8 @@ def main() -> None:
             r = {"mode": mode, "context": total[0], "cached_tokens": min(cached), "cold_prompt_ms": 1000 * cold,
                  "continuation_ms": [round(1000 * t, 3) for t in times],
                  "continuation_ms_median": 1000 * statistics.median(times), "continuation_ms_min": 1000 * min(times)}
+            if args.profile:
+                r["profile"] = profiled(eng, eng.encode_text(base + " " + words(rng, args.new_words)), params)
             rows.append(r)
             log(json.dumps(r))
         del eng
@@ -166,6 +183,13 @@ def main() -> None:
     for r in rows:
         log(f"| {r['mode']} | {r['context']} | {r['cached_tokens']} | {r['continuation_ms_median']:.2f} / "
             f"{r['continuation_ms_min']:.2f} | {r['cold_prompt_ms']:.1f} |")
+    profiled_rows = [r for r in rows if "profile" in r]
+    if profiled_rows:
+        log("| KV pool | prompt tokens | profiled continuation: wall ms | its kernels' sum, ms | kernels |")
+        log("| --- | ---: | ---: | ---: | ---: |")
+        for r in profiled_rows:
+            p = r["profile"]
+            log(f"| {r['mode']} | {r['context']} | {p['wall_ms']:.2f} | {p['kernels_ms']:.2f} | {p['kernel_count']} |")
     if args.out:
         args.out.write_text(json.dumps({"gather": gathered, "continuations": rows}, indent=1))
 
