@@ -430,6 +430,73 @@ def test_gather_dequantized(dtype, n_kv, d, length, storage):
     assert not torch.equal(k2, want_k)
 
 
+def _chunk_reference(q, kc, vc, table, length, scale, ks=None, vs=None):
+    """What the decoder ran before the chunk kernel: the context gathered (dequantized from an 8-bit pool to q's
+    dtype), then SDPA with a lower-right causal mask, all in float32 from those values."""
+    k = ops.gather_context(kc, table, length, ks, q.dtype).float()
+    v = ops.gather_context(vc, table, length, vs, q.dtype).float()
+    n, Hq, _ = q.shape
+    k, v = k.repeat_interleave(Hq // k.shape[1], 1), v.repeat_interleave(Hq // v.shape[1], 1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    causal = torch.arange(length, device=q.device)[None, :] <= (length - n + torch.arange(n, device=q.device))[:, None]
+    p = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+    return torch.einsum("hqk,khd->qhd", p, v)
+
+
+@pytest.mark.parametrize("storage", [None] + STORAGES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_q,n_kv,d", [(4, 4, 32), (6, 2, 80)])
+@pytest.mark.parametrize("start,n", [(5, 1), (16, 7), (40, 33), (3, 70)])
+def test_chunk_attention(dtype, n_q, n_kv, d, start, n, storage):
+    """A chunk's attention read in place from the paged pool (one kernel) equals the gathered context's attention,
+    for chunks shorter and longer than a program's rows, contexts ending mid-block and tile, grouped heads, a head
+    size that is not a power of two, q a strided view of a fused qkv, and 16- and 8-bit pools."""
+    from vlmctl.runtime.kernels.paged_prefill import chunk_attention
+
+    if storage is not None and dtype == torch.float32:
+        pytest.skip("8-bit pools hold 16-bit models' caches")
+    g = torch.Generator().manual_seed(31)
+    bs, nblocks = 8, 24
+    length = start + n
+    if storage is None:
+        kc = torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype)
+        vc = torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype)
+        ks = vs = None
+    else:
+        kc, ks = _pool8(nblocks, bs, n_kv, d, g, storage)
+        vc, vs = _pool8(nblocks, bs, n_kv, d, g, storage)
+    table = torch.randperm(nblocks, generator=g)[:-(-length // bs) + 1].to(DEV)  # a block more than the context
+    q = (torch.randn(n, n_q + 2 * n_kv, d, generator=g) * 2).to(DEV, dtype)[:, :n_q]  # a view of a fused qkv
+    scale = d ** -0.5
+    want = _chunk_reference(q, kc, vc, table, length, scale, ks, vs)
+    got = chunk_attention(q, kc, vc, table, length, scale, ks, vs)
+    assert got.shape == (n, n_q, d) and got.dtype == dtype and not got.isnan().any()
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else tol(dtype))
+    # the decoder's path before the kernel (SDPA in the model dtype) is as close to the float32 answer
+    k, v = ops.gather_kv(kc, vc, table, length, ks, vs, dtype)
+    assert rel_err(ops.prefill_attention(q, k, v, scale), want) < (1e-5 if dtype == torch.float32 else tol(dtype))
+    # causal: a chunk that starts one position later (its rows see one key more) answers differently
+    assert rel_err(chunk_attention(q, kc, vc, table, length + 1, scale, ks, vs), want) > 1e-3
+
+
+def test_chunk_attention_dispatch(monkeypatch):
+    """`ops.chunk_attention` without the kernel (a CPU tensor, or a chunk longer than VLMCTL_CHUNK_ATTENTION_ROWS):
+    the gathered context and SDPA, written into `out` where given; a bad setting is one OptionError."""
+    from vlmctl.errors import OptionError
+
+    g = torch.Generator().manual_seed(32)
+    kc, vc = torch.randn(6, 4, 2, 16, generator=g), torch.randn(6, 4, 2, 16, generator=g)
+    table, q = torch.tensor([4, 0, 3, 5]), torch.randn(5, 4, 16, generator=g)
+    want = _chunk_reference(q, kc, vc, table, 14, 0.25)
+    got = ops.chunk_attention(q.cpu(), kc.cpu(), vc.cpu(), table, 14, 0.25)
+    assert rel_err(got, want) < 1e-5
+    out = torch.zeros(5, 4, 16)
+    assert ops.chunk_attention(q, kc, vc, table, 14, 0.25, out=out) is out and torch.equal(out, got)
+    monkeypatch.setenv("VLMCTL_CHUNK_ATTENTION_ROWS", "many")
+    with pytest.raises(OptionError, match="VLMCTL_CHUNK_ATTENTION_ROWS"):
+        ops.chunk_attention(q, kc, vc, table, 14, 0.25)
+
+
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else []))
 @pytest.mark.parametrize("n_q,n_kv", [(4, 4), (6, 1)])

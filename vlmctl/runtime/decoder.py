@@ -616,9 +616,9 @@ class TorchDecoder:
             for rows, start, n, bt, blocks in prefill:
                 if start == 0:  # with an 8-bit pool rope_and_cache left qkv's k and v as stored (kv_quant)
                     k, v = self._split(qkv, rows, n)
-                else:
-                    k, v = ops.gather_kv(kc, vc, bt, start + n, ks, vs, self.dtype)
-                out[rows] = ops.prefill_attention(q[rows], k, v, self.scale, window, blocks)
+                    out[rows] = ops.prefill_attention(q[rows], k, v, self.scale, window, blocks)
+                else:  # the context (this chunk's rows included) is in the pool
+                    ops.chunk_attention(q[rows], kc, vc, bt, start + n, self.scale, window, blocks, ks, vs, out[rows])
             return out
 
         x = self._embed(ids_t, fr, tr, table)
