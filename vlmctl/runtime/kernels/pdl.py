@@ -53,8 +53,20 @@ def mode() -> str:
     return m
 
 
+_ENABLED: dict = {}
+
+
 def enabled(device) -> bool:
-    """Whether kernels on `device` launch with PDL (see the module docstring)."""
+    """Whether kernels on `device` launch with PDL (see the module docstring). Asked at every launch (~300 a
+    prompt step, whose launches are the host's work): the answer is kept per device and environment."""
+    key = (device, os.environ.get("VLMCTL_PDL"), os.environ.get("TRITON_INTERPRET"))
+    answer = _ENABLED.get(key)
+    if answer is None:
+        answer = _ENABLED[key] = _enabled(device)
+    return answer
+
+
+def _enabled(device) -> bool:
     m = mode()
     if m == "0" or getattr(device, "type", str(device).split(":")[0]) != "cuda" \
             or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
