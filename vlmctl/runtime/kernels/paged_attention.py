@@ -32,6 +32,32 @@ def _split_span(lens_ptr, seq, split, num_splits, window, BLOCK_N: tl.constexpr,
     return ctx, lo, per_split, lo + split * per_split
 
 
+@triton.jit
+def online_softmax_tile(s, seen, m_i, l_i, acc, v_ptr, vs_ptr, row, srow, valid, d, dmask, scale_log2,
+                        dtype: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr, ASM: tl.constexpr):
+    """One context tile's step of the online softmax: scores s [rows, N] (an 8-bit K's scales applied), kept where
+    `seen`; the tile's V rows (at `row`, valid where `valid`) loaded and added in. Returns the running (max, sum,
+    un-normalized output) in float32. QUANT: V's scales in vs_ptr at `srow`, folded into the probabilities relative
+    to the tile's largest (so p times them keeps the model dtype's precision), the 8-bit rows widened to `dtype`."""
+    s = tl.where(seen, s * scale_log2, float("-inf"))  # log2 domain
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+    vt = 1.0
+    if QUANT:
+        vsc = tl.load(vs_ptr + srow, mask=valid, other=0.0)
+        vt = tl.max(vsc, 0)
+        p = p * (vsc / tl.where(vt > 0, vt, 1.0))[None, :]
+        v = kv_rows.widen(v, dtype, ASM)
+    if IEEE:  # float32 caches: no TF32 rounding
+        acc = acc * alpha[:, None] + vt * tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + vt * tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 # The pool's block size is a compile-time constant (one value an engine): a position's block and slot are then a
 # shift and a mask instead of runtime divisions in every layout a tile is loaded in (1.5-3 % of a decode step on
 # an H100; docs/benchmarks.md, session 42).
@@ -86,23 +112,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
             s = tl.dot(q, tl.trans(k))
         if QUANT:
             s = s * tl.load(ks_ptr + srow, mask=valid, other=0.0)[None, :]
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))  # log2 domain
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-        vt = 1.0
-        if QUANT:  # V's scales relative to the tile's largest, so p times them keeps the model dtype's precision
-            vsc = tl.load(vs_ptr + srow, mask=valid, other=0.0)
-            vt = tl.max(vsc, 0)
-            p = p * (vsc / tl.where(vt > 0, vt, 1.0))[None, :]
-            v = kv_rows.widen(v, q.dtype, ASM)
-        if IEEE:
-            acc = acc * alpha[:, None] + vt * tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + vt * tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_tile(s, valid[None, :], m_i, l_i, acc, v_ptr, vs_ptr, row, srow, valid, d,
+                                            dmask, scale_log2, q.dtype, IEEE, QUANT, ASM)
     if SPLIT:
         # partial results: un-normalized acc, and (max, sum) per head, for the combine kernel
         pidx = (seq * (tl.num_programs(1) * group) + heads) * num_splits + split

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import kv_rows
-from .paged_attention import _scales, _widen_in_registers
+from .paged_attention import _scales, _widen_in_registers, online_softmax_tile
 from .compile_ahead import run as run_triton
 
 # The context length and the chunk's length change with every call: left unspecialized, they cannot make Triton
@@ -61,24 +61,9 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, out_ptr, stride_q
             s = tl.dot(q, tl.trans(k))
         if QUANT:
             s = s * tl.load(ks_ptr + srow, mask=valid, other=0.0)[None, :]
-        seen = valid[None, :] & (tok[None, :] <= pos[:, None])
-        s = tl.where(seen, s * scale_log2, float("-inf"))  # log2 domain
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-        vt = 1.0
-        if QUANT:  # V's scales relative to the tile's largest, so p times them keeps the model dtype's precision
-            vsc = tl.load(vs_ptr + srow, mask=valid, other=0.0)
-            vt = tl.max(vsc, 0)
-            p = p * (vsc / tl.where(vt > 0, vt, 1.0))[None, :]
-            v = kv_rows.widen(v, q.dtype, ASM)
-        if IEEE:
-            acc = acc * alpha[:, None] + vt * tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + vt * tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        seen = valid[None, :] & (tok[None, :] <= pos[:, None])  # causal
+        m_i, l_i, acc = online_softmax_tile(s, seen, m_i, l_i, acc, v_ptr, vs_ptr, row, srow, valid, d, dmask,
+                                            scale_log2, q.dtype, IEEE, QUANT, ASM)
     o = acc / l_i[:, None]
     tl.store(out_ptr + t[:, None] * stride_ot + head * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=rows[:, None] & dmask[None, :])
