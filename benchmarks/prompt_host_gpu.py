@@ -8,12 +8,16 @@ host never waits for the GPU; medians of `--repeats` after 3 untimed. Then one f
 functions and torch ops with the most host time of their own. When the host's launch time is above the GPU time,
 the step is the host's.
 
-A mode is a KV pool, optionally with environment settings for its runs: `int8+VLMCTL_CHUNK_ATTENTION_ROWS=0`.
-`--attention` first times one layer's attention of a continuation chunk apart from the decoder (7B shape), the
-chunk kernel against the gathered context and SDPA, GPU µs behind a sleep kernel.
+A mode is a KV pool, optionally with environment settings for its runs: `int8+VLMCTL_CHUNK_ATTENTION_ROWS=512`
+(continuations' attention by the paged prompt kernel), `auto+VLMCTL_STEP_GRAPH_ROWS=512` (the decoder captures its
+steps with prompt rows, and those of up to 512 rows replay a CUDA graph). `--decode-rows N` puts N decode rows of
+other sequences (512 cached positions each) beside each chunk, as a serving step admits a prompt beside running
+requests. `--attention` first times one layer's attention of a continuation chunk apart from the decoder (7B
+shape), the paged prompt kernel against the gathered context and SDPA, GPU µs behind a sleep kernel, and their
+largest difference.
 
     python benchmarks/prompt_host_gpu.py [--chunks 0:92 1888:92 0:593] [--modes auto int8] [--layers 32] \
-        [--attention 1888:92 8100:92 2048:512 2048:2048]
+        [--decode-rows 0] [--attention 1888:92 8100:92 2048:512 2048:2048]
     python benchmarks/prompt_host_gpu.py --smoke       # tiny shapes on the CPU (host times only)
 """
 
@@ -46,16 +50,31 @@ def sync():
         torch.cuda.synchronize()
 
 
-def chunk_of(dec, start: int, n: int, seed: int):
+DECODE_CONTEXT = 512  # the cached positions of each decode row beside a chunk (`--decode-rows`)
+
+
+def chunks_of(dec, start: int, n: int, seed: int, decode_rows: int = 0) -> list:
+    """A chunk of n new tokens after `start` cached ones, after `decode_rows` decode rows of other sequences
+    (DECODE_CONTEXT cached positions each), each sequence on its own blocks."""
     from vlmctl.runtime.decoder import Chunk
 
-    ids = np.random.default_rng(seed).integers(0, dec.vocab_size, n)
-    table = list(range(1, 1 + -(-(start + n) // dec.block_size)))
-    return Chunk(ids, np.arange(start, start + n), start, table)
+    g = np.random.default_rng(seed)
+    bs = dec.block_size
+    first = 1 + -(-(start + n) // bs)  # the chunk's blocks come first
+    per_row = DECODE_CONTEXT // bs + 1
+    rows = [Chunk(g.integers(0, dec.vocab_size, 1), np.array([DECODE_CONTEXT]), DECODE_CONTEXT,
+                  list(range(first + i * per_row, first + (i + 1) * per_row))) for i in range(decode_rows)]
+    ids = g.integers(0, dec.vocab_size, n)
+    return rows + [Chunk(ids, np.arange(start, start + n), start, list(range(1, first)))]
 
 
-def time_forward(dec, chunk, repeats: int) -> dict:
-    run = lambda: dec.forward([chunk])  # noqa: E731
+def pool_blocks(dec, chunks: list[str], decode_rows: int) -> int:
+    longest = max(sum(int(v) for v in spec.split(":")) for spec in chunks)
+    return 1 + -(-longest // 16) + decode_rows * (DECODE_CONTEXT // 16 + 1)
+
+
+def time_forward(dec, chunks: list, repeats: int) -> dict:
+    run = lambda: dec.forward(chunks)  # noqa: E731
     for _ in range(3):
         run()
     sync()
@@ -82,11 +101,11 @@ def time_forward(dec, chunk, repeats: int) -> dict:
     return {"wall_ms": med(wall), "gpu_ms": med(gpu), "host_launch_ms": med(host)}
 
 
-def host_profile(dec, chunk, top: int) -> list:
+def host_profile(dec, chunks: list, top: int) -> list:
     """(function, own host µs, calls) of one forward, the `top` with the most own time."""
     prof = cProfile.Profile()
     prof.enable()
-    dec.forward([chunk])
+    dec.forward(chunks)
     prof.disable()
     sync()
     st = pstats.Stats(prof)
@@ -114,9 +133,10 @@ def gpu_us(fn, reps: int = 30) -> float:
 
 
 def attention_times(cases: list[str]) -> list[dict]:
-    """One layer's continuation attention (7B shape: 32 heads of 128), the chunk kernel against the gathered
-    context and SDPA, per pool."""
+    """One layer's continuation attention (7B shape: 32 heads of 128), the paged prompt kernel against the
+    gathered context and SDPA (the eager forward's path without it), per pool."""
     from vlmctl.runtime import kv_quant, ops
+    from vlmctl.runtime.kernels.paged_prefill import prompt_attention, tile_table, tiles
 
     H, d, bs, rows = 32, 128, 16, []
     for spec in cases:
@@ -124,6 +144,7 @@ def attention_times(cases: list[str]) -> list[dict]:
         L = start + n
         nb = -(-L // bs)
         table = torch.randperm(2 * nb, device="cuda")[:nb]
+        tiles_t = torch.from_numpy(tile_table([(0, 0, n, start)], tiles(d)[0])).cuda()
         k16 = torch.randn(2 * nb, bs, H, d, device="cuda", dtype=torch.float16)
         v16 = torch.randn_like(k16)
         q = torch.randn(n, 3 * H, d, device="cuda", dtype=torch.float16)[:, :H]
@@ -132,12 +153,14 @@ def attention_times(cases: list[str]) -> list[dict]:
         vq, vsc = kv_quant.quantize(v16, kv_quant.STORAGE["int8"])
         pools["int8"] = (kq, vq, ksc, vsc)
         for pool, (kc, vc, ks, vs) in pools.items():
-            r = {"start": start, "n": n, "pool": pool}
-            for name, limit in (("kernel", str(1 << 30)), ("gather_sdpa", "0")):
-                os.environ["VLMCTL_CHUNK_ATTENTION_ROWS"] = limit
-                r[f"{name}_us"] = round(gpu_us(lambda: ops.chunk_attention(q, kc, vc, table, L, d ** -0.5,
-                                                                           k_scale=ks, v_scale=vs)), 1)
-            os.environ.pop("VLMCTL_CHUNK_ATTENTION_ROWS")
+            def gathered():
+                k, v = ops.gather_kv(kc, vc, table, L, ks, vs, q.dtype)
+                return ops.prefill_attention(q, k, v, d ** -0.5)
+
+            kernel = lambda: prompt_attention(q, kc, vc, table.int()[None], tiles_t, d ** -0.5, None, ks, vs)  # noqa: E731
+            r = {"start": start, "n": n, "pool": pool, "kernel_us": round(gpu_us(kernel), 1),
+                 "gather_sdpa_us": round(gpu_us(gathered), 1),
+                 "max_abs_diff": float((kernel().float() - gathered().float()).abs().max())}
             rows.append(r)
             log(json.dumps(r))
     return rows
@@ -151,6 +174,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--top", type=int, default=25, help="rows of the cProfile table")
     ap.add_argument("--attention", nargs="*", default=[], metavar="START:N")
+    ap.add_argument("--decode-rows", type=int, default=0, help="decode rows of other sequences beside each chunk")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -170,22 +194,27 @@ def main() -> None:
         for kv in settings:
             os.environ[kv.split("=")[0]] = kv.split("=", 1)[1]
         dec.kv_cache_dtype = pool
-        dec.allocate_cache(8192 // 16 + 1, 16)
+        dec.allocate_cache(pool_blocks(dec, args.chunks, args.decode_rows), 16)
+        # captured steps where the mode's VLMCTL_STEP_GRAPH_ROWS asks for them (none where it is unset)
+        graphed = dec.capture_step_graphs(max(args.decode_rows + 1, 16), 2048)
         for i, spec in enumerate(args.chunks):
             start, n = (int(v) for v in spec.split(":"))
-            chunk = chunk_of(dec, start, n, i)
-            r = {"mode": mode, "start": start, "n": n, **time_forward(dec, chunk, args.repeats),
-                 "host_profile_us_calls": host_profile(dec, chunk, args.top)}
+            chunks = chunks_of(dec, start, n, i, args.decode_rows)
+            r = {"mode": mode, "start": start, "n": n, "decode_rows": args.decode_rows, "step_graphs": graphed,
+                 **time_forward(dec, chunks, args.repeats),
+                 "host_profile_us_calls": host_profile(dec, chunks, args.top)}
             rows.append(r)
             log(json.dumps({k: v for k, v in r.items() if k != "host_profile_us_calls"}))
         for kv in settings:
             os.environ.pop(kv.split("=")[0])
     log(f"device: {torch.cuda.get_device_name() if D.DEV == 'cuda' else 'cpu'}; {args.layers} layers")
     if attn:
-        log("| cached | new | pool | chunk kernel, GPU µs a layer | gathered context + SDPA |")
-        log("| ---: | ---: | --- | ---: | ---: |")
+        log("| cached | new | pool | paged prompt kernel, GPU µs a layer | gathered context + SDPA | max abs diff |")
+        log("| ---: | ---: | --- | ---: | ---: | ---: |")
         for r in attn:
-            log(f"| {r['start']} | {r['n']} | {r['pool']} | {r['kernel_us']} | {r['gather_sdpa_us']} |")
+            log(f"| {r['start']} | {r['n']} | {r['pool']} | {r['kernel_us']} | {r['gather_sdpa_us']} | "
+                f"{r['max_abs_diff']:.2g} |")
+    log(f"decode rows beside each chunk: {args.decode_rows}")
     log("| KV pool | cached | new | wall ms | GPU ms | host ms to launch |")
     log("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:

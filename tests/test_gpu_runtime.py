@@ -469,3 +469,29 @@ def test_prompts_admitted_ahead_never_wait_for_the_gpu(fp16_engine):
             assert checked >= 3 and eng.steps_ahead > 20
     assert out[True] == out[False]
 
+
+
+@pytest.mark.parametrize("which", ["fp16_engine", "awq_engine"])
+def test_captured_prompt_steps_follow_the_eager_forward(which, request, monkeypatch):
+    """Steps with prompt rows replayed from CUDA graphs (`VLMCTL_STEP_GRAPH_ROWS`): whole prompts, chunked prompts
+    beside decode rows and prefix hits give the eager forward's tokens (fp16: all but a rare near-tie), and the
+    steps did replay graphs."""
+    from vlmctl.runtime.step_graphs import StepGraphs
+
+    path = request.getfixturevalue(which)
+    _, plain = run(path, cuda_graphs=True)
+    replays = []
+    original = StepGraphs.run
+
+    def counted(self, *a, **k):
+        replays.append(self.entries[self.bucket(a[1].shape[0])]["graph"] is not None)
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(StepGraphs, "run", counted)
+    monkeypatch.setenv("VLMCTL_STEP_GRAPH_ROWS", "64")
+    for opts in ({}, {"max_num_batched_tokens": 8, "max_batch_size": 4, "block_size": 4}):
+        eng, got = run(path, cuda_graphs=True, **opts)
+        assert eng.decoder._step_graphs is not None and eng.decoder._step_graphs.sizes == [16, 32, 64]
+        same = sum(a == b for g, p in zip(got, plain) for a, b in zip(g, p))
+        assert [g[0] for g in got] == [p[0] for p in plain] and same >= 0.9 * sum(map(len, plain)), (got, plain)
+    assert replays and all(replays)

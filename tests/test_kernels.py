@@ -430,16 +430,19 @@ def test_gather_dequantized(dtype, n_kv, d, length, storage):
     assert not torch.equal(k2, want_k)
 
 
-def _chunk_reference(q, kc, vc, table, length, scale, ks=None, vs=None):
+def _chunk_reference(q, kc, vc, table, length, scale, ks=None, vs=None, window=None):
     """What the decoder ran before the chunk kernel: the context gathered (dequantized from an 8-bit pool to q's
-    dtype), then SDPA with a lower-right causal mask, all in float32 from those values."""
-    k = ops.gather_context(kc, table, length, ks, q.dtype).float()
-    v = ops.gather_context(vc, table, length, vs, q.dtype).float()
+    dtype), then SDPA with a lower-right causal mask (and, with `window`, only keys less than `window` positions
+    back), all in float32 from those values."""
+    k = ops.gather_context(kc, table.long(), length, ks, q.dtype).float()
+    v = ops.gather_context(vc, table.long(), length, vs, q.dtype).float()
     n, Hq, _ = q.shape
     k, v = k.repeat_interleave(Hq // k.shape[1], 1), v.repeat_interleave(Hq // v.shape[1], 1)
     s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    causal = torch.arange(length, device=q.device)[None, :] <= (length - n + torch.arange(n, device=q.device))[:, None]
-    p = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+    key = torch.arange(length, device=q.device)[None, :]
+    query = (length - n + torch.arange(n, device=q.device))[:, None]
+    seen = (key <= query) & (key > query - window if window else True)
+    p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1)
     return torch.einsum("hqk,khd->qhd", p, v)
 
 
@@ -479,22 +482,88 @@ def test_chunk_attention(dtype, n_q, n_kv, d, start, n, storage):
     assert rel_err(chunk_attention(q, kc, vc, table, length + 1, scale, ks, vs), want) > 1e-3
 
 
-def test_chunk_attention_dispatch(monkeypatch):
-    """`ops.chunk_attention` without the kernel (a CPU tensor, or a chunk longer than VLMCTL_CHUNK_ATTENTION_ROWS):
-    the gathered context and SDPA, written into `out` where given; a bad setting is one OptionError."""
+def test_prompt_attention_dispatch(monkeypatch):
+    """`ops.prompt_attention` without the kernel (CPU tensors): per tile, the gathered context and SDPA, written
+    into `out` where given; a bad VLMCTL_CHUNK_ATTENTION_ROWS is one OptionError."""
     from vlmctl.errors import OptionError
+    from vlmctl.runtime.kernels.paged_prefill import tile_table
 
     g = torch.Generator().manual_seed(32)
     kc, vc = torch.randn(6, 4, 2, 16, generator=g), torch.randn(6, 4, 2, 16, generator=g)
     table, q = torch.tensor([4, 0, 3, 5]), torch.randn(5, 4, 16, generator=g)
     want = _chunk_reference(q, kc, vc, table, 14, 0.25)
-    got = ops.chunk_attention(q.cpu(), kc.cpu(), vc.cpu(), table, 14, 0.25)
-    assert rel_err(got, want) < 1e-5
+    tiles_t = torch.from_numpy(tile_table([(0, 0, 3, 9), (0, 3, 2, 12)], 32))  # one chunk as two tiles
     out = torch.zeros(5, 4, 16)
-    assert ops.chunk_attention(q, kc, vc, table, 14, 0.25, out=out) is out and torch.equal(out, got)
+    got = ops.prompt_attention(q, kc, vc, table[None].int(), tiles_t, 0.25, out=out)
+    assert got is out and rel_err(got, want) < 1e-5
     monkeypatch.setenv("VLMCTL_CHUNK_ATTENTION_ROWS", "many")
     with pytest.raises(OptionError, match="VLMCTL_CHUNK_ATTENTION_ROWS"):
-        ops.chunk_attention(q, kc, vc, table, 14, 0.25)
+        ops.chunk_attention_rows()
+
+
+@pytest.mark.parametrize("storage", [None, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 9])
+def test_prompt_attention_tiles(dtype, storage, window):
+    """One launch for the rows of several sequences, as a captured step sends them: decode rows (one each), a
+    prompt from position 0, a continuation longer than a tile; the table longer than the tiles it holds (unused
+    tiles touch nothing), rows in no tile left as they were, each sequence's rows equal to its own chunk's attention
+    (with a sliding window too)."""
+    from vlmctl.runtime.kernels.paged_prefill import prompt_attention, tile_table, tiles
+
+    if storage is not None and dtype == torch.float32:
+        pytest.skip("8-bit pools hold 16-bit models' caches")
+    g = torch.Generator().manual_seed(33)
+    n_q, n_kv, d, bs, nblocks = 4, 2, 32, 8, 40
+    if storage is None:
+        kc = torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype)
+        vc = torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype)
+        ks = vs = None
+    else:
+        kc, ks = _pool8(nblocks, bs, n_kv, d, g, storage)
+        vc, vs = _pool8(nblocks, bs, n_kv, d, g, storage)
+    # (first position, rows): two decode rows, a prompt from 0, a continuation of two tiles and a bit
+    seqs = [(21, 1), (5, 1), (0, 12), (30, 37)]
+    perm = torch.randperm(nblocks, generator=g)
+    tables = torch.zeros(len(seqs) + 1, 12, dtype=torch.int32)  # a table row more than the sequences
+    for i in range(len(seqs)):
+        tables[i] = perm[12 * i // 2:12 * i // 2 + 12] if i < 2 else perm[12 + 12 * (i - 2):24 + 12 * (i - 2)]
+    tables = tables.to(DEV)
+    T = sum(n for _, n in seqs) + 3  # three rows in no tile
+    q = (torch.randn(T, n_q + 2 * n_kv, d, generator=g) * 2).to(DEV, dtype)[:, :n_q]
+    chunks, row = [], 0
+    for i, (pos0, n) in enumerate(seqs):
+        chunks.append((i, row, n, pos0))
+        row += n
+    block_m = tiles(d)[0]
+    table = tile_table(chunks, block_m, size=len(seqs) + T // block_m + 2)
+    assert (table[:, 2] > 0).sum() == 2 + 1 + 2 and table[-1].tolist() == [0, 0, 0, 0]
+    out = torch.full((T, n_q, d), 7.0, dtype=dtype, device=DEV)
+    scale = d ** -0.5
+    got = prompt_attention(q, kc, vc, tables, torch.from_numpy(table).to(DEV), scale, window, ks, vs, out)
+    assert got is out and not got.isnan().any()
+    for i, row0, n, pos0 in chunks:
+        want = _chunk_reference(q[row0:row0 + n], kc, vc, tables[i], pos0 + n, scale, ks, vs, window)
+        assert rel_err(got[row0:row0 + n], want) < (1e-5 if dtype == torch.float32 else tol(dtype)), (i, pos0, n)
+    assert bool((got[row:] == 7.0).all())  # no tile: untouched
+    # the torch reference the CPU runs agrees
+    ref = ops.prompt_attention_reference(q, kc, vc, tables, torch.from_numpy(table), scale, window, ks, vs,
+                                         torch.full_like(out, 7.0))
+    assert rel_err(ref[:row], got[:row]) < (1e-5 if dtype == torch.float32 else tol(dtype))
+    if window:  # the window masks something here: without it the answer differs
+        full = prompt_attention(q, kc, vc, tables, torch.from_numpy(table).to(DEV), scale, None, ks, vs)
+        assert rel_err(full[:row], got[:row]) > 1e-2
+
+
+def test_tile_table():
+    from vlmctl.runtime.kernels.paged_prefill import max_tiles, tile_table
+
+    t = tile_table([(0, 0, 1, 40), (1, 1, 70, 0), (2, 71, 32, 5)], 32, size=8)
+    assert t.tolist() == [[0, 0, 1, 40], [1, 1, 32, 0], [1, 33, 32, 32], [1, 65, 6, 64], [2, 71, 32, 5],
+                          [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert max_tiles(103, 3, 32) == 7 and len(tile_table([(0, 0, 1, 40), (1, 1, 70, 0), (2, 71, 32, 5)], 32)) == 5
+    with pytest.raises(ValueError, match="tiles exceed"):
+        tile_table([(0, 0, 70, 0)], 32, size=2)
 
 
 @pytest.mark.parametrize("storage", STORAGES)

@@ -7,7 +7,8 @@ attention reads them back through the sequence's block table. Ids >= vocab_size 
 prompt-embedding table (TensorRT-LLM's prompt-tuning contract, `vlmctl.formats.prompt_table`).
 
 On CUDA, a batch of decode rows (one new token per sequence) replays a CUDA graph captured per
-batch-size bucket, and the small operations run as fused Triton kernels (`vlmctl.runtime.ops`);
+batch-size bucket; where `capture_step_graphs` ran, a step with prompt rows replays one captured per
+row bucket (`vlmctl.runtime.step_graphs`); the small operations run as fused Triton kernels (`vlmctl.runtime.ops`);
 on the CPU the same code runs the torch references. What the decoder is (shape, variants, tensor
 names) comes from its `DecoderSpec`; this module knows no model by name. Variants it runs: the norm
 kind, the MLP activation, an embedding scale, q/k norms before rotary, sandwich norms around
@@ -300,6 +301,7 @@ class TorchDecoder:
         self.use_graphs = self.device.type == "cuda" and cuda_graphs_allowed()
         self._graphs: dict[tuple[int, bool], tuple] = {}
         self._graph_pool = None
+        self._step_graphs = None  # steps with prompt rows, captured per row bucket (capture_step_graphs)
         self._fused = False  # the fused batch-1 step: not built yet (see _fused_step)
         self.fused_step_reason = None if self.device.type == "cuda" else "not on a GPU"
         self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -559,26 +561,36 @@ class TorchDecoder:
                 tables.append(c.table)
                 offset += c.table.shape[0]
             row += c.n
+        # the last row of each chunk that wants logits, in the caller's chunk order
+        ends, row = {}, 0
+        for i, c in zip(order, cs):
+            row += c.n
+            ends[i] = row - 1
+        want = [ends[i] for i in range(len(chunks)) if chunks[i].want_logits]
+        graphed = self._step_graphs is not None and self._step_graphs.takes(cs, T)
         mrope = any(c.positions.ndim == 2 for c in cs)
+        mrope_cos_sin = pos_1d = None
         if mrope:
             pos3 = np.concatenate([c.positions if c.positions.ndim == 2 else np.broadcast_to(c.positions, (3, c.n))
                                    for c in cs], 1)
             mrope_cos_sin = self._mrope_cos_sin(np.ascontiguousarray(pos3))
             rope_tables = [mrope_cos_sin] * self.n_layers
-            positions = torch.arange(T, device=dev)
         else:
             rope_tables = [layer.cos_sin for layer in self.layers]
-            positions = to_device(np.concatenate([c.positions for c in cs]).astype(np.int64), None, dev)
+            pos_1d = np.concatenate([c.positions for c in cs]).astype(np.int64)
         ids_t = to_device(ids, None, dev)
         if device_ids is not None:  # decode rows come first, in the caller's order (the sort is stable)
             ids_t[:len(device_ids)] = device_ids
-        slot_t = to_device(slots, None, dev)
         if fake_rows:
             fr = to_device(np.concatenate(fake_rows), None, dev)
             tr = to_device(np.concatenate(table_rows), None, dev)
             table = torch.cat([t.to(dev) for t in tables]) if len(tables) > 1 else tables[0].to(dev)
         else:
             fr = tr = table = None
+        if graphed:
+            return self._step_graphs.run(cs, self._embed(ids_t, fr, tr, table), pos_1d, mrope_cos_sin, slots, want)
+        positions = torch.arange(T, device=dev) if mrope else to_device(pos_1d, None, dev)
+        slot_t = to_device(slots, None, dev)
         n_dec = sum(1 for c in cs if c.is_decode)
         if n_dec:
             maxb = max(len(c.block_table) for c in cs[:n_dec])
@@ -586,14 +598,26 @@ class TorchDecoder:
                                torch.int32, dev)
             lens_dec = to_device([c.start + 1 for c in cs[:n_dec]], torch.int32, dev)
             splits = self._splits(n_dec)
-        prefill = []
+        prefill, paged, paged_tables = [], [], []
+        # continuation chunks the paged prompt kernel takes: all of them in one launch a layer
+        limit = ops.chunk_attention_rows() if dev.type == "cuda" else 0
         row = n_dec
         for c in cs[n_dec:]:
             blocks = image_blocks(c.ids, self.table_base) if self.bidirectional_images else None
-            prefill.append((slice(row, row + c.n), c.start, c.n,
-                            to_device(c.block_table, torch.long, dev) if c.start else None,
-                            None if blocks is None else to_device(blocks, None, dev)))
+            if c.start and blocks is None and c.n <= limit:
+                paged.append((len(paged_tables), row, c.n, c.start))
+                paged_tables.append(c.block_table)
+            else:
+                prefill.append((slice(row, row + c.n), c.start, c.n,
+                                to_device(c.block_table, torch.long, dev) if c.start else None,
+                                None if blocks is None else to_device(blocks, None, dev)))
             row += c.n
+        if paged:
+            from .kernels.paged_prefill import tile_table, tiles
+
+            maxb = max(len(t) for t in paged_tables)
+            paged_bt = to_device([t + [0] * (maxb - len(t)) for t in paged_tables], torch.int32, dev)
+            paged_tiles = to_device(tile_table(paged, tiles(self.head_dim)[0]), None, dev)
 
         kc_all, vc_all = self.k_cache, self.v_cache
 
@@ -616,20 +640,16 @@ class TorchDecoder:
             for rows, start, n, bt, blocks in prefill:
                 if start == 0:  # with an 8-bit pool rope_and_cache left qkv's k and v as stored (kv_quant)
                     k, v = self._split(qkv, rows, n)
-                    out[rows] = ops.prefill_attention(q[rows], k, v, self.scale, window, blocks)
                 else:  # the context (this chunk's rows included) is in the pool
-                    ops.chunk_attention(q[rows], kc, vc, bt, start + n, self.scale, window, blocks, ks, vs, out[rows])
+                    k, v = ops.gather_kv(kc, vc, bt, start + n, ks, vs, qkv.dtype)
+                out[rows] = ops.prefill_attention(q[rows], k, v, self.scale, window, blocks)
+            if paged:
+                ops.prompt_attention(q, kc, vc, paged_bt, paged_tiles, self.scale, window, ks, vs, out)
             return out
 
         x = self._embed(ids_t, fr, tr, table)
         with ops.attention_backends(dev):
             residual, h_out = self._layers(x, attend, self._cross_batch(cs, T))
-        # the last row of each chunk that wants logits, in the caller's chunk order
-        ends, row = {}, 0
-        for i, c in zip(order, cs):
-            row += c.n
-            ends[i] = row - 1
-        want = [ends[i] for i in range(len(chunks)) if chunks[i].want_logits]
         if not want:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=dev)
         return self._final(residual, h_out, to_device(want, torch.long, dev))
@@ -973,6 +993,22 @@ class TorchDecoder:
             for B in reversed(self._bucket_sizes):  # largest first: later captures reuse its memory pool
                 for with_cross in self._graph_variants():
                     self._capture(B, with_cross)
+
+    def capture_step_graphs(self, max_batch: int, max_rows: int, limit: int | None = None) -> list[int]:
+        """Capture steps with prompt rows, one graph per row bucket up to `limit` rows (`VLMCTL_STEP_GRAPH_ROWS`
+        where None; capped at `max_rows`, the step's token budget), after `capture_graphs` (`step_graphs`). Where this
+        decoder replays no graphs the same static-shape steps run eagerly. Returns the buckets (none where the limit
+        is 0)."""
+        from .step_graphs import StepGraphs, step_graph_rows
+
+        limit = min(step_graph_rows() if limit is None else limit, max_rows)
+        if limit <= 0 or self.k_cache is None:
+            self._step_graphs = None
+            return []
+        graphs = StepGraphs(self, max_batch, limit)
+        graphs.capture()
+        self._step_graphs = graphs
+        return graphs.sizes
 
     @staticmethod
     def _linears(layer: Layer):

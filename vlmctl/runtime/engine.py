@@ -332,6 +332,9 @@ class Engine:
             self.decoder.warm_prefill(budget + overshoot)
         with phase("warm steps"):
             self.decoder.warm_forward(lim["max_batch_size"])
+        if self.decoder.use_graphs:
+            with phase("step graphs"):  # steps with prompt rows, where VLMCTL_STEP_GRAPH_ROWS asks for them
+                self.decoder.capture_step_graphs(lim["max_batch_size"], budget + overshoot)
 
     # ---- loading -------------------------------------------------------------------------------
     @contextlib.contextmanager

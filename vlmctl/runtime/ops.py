@@ -10,7 +10,8 @@ Variants of the decoder spec and where they run on CUDA:
   q/k norm per head                                           its own in-place kernel, before rotary
   activation "gelu_tanh"                                      the act·mul kernel (ACT)
   sliding window in decode                                    both decode kernels (a window start)
-  a prompt chunk after cached positions                       the chunk kernel (opt-in: VLMCTL_CHUNK_ATTENTION_ROWS)
+  prompt rows read from the paged pool (continuations; all rows   the paged prompt kernel (opt-in:
+    of a captured step)                                         VLMCTL_CHUNK_ATTENTION_ROWS, VLMCTL_STEP_GRAPH_ROWS)
   sliding window / bidirectional image rows in prefill        torch SDPA with an explicit mask
   cross-attention, decode rows                                the paged decode kernel over the cross pool
   cross-attention, prompt chunks                              torch SDPA with a per-row key-range mask
@@ -183,38 +184,47 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.T
             gather_context(v_cache, block_table, length, v_scale, dtype))
 
 
-# Off until the kernel has passed its tests and an A/B on a GPU (docs/benchmarks.md, session 44).
+# Off until the kernel has passed its tests and an A/B on a GPU (docs/benchmarks.md, sessions 44-45).
 CHUNK_ATTENTION_ROWS = 0
 
 
 def chunk_attention_rows() -> int:
-    """The longest continuation chunk the chunk kernel takes (`VLMCTL_CHUNK_ATTENTION_ROWS`, default
-    `CHUNK_ATTENTION_ROWS`; 0: none); longer chunks gather their context and run SDPA."""
+    """The longest continuation chunk an eager forward sends to the paged prompt kernel
+    (`VLMCTL_CHUNK_ATTENTION_ROWS`, default `CHUNK_ATTENTION_ROWS`; 0: none); longer chunks gather their context and
+    run SDPA. A captured step (`TorchDecoder`'s step graphs) sends all its rows to the kernel."""
     from .kernels.settings import env_int
 
     return env_int("VLMCTL_CHUNK_ATTENTION_ROWS", CHUNK_ATTENTION_ROWS)
 
 
-def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                    length: int, scale: float, window: int | None = None, blocks: torch.Tensor | None = None,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of a chunk q [n, Hq, d] after `length - n` cached positions over one sequence's first
-    `length` positions in the paged pools (the chunk's own K and V already appended), into `out` [n, Hq, d] if
-    given. On CUDA, for chunks up to `chunk_attention_rows()` rows with neither a window nor image blocks: one
-    kernel reading the pool in place (`kernels.paged_prefill`); otherwise the context gathered (`gather_kv`)
-    and `prefill_attention` over it."""
-    n = q.shape[0]
-    if n <= chunk_attention_rows() and window is None and blocks is None and _use_kernels(q):
-        from .kernels.paged_prefill import chunk_attention as kernel
-
-        return kernel(q, k_cache, v_cache, block_table, length, scale, k_scale, v_scale, out=out)
-    k, v = gather_kv(k_cache, v_cache, block_table, length, k_scale, v_scale, q.dtype)
-    a = prefill_attention(q, k, v, scale, window, blocks)
+def prompt_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, tiles: torch.Tensor, scale: float,
+                               window: int | None = None, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`kernels.paged_prefill.prompt_attention` in torch: per tile of the table (sequence, first row, rows, first
+    position), its sequence's context gathered and `prefill_attention` over it."""
     if out is None:
-        return a
-    out.copy_(a)
+        out = torch.empty_like(q)
+    for seq, row0, m, pos0 in tiles.tolist():
+        if m:
+            k, v = gather_kv(k_cache, v_cache, block_tables[seq].long(), pos0 + m, k_scale, v_scale, q.dtype)
+            out[row0:row0 + m] = prefill_attention(q[row0:row0 + m], k, v, scale, window)
     return out
+
+
+def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     tiles: torch.Tensor, scale: float, window: int | None = None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the query rows q [T, Hq, d] of several sequences over their paged contexts, each row's own
+    K and V already in the pool; `tiles` (int32 [n, 4], `kernels.paged_prefill.tile_table`) says which rows belong
+    to which sequence (a row of `block_tables` [S, max blocks]) at which positions. Rows in no tile are left as they
+    are. On CUDA one Triton kernel reads the pool in place (`kernels.paged_prefill`); elsewhere the reference."""
+    if _use_kernels(q):
+        from .kernels.paged_prefill import prompt_attention as kernel
+
+        return kernel(q, k_cache, v_cache, block_tables, tiles, scale, window, k_scale, v_scale, out)
+    return prompt_attention_reference(q, k_cache, v_cache, block_tables, tiles, scale, window, k_scale, v_scale, out)
 
 
 def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, window=None, k_scale=None,

@@ -1,0 +1,211 @@
+"""Steps with prompt rows through the captured-step path (`runtime/step_graphs.py`): the static-shape step a CUDA
+graph replays (rows padded to a bucket, every row's attention through the paged prompt kernel's tile table) gives
+transformers' logits and the eager forward's cache, for mixed steps (decode rows beside prompt chunks, a
+continuation longer than a tile, image rows from a prompt table), with sliding windows, 8-bit pools and multimodal
+rotary; steps it cannot take run eagerly. On the CPU the same static steps run without capture; the GPU test
+(`-m gpu`) replays the graphs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vlmctl.runtime.decoder import Chunk, TorchDecoder
+
+BS = 4  # block size
+
+
+def _llama(path, vocab=150, heads=4, kv=2, layers=2, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=256)
+    hf = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2 if p.dim() == 2 else 0.5)
+    hf.save_pretrained(path)
+    return hf
+
+
+def _gemma3(path):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=150, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                           sliding_window_pattern=2, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                           max_position_embeddings=256, rope_local_base_freq=100.0)
+    hf = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3 if p.dim() == 2 else 0.5)
+    hf.save_pretrained(path)
+    return hf
+
+
+def _pair(path, device="cpu", kv_cache_dtype="auto", limit=64):
+    """(eager decoder, decoder with captured steps up to `limit` rows), the same weights and pools."""
+    out = []
+    for graphs in (False, True):
+        dec = TorchDecoder.from_hf_dir(path, max_seq=128, device=device)
+        dec.kv_cache_dtype = kv_cache_dtype
+        dec.allocate_cache(96, BS)
+        if graphs:
+            assert dec.capture_step_graphs(max_batch=4, max_rows=256, limit=limit) == [16, 32, limit]
+        out.append(dec)
+    return out
+
+
+class _Counter:
+    def __init__(self, graphs):
+        self.n, run = 0, graphs.run
+
+        def counted(*a, **k):
+            self.n += 1
+            return run(*a, **k)
+
+        graphs.run = counted
+
+
+SEQS = {"A": 60, "B": 45, "C": 8, "D": 80}
+TABLES = {"A": list(range(1, 16)), "B": list(range(16, 28)), "C": list(range(28, 30)), "D": list(range(30, 51))}
+# (sequence, start, rows) per step: prompts from 0, decode rows (one row after cached ones), a continuation longer
+# than a 32-row tile, and a 70-row step past the largest bucket (64), which runs eagerly
+STEPS = [[("A", 0, 20), ("B", 0, 5)],
+         [("A", 20, 1), ("B", 5, 35)],
+         [("A", 21, 1), ("B", 40, 1), ("C", 0, 8)],
+         [("A", 22, 38), ("B", 41, 4), ("C", 8, 0)],
+         [("D", 0, 70)],
+         [("D", 70, 10)]]
+
+
+def _chunks(ids, step, vocab=None, table=None):
+    out = []
+    for name, start, n in step:
+        if n:
+            seq = ids[name][start:start + n]
+            tab = table if vocab is not None and (seq >= vocab).any() else None
+            out.append(Chunk(seq, np.arange(start, start + n), start, TABLES[name], tab))
+    return out
+
+
+def _ids(vocab, seed=1):
+    g = np.random.default_rng(seed)
+    return {name: g.integers(0, vocab, n) for name, n in SEQS.items()}
+
+
+def _check_steps(eager, graphed, ids, ref=None, atol=1e-4, table=None, vocab=None, min_graphed=5):
+    """Run STEPS on both decoders: equal logits (and transformers' `ref[name][position]` where given), equal pools;
+    returns how many steps replayed a captured step."""
+    counter = _Counter(graphed._step_graphs)
+    for step in STEPS:
+        cs = _chunks(ids, step, vocab, table)
+        want_e = eager.forward(cs)
+        want_g = graphed.forward(_chunks(ids, step, vocab, table))
+        assert want_g.shape == want_e.shape
+        assert torch.allclose(want_g, want_e, atol=atol, rtol=0), (step, (want_g - want_e).abs().max())
+        if ref is not None:
+            for c, row in zip([s for s in step if s[2]], want_g):
+                name, start, n = c
+                assert torch.allclose(row, ref[name][start + n - 1], atol=atol, rtol=0), (c, (row - ref[name][
+                    start + n - 1]).abs().max())
+    for a, b in ((eager.k_cache, graphed.k_cache), (eager.v_cache, graphed.v_cache)):
+        assert torch.allclose(a.float(), b.float(), atol=atol, rtol=0)
+    assert counter.n >= min_graphed
+    return counter.n
+
+
+def _hf_logits(hf, ids):
+    with torch.no_grad():
+        return {name: hf(torch.as_tensor(seq)[None]).logits[0] for name, seq in ids.items()}
+
+
+def test_llama_steps_equal_transformers_and_the_eager_forward(tmp_path):
+    hf = _llama(tmp_path / "llm")
+    eager, graphed = _pair(tmp_path / "llm")
+    ids = _ids(150)
+    assert _check_steps(eager, graphed, ids, _hf_logits(hf, ids)) == 5  # all but the 70-row step
+
+
+def test_gemma3_sliding_window_steps(tmp_path):
+    """Sliding-window layers (window 6, shorter than the chunks), q/k norms, a softcap, a local rotary table."""
+    hf = _gemma3(tmp_path / "llm")
+    eager, graphed = _pair(tmp_path / "llm")
+    assert any(layer.window for layer in graphed.layers)
+    ids = _ids(150)
+    _check_steps(eager, graphed, ids, _hf_logits(hf, ids))
+
+
+def test_image_rows_and_an_8bit_pool(tmp_path):
+    """Rows from a prompt-embedding table (ids past the vocabulary) embedded before the captured step; an int8 pool,
+    whose rounding both paths share."""
+    _llama(tmp_path / "llm")
+    eager, graphed = _pair(tmp_path / "llm", kv_cache_dtype="int8")
+    assert graphed.k_scale is not None
+    ids = _ids(150)
+    base = graphed.table_base
+    ids["B"][3:9] = base + np.arange(6)  # six image rows in B's first chunks
+    table = torch.randn(6, 64, generator=torch.Generator().manual_seed(5))
+    _check_steps(eager, graphed, ids, table=table, vocab=base, atol=2e-4)
+
+
+def test_multimodal_rotary_steps(tmp_path):
+    """M-RoPE (Qwen2-VL's): 3-D positions per row computed outside the graph into its cos|sin rows, and 1-D
+    positions (every section equal) in the same model."""
+    import json
+
+    _llama(tmp_path / "llm")
+    cfg = json.loads((tmp_path / "llm" / "config.json").read_text())
+    key = "rope_parameters" if "rope_parameters" in cfg else "rope_scaling"
+    cfg[key] = {**(cfg.get(key) or {"rope_type": "default"}), "mrope_section": [2, 3, 3]}  # head_dim 16
+    (tmp_path / "llm" / "config.json").write_text(json.dumps(cfg))
+    eager, graphed = _pair(tmp_path / "llm")
+    assert graphed.mrope_section == (2, 3, 3)
+    ids = _ids(150)
+    counter = _Counter(graphed._step_graphs)
+    for k, step in enumerate(STEPS[:4]):
+        outs = []
+        for dec in (eager, graphed):
+            cs = _chunks(ids, step)
+            if k % 2 == 0:  # 3-D positions that differ by section; the other steps keep 1-D ones
+                for c in cs:
+                    c.positions = np.stack([c.positions, c.positions + 2 + c.start % 3, c.positions + 1])
+            outs.append(dec.forward(cs))
+        assert torch.allclose(outs[1], outs[0], atol=1e-4, rtol=0), (step, (outs[1] - outs[0]).abs().max())
+    assert counter.n == 4
+
+
+def test_steps_the_graph_cannot_take_run_eagerly(tmp_path):
+    """More sequences than a bucket holds and a block table longer than the captured one fall back to the eager
+    forward; buckets are powers of two up to the limit, and a limit of 0 captures nothing."""
+    from vlmctl.runtime.step_graphs import buckets
+
+    assert buckets(0) == [] and buckets(16) == [16] and buckets(100) == [16, 32, 64, 100]
+    _llama(tmp_path / "llm")
+    eager, graphed = _pair(tmp_path / "llm")
+    sg = graphed._step_graphs
+    ids = _ids(150)
+    five = [Chunk(ids["D"][i:i + 1], np.arange(i, i + 1), i, TABLES["D"]) for i in range(5)]
+    assert not sg.takes(five, 5)  # max_batch 4: a 16-row bucket holds 4 sequences
+    assert sg.takes(five[:4], 4)
+    long = Chunk(ids["A"][:3], np.arange(3), 0, list(range(1, 40)))  # more blocks than max_seq 128 needs
+    assert not sg.takes([long], 3)
+    assert graphed.capture_step_graphs(4, 256, limit=0) == [] and graphed._step_graphs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_captured_steps_replay_on_the_gpu(tmp_path, kv):
+    """The same mixed steps replayed from CUDA graphs (fp16 weights): the eager forward's logits within fp16
+    noise, and transformers' (float32) within the fp16 model's error."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    hf = _llama(tmp_path / "llm")
+    hf.half().save_pretrained(tmp_path / "llm16")
+    eager, graphed = _pair(tmp_path / "llm16", device="cuda", kv_cache_dtype=kv)
+    assert graphed.use_graphs and all(st["graph"] is not None for st in graphed._step_graphs.entries.values())
+    ids = _ids(150)
+    _check_steps(eager, graphed, ids, _hf_logits(hf.float(), ids), atol=5e-2)

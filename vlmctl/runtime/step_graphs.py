@@ -1,0 +1,197 @@
+"""Steps with prompt rows replayed from CUDA graphs, one per row bucket (`TorchDecoder.forward`'s captured path).
+
+An eager forward of a 7B decoder costs its host ~10.5 ms of launches whatever its length, so up to a few hundred
+rows (a short prompt, a chat's next turn after a prefix-cache hit, a prompt chunk beside decode rows) the step is the
+host's, with the GPU idle half of it (docs/benchmarks.md, session 44). Decode steps have replayed graphs since the
+start; a step with prompt rows could not, because its attention took each chunk's length on the host. Here every
+row, decode rows included, attends through the paged prompt kernel (`kernels.paged_prefill`), which reads which rows
+belong to which sequence, and where, from a tile table in device memory: a step's shapes are then its row bucket's,
+and its varying parts (positions, cache slots, tiles, block tables, the rows that want logits) are one pinned buffer
+copied before the replay.
+
+Outside the graph: the embedding (image rows from the prompt table vary in number) and, for multimodal rotary, the
+step's cos|sin rows; both are copied into the graph's static inputs. Padding rows (a step shorter than its bucket)
+are zero, write no cache slot (-1) and are in no tile. Steps the graph cannot take run eagerly: more rows than the
+largest bucket, rows that see image states through cross-attention, or image rows that attend to each other.
+
+`VLMCTL_STEP_GRAPH_ROWS` (default `STEP_GRAPH_ROWS`, 0: off) is the largest bucket.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from . import ops
+
+if TYPE_CHECKING:
+    from .decoder import Chunk, TorchDecoder
+
+# Off until the captured steps have passed their GPU tests and an A/B (docs/benchmarks.md, session 45).
+STEP_GRAPH_ROWS = 0
+_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def step_graph_rows() -> int:
+    """The largest captured step, in rows (`VLMCTL_STEP_GRAPH_ROWS`; 0: steps with prompt rows run eagerly)."""
+    from .kernels.settings import env_int
+
+    return env_int("VLMCTL_STEP_GRAPH_ROWS", STEP_GRAPH_ROWS)
+
+
+def buckets(limit: int) -> list[int]:
+    """The row buckets up to `limit`: powers of two from 16, and `limit` itself."""
+    if limit <= 0:
+        return []
+    return [s for s in _SIZES if s < limit] + [limit]
+
+
+class StepGraphs:
+    """The captured steps of one decoder, a bucket each (`capture`); on a device without graphs (the CPU tests) the
+    same static-shape steps run eagerly."""
+
+    def __init__(self, dec: "TorchDecoder", max_batch: int, limit: int):
+        from .kernels.paged_prefill import max_tiles, tiles
+
+        self.dec = dec
+        self.sizes = buckets(limit)
+        self.max_batch = max_batch
+        self.block_m = tiles(dec.head_dim)[0]
+        self.max_blocks = -(-dec.max_seq // dec.block_size)
+        self._max_tiles = max_tiles
+        self.entries: dict[int, dict] = {}
+
+    # ---- which steps ---------------------------------------------------------------------------
+    def bucket(self, rows: int) -> int | None:
+        return next((s for s in self.sizes if s >= rows), None)
+
+    def sequences(self, bucket: int) -> int:
+        """The most chunks a bucket's step holds (one per running request)."""
+        return min(bucket, self.max_batch)
+
+    def takes(self, cs: list["Chunk"], rows: int) -> bool:
+        """Whether a step of these chunks (`rows` rows in all) can replay a captured step."""
+        b = self.bucket(rows)
+        dec = self.dec
+        return (b is not None and len(cs) <= self.sequences(b)
+                and all(c.cross is None and len(c.block_table) <= self.max_blocks for c in cs)
+                and not (dec.bidirectional_images and any((c.ids >= dec.table_base).any() for c in cs)))
+
+    # ---- capture -------------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Build every bucket's step: captured into the decoder's graph pool where it replays graphs (largest
+        first, so that later captures reuse its memory), else kept to run eagerly."""
+        with torch.inference_mode():
+            for b in reversed(self.sizes):
+                self.entries[b] = self._build(b)
+
+    def _build(self, B: int) -> dict:
+        dec = self.dec
+        dev = dec.device
+        S = self.sequences(B)
+        NT = self._max_tiles(B, S, self.block_m)
+        mrope = dec.mrope_section is not None
+        # int32: positions | slots | rows wanting logits | tiles | block tables
+        n = 2 * B + S + 4 * NT + S * self.max_blocks
+        host = torch.zeros(n, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        d = torch.zeros_like(host, device=dev)
+        st = {"B": B, "S": S, "NT": NT, "host": host, "dev": d, "mrope": mrope,
+              "x": torch.zeros((B, dec.embed.shape[1]), dtype=dec.dtype, device=dev),
+              "attn": torch.zeros((B, dec.n_heads, dec.head_dim), dtype=dec.dtype, device=dev),
+              "cos_sin": torch.zeros((B, dec.cos_sin.shape[1]), dtype=torch.float32, device=dev) if mrope else None,
+              "arange": torch.arange(B, dtype=torch.int32, device=dev)}
+        self._clear(st)
+        d.copy_(host)
+        positions = st["arange"] if mrope else d[0:B]
+        slots, want = d[B:2 * B], d[2 * B:2 * B + S]
+        o = 2 * B + S
+        tiles_t = d[o:o + 4 * NT].view(NT, 4)
+        tables = d[o + 4 * NT:].view(S, self.max_blocks)
+
+        def attend(li, qkv):
+            layer = dec.layers[li]
+            ci = layer.cache_index
+            kc, vc = dec.k_cache[ci], dec.v_cache[ci]
+            ks, vs = dec._scales(ci)
+            ops.rope_and_cache(qkv, st["cos_sin"] if mrope else layer.cos_sin, positions, dec.n_heads, dec.n_kv,
+                               dec.head_dim, kc, vc, slots, ks, vs)
+            q = qkv[:, :dec.q_size].view(B, dec.n_heads, dec.head_dim)
+            return ops.prompt_attention(q, kc, vc, tables, tiles_t, dec.scale, layer.window, ks, vs, st["attn"])
+
+        def body():
+            residual, h_out = dec._layers(st["x"], attend, None)
+            return dec._final(residual, h_out, want)
+
+        st["body"] = body
+        st["graph"] = None
+        if dec.use_graphs:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # outside the graph: kernel compilation, cuBLAS workspaces
+                    body()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=dec._graph_pool, capture_error_mode="thread_local"):
+                st["out"] = body()
+            if dec._graph_pool is None:
+                dec._graph_pool = graph.pool()
+            st["graph"] = graph
+            st["copied"] = torch.cuda.Event()
+        return st
+
+    def _clear(self, st: dict) -> None:
+        """A step with no rows: slots -1 (nothing written), no tiles, every table on block 0."""
+        B = st["B"]
+        h = st["host"].numpy()
+        h[:] = 0
+        h[B:2 * B] = -1
+
+    # ---- a step ----------------------------------------------------------------------------------
+    def run(self, cs: list["Chunk"], x: torch.Tensor, positions: np.ndarray | None, cos_sin: torch.Tensor | None,
+            slots: np.ndarray, want: list[int]) -> torch.Tensor:
+        """Run a step that `takes` accepted: `cs` in the forward's row order, x its embedded rows [T, hidden],
+        `positions` [T] 1-D rotary positions (None with multimodal rotary, whose rows `cos_sin` [T, d] are given
+        instead), `slots` [T] cache slots, `want` the rows whose logits are returned, in order -> [len(want), V]
+        float32, valid until the next step."""
+        T = x.shape[0]
+        st = self.entries[self.bucket(T)]
+        B, S, NT = st["B"], st["S"], st["NT"]
+        if st["graph"] is not None:
+            # the pinned buffer's last copy may still be queued (a step launched before the previous one's tokens
+            # were read): it must have left before the buffer is rewritten
+            st["copied"].synchronize()
+        self._clear(st)
+        h = st["host"].numpy()
+        if positions is not None:
+            h[0:T] = positions
+        h[B:B + T] = slots
+        h[2 * B:2 * B + len(want)] = want
+        o = 2 * B + S
+        from .kernels.paged_prefill import tile_table
+
+        chunks, row = [], 0
+        tables = h[o + 4 * NT:].reshape(S, self.max_blocks)
+        for i, c in enumerate(cs):
+            chunks.append((i, row, c.n, c.start))
+            tables[i, :len(c.block_table)] = c.block_table
+            row += c.n
+        h[o:o + 4 * NT] = tile_table(chunks, self.block_m, NT).ravel()
+        d = st["dev"]
+        d.copy_(st["host"], non_blocking=True)
+        if st["graph"] is not None:
+            st["copied"].record()
+        st["x"][:T].copy_(x)
+        st["x"][T:].zero_()
+        if cos_sin is not None:
+            st["cos_sin"][:T].copy_(cos_sin)
+        elif st["mrope"]:  # 1-D positions in a multimodal-rotary model: every section at the same position
+            from .transfers import to_device
+
+            torch.index_select(self.dec.cos_sin, 0, to_device(positions, None, x.device), out=st["cos_sin"][:T])
+        if st["graph"] is None:
+            return st["body"]()[:len(want)]
+        st["graph"].replay()
+        return st["out"][:len(want)]
