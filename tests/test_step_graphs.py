@@ -193,6 +193,11 @@ def test_steps_the_graph_cannot_take_run_eagerly(tmp_path):
     assert sg.takes(five[:4], 4)
     long = Chunk(ids["A"][:3], np.arange(3), 0, list(range(1, 40)))  # more blocks than max_seq 128 needs
     assert not sg.takes([long], 3)
+    # the compile pass's uncaptured runs of every bucket (rows in no tile, no slot) leave the pool as it was
+    graphed.forward(_chunks(ids, STEPS[0]))
+    before = graphed.k_cache.clone(), graphed.v_cache.clone()
+    graphed._step_graphs_for(4, 256, 32).compile_only()
+    assert torch.equal(before[0], graphed.k_cache) and torch.equal(before[1], graphed.v_cache)
     assert graphed.capture_step_graphs(4, 256, limit=0) == [] and graphed._step_graphs is None
 
 

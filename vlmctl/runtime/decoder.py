@@ -945,6 +945,8 @@ class TorchDecoder:
                             self._graph_inputs(B, with_cross)[1]()
                     for chunks in self.warm_steps(max_batch):
                         self.forward(chunks)
+                    if self.use_graphs:  # the steps with prompt rows that `capture_step_graphs` will capture
+                        self._step_graphs_for(max_batch, max_rows).compile_only()
         except Exception as e:  # only a speed-up: the phases after it compile what it did not, or raise there
             logging.getLogger("vlmctl.runtime").warning("the parallel compile pass stopped (%s: %s); the kernels "
                                                         "it missed compile one by one", type(e).__name__, e)
@@ -999,16 +1001,18 @@ class TorchDecoder:
         where None; capped at `max_rows`, the step's token budget), after `capture_graphs` (`step_graphs`). Where this
         decoder replays no graphs the same static-shape steps run eagerly. Returns the buckets (none where the limit
         is 0)."""
+        graphs = self._step_graphs_for(max_batch, max_rows, limit)
+        self._step_graphs = graphs if graphs.sizes and self.k_cache is not None else None
+        if self._step_graphs is not None:
+            graphs.capture()
+        return graphs.sizes if self._step_graphs is not None else []
+
+    def _step_graphs_for(self, max_batch: int, max_rows: int, limit: int | None = None):
+        """The steps with prompt rows for up to min(limit, max_rows) rows (`VLMCTL_STEP_GRAPH_ROWS` where limit is
+        None), not built yet."""
         from .step_graphs import StepGraphs, step_graph_rows
 
-        limit = min(step_graph_rows() if limit is None else limit, max_rows)
-        if limit <= 0 or self.k_cache is None:
-            self._step_graphs = None
-            return []
-        graphs = StepGraphs(self, max_batch, limit)
-        graphs.capture()
-        self._step_graphs = graphs
-        return graphs.sizes
+        return StepGraphs(self, max_batch, min(step_graph_rows() if limit is None else limit, max_rows))
 
     @staticmethod
     def _linears(layer: Layer):

@@ -85,9 +85,16 @@ class StepGraphs:
         first, so that later captures reuse its memory), else kept to run eagerly."""
         with torch.inference_mode():
             for b in reversed(self.sizes):
-                self.entries[b] = self._build(b)
+                self.entries[b] = self._build(b, self.dec.use_graphs)
 
-    def _build(self, B: int) -> dict:
+    def compile_only(self) -> None:
+        """Run each bucket's step once, uncaptured, inside `compile_ahead.parallel_compiles` (its launches only
+        submit their kernels' compiles): `capture` then finds them compiled."""
+        with torch.inference_mode():
+            for b in self.sizes:
+                self._build(b, False)["body"]()
+
+    def _build(self, B: int, capture: bool) -> dict:
         dec = self.dec
         dev = dec.device
         S = self.sequences(B)
@@ -126,7 +133,7 @@ class StepGraphs:
 
         st["body"] = body
         st["graph"] = None
-        if dec.use_graphs:
+        if capture:
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
