@@ -19,15 +19,10 @@ largest bucket, rows that see image states through cross-attention, or image row
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from . import ops
-
-if TYPE_CHECKING:
-    from .decoder import Chunk, TorchDecoder
 
 # Off until the captured steps have passed their GPU tests and an A/B (docs/benchmarks.md, session 45).
 STEP_GRAPH_ROWS = 0
@@ -52,7 +47,8 @@ class StepGraphs:
     """The captured steps of one decoder, a bucket each (`capture`); on a device without graphs (the CPU tests) the
     same static-shape steps run eagerly."""
 
-    def __init__(self, dec: "TorchDecoder", max_batch: int, limit: int):
+    def __init__(self, dec, max_batch: int, limit: int):
+        """`dec`: the `TorchDecoder` whose steps these are (its pools allocated)."""
         from .kernels.paged_prefill import max_tiles, tiles
 
         self.dec = dec
@@ -71,7 +67,7 @@ class StepGraphs:
         """The most chunks a bucket's step holds (one per running request)."""
         return min(bucket, self.max_batch)
 
-    def takes(self, cs: list["Chunk"], rows: int) -> bool:
+    def takes(self, cs: list, rows: int) -> bool:
         """Whether a step of these chunks (`rows` rows in all) can replay a captured step."""
         b = self.bucket(rows)
         dec = self.dec
@@ -157,7 +153,7 @@ class StepGraphs:
         h[B:2 * B] = -1
 
     # ---- a step ----------------------------------------------------------------------------------
-    def run(self, cs: list["Chunk"], x: torch.Tensor, positions: np.ndarray | None, cos_sin: torch.Tensor | None,
+    def run(self, cs: list, x: torch.Tensor, positions: np.ndarray | None, cos_sin: torch.Tensor | None,
             slots: np.ndarray, want: list[int]) -> torch.Tensor:
         """Run a step that `takes` accepted: `cs` in the forward's row order, x its embedded rows [T, hidden],
         `positions` [T] 1-D rotary positions (None with multimodal rotary, whose rows `cos_sin` [T, d] are given
