@@ -430,6 +430,16 @@ def test_gather_dequantized(dtype, n_kv, d, length, storage):
     assert not torch.equal(k2, want_k)
 
 
+def _kv_pools(nblocks, bs, n_kv, d, g, dtype, storage):
+    """(K pool, V pool, K scales, V scales): random 16-bit pools (scales None), or 8-bit ones with their scales."""
+    if storage is None:
+        return (torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype),
+                torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype), None, None)
+    kc, ks = _pool8(nblocks, bs, n_kv, d, g, storage)
+    vc, vs = _pool8(nblocks, bs, n_kv, d, g, storage)
+    return kc, vc, ks, vs
+
+
 def _chunk_reference(q, kc, vc, table, length, scale, ks=None, vs=None, window=None):
     """What the decoder ran before the chunk kernel: the context gathered (dequantized from an 8-bit pool to q's
     dtype), then SDPA with a lower-right causal mask (and, with `window`, only keys less than `window` positions
@@ -461,13 +471,7 @@ def test_chunk_attention(dtype, n_q, n_kv, d, start, n, storage):
     g = torch.Generator().manual_seed(31)
     bs, nblocks = 8, 24
     length = start + n
-    if storage is None:
-        kc = torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype)
-        vc = torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype)
-        ks = vs = None
-    else:
-        kc, ks = _pool8(nblocks, bs, n_kv, d, g, storage)
-        vc, vs = _pool8(nblocks, bs, n_kv, d, g, storage)
+    kc, vc, ks, vs = _kv_pools(nblocks, bs, n_kv, d, g, dtype, storage)
     table = torch.randperm(nblocks, generator=g)[:-(-length // bs) + 1].to(DEV)  # a block more than the context
     q = (torch.randn(n, n_q + 2 * n_kv, d, generator=g) * 2).to(DEV, dtype)[:, :n_q]  # a view of a fused qkv
     scale = d ** -0.5
@@ -515,13 +519,7 @@ def test_prompt_attention_tiles(dtype, storage, window):
         pytest.skip("8-bit pools hold 16-bit models' caches")
     g = torch.Generator().manual_seed(33)
     n_q, n_kv, d, bs, nblocks = 4, 2, 32, 8, 40
-    if storage is None:
-        kc = torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype)
-        vc = torch.randn(nblocks, bs, n_kv, d, generator=g).to(DEV, dtype)
-        ks = vs = None
-    else:
-        kc, ks = _pool8(nblocks, bs, n_kv, d, g, storage)
-        vc, vs = _pool8(nblocks, bs, n_kv, d, g, storage)
+    kc, vc, ks, vs = _kv_pools(nblocks, bs, n_kv, d, g, dtype, storage)
     # (first position, rows): two decode rows, a prompt from 0, a continuation of two tiles and a bit
     seqs = [(21, 1), (5, 1), (0, 12), (30, 37)]
     perm = torch.randperm(nblocks, generator=g)
