@@ -33,7 +33,12 @@ TILE_FIELDS = 4
 NO_WINDOW = 1 << 30  # a window no context reaches: every earlier position is seen
 
 
-@triton.jit
+# A step's block tables are as wide as its longest sequence's (eager) and a window is a model's: left unspecialized,
+# neither makes Triton compile another variant in the middle of serving (divisible by 16 or not, or equal to 1).
+_VARYING = ["stride_bt", "window"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _prompt_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, tiles_ptr, out_ptr, stride_qt, stride_qh, stride_kb,
                    stride_ks, stride_kh, stride_bt, stride_ot, stride_oh, window, scale_log2, group, n_kv_heads,
                    block_size: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
