@@ -491,7 +491,8 @@ def test_captured_prompt_steps_follow_the_eager_forward(which, request, monkeypa
     monkeypatch.setenv("VLMCTL_STEP_GRAPH_ROWS", "64")
     for opts in ({}, {"max_num_batched_tokens": 8, "max_batch_size": 4, "block_size": 4}):
         eng, got = run(path, cuda_graphs=True, **opts)
-        assert eng.decoder._step_graphs is not None and eng.decoder._step_graphs.sizes == [16, 32, 64]
+        sizes = eng.decoder._step_graphs.sizes  # capped at the step's token budget
+        assert sizes == [16, 32, 64] if not opts else sizes == [opts["max_num_batched_tokens"]]
         same = sum(a == b for g, p in zip(got, plain) for a, b in zip(g, p))
         assert [g[0] for g in got] == [p[0] for p in plain] and same >= 0.9 * sum(map(len, plain)), (got, plain)
     assert replays and all(replays)

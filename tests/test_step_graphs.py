@@ -46,11 +46,11 @@ def _gemma3(path):
     return hf
 
 
-def _pair(path, device="cpu", kv_cache_dtype="auto", limit=64):
+def _pair(path, device="cpu", kv_cache_dtype="auto", limit=64, dtype="float32"):
     """(eager decoder, decoder with captured steps up to `limit` rows), the same weights and pools."""
     out = []
     for graphs in (False, True):
-        dec = TorchDecoder.from_hf_dir(path, max_seq=128, device=device)
+        dec = TorchDecoder.from_hf_dir(path, max_seq=128, device=device, dtype=dtype)
         dec.kv_cache_dtype = kv_cache_dtype
         dec.allocate_cache(96, BS)
         if graphs:
@@ -209,8 +209,10 @@ def test_captured_steps_replay_on_the_gpu(tmp_path, kv):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     hf = _llama(tmp_path / "llm")
-    hf.half().save_pretrained(tmp_path / "llm16")
-    eager, graphed = _pair(tmp_path / "llm16", device="cuda", kv_cache_dtype=kv)
+    eager, graphed = _pair(tmp_path / "llm", device="cuda", kv_cache_dtype=kv, dtype="float16")
     assert graphed.use_graphs and all(st["graph"] is not None for st in graphed._step_graphs.entries.values())
     ids = _ids(150)
-    _check_steps(eager, graphed, ids, _hf_logits(hf.float(), ids), atol=5e-2)
+    ref = _hf_logits(hf, ids)
+    assert max(float(r.abs().max()) for r in ref.values()) < 10  # so that 5e-2 is fp16 noise, not agreement by luck
+    # transformers has no 8-bit cache here: an int8 pool is checked against the eager forward only
+    _check_steps(eager, graphed, ids, {k: v.cuda() for k, v in ref.items()} if kv == "auto" else None, atol=5e-2)
