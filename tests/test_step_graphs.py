@@ -216,3 +216,53 @@ def test_captured_steps_replay_on_the_gpu(tmp_path, kv):
     assert max(float(r.abs().max()) for r in ref.values()) < 10  # so that 5e-2 is fp16 noise, not agreement by luck
     # transformers has no 8-bit cache here: an int8 pool is checked against the eager forward only
     _check_steps(eager, graphed, ids, {k: v.cuda() for k, v in ref.items()} if kv == "auto" else None, atol=5e-2)
+
+
+def test_an_engine_serving_through_the_static_steps(tiny_llava_engine):
+    """The engine's steps with prompt rows through the static steps (what a GPU engine replays; run eagerly here):
+    chunked prompts with image rows beside decode rows, prefix hits, and steps launched ahead, whose decode rows'
+    ids are still on the device, give the plain engine's tokens and log-probabilities."""
+    from vlmctl.runtime.engine import Engine
+    from vlmctl.runtime.sampling import SamplingParams
+    from vlmctl.runtime.step_graphs import StepGraphs
+    from tiny_models import make_image
+
+    def prompts(eng):
+        texts = ["what is in this image?", "describe the picture", "hello world! how are you?", "a story, please"]
+        out = []
+        for i in range(6):
+            content = [{"type": "text", "text": texts[i % 4]}]
+            images = [make_image(i % 3, (40, 30))] if i % 2 == 0 else []
+            out.append(eng.encode([{"role": "user", "content": [{"type": "image"}] * bool(images) + content}],
+                                  images))
+        return out
+
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
+    opts = dict(max_num_batched_tokens=24, max_batch_size=4, block_size=4, enable_prefix_caching=True)
+    plain = Engine(tiny_llava_engine, async_scheduling=False, **opts)
+    want = plain.generate(prompts(plain), params)
+    eng = Engine(tiny_llava_engine, async_scheduling=True, **opts)
+    assert eng.decoder.capture_step_graphs(4, eng.limits.max_num_batched_tokens, limit=24) == [16, 24]
+    calls, forward = [], eng.decoder.forward
+
+    def spied(chunks, device_ids=None):
+        calls.append(device_ids is not None)
+        return forward(chunks, device_ids)
+
+    eng.decoder.forward = spied
+    runs, original = [], StepGraphs.run
+
+    def counted(self, *a, **k):
+        runs.append(1)
+        return original(self, *a, **k)
+
+    StepGraphs.run = counted
+    try:
+        got = eng.generate(prompts(eng), params)
+    finally:
+        StepGraphs.run = original
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for g, w in zip(got, want):
+        assert [d["logprob"] for d in g.logprobs] == pytest.approx([d["logprob"] for d in w.logprobs], abs=1e-4)
+    assert len(runs) == len(calls) and any(calls), (runs, calls)  # every forward was a static step, some ahead
+    assert eng.pool.num_used() == 0

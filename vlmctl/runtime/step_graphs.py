@@ -14,7 +14,9 @@ step's cos|sin rows; both are copied into the graph's static inputs. Padding row
 are zero, write no cache slot (-1) and are in no tile. Steps the graph cannot take run eagerly: more rows than the
 largest bucket, rows that see image states through cross-attention, or image rows that attend to each other.
 
-`VLMCTL_STEP_GRAPH_ROWS` (default `STEP_GRAPH_ROWS`, 0: off) is the largest bucket.
+`VLMCTL_STEP_GRAPH_ROWS` (default `STEP_GRAPH_ROWS`, 0: off) is the largest bucket. The graphs share the decode
+graphs' memory pool; what the largest holds for good is one step's activations and logits (estimated ~70 MB at 512
+rows for a 7B decoder, not measured), inside the slack the engine leaves beside the KV pool (`Engine._kv_blocks`).
 """
 
 from __future__ import annotations
