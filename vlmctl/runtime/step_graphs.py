@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from . import ops
+from .transfers import to_device
 
 # Off until the captured steps have passed their GPU tests and an A/B (docs/benchmarks.md, session 45).
 STEP_GRAPH_ROWS = 0
@@ -51,14 +52,14 @@ class StepGraphs:
 
     def __init__(self, dec, max_batch: int, limit: int):
         """`dec`: the `TorchDecoder` whose steps these are (its pools allocated)."""
-        from .kernels.paged_prefill import max_tiles, tiles
+        from .kernels.paged_prefill import max_tiles, tile_table, tiles  # Triton: imported where steps are built
 
         self.dec = dec
         self.sizes = buckets(limit)
         self.max_batch = max_batch
         self.block_m = tiles(dec.head_dim)[0]
         self.max_blocks = -(-dec.max_seq // dec.block_size)
-        self._max_tiles = max_tiles
+        self._max_tiles, self._tile_table = max_tiles, tile_table
         self.entries: dict[int, dict] = {}
 
     # ---- which steps ---------------------------------------------------------------------------
@@ -175,15 +176,13 @@ class StepGraphs:
         h[B:B + T] = slots
         h[2 * B:2 * B + len(want)] = want
         o = 2 * B + S
-        from .kernels.paged_prefill import tile_table
-
         chunks, row = [], 0
         tables = h[o + 4 * NT:].reshape(S, self.max_blocks)
         for i, c in enumerate(cs):
             chunks.append((i, row, c.n, c.start))
             tables[i, :len(c.block_table)] = c.block_table
             row += c.n
-        h[o:o + 4 * NT] = tile_table(chunks, self.block_m, NT).ravel()
+        h[o:o + 4 * NT] = self._tile_table(chunks, self.block_m, NT).ravel()
         d = st["dev"]
         d.copy_(st["host"], non_blocking=True)
         if st["graph"] is not None:
@@ -193,8 +192,6 @@ class StepGraphs:
         if cos_sin is not None:
             st["cos_sin"][:T].copy_(cos_sin)
         elif st["mrope"]:  # 1-D positions in a multimodal-rotary model: every section at the same position
-            from .transfers import to_device
-
             torch.index_select(self.dec.cos_sin, 0, to_device(positions, None, x.device), out=st["cos_sin"][:T])
         if st["graph"] is None:
             return st["body"]()[:len(want)]
