@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from conftest import cli, cli_json, write_recipe
+from family_helpers import (AWQ_PROMPT, assert_awq_checkpoints, awq_build, build_engine, chat_with_images, greedy,
+                            text_turn, user, with_images)
 from parity import assert_equal_but_near_ties, assert_greedy_parity, parity_test, strip_eos
 from tiny_gemma3 import make_gemma3
 from tiny_models import make_image
@@ -30,24 +32,6 @@ SIZES = {"wide": (40, 30), "tall": (20, 50), "square": (64, 64), "tiny": (5, 7),
 
 
 # ---- the reference (transformers only) ---------------------------------------------------------
-def user(n_images: int, text: str) -> dict:
-    return {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}
-
-
-def text_turn(role: str, text: str) -> dict:
-    return {"role": role, "content": [{"type": "text", "text": text}]}
-
-
-def with_images(messages: list[dict], images: list) -> list[dict]:
-    """The messages with the images attached to their image parts in order (transformers' form)."""
-    it = iter(images)
-    out = []
-    for m in messages:
-        parts = [dict(p, image=next(it)) if p["type"] == "image" else p for p in m["content"]]
-        out.append({**m, "content": parts})
-    return out
-
-
 def hf_inputs(proc, messages, images):
     return proc.apply_chat_template(with_images(messages, images), add_generation_prompt=True, tokenize=True,
                                     return_dict=True, return_tensors="pt")
@@ -56,11 +40,7 @@ def hf_inputs(proc, messages, images):
 def hf_greedy(model, proc, messages, images, max_new_tokens=MAX_NEW):
     enc = hf_inputs(proc, messages, images)
     assert "token_type_ids" in enc
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, enc["input_ids"].shape[1]:].tolist()
-
-
+    return greedy(model, enc, max_new_tokens)
 
 
 def load_hf(ckpt: Path):
@@ -78,21 +58,11 @@ def load_proc(ckpt: Path):
     return proc
 
 
-def _build(ckpt: Path, d: Path, **limits) -> Path:
-    from vlmctl.pipeline import build
-    from vlmctl.recipe import load_recipe
-
-    recipe = load_recipe(write_recipe(d / "r.yaml", ckpt, limits={"max_images_per_request": 2, "max_batch_size": 4,
-                                                                  **limits}))
-    build(recipe, d / "engine")
-    return d / "engine"
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """(checkpoint, engine, HF model, HF processor) of the default tiny Gemma 3."""
     ckpt = make_gemma3(tmp_path_factory.mktemp("gemma3") / "ckpt")
-    return ckpt, _build(ckpt, tmp_path_factory.mktemp("gemma3-engine")), load_hf(ckpt), load_proc(ckpt)
+    return ckpt, build_engine(ckpt, tmp_path_factory.mktemp("gemma3-engine")), load_hf(ckpt), load_proc(ckpt)
 
 
 # ---- prompt --------------------------------------------------------------------------------------
@@ -437,21 +407,11 @@ def test_awq_build_matches_transformers_on_dequantized_weights(tmp_path, capsys)
     from vlmctl.models.registry import get_family
 
     ckpt = make_gemma3(tmp_path / "ckpt", seed=11)
-    recipe = write_recipe(tmp_path / "r.yaml", ckpt, limits={"max_images_per_request": 2})
+    awq_build(ckpt, tmp_path, capsys)
     eng = tmp_path / "eng"
-    cli("build", recipe, "-o", eng, "--set", "quantization.method=awq", "--set", "quantization.group_size=32",
-        "--set", "quantization.calibration.samples=4", "--set", "quantization.calibration.seq_len=64", capsys=capsys)
     imgs = [make_image(60, SIZES["wide"]), make_image(61, SIZES["square"])]
-    for i, img in enumerate(imgs):
-        img.save(tmp_path / f"a{i}.png")
-    got = cli_json("chat", eng, "--image", tmp_path / "a0.png", "--image", tmp_path / "a1.png", "--prompt",
-                   "what is in this image?", "--max-tokens", str(MAX_NEW), "--json", capsys=capsys)
-
-    qdir = eng / "quantize" / "llm"
-    qcfg = json.loads((qdir / "config.json").read_text())["quantization_config"]
-    assert qcfg["quant_method"] == "awq" and qcfg["group_size"] == 32
-    vlm_cfg = json.loads((eng / "quantize" / "vlm" / "config.json").read_text())
-    assert set(vlm_cfg["quantization_config"]["modules_to_not_convert"]) == {"vision_tower", "multi_modal_projector"}
+    got = chat_with_images(eng, tmp_path, imgs, capsys, MAX_NEW)
+    qdir = assert_awq_checkpoints(eng, {"vision_tower", "multi_modal_projector"})
     hf = dequantized_reference(Gemma3ForConditionalGeneration, ckpt, qdir, get_family("gemma3"))
     plain = load_hf(ckpt)
     lm, plm = hf.model.language_model, plain.model.language_model
@@ -460,7 +420,7 @@ def test_awq_build_matches_transformers_on_dequantized_weights(tmp_path, capsys)
     assert torch.equal(plain.model.multi_modal_projector.mm_input_projection_weight,
                        hf.model.multi_modal_projector.mm_input_projection_weight)
     proc = load_proc(ckpt)
-    ref = hf_greedy(hf, proc, [user(2, "what is in this image?")], imgs)
+    ref = hf_greedy(hf, proc, [user(2, AWQ_PROMPT)], imgs)
     assert got["token_ids"] == strip_eos(ref, hf.generation_config.eos_token_id)
 
 

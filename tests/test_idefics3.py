@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from conftest import cli, cli_json, hf_processor_image_defaults, write_recipe
+from family_helpers import (AWQ_PROMPT, assert_awq_checkpoints, awq_build, build_engine, chat_with_images, greedy,
+                            text_turn, user)
 from parity import assert_greedy_parity, parity_test, strip_eos
 from tiny_idefics3 import make_idefics3
 from tiny_models import make_image
@@ -64,10 +66,7 @@ def hf_inputs(ckpt: Path, arch: str, messages: list[dict], images: list):
 
 
 def hf_greedy(model, ckpt, arch, messages, images, max_new_tokens=MAX_NEW):
-    enc = hf_inputs(ckpt, arch, messages, images)
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, enc["input_ids"].shape[1]:].tolist()
+    return greedy(model, hf_inputs(ckpt, arch, messages, images), max_new_tokens)
 
 
 def load_hf(ckpt: Path, arch: str):
@@ -78,28 +77,7 @@ def load_hf(ckpt: Path, arch: str):
     return cls.from_pretrained(ckpt, dtype=torch.float32).eval()
 
 
-
-
-def user(n_images: int, text: str) -> dict:
-    return {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}
-
-
-def text_turn(role: str, text: str) -> dict:
-    # Structured, as vlmctl hands every message to the template (SmolVLM's reads content[0]['type']).
-    return {"role": role, "content": [{"type": "text", "text": text}]}
-
-
 # ---- fixtures ----------------------------------------------------------------------------------
-def _build(ckpt: Path, d: Path, **limits) -> Path:
-    from vlmctl.pipeline import build
-    from vlmctl.recipe import load_recipe
-
-    recipe = load_recipe(write_recipe(d / "r.yaml", ckpt, limits={"max_images_per_request": 2, "max_batch_size": 3,
-                                                                  **limits}))
-    build(recipe, d / "engine")
-    return d / "engine"
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """arch -> (checkpoint, engine, HF model). idefics3: splitting into 32-px crops, untied, the
@@ -109,7 +87,8 @@ def models(tmp_path_factory):
     for arch, kw in (("idefics3", {}), ("smolvlm", SMOL)):
         kw = {k: v for k, v in kw.items() if k != "arch"}
         ckpt = make_idefics3(tmp_path_factory.mktemp(arch) / "ckpt", arch=arch, **kw)
-        out[arch] = (ckpt, _build(ckpt, tmp_path_factory.mktemp(f"{arch}-engine")), load_hf(ckpt, arch))
+        eng = build_engine(ckpt, tmp_path_factory.mktemp(f"{arch}-engine"), max_batch_size=3)
+        out[arch] = (ckpt, eng, load_hf(ckpt, arch))
     return out
 
 
@@ -183,7 +162,7 @@ def test_layout_tags_spelled_out_as_text(tmp_path):
     ckpt = make_idefics3(tmp_path / "ckpt", seed=5, layout_tokens=False)
     tok = get_family("idefics3").load_processor(ckpt).tokenizer
     assert tok.convert_tokens_to_ids("<global-img>") in (None, tok.unk_token_id)
-    eng = _build(ckpt, tmp_path)
+    eng = build_engine(ckpt, tmp_path, max_batch_size=3)
     hf = load_hf(ckpt, "idefics3")
     imgs = [make_image(70, SIZES["wide"]), make_image(71, SIZES["strip"])]
     msgs = [user(2, "what is in this image?")]
@@ -335,21 +314,11 @@ def test_awq_build_matches_transformers_on_dequantized_weights(tmp_path, capsys,
 
     kw = {k: v for k, v in SMOL.items() if k != "arch"} if arch == "smolvlm" else {}
     ckpt = make_idefics3(tmp_path / "ckpt", arch=arch, seed=11, **kw)
-    recipe = write_recipe(tmp_path / "r.yaml", ckpt, limits={"max_images_per_request": 2})
+    awq_build(ckpt, tmp_path, capsys)
     eng = tmp_path / "eng"
-    cli("build", recipe, "-o", eng, "--set", "quantization.method=awq", "--set", "quantization.group_size=32",
-        "--set", "quantization.calibration.samples=4", "--set", "quantization.calibration.seq_len=64", capsys=capsys)
     imgs = [make_image(60, SIZES["wide"]), make_image(61, SIZES["small"])]
-    for i, img in enumerate(imgs):
-        img.save(tmp_path / f"a{i}.png")
-    got = cli_json("chat", eng, "--image", tmp_path / "a0.png", "--image", tmp_path / "a1.png", "--prompt",
-                   "what is in this image?", "--max-tokens", str(MAX_NEW), "--json", capsys=capsys)
-
-    qdir = eng / "quantize" / "llm"
-    qcfg = json.loads((qdir / "config.json").read_text())["quantization_config"]
-    assert qcfg["quant_method"] == "awq" and qcfg["group_size"] == 32
-    vlm_cfg = json.loads((eng / "quantize" / "vlm" / "config.json").read_text())
-    assert set(vlm_cfg["quantization_config"]["modules_to_not_convert"]) == {"vision_model", "connector"}
+    got = chat_with_images(eng, tmp_path, imgs, capsys, MAX_NEW)
+    qdir = assert_awq_checkpoints(eng, {"vision_model", "connector"})
     cls = getattr(transformers, f"{get_family(arch).kind}ForConditionalGeneration")
     hf = dequantized_reference(cls, ckpt, qdir, get_family(arch))
     plain = load_hf(ckpt, arch)
@@ -357,7 +326,7 @@ def test_awq_build_matches_transformers_on_dequantized_weights(tmp_path, capsys,
                            hf.model.text_model.layers[0].mlp.down_proj.weight)
     assert torch.equal(plain.model.connector.modality_projection.proj.weight,
                        hf.model.connector.modality_projection.proj.weight)
-    ref = hf_greedy(hf, ckpt, arch, [user(2, "what is in this image?")], imgs)
+    ref = hf_greedy(hf, ckpt, arch, [user(2, AWQ_PROMPT)], imgs)
     assert got["token_ids"] == strip_eos(ref, hf.generation_config.eos_token_id)
 
 

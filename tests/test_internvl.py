@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from conftest import cli, cli_json, hf_processor_image_defaults, write_recipe
+from family_helpers import (AWQ_PROMPT, assert_awq_checkpoints, awq_build, build_engine, chat_with_images, greedy,
+                            user)
 from parity import assert_greedy_parity, parity_test, strip_eos
 from tiny_models import make_image, make_internvl
 
@@ -50,22 +52,13 @@ def hf_inputs(ckpt: Path, messages: list[dict], images: list):
 
 def hf_greedy(model, ckpt, messages, images, max_new_tokens=MAX_NEW):
     enc, pv = hf_inputs(ckpt, messages, images)
-    with torch.no_grad():
-        extra = {"pixel_values": pv} if pv is not None else {}
-        out = model.generate(**enc, **extra, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, enc["input_ids"].shape[1]:].tolist()
+    return greedy(model, {**enc, **({"pixel_values": pv} if pv is not None else {})}, max_new_tokens)
 
 
 def load_hf(ckpt):
     from transformers import InternVLForConditionalGeneration
 
     return InternVLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
-
-
-
-
-def user(n_images: int, text: str) -> dict:
-    return {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}
 
 
 # ---- fixtures ----------------------------------------------------------------------------------
@@ -76,14 +69,7 @@ def ivl_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ivl_engine(ivl_ckpt, tmp_path_factory):
-    from vlmctl.pipeline import build
-    from vlmctl.recipe import load_recipe
-
-    d = tmp_path_factory.mktemp("ivl-engine")
-    recipe = load_recipe(write_recipe(d / "ivl.yaml", ivl_ckpt,
-                                      limits={"max_images_per_request": 2, "max_batch_size": 3}))
-    build(recipe, d / "engine")
-    return d / "engine"
+    return build_engine(ivl_ckpt, tmp_path_factory.mktemp("ivl-engine"), max_batch_size=3)
 
 
 @pytest.fixture(scope="module")
@@ -249,21 +235,11 @@ def test_awq_build_matches_transformers_on_dequantized_weights(tmp_path, capsys)
     from vlmctl.formats.awq_gemm import dequantize_gemm
 
     ckpt = make_internvl(tmp_path / "ckpt", seed=11)
-    recipe = write_recipe(tmp_path / "r.yaml", ckpt, limits={"max_images_per_request": 2})
+    awq_build(ckpt, tmp_path, capsys)
     eng = tmp_path / "eng"
-    cli("build", recipe, "-o", eng, "--set", "quantization.method=awq", "--set", "quantization.group_size=32",
-        "--set", "quantization.calibration.samples=4", "--set", "quantization.calibration.seq_len=64", capsys=capsys)
     imgs = [make_image(60, SIZES["wide"]), make_image(61, SIZES["small"])]
-    for i, img in enumerate(imgs):
-        img.save(tmp_path / f"a{i}.png")
-    got = cli_json("chat", eng, "--image", tmp_path / "a0.png", "--image", tmp_path / "a1.png", "--prompt",
-                   "what is in this image?", "--max-tokens", str(MAX_NEW), "--json", capsys=capsys)
-
-    qdir = eng / "quantize" / "llm"
-    qcfg = json.loads((qdir / "config.json").read_text())["quantization_config"]
-    assert qcfg["quant_method"] == "awq" and qcfg["group_size"] == 32
-    vlm_cfg = json.loads((eng / "quantize" / "vlm" / "config.json").read_text())
-    assert set(vlm_cfg["quantization_config"]["modules_to_not_convert"]) == {"vision_tower", "multi_modal_projector"}
+    got = chat_with_images(eng, tmp_path, imgs, capsys, MAX_NEW)
+    qdir = assert_awq_checkpoints(eng, {"vision_tower", "multi_modal_projector"})
     fam = get_family("internvl")
     tensors = load_state_dict(qdir)
     state = {}
@@ -271,7 +247,7 @@ def test_awq_build_matches_transformers_on_dequantized_weights(tmp_path, capsys)
         if name.endswith(".qweight"):
             base = name[: -len(".qweight")]
             state[fam.join_key(DECODER, base + ".weight")] = dequantize_gemm(
-                t, tensors[base + ".qzeros"], tensors[base + ".scales"], 4, qcfg["group_size"])
+                t, tensors[base + ".qzeros"], tensors[base + ".scales"], 4, 32)
         elif not name.endswith((".qzeros", ".scales")):
             state[fam.join_key(DECODER, name)] = t.float()
     assert sum(n.endswith(".qweight") for n in tensors) == 7 * 2  # q k v o gate up down, 2 layers
@@ -280,7 +256,7 @@ def test_awq_build_matches_transformers_on_dequantized_weights(tmp_path, capsys)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and all(k.startswith(("model.vision_tower.", "model.multi_modal_projector.")) for k in missing)
     assert not torch.equal(before, hf.model.language_model.layers[0].mlp.down_proj.weight)
-    ref = hf_greedy(hf, ckpt, [user(2, "what is in this image?")], imgs)
+    ref = hf_greedy(hf, ckpt, [user(2, AWQ_PROMPT)], imgs)
     assert got["token_ids"] == strip_eos(ref, hf.generation_config.eos_token_id)
 
 

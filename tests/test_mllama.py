@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import cli, cli_json, write_recipe
+from family_helpers import AWQ_PROMPT, awq_build, build_engine, chat_with_images, greedy, with_images
 from parity import assert_equal_but_near_ties, assert_greedy_parity, parity_test, strip_eos
 from tiny_mllama import make_mllama
 from tiny_models import CORPUS, make_image
@@ -40,22 +41,13 @@ def assistant(text: str) -> dict:
     return {"role": "assistant", "content": [{"type": "text", "text": text}]}
 
 
-def with_images(messages: list[dict], images: list) -> list[dict]:
-    it = iter(images)
-    return [{**m, "content": [dict(p, image=next(it)) if p["type"] == "image" else p for p in m["content"]]}
-            for m in messages]
-
-
 def hf_inputs(proc, messages, images):
     return proc.apply_chat_template(with_images(messages, images), add_generation_prompt=True, tokenize=True,
                                     return_dict=True, return_tensors="pt")
 
 
 def hf_greedy(model, proc, messages, images, max_new_tokens=MAX_NEW):
-    enc = hf_inputs(proc, messages, images)
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, enc["input_ids"].shape[1]:].tolist()
+    return greedy(model, hf_inputs(proc, messages, images), max_new_tokens)
 
 
 def load_hf(ckpt: Path):
@@ -73,21 +65,11 @@ def load_proc(ckpt: Path):
     return proc
 
 
-def _build(ckpt: Path, d: Path, **limits) -> Path:
-    from vlmctl.pipeline import build
-    from vlmctl.recipe import load_recipe
-
-    recipe = load_recipe(write_recipe(d / "r.yaml", ckpt, limits={"max_images_per_request": 2, "max_batch_size": 4,
-                                                                  **limits}))
-    build(recipe, d / "engine")
-    return d / "engine"
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """(checkpoint, engine, HF model, HF processor) of the default tiny Llama 3.2 Vision."""
     ckpt = make_mllama(tmp_path_factory.mktemp("mllama") / "ckpt")
-    return ckpt, _build(ckpt, tmp_path_factory.mktemp("mllama-engine")), load_hf(ckpt), load_proc(ckpt)
+    return ckpt, build_engine(ckpt, tmp_path_factory.mktemp("mllama-engine")), load_hf(ckpt), load_proc(ckpt)
 
 
 # Prompts of every shape the mask has: one image after the header tokens, two consecutive images,
@@ -604,7 +586,6 @@ def test_metrics_follow_the_cross_attention_pool(model):
     assert gauge("cross_kv_cache_blocks_used") == 0
 
 
-
 def test_served_concurrent_requests_with_and_without_images(model):
     """`vlmctl serve`'s app (token budget 6): concurrent requests through the official openai client -
     an image, two images, text before the image, and text only - each equal to transformers' greedy
@@ -663,17 +644,6 @@ def test_served_concurrent_requests_with_and_without_images(model):
 
 
 # ---- AWQ ---------------------------------------------------------------------------------------------
-def _awq_build(ckpt, tmp_path, capsys, *sets, expect=0):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    recipe = write_recipe(tmp_path / "r.yaml", ckpt, limits={"max_images_per_request": 2})
-    args = ["build", recipe, "-o", tmp_path / "eng", "--set", "quantization.method=awq", "--set",
-            "quantization.group_size=32", "--set", "quantization.calibration.samples=4", "--set",
-            "quantization.calibration.seq_len=64"]
-    for s in sets:
-        args += ["--set", s]
-    return cli(*args, capsys=capsys, expect=expect)
-
-
 def _awq_parity(ckpt, eng, tmp_path, capsys, seed):
     from transformers import MllamaForConditionalGeneration
 
@@ -681,16 +651,13 @@ def _awq_parity(ckpt, eng, tmp_path, capsys, seed):
     from vlmctl.models.registry import get_family
 
     imgs = [make_image(seed, SIZES["wide"]), make_image(seed + 1, SIZES["square"])]
-    for i, img in enumerate(imgs):
-        img.save(tmp_path / f"a{i}.png")
-    got = cli_json("chat", eng, "--image", tmp_path / "a0.png", "--image", tmp_path / "a1.png", "--prompt",
-                   "what is in this image?", "--max-tokens", str(MAX_NEW), "--json", capsys=capsys)
+    got = chat_with_images(eng, tmp_path, imgs, capsys, MAX_NEW)
     text = cli_json("chat", eng, "--prompt", "Tell me a story about a robot.", "--max-tokens", str(MAX_NEW),
                     "--json", capsys=capsys)
     hf = dequantized_reference(MllamaForConditionalGeneration, ckpt, eng / "quantize" / "llm", get_family("mllama"))
     proc = load_proc(ckpt)
     eos = hf.generation_config.eos_token_id
-    assert got["token_ids"] == strip_eos(hf_greedy(hf, proc, [user(None, None, "what is in this image?")], imgs), eos)
+    assert got["token_ids"] == strip_eos(hf_greedy(hf, proc, [user(None, None, AWQ_PROMPT)], imgs), eos)
     assert text["token_ids"] == strip_eos(hf_greedy(hf, proc, [user("Tell me a story about a robot.")], []), eos)
     return hf
 
@@ -703,7 +670,7 @@ def test_awq_keeps_cross_attention_layers_float_by_default(tmp_path, capsys):
     from vlmctl.checkpoint import iter_tensors
 
     ckpt = make_mllama(tmp_path / "ckpt", seed=11)
-    _awq_build(ckpt, tmp_path, capsys)
+    awq_build(ckpt, tmp_path, capsys)
     eng = tmp_path / "eng"
     q = {k: t for k, t, _ in iter_tensors(eng / "quantize" / "llm")}
     conv = {k: t for k, t, _ in iter_tensors(eng / "convert" / "llm")}
@@ -750,7 +717,7 @@ def test_awq_quantizes_cross_attention_layers_from_image_text_calibration(tmp_pa
 
     ckpt = make_mllama(tmp_path / "ckpt", seed=12)
     cal = _calibration_jsonl(tmp_path / "cal")
-    _awq_build(ckpt, tmp_path, capsys, f"quantization.calibration.data={cal}", "quantization.cross_attention=quantize")
+    awq_build(ckpt, tmp_path, capsys, f"quantization.calibration.data={cal}", "quantization.cross_attention=quantize")
     eng = tmp_path / "eng"
     q = {k for k, _, _ in iter_tensors(eng / "quantize" / "llm")}
     for i in (1, 3):
@@ -762,7 +729,7 @@ def test_awq_quantizes_cross_attention_layers_from_image_text_calibration(tmp_pa
     assert info["cross_attention"] == {"layers": [1, 3], "mode": "quantize", "calibrated_with_images": True}
     _awq_parity(ckpt, eng, tmp_path, capsys, 62)
 
-    _, _, err = _awq_build(ckpt, tmp_path / "text", capsys, "quantization.cross_attention=quantize", expect=5)
+    _, _, err = awq_build(ckpt, tmp_path / "text", capsys, "quantization.cross_attention=quantize", expect=5)
     assert "error:" in err and "image-text calibration" in err and "Traceback" not in err
     assert not (tmp_path / "text" / "eng" / "quantize").exists()
 
@@ -820,7 +787,7 @@ def test_autoawq_impl_refuses_mllama_cleanly(tmp_path, capsys):
     if __import__("importlib").util.find_spec("awq") is None:
         pytest.skip("autoawq is not installed")
     ckpt = make_mllama(tmp_path / "ckpt", text_layers=3, cross_layers=(1,), vision_layers=2)
-    _, _, err = _awq_build(ckpt, tmp_path, capsys, "quantization.impl=autoawq", expect=4)
+    _, _, err = awq_build(ckpt, tmp_path, capsys, "quantization.impl=autoawq", expect=4)
     assert "error:" in err and "mllama_text_model" in err and "Traceback" not in err
 
 
