@@ -196,11 +196,14 @@ def main() -> None:
         dec.kv_cache_dtype = pool
         dec.allocate_cache(pool_blocks(dec, args.chunks, args.decode_rows), 16)
         # captured steps where the mode's VLMCTL_STEP_GRAPH_ROWS asks for them (none where it is unset)
+        before = torch.cuda.memory_reserved() if D.DEV == "cuda" else 0
         graphed = dec.capture_step_graphs(max(args.decode_rows + 1, 16), 2048)
+        graph_mb = round((torch.cuda.memory_reserved() - before) / 2**20) if D.DEV == "cuda" else 0
         for i, spec in enumerate(args.chunks):
             start, n = (int(v) for v in spec.split(":"))
             chunks = chunks_of(dec, start, n, i, args.decode_rows)
             r = {"mode": mode, "start": start, "n": n, "decode_rows": args.decode_rows, "step_graphs": graphed,
+                 "step_graphs_reserved_mb": graph_mb,
                  **time_forward(dec, chunks, args.repeats),
                  "host_profile_us_calls": host_profile(dec, chunks, args.top)}
             rows.append(r)
@@ -215,10 +218,11 @@ def main() -> None:
             log(f"| {r['start']} | {r['n']} | {r['pool']} | {r['kernel_us']} | {r['gather_sdpa_us']} | "
                 f"{r['max_abs_diff']:.2g} |")
     log(f"decode rows beside each chunk: {args.decode_rows}")
-    log("| KV pool | cached | new | wall ms | GPU ms | host ms to launch |")
-    log("| --- | ---: | ---: | ---: | ---: | ---: |")
+    log("| KV pool | cached | new | wall ms | GPU ms | host ms to launch | MB reserved by the step graphs |")
+    log("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        log(f"| {r['mode']} | {r['start']} | {r['n']} | {r['wall_ms']} | {r['gpu_ms']} | {r['host_launch_ms']} |")
+        log(f"| {r['mode']} | {r['start']} | {r['n']} | {r['wall_ms']} | {r['gpu_ms']} | {r['host_launch_ms']} | "
+            f"{r['step_graphs_reserved_mb']} |")
     for r in rows:
         log(f"\nown host time of one forward ({r['mode']}, {r['start']}:{r['n']}), µs and calls:")
         for name, us, calls in r["host_profile_us_calls"]:
