@@ -96,11 +96,12 @@ def test_llava_8bit_kv_matches_transformers_with_an_8bit_cache(tmp_path, capsys,
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
 def test_gemma3_8bit_kv_with_sliding_window_and_image_blocks(tmp_path, kind):
     """Sliding-window layers (window 12 < an image's 16 rows) and image rows that see each other."""
-    from test_gemma3 import _build, hf_inputs, load_hf, load_proc, user
+    from family_helpers import build_engine
+    from test_gemma3 import hf_inputs, load_hf, load_proc, user
     from tiny_gemma3 import make_gemma3
 
     ckpt = make_gemma3(tmp_path / "ckpt")
-    engine_dir = _build(ckpt, tmp_path)
+    engine_dir = build_engine(ckpt, tmp_path)
     model, proc = load_hf(ckpt), load_proc(ckpt)
     img = make_image(5, (64, 64))
     messages = [user(1, "what is this?")]
@@ -158,11 +159,12 @@ def test_qwen2_vl_8bit_kv_with_mrope(tmp_path, kind):
 def test_mllama_8bit_kv_rounds_self_attention_only(tmp_path, kind):
     """Llama 3.2 Vision: the self-attention layers' pool is 8-bit; the cross-attention pool (image K/V, computed
     once at admission) stays in the model dtype, so the reference rounds only the self-attention layers."""
-    from test_mllama import _build, hf_inputs, load_hf, load_proc, user
+    from family_helpers import build_engine
+    from test_mllama import hf_inputs, load_hf, load_proc, user
     from tiny_mllama import make_mllama
 
     ckpt = make_mllama(tmp_path / "ckpt")
-    engine_dir = _build(ckpt, tmp_path)
+    engine_dir = build_engine(ckpt, tmp_path)
     model, proc = load_hf(ckpt), load_proc(ckpt)
     text = model.config.text_config
     self_layers = set(range(text.num_hidden_layers)) - set(text.cross_attention_layers)

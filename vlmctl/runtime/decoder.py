@@ -396,7 +396,11 @@ class TorchDecoder:
         self.v_scale = torch.ones(shape[:4], dtype=torch.float32, device=self.device) if storage else None
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # graphs captured on the old pools would write into freed memory; once they are gone their memory pool is
+        # released too, and torch refuses a capture into a released pool: the next capture takes a new one
         self._graphs.clear()
+        self._step_graphs = None
+        self._graph_pool = None
 
     def allocate_cross_cache(self, num_blocks: int, max_rows: int) -> None:
         """The cross-attention pool (same block size as the self-attention pool, allocated first):
@@ -1002,6 +1006,9 @@ class TorchDecoder:
         decoder replays no graphs the same static-shape steps run eagerly. Returns the buckets (none where the limit
         is 0)."""
         graphs = self._step_graphs_for(max_batch, max_rows, limit)
+        self._step_graphs = None  # the old steps' graphs go first; with no decode graph left their pool goes too
+        if not self._graphs:
+            self._graph_pool = None
         self._step_graphs = graphs if graphs.sizes and self.k_cache is not None else None
         if self._step_graphs is not None:
             graphs.capture()
