@@ -1,6 +1,7 @@
 """A prompt that continues a cached prefix (the next turn of a chat): time to its first token with a 16-bit and
 8-bit KV pools, on `serving_gpu.py`'s LLaVA-1.5-7B-shaped fp16 engine (random weights, the engine's defaults, built
-if missing, loaded with `--kv-cache-dtype` each of `--modes`).
+if missing, loaded with `--kv-cache-dtype` each of `--modes`; a mode may carry environment settings for its engine,
+e.g. `auto+VLMCTL_STEP_GRAPH_ROWS=512`).
 
 For each context length L: a text prompt of ~L tokens runs to its first token (its full blocks enter the prefix
 cache), then that prompt plus `--new-words` more words is submitted alone and timed from `submit` to its first
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -130,7 +132,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2, help="untimed continuations before the timed ones")
     ap.add_argument("--gather", type=int, nargs="*", default=[2048, 8192], help="context lengths (GPU only)")
-    ap.add_argument("--modes", nargs="+", default=["auto", "fp8", "int8"], help="--kv-cache-dtype values")
+    ap.add_argument("--modes", nargs="+", default=["auto", "fp8", "int8"],
+                    help="--kv-cache-dtype values, each optionally with +NAME=VALUE environment settings")
     ap.add_argument("--profile", action="store_true",
                     help="also one continuation per mode and context under torch.profiler: its wall time against "
                          "its GPU kernels' sum, the costliest kernels and host ops (is the step the GPU's or the host's?)")
@@ -148,7 +151,10 @@ def main() -> None:
     gathered = gather_times(args.gather) if dev == "cuda" and args.gather else []
     rows = []
     for mode in args.modes:
-        eng, load_s, _ = load_engine(engine_dir, device=dev, kv_cache_dtype=mode)
+        pool, *settings = mode.split("+")  # e.g. auto+VLMCTL_STEP_GRAPH_ROWS=512: set while this engine loads and runs
+        for kv in settings:
+            os.environ[kv.split("=")[0]] = kv.split("=", 1)[1]
+        eng, load_s, _ = load_engine(engine_dir, device=dev, kv_cache_dtype=pool)
         log(f"{mode}: loaded in {load_s:.1f} s")
         for L in args.contexts:
             rng = random.Random(L)
@@ -162,7 +168,7 @@ def main() -> None:
                 times.append(dt)
                 cached.append(req.num_cached_tokens)
                 total.append(len(req.prompt.token_ids))
-            r = {"mode": mode, "context": total[0], "cached_tokens": min(cached), "cold_prompt_ms": 1000 * cold,
+            r = {"mode": mode, "load_s": round(load_s, 2), "context": total[0], "cached_tokens": min(cached), "cold_prompt_ms": 1000 * cold,
                  "continuation_ms": [round(1000 * t, 3) for t in times],
                  "continuation_ms_median": 1000 * statistics.median(times), "continuation_ms_min": 1000 * min(times)}
             if args.profile:
@@ -170,6 +176,8 @@ def main() -> None:
             rows.append(r)
             log(json.dumps(r))
         del eng
+        for kv in settings:
+            os.environ.pop(kv.split("=")[0])
         if dev == "cuda":
             torch.cuda.empty_cache()
     log(f"device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}")
@@ -178,11 +186,12 @@ def main() -> None:
         log("| ---: | --- | ---: | ---: |")
         for r in gathered:
             log(f"| {r['context']} | {r['pool']} | {r['gpu_us_per_layer']:.1f} | {r['host_us_per_layer']:.1f} |")
-    log("| KV pool | prompt tokens | from the cache | first token, ms (median / fastest) | the whole prompt cold, ms |")
-    log("| --- | ---: | ---: | ---: | ---: |")
+    log("| mode | prompt tokens | from the cache | first token, ms (median / fastest) | the whole prompt cold, ms | "
+        "engine load, s |")
+    log("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         log(f"| {r['mode']} | {r['context']} | {r['cached_tokens']} | {r['continuation_ms_median']:.2f} / "
-            f"{r['continuation_ms_min']:.2f} | {r['cold_prompt_ms']:.1f} |")
+            f"{r['continuation_ms_min']:.2f} | {r['cold_prompt_ms']:.1f} | {r['load_s']:.1f} |")
     profiled_rows = [r for r in rows if "profile" in r]
     if profiled_rows:
         log("| KV pool | prompt tokens | profiled continuation: wall ms | its kernels' sum, ms | kernels |")
