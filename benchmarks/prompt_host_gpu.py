@@ -8,9 +8,10 @@ host never waits for the GPU; medians of `--repeats` after 3 untimed. Then one f
 functions and torch ops with the most host time of their own. When the host's launch time is above the GPU time,
 the step is the host's.
 
-A mode is a KV pool, optionally with environment settings for its runs: `int8+VLMCTL_CHUNK_ATTENTION_ROWS=512`
-(continuations' attention by the paged prompt kernel), `auto+VLMCTL_STEP_GRAPH_ROWS=512` (the decoder captures its
-steps with prompt rows, and those of up to 512 rows replay a CUDA graph). `--decode-rows N` puts N decode rows of
+A mode is a KV pool, optionally with environment settings for its runs: `auto` captures the engine's default steps
+with prompt rows (those of up to `VLMCTL_STEP_GRAPH_ROWS`, 384, replay a CUDA graph), `auto+VLMCTL_STEP_GRAPH_ROWS=0`
+runs every step eagerly, `int8+VLMCTL_STEP_GRAPH_ROWS=0+VLMCTL_CHUNK_ATTENTION_ROWS=512` eagerly with continuations'
+attention by the paged prompt kernel. `--decode-rows N` puts N decode rows of
 other sequences (512 cached positions each) beside each chunk, as a serving step admits a prompt beside running
 requests. `--attention` first times one layer's attention of a continuation chunk apart from the decoder (7B
 shape), the paged prompt kernel against the gathered context and SDPA, GPU µs behind a sleep kernel, and their
@@ -195,7 +196,9 @@ def main() -> None:
             os.environ[kv.split("=")[0]] = kv.split("=", 1)[1]
         dec.kv_cache_dtype = pool
         dec.allocate_cache(pool_blocks(dec, args.chunks, args.decode_rows), 16)
-        # captured steps where the mode's VLMCTL_STEP_GRAPH_ROWS asks for them (none where it is unset)
+        # captured steps as the mode's VLMCTL_STEP_GRAPH_ROWS asks (the engine's default where it is unset)
+        if D.DEV == "cuda":  # what the old pools and steps left cached would otherwise count against the capture
+            torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved() if D.DEV == "cuda" else 0
         graphed = dec.capture_step_graphs(max(args.decode_rows + 1, 16), 2048)
         graph_mb = round((torch.cuda.memory_reserved() - before) / 2**20) if D.DEV == "cuda" else 0

@@ -50,11 +50,30 @@ def run(path, n=4, max_tokens=24, **opts):
     return eng, out
 
 
-def test_graphed_decode_equals_eager(fp16_engine):
+def test_graphed_decode_equals_eager(fp16_engine, monkeypatch):
+    """Decode graphs run the eager step's kernels: the same tokens. Prompt steps replayed from graphs attend
+    through the paged prompt kernel where eager ones run SDPA, so with them only near-ties may differ."""
+    from parity import assert_equal_but_near_ties
+
+    eng_s, stepped = run(fp16_engine, cuda_graphs=True)
+    eng_e, eager, lps = _with_logprobs(fp16_engine, cuda_graphs=False)
+    assert eng_s.decoder._step_graphs is not None and not eng_e.decoder.use_graphs
+    assert assert_equal_but_near_ties(stepped, eager, lps) <= 1
+    monkeypatch.setenv("VLMCTL_STEP_GRAPH_ROWS", "0")
     eng_g, graphed = run(fp16_engine, cuda_graphs=True)
-    eng_e, eager = run(fp16_engine, cuda_graphs=False)
-    assert eng_g.decoder.use_graphs and not eng_e.decoder.use_graphs
+    assert eng_g.decoder.use_graphs and eng_g.decoder._step_graphs is None
     assert graphed == eager
+
+
+def _with_logprobs(path, n=4, max_tokens=24, **opts):
+    from vlmctl.runtime.engine import Engine
+    from vlmctl.runtime.sampling import SamplingParams
+
+    opts.setdefault("kv_cache_tokens", 4096)
+    eng = Engine(path, device="cuda", **opts)
+    done = eng.generate(prompts(eng, n), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                                        logprobs=2))
+    return eng, [c.token_ids for c in done], [c.logprobs for c in done]
 
 
 def test_chunked_prefix_and_preempted_runs_match_a_plain_run(fp16_engine):
@@ -81,7 +100,7 @@ def test_gpu_fp16_follows_the_cpu_reference(fp16_engine):
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
-def test_8bit_kv_cache_on_the_gpu(fp16_engine, kind):
+def test_8bit_kv_cache_on_the_gpu(fp16_engine, kind, monkeypatch):
     """`kv_cache_dtype` fp8 / int8 on the GPU (the Triton kernels' QUANT paths): graphed decode == eager; chunked
     prefill (continuation chunks read the pool through `gather_context`), prefix hits and preemption follow a
     plain run (a preempted request's recompute attends through the prompt path, whose arithmetic differs from
@@ -93,18 +112,20 @@ def test_8bit_kv_cache_on_the_gpu(fp16_engine, kind):
     from vlmctl.runtime.engine import Engine
     from vlmctl.runtime.sampling import SamplingParams
 
-    def generate(n=4, max_tokens=24, **opts):
-        opts.setdefault("kv_cache_tokens", 4096)
-        eng = Engine(fp16_engine, device="cuda", **opts)
-        done = eng.generate(prompts(eng, n), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                                                            logprobs=2))
-        return eng, [c.token_ids for c in done], [c.logprobs for c in done]
+    def generate(**opts):
+        return _with_logprobs(fp16_engine, **opts)
 
-    eng_g, graphed, lps = generate(cuda_graphs=True, kv_cache_dtype=kind)
-    assert eng_g.decoder.k_cache.dtype == {"fp8": torch.float8_e4m3fn, "int8": torch.int8}[kind]
-    assert eng_g.decoder.use_graphs
+    eng_s, stepped, lps = generate(cuda_graphs=True, kv_cache_dtype=kind)
+    assert eng_s.decoder.k_cache.dtype == {"fp8": torch.float8_e4m3fn, "int8": torch.int8}[kind]
+    assert eng_s.decoder._step_graphs is not None
     _, eager, _ = generate(cuda_graphs=False, kv_cache_dtype=kind)
+    # prompt steps replayed from graphs attend through the paged prompt kernel, eager ones through SDPA
+    assert_equal_but_near_ties(stepped, eager, lps)
+    monkeypatch.setenv("VLMCTL_STEP_GRAPH_ROWS", "0")
+    eng_g, graphed, lps = generate(cuda_graphs=True, kv_cache_dtype=kind)
+    assert eng_g.decoder.use_graphs and eng_g.decoder._step_graphs is None
     assert graphed == eager
+    monkeypatch.delenv("VLMCTL_STEP_GRAPH_ROWS")
     _, chunked, _ = generate(cuda_graphs=False, max_num_batched_tokens=8, max_batch_size=4, block_size=4,
                              kv_cache_dtype=kind)
     assert_equal_but_near_ties(chunked, graphed, lps)
@@ -226,7 +247,7 @@ def test_graphed_vision_called_from_two_streams(fp16_engine):
         assert torch.equal(a.features, b.features)
 
 
-def test_prompt_attention_does_not_use_cudnn_sdpa(fp16_engine):
+def test_prompt_attention_does_not_use_cudnn_sdpa(fp16_engine, monkeypatch):
     """cuDNN's SDPA builds an execution plan per new (query, key) length pair, ~1 ms of host time each,
     which made a process's first prefills ~3x slower than later ones (docs/benchmarks.md); prompt
     attention must run on the flash (or memory-efficient) backend instead."""
@@ -235,6 +256,8 @@ def test_prompt_attention_does_not_use_cudnn_sdpa(fp16_engine):
     from vlmctl.runtime.engine import Engine
     from vlmctl.runtime.sampling import SamplingParams
 
+    # the eager prompt step's attention; prompt steps replayed from graphs run the paged prompt kernel instead
+    monkeypatch.setenv("VLMCTL_STEP_GRAPH_ROWS", "0")
     eng = Engine(fp16_engine, device="cuda", kv_cache_tokens=1024)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         eng.generate(prompts(eng, 3), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))

@@ -505,7 +505,7 @@ def test_prompt_attention_dispatch(monkeypatch):
         ops.chunk_attention_rows()
 
 
-@pytest.mark.parametrize("storage", [None, torch.int8])
+@pytest.mark.parametrize("storage", [None, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window", [None, 9])
 def test_prompt_attention_tiles(dtype, storage, window):

@@ -18,15 +18,20 @@ def test_every_mode_and_chunk_is_timed_and_profiled(monkeypatch, tmp_path):
     monkeypatch.delenv("VLMCTL_CHUNK_ATTENTION_ROWS", raising=False)
     monkeypatch.delenv("VLMCTL_STEP_GRAPH_ROWS", raising=False)
     out = tmp_path / "r.json"
-    mode = "int8+VLMCTL_CHUNK_ATTENTION_ROWS=4+VLMCTL_STEP_GRAPH_ROWS=16"
-    monkeypatch.setattr(sys, "argv", ["prompt_host_gpu.py", "--smoke", "--modes", "auto", mode, "--decode-rows", "2",
-                                      "--out", str(out)])
+    from vlmctl.runtime.step_graphs import STEP_GRAPH_ROWS, buckets
+
+    eager, mode = "auto+VLMCTL_STEP_GRAPH_ROWS=0", "int8+VLMCTL_CHUNK_ATTENTION_ROWS=4+VLMCTL_STEP_GRAPH_ROWS=16"
+    monkeypatch.setattr(sys, "argv", ["prompt_host_gpu.py", "--smoke", "--modes", eager, mode, "auto", "--decode-rows",
+                                      "2", "--out", str(out)])
     B.main()
     res = json.loads(out.read_text())
     assert res["attention"] == []  # a GPU-only table
     rows = res["forwards"]
+    default = buckets(STEP_GRAPH_ROWS)  # the engine's default steps
+    assert len(default) > 3
     assert [(r["mode"], r["start"], r["n"], r["step_graphs"]) for r in rows] == [
-        ("auto", 0, 12, []), ("auto", 20, 6, []), (mode, 0, 12, [16]), (mode, 20, 6, [16])]
+        (eager, 0, 12, []), (eager, 20, 6, []), (mode, 0, 12, [16]), (mode, 20, 6, [16]), ("auto", 0, 12, default),
+        ("auto", 20, 6, default)]
     for r in rows:
         assert r["wall_ms"] > 0 and r["gpu_ms"] is None and r["host_launch_ms"] is None and r["decode_rows"] == 2
         names = [name for name, _, _ in r["host_profile_us_calls"]]

@@ -100,7 +100,7 @@ def _ids(vocab, seed=1):
 
 def _check_steps(eager, graphed, ids, ref=None, atol=1e-4, table=None, vocab=None, min_graphed=5, code_steps=0):
     """Run STEPS on both decoders: equal logits (and transformers' `ref[name][position]` where given), equal pools
-    (an 8-bit pool's values as stored, within atol plus `code_steps` of its quantization steps: on a GPU a padded
+    (an 8-bit pool's values as stored, within atol plus `code_steps` of its codes' spacing: on a GPU a padded
     step's GEMMs may round a k/v element across a code boundary); returns how many steps replayed a captured step."""
     counter = _Counter(graphed._step_graphs)
     for step in STEPS:
@@ -121,7 +121,9 @@ def _check_steps(eager, graphed, ids, ref=None, atol=1e-4, table=None, vocab=Non
             assert torch.allclose(a.float(), b.float(), atol=atol, rtol=0)
             continue
         da, db = kv_quant.dequantize(a, sa, torch.float32), kv_quant.dequantize(b, sb, torch.float32)
-        step = torch.maximum(sa, sb)[..., None]
+        step = torch.maximum(sa, sb)[..., None]  # int8: one code
+        if a.dtype == kv_quant.FP8:  # e4m3: 3 mantissa bits, so one code is 2**-3 of the value (2**-9 subnormal)
+            step = torch.maximum(da.abs(), db.abs()) * 2 ** -3 + step * 2 ** -9
         assert ((da - db).abs() <= atol + code_steps * step).all(), float((da - db).abs().max())
         assert torch.allclose(sa, sb, atol=atol / 127, rtol=1e-2)
     assert counter.n >= min_graphed
@@ -216,7 +218,7 @@ def test_steps_the_graph_cannot_take_run_eagerly(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
 def test_captured_steps_replay_on_the_gpu(tmp_path, kv):
     """The same mixed steps replayed from CUDA graphs (fp16 weights): the eager forward's logits within fp16
     noise, and transformers' (float32) within the fp16 model's error."""
@@ -233,7 +235,7 @@ def test_captured_steps_replay_on_the_gpu(tmp_path, kv):
     ids = _ids(150)
     ref = _hf_logits(hf, ids)
     assert max(float(r.abs().max()) for r in ref.values()) < 10  # so that 5e-2 is fp16 noise, not agreement by luck
-    # transformers has no 8-bit cache here: an int8 pool is checked against the eager forward only
+    # transformers has no 8-bit cache here: an 8-bit pool is checked against the eager forward only
     _check_steps(eager, graphed, ids, {k: v.cuda() for k, v in ref.items()} if kv == "auto" else None, atol=5e-2,
                  code_steps=1)
 

@@ -10,8 +10,8 @@ Variants of the decoder spec and where they run on CUDA:
   q/k norm per head                                           its own in-place kernel, before rotary
   activation "gelu_tanh"                                      the act·mul kernel (ACT)
   sliding window in decode                                    both decode kernels (a window start)
-  prompt rows read from the paged pool (continuations; all rows   the paged prompt kernel (opt-in:
-    of a captured step)                                         VLMCTL_CHUNK_ATTENTION_ROWS, VLMCTL_STEP_GRAPH_ROWS)
+  prompt rows read from the paged pool (all rows of a captured    the paged prompt kernel (captured steps:
+    step; continuations of an eager one where asked)             VLMCTL_STEP_GRAPH_ROWS; eager: VLMCTL_CHUNK_ATTENTION_ROWS)
   sliding window / bidirectional image rows in prefill        torch SDPA with an explicit mask
   cross-attention, decode rows                                the paged decode kernel over the cross pool
   cross-attention, prompt chunks                              torch SDPA with a per-row key-range mask

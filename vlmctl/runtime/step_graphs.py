@@ -14,8 +14,8 @@ step's cos|sin rows; both are copied into the graph's static inputs. Padding row
 are zero, write no cache slot (-1) and are in no tile. Steps the graph cannot take run eagerly: more rows than the
 largest bucket, rows that see image states through cross-attention, or image rows that attend to each other.
 
-`VLMCTL_STEP_GRAPH_ROWS` (default `STEP_GRAPH_ROWS`, 0: off) is the largest bucket. The graphs share the decode
-graphs' memory pool; what the largest holds for good is one step's activations and logits (estimated ~70 MB at 512
+`VLMCTL_STEP_GRAPH_ROWS` (default `STEP_GRAPH_ROWS`; 0: off) is the largest bucket. The graphs share the decode
+graphs' memory pool; what the largest holds for good is one step's activations and logits (estimated ~55 MB at 384
 rows for a 7B decoder, not measured), inside the slack the engine leaves beside the KV pool (`Engine._kv_blocks`).
 """
 
@@ -27,8 +27,9 @@ import torch
 from . import ops
 from .transfers import to_device
 
-# Off until the captured steps have passed their GPU tests and an A/B (docs/benchmarks.md, session 45).
-STEP_GRAPH_ROWS = 0
+# On an H100 a captured step of up to 384 rows beat the eager forward at every size measured, 512 rows tied it and
+# could lose once padded (docs/benchmarks.md, session 46); larger steps are the GPU's, and run eagerly.
+STEP_GRAPH_ROWS = 384
 # every 64 rows from 128 to 512: a step pays for its bucket's rows, ~13 µs a row for a 7B on an H100, and a 300-row
 # step padded to 512 took longer than its eager forward (session 46)
 _SIZES = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 1024, 2048)
