@@ -435,6 +435,7 @@ def test_steps_launched_ahead_never_wait_for_the_gpu(fp16_engine):
     sampling of every kind, penalties, logit_bias, min_p and a grammar's mask, the copies back) runs without
     an implicit synchronization, which torch's sync debug mode turns into an error; the one wait is the
     explicit one for the previous step's tokens. The tokens equal the synchronous engine's."""
+    pytest.importorskip("llguidance", reason="the grammar row needs the grammar engine (the dev extra)")
     from vlmctl.runtime.engine import Engine
     from vlmctl.runtime.grammar import GrammarSpec
     from vlmctl.runtime.sampling import SamplingParams
