@@ -80,8 +80,9 @@ def serve_command(
                                                  help="Launch each decode step before the previous step's tokens "
                                                  "are read, so detokenizing and scheduling overlap the GPU "
                                                  "[default: on with a GPU]", show_default=False),
-    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps (and the vision "
-                                     "calls of families that allow it) as CUDA graphs"),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps, steps with prompt "
+                                     "rows up to VLMCTL_STEP_GRAPH_ROWS (384) and the vision calls of families that "
+                                     "allow it as CUDA graphs"),
     log_level: str = typer.Option("info", "--log-level", help=f"Log level of the server ({', '.join(LOG_LEVELS)}); "
                                   "info shows one access line per request and the periodic stats line"),
     log_format: str = typer.Option("text", "--log-format", help="text, or json: one JSON object per line (time, "
