@@ -39,15 +39,17 @@ def prompts(eng, n):
                                                                "a red square", "the sky is green"][:n])]
 
 
-def run(path, n=4, max_tokens=24, **opts):
+def run(path, n=4, max_tokens=24, logprobs=None, **opts):
+    """(engine, greedy tokens), and the logprobs where `logprobs` asks for them."""
     from vlmctl.runtime.engine import Engine
     from vlmctl.runtime.sampling import SamplingParams
 
     opts.setdefault("kv_cache_tokens", 4096)  # several engines live at once in this module
     eng = Engine(path, device="cuda", **opts)
-    out = [c.token_ids for c in eng.generate(prompts(eng, n), SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                                             ignore_eos=True))]
-    return eng, out
+    done = eng.generate(prompts(eng, n), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                                        logprobs=logprobs))
+    out = [c.token_ids for c in done]
+    return (eng, out) if logprobs is None else (eng, out, [c.logprobs for c in done])
 
 
 def test_graphed_decode_equals_eager(fp16_engine, monkeypatch):
@@ -56,24 +58,13 @@ def test_graphed_decode_equals_eager(fp16_engine, monkeypatch):
     from parity import assert_equal_but_near_ties
 
     eng_s, stepped = run(fp16_engine, cuda_graphs=True)
-    eng_e, eager, lps = _with_logprobs(fp16_engine, cuda_graphs=False)
+    eng_e, eager, lps = run(fp16_engine, cuda_graphs=False, logprobs=2)
     assert eng_s.decoder._step_graphs is not None and not eng_e.decoder.use_graphs
     assert assert_equal_but_near_ties(stepped, eager, lps) <= 1
     monkeypatch.setenv("VLMCTL_STEP_GRAPH_ROWS", "0")
     eng_g, graphed = run(fp16_engine, cuda_graphs=True)
     assert eng_g.decoder.use_graphs and eng_g.decoder._step_graphs is None
     assert graphed == eager
-
-
-def _with_logprobs(path, n=4, max_tokens=24, **opts):
-    from vlmctl.runtime.engine import Engine
-    from vlmctl.runtime.sampling import SamplingParams
-
-    opts.setdefault("kv_cache_tokens", 4096)
-    eng = Engine(path, device="cuda", **opts)
-    done = eng.generate(prompts(eng, n), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                                                        logprobs=2))
-    return eng, [c.token_ids for c in done], [c.logprobs for c in done]
 
 
 def test_chunked_prefix_and_preempted_runs_match_a_plain_run(fp16_engine):
@@ -113,14 +104,14 @@ def test_8bit_kv_cache_on_the_gpu(fp16_engine, kind, monkeypatch):
     from vlmctl.runtime.sampling import SamplingParams
 
     def generate(**opts):
-        return _with_logprobs(fp16_engine, **opts)
+        return run(fp16_engine, logprobs=2, **opts)
 
-    eng_s, stepped, lps = generate(cuda_graphs=True, kv_cache_dtype=kind)
+    eng_s, stepped, _ = generate(cuda_graphs=True, kv_cache_dtype=kind)
     assert eng_s.decoder.k_cache.dtype == {"fp8": torch.float8_e4m3fn, "int8": torch.int8}[kind]
     assert eng_s.decoder._step_graphs is not None
-    _, eager, _ = generate(cuda_graphs=False, kv_cache_dtype=kind)
+    _, eager, eager_lps = generate(cuda_graphs=False, kv_cache_dtype=kind)
     # prompt steps replayed from graphs attend through the paged prompt kernel, eager ones through SDPA
-    assert_equal_but_near_ties(stepped, eager, lps)
+    assert_equal_but_near_ties(stepped, eager, eager_lps)
     monkeypatch.setenv("VLMCTL_STEP_GRAPH_ROWS", "0")
     eng_g, graphed, lps = generate(cuda_graphs=True, kv_cache_dtype=kind)
     assert eng_g.decoder.use_graphs and eng_g.decoder._step_graphs is None
