@@ -43,6 +43,11 @@ def kernels():
         "decode_rope": (paged_attention._decode_rope_kernel,
                         dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=64, SPLIT=True, HAS_WINDOW=False,
                              COMBINE=True, BLOCK_S=32, QUANT=False), 4, False),
+        # VLMCTL_ATTN_PREFETCH=1: the step's inputs read and the first tile's K/V rows asked of L2 before the wait
+        "decode_rope_prefetch": (paged_attention._decode_rope_kernel,
+                                 dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=64, SPLIT=True,
+                                      HAS_WINDOW=False, COMBINE=True, BLOCK_S=32, QUANT=False, PREFETCH=1,
+                                      ROW_BYTES=256), 4, True),
         # the 8-bit KV caches' variants (`--kv-cache-dtype fp8 | int8`) as an fp16 model runs them: 8-bit pools and
         # their float32 scales, tiles widened where they are loaded (ASM) in one pipeline stage; with
         # VLMCTL_ATTN_KV8_WIDEN=0 cast after shared memory in two (decode_rope_fp8_cast)
@@ -73,6 +78,9 @@ def ptx_of(fn, constexprs: dict, num_warps: int) -> str:
     constexprs = dict(constexprs)
     pointers = {**POINTERS, **constexprs.pop("_pointers", {})}  # a kernel's own pointer types (fp8 pools)
     stages = constexprs.pop("_stages", 2)  # as the runtime launches it
+    for prm in fn.params:  # compile-time switches a case leaves out take their defaults, as a launch's do
+        if prm.is_constexpr and prm.name not in constexprs and prm.name != "PDL" and prm.has_default:
+            constexprs[prm.name] = prm.default
     sig = {}
     for name in fn.arg_names:
         if name in constexprs or name in ("PDL",):

@@ -56,8 +56,9 @@ def test_every_step_kernel_waits_once_and_stores_nothing_before(ptx_facts):
         assert off["waits"] == 0 and off["releases"] == 0, (name, off)
         if expected[name][3]:  # reads weights ahead of the wait
             assert on["loads_before_wait"] > 0, (name, on)
-        if name.startswith("gemv"):
+        if name.startswith("gemv") or name.endswith("_prefetch"):
             assert on["l2_prefetches_before_wait"] > 0, (name, on)
+    assert ptx_facts["decode_rope"]["pdl"]["l2_prefetches_before_wait"] == 0  # VLMCTL_ATTN_PREFETCH=0
 
 
 def test_8bit_decode_kernels_widen_their_tiles_before_shared_memory(ptx_facts):
@@ -112,6 +113,25 @@ def test_attention_launch_switch(monkeypatch):
     monkeypatch.setenv("VLMCTL_ATTN_PDL", "later")
     with pytest.raises(OptionError, match="VLMCTL_ATTN_PDL"):
         pa._decode_launch_kwargs(cpu)
+
+
+def test_attention_prefetch_switch(monkeypatch):
+    """`VLMCTL_ATTN_PREFETCH`: tiles of cached K/V the decode attention asks L2 for before its PDL wait; 0 where
+    PDL is off (nothing runs ahead of the wait there); not a power of two or not a number is one OptionError."""
+    from vlmctl.runtime.kernels import paged_attention as pa
+    from vlmctl.runtime.kernels import pdl
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("VLMCTL_ATTN_PREFETCH", "2")
+    assert pa.prefetch_tiles(cpu) == 0
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    assert pa.prefetch_tiles(cpu) == 2
+    monkeypatch.delenv("VLMCTL_ATTN_PREFETCH")
+    assert pa.prefetch_tiles(cpu) == 0
+    for bad in ("3", "-1", "all"):
+        monkeypatch.setenv("VLMCTL_ATTN_PREFETCH", bad)
+        with pytest.raises(OptionError, match="VLMCTL_ATTN_PREFETCH"):
+            pa.prefetch_tiles(cpu)
 
 
 def _chain(kind: str):
@@ -177,3 +197,58 @@ def test_gpu_pdl_chain_equals_plain_launches(kind, monkeypatch):
     assert torch.isfinite(plain).all() and plain.abs().max() > 0
     assert torch.equal(eager, plain)
     assert torch.equal(out, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("ctx", [700, 1900])  # 1900: programs of several tiles, more than one prefetched
+def test_gpu_attention_prefetch_changes_nothing(ctx, monkeypatch):
+    """The qkv GEMV -> the decode attention (rotary, KV append, split-K with the combine folded in) under PDL,
+    with the first 0, 1 or 2 tiles of cached K/V asked of L2 before the wait (`VLMCTL_ATTN_PREFETCH`): the same
+    bits as with PDL off, eagerly and replayed from a CUDA graph."""
+    from vlmctl.runtime.kernels import gemv, pdl
+    from vlmctl.runtime.kernels import paged_attention as pa
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0")
+    n_q = n_kv = 32
+    d, bs, hidden = 128, 16, 4096
+    maxb = 2048 // bs
+    g = torch.Generator().manual_seed(3)
+    table = (torch.randperm(4 * maxb, generator=g)[:maxb] + 1).to(torch.int32).view(1, maxb)
+    nblocks = 4 * maxb + 1
+    slot = int(table[0, (ctx - 1) // bs]) * bs + (ctx - 1) % bs
+    kc = torch.randn(nblocks, bs, n_kv, d, generator=g).half().cuda()
+    vc = torch.randn(nblocks, bs, n_kv, d, generator=g).half().cuda()
+    w = (torch.randn((n_q + 2 * n_kv) * d, hidden, generator=g) * hidden ** -0.5).half().cuda()
+    x = torch.randn(1, hidden, generator=g).half().cuda()
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    f = torch.arange(4096).float()[:, None] * inv
+    cos_sin = torch.cat((f.cos(), f.sin()), -1).cuda()
+    pos, slots = torch.tensor([ctx - 1], device="cuda"), torch.tensor([slot], device="cuda")
+    lens, table = torch.tensor([ctx], dtype=torch.int32, device="cuda"), table.cuda()
+    splits = pa.choose_splits(1, n_kv, 2048, torch.cuda.get_device_properties(0).multi_processor_count)
+    ws = pa.split_workspace(1, n_q, d, splits, "cuda")
+    cfg = gemv.heuristic_config(1, w.shape[0], hidden)
+
+    def step():
+        qkv = gemv.launch(x, w, cfg)
+        return pa.paged_decode_rope(qkv, cos_sin, pos, slots, kc, vc, table, lens, d ** -0.5, n_q, n_kv,
+                                    num_splits=splits, workspace=ws)
+
+    monkeypatch.setenv("VLMCTL_PDL", "0")
+    plain = step()
+    kc_plain, vc_plain = kc.clone(), vc.clone()
+    assert torch.isfinite(plain).all() and plain.abs().max() > 0
+    monkeypatch.setenv("VLMCTL_PDL", "1")
+    for tiles in ("0", "1", "2"):
+        monkeypatch.setenv("VLMCTL_ATTN_PREFETCH", tiles)
+        assert pa.prefetch_tiles(plain.device) == int(tiles) and pdl.enabled(plain.device)
+        assert torch.equal(step(), plain), tiles
+        graph, out = capture(step)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain), tiles
+        assert torch.equal(kc, kc_plain) and torch.equal(vc, vc_plain)  # the append rewrote its own slot only
+        assert torch.count_nonzero(ws[2]) == 0

@@ -133,16 +133,19 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, k
                         n_q_heads, n_kv_heads, window, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False,
                         COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32, QUANT: tl.constexpr = False,
-                        ASM: tl.constexpr = False):
+                        ASM: tl.constexpr = False, PREFETCH: tl.constexpr = 0, ROW_BYTES: tl.constexpr = 0):
     """`_decode_kernel` with the new token's rotary and KV append folded in: q and k of the token are
     rotated here (rounded per term as transformers does), the split that owns the last position
     writes k and v to the cache and attends to them from registers, the others read the cache.
     COMBINE (with SPLIT): the last split of a (sequence, KV head) to finish, counted in cnt_ptr (zero before
     and after), combines the splits' partials as `_combine_kernel` does, in place of that kernel's launch.
     QUANT: 8-bit caches, as in `_decode_kernel`; the new token's k and v are quantized as they are written and
-    attended to as stored (dequantized to the model dtype, as the reference reads them)."""
+    attended to as stored (dequantized to the model dtype, as the reference reads them).
+    Before the PDL wait it reads only the step's inputs (lengths, block tables, positions: copied in before the
+    step's first kernel) and the rotary table; PREFETCH > 0 also asks L2 for the K and V rows (ROW_BYTES each) of
+    this program's first PREFETCH tiles of cached positions, so that their HBM trip overlaps the qkv GEMV. A
+    prefetch only warms L2, where every later read is coherent, so it cannot make any load see stale data."""
     pdl.release(PDL)
-    pdl.wait(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -150,15 +153,23 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, k
     ctx, lo, per_split, start = _split_span(lens_ptr, seq, split, num_splits, window, BLOCK_N, HAS_WINDOW)
     end = tl.minimum(start + per_split, ctx - 1)  # cached positions; the new one (ctx - 1) comes from qkv
     owner = split == (ctx - 1 - lo) // per_split
-
-    g = tl.arange(0, BLOCK_G)
     h = tl.arange(0, HALF)
-    gmask = g < group
-    heads = kvh * group + g
-    row_q = qkv_ptr + seq * stride_qt
     pos = tl.load(pos_ptr + seq)
     c = tl.load(cos_sin_ptr + pos * stride_cs + h)
     sn = tl.load(cos_sin_ptr + pos * stride_cs + HALF + h)
+    if PREFETCH > 0:
+        PF_N: tl.constexpr = PREFETCH * BLOCK_N
+        ptok = start + tl.arange(0, PF_N)
+        pblk = tl.load(bt_ptr + seq * stride_bt + ptok // block_size, mask=ptok < end, other=0)
+        prow = pblk.to(tl.int64) * stride_kb + (ptok % block_size) * stride_ks + kvh * stride_kh
+        pdl.prefetch_l2(k_ptr + prow, ROW_BYTES)  # past `end`: rows of block 0, which no sequence is handed
+        pdl.prefetch_l2(v_ptr + prow, ROW_BYTES)
+    pdl.wait(PDL)
+
+    g = tl.arange(0, BLOCK_G)
+    gmask = g < group
+    heads = kvh * group + g
+    row_q = qkv_ptr + seq * stride_qt
     q1 = tl.load(row_q + heads[:, None] * HEAD_DIM + h[None, :], mask=gmask[:, None], other=0.0)
     q2 = tl.load(row_q + heads[:, None] * HEAD_DIM + HALF + h[None, :], mask=gmask[:, None], other=0.0)
     dt = q1.dtype
@@ -380,6 +391,17 @@ def _tile(head_dim: int, quant: bool, widened: bool = False) -> tuple[int, int, 
             env_int("VLMCTL_ATTN_KV8_STAGES", 1 if widened else 2, minimum=1))
 
 
+def prefetch_tiles(device) -> int:
+    """Tiles of cached positions a decode-attention program asks L2 for before its PDL wait
+    (`VLMCTL_ATTN_PREFETCH`, default 0; PDL launches only, where the qkv GEMV before it is still running)."""
+    from .settings import env_int
+
+    tiles = env_int("VLMCTL_ATTN_PREFETCH", 0, minimum=0)
+    if tiles & (tiles - 1):
+        raise OptionError(f"VLMCTL_ATTN_PREFETCH={tiles}: expected 0 or a power of two")
+    return tiles if pdl.enabled(device) else 0
+
+
 def _widen_in_registers(k_cache: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether the decode kernels widen an 8-bit pool's tiles to fp16 by `kv_rows.widen`'s PTX where they are
     loaded (then through shared memory as 16-bit values, by ldmatrix, in one pipeline stage: `_tile`) rather than
@@ -437,7 +459,8 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
         num_splits, n_q, n_kv, window or 0, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, SPLIT=split, HAS_WINDOW=window is not None,
         COMBINE=fold, BLOCK_S=combine_width(num_splits), QUANT=k_scale is not None,
-        ASM=widen, num_warps=warps, num_stages=stages,
+        ASM=widen, PREFETCH=prefetch_tiles(qkv.device), ROW_BYTES=D * k_cache.element_size(),
+        num_warps=warps, num_stages=stages,
         **_decode_launch_kwargs(qkv.device))
     if split and not fold:
         _combine(part, ml, out, num_splits)

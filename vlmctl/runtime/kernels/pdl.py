@@ -9,8 +9,11 @@ GEMV's loads are a large part of it; PDL overlaps them with the kernel before. I
 the launches become programmatic edges.
 
 The contract every kernel launched with PDL keeps: before `wait` it writes no global memory and
-reads only weights (nothing in a step writes them); activations, the KV cache, split-K workspaces
-and tickets are touched only after it. Completion is transitive (a kernel completes only after its
+reads only weights (nothing in a step writes them) and the step's inputs (lengths, positions, block
+tables: copied in before the step's first kernel, and copies wait for their predecessors as usual);
+activations, the KV cache, split-K workspaces and tickets are read only after it. An L2 prefetch
+may name anything (the decode attention's cached K/V rows): it moves no value into a register or
+L1, and L2 is where every SM's reads and writes meet, so it cannot make a load stale. Completion is transitive (a kernel completes only after its
 own `wait` returned), so after `wait` everything earlier on the stream has completed too.
 Kernels launched without PDL (torch's, cuBLAS's) wait for their predecessors as usual.
 
