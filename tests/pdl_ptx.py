@@ -48,6 +48,14 @@ def kernels():
                                  dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=64, SPLIT=True,
                                       HAS_WINDOW=False, COMBINE=True, BLOCK_S=32, QUANT=False, PREFETCH=1,
                                       ROW_BYTES=256), 4, True),
+        # VLMCTL_ATTN_EARLY_TILE=1: the first tile's K/V loaded into registers before the wait (16-bit and int8 pools)
+        "decode_rope_early": (paged_attention._decode_rope_kernel,
+                              dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=64, SPLIT=True,
+                                   HAS_WINDOW=False, COMBINE=True, BLOCK_S=32, QUANT=False, EARLY=True), 4, True),
+        "decode_rope_int8_early": (paged_attention._decode_rope_kernel,
+                                   dict(HEAD_DIM=128, block_size=16, BLOCK_G=16, BLOCK_N=128, SPLIT=True,
+                                        HAS_WINDOW=False, COMBINE=True, BLOCK_S=32, QUANT=True, ASM=True,
+                                        _pointers=INT8_POOL, _stages=1, EARLY=True), 4, True),
         # the 8-bit KV caches' variants (`--kv-cache-dtype fp8 | int8`) as an fp16 model runs them: 8-bit pools and
         # their float32 scales, tiles widened where they are loaded (ASM) in one pipeline stage; with
         # VLMCTL_ATTN_KV8_WIDEN=0 cast after shared memory in two (decode_rope_fp8_cast)

@@ -189,9 +189,15 @@ def test_paged_decode_window_reference_is_explicit():
 @pytest.mark.parametrize("n_q,n_kv", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("splits", [1, 2, 4])  # 2: a split of two tiles (the first one loaded early)
 @pytest.mark.parametrize("window", [None, 7])
-def test_paged_decode_with_rope_and_append(dtype, n_q, n_kv, splits, window):
-    """The fused decode kernel == rotary + KV append + attention as separate reference operations."""
+@pytest.mark.parametrize("early", [False, True])
+def test_paged_decode_with_rope_and_append(dtype, n_q, n_kv, splits, window, early, monkeypatch):
+    """The fused decode kernel == rotary + KV append + attention as separate reference operations. early: each
+    program's first tile loaded before the PDL wait and attended to apart from the loop (VLMCTL_ATTN_EARLY_TILE;
+    programs past a short context have no tile)."""
+    from vlmctl.runtime.kernels import paged_attention
     from vlmctl.runtime.kernels.paged_attention import paged_decode_rope, split_workspace
+
+    monkeypatch.setattr(paged_attention, "early_tile", lambda device: early)
 
     g = torch.Generator().manual_seed(5)
     B, bs, maxb, d = 4, 8, 26, 32
@@ -640,10 +646,15 @@ def test_paged_decode_8bit(dtype, n_q, n_kv, d, splits, window, storage):
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("n_q,n_kv", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_paged_decode_with_rope_and_append_8bit(n_q, n_kv, splits, storage):
-    """The fused decode kernel on an 8-bit pool == rotary + quantized append + attention over the stored rows."""
+@pytest.mark.parametrize("early", [False, True])
+def test_paged_decode_with_rope_and_append_8bit(n_q, n_kv, splits, storage, early, monkeypatch):
+    """The fused decode kernel on an 8-bit pool == rotary + quantized append + attention over the stored rows
+    (early: the first tile, its scales with it, loaded before the PDL wait)."""
     from vlmctl.runtime import kv_quant
+    from vlmctl.runtime.kernels import paged_attention
     from vlmctl.runtime.kernels.paged_attention import paged_decode_rope, split_workspace
+
+    monkeypatch.setattr(paged_attention, "early_tile", lambda device: early)
 
     dtype = torch.float16
     g = torch.Generator().manual_seed(23)

@@ -132,6 +132,11 @@ def test_attention_prefetch_switch(monkeypatch):
         monkeypatch.setenv("VLMCTL_ATTN_PREFETCH", bad)
         with pytest.raises(OptionError, match="VLMCTL_ATTN_PREFETCH"):
             pa.prefetch_tiles(cpu)
+    monkeypatch.setenv("VLMCTL_ATTN_EARLY_TILE", "1")
+    assert pa.early_tile(cpu)
+    monkeypatch.setenv("VLMCTL_ATTN_EARLY_TILE", "yes")
+    with pytest.raises(OptionError, match="VLMCTL_ATTN_EARLY_TILE"):
+        pa.early_tile(cpu)
 
 
 def _chain(kind: str):
@@ -204,8 +209,9 @@ def test_gpu_pdl_chain_equals_plain_launches(kind, monkeypatch):
 @pytest.mark.parametrize("ctx", [700, 1900])  # 1900: programs of several tiles, more than one prefetched
 def test_gpu_attention_prefetch_changes_nothing(ctx, monkeypatch):
     """The qkv GEMV -> the decode attention (rotary, KV append, split-K with the combine folded in) under PDL,
-    with the first 0, 1 or 2 tiles of cached K/V asked of L2 before the wait (`VLMCTL_ATTN_PREFETCH`): the same
-    bits as with PDL off, eagerly and replayed from a CUDA graph."""
+    with the first 0, 1 or 2 tiles of cached K/V asked of L2 before the wait (`VLMCTL_ATTN_PREFETCH`) and with the
+    first tile loaded into registers there (`VLMCTL_ATTN_EARLY_TILE`): the same bits as with PDL off, eagerly
+    and replayed from a CUDA graph."""
     from vlmctl.runtime.kernels import gemv, pdl
     from vlmctl.runtime.kernels import paged_attention as pa
 
@@ -241,14 +247,16 @@ def test_gpu_attention_prefetch_changes_nothing(ctx, monkeypatch):
     kc_plain, vc_plain = kc.clone(), vc.clone()
     assert torch.isfinite(plain).all() and plain.abs().max() > 0
     monkeypatch.setenv("VLMCTL_PDL", "1")
-    for tiles in ("0", "1", "2"):
+    for tiles, early in (("0", "0"), ("1", "0"), ("2", "0"), ("0", "1"), ("1", "1")):
         monkeypatch.setenv("VLMCTL_ATTN_PREFETCH", tiles)
+        monkeypatch.setenv("VLMCTL_ATTN_EARLY_TILE", early)
         assert pa.prefetch_tiles(plain.device) == int(tiles) and pdl.enabled(plain.device)
-        assert torch.equal(step(), plain), tiles
+        assert pa.early_tile(plain.device) == (early == "1")
+        assert torch.equal(step(), plain), (tiles, early)
         graph, out = capture(step)
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, plain), tiles
+        assert torch.equal(out, plain), (tiles, early)
         assert torch.equal(kc, kc_plain) and torch.equal(vc, vc_plain)  # the append rewrote its own slot only
         assert torch.count_nonzero(ws[2]) == 0

@@ -126,6 +126,55 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_pt
                  mask=gmask[:, None] & dmask[None, :])
 
 
+@triton.jit
+def _rope_tile_load(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq, kvh, tile, end, stride_bt, stride_kb, stride_ks,
+                    stride_kh, n_kv_heads, block_size: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    QUANT: tl.constexpr):
+    """One tile of cached positions [tile, tile + BLOCK_N) before `end` for `_decode_rope_kernel`: K's two
+    rotary halves, V, an 8-bit pool's scales (else 1.0), and which positions are valid."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    h = tl.arange(0, HALF)
+    d = tl.arange(0, HEAD_DIM)
+    tok = tile + tl.arange(0, BLOCK_N)
+    valid = tok < end
+    blk = tl.load(bt_ptr + seq * stride_bt + tok // block_size, mask=valid, other=0)
+    row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
+    k1 = tl.load(k_ptr + row[:, None] + h[None, :], mask=valid[:, None], other=0.0)
+    k2 = tl.load(k_ptr + row[:, None] + HALF + h[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    ksc = 1.0
+    vsc = 1.0
+    if QUANT:
+        srow = (blk.to(tl.int64) * block_size + tok % block_size) * n_kv_heads + kvh  # 8-bit scales' index
+        ksc = tl.load(ks_ptr + srow, mask=valid, other=0.0)
+        vsc = tl.load(vs_ptr + srow, mask=valid, other=0.0)
+    return k1, k2, v, ksc, vsc, valid
+
+
+@triton.jit
+def _rope_tile_step(q1, q2, k1, k2, v, ksc, vsc, valid, m_i, l_i, acc, scale_log2, dt: tl.constexpr,
+                    QUANT: tl.constexpr, ASM: tl.constexpr):
+    """The online softmax's step over one loaded tile (`_rope_tile_load`) for rotated q halves q1, q2."""
+    if QUANT:
+        k1 = kv_rows.widen(k1, dt, ASM)
+        k2 = kv_rows.widen(k2, dt, ASM)
+    s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+    if QUANT:
+        s = s * ksc[None, :]
+    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    vt = 1.0
+    if QUANT:  # as in `_decode_kernel`
+        vt = tl.max(vsc, 0)
+        p = p * (vsc / tl.where(vt > 0, vt, 1.0))[None, :]
+        v = kv_rows.widen(v, dt, ASM)
+    acc = acc * alpha[:, None] + vt * tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=_VARYING)
 def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr,
                         out_ptr, part_ptr, ml_ptr, cnt_ptr, stride_qt, stride_cs, stride_kb, stride_ks, stride_kh,
@@ -133,7 +182,8 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, k
                         n_q_heads, n_kv_heads, window, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False,
                         COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 32, QUANT: tl.constexpr = False,
-                        ASM: tl.constexpr = False, PREFETCH: tl.constexpr = 0, ROW_BYTES: tl.constexpr = 0):
+                        ASM: tl.constexpr = False, PREFETCH: tl.constexpr = 0, ROW_BYTES: tl.constexpr = 0,
+                        EARLY: tl.constexpr = False):
     """`_decode_kernel` with the new token's rotary and KV append folded in: q and k of the token are
     rotated here (rounded per term as transformers does), the split that owns the last position
     writes k and v to the cache and attends to them from registers, the others read the cache.
@@ -164,6 +214,10 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, k
         prow = pblk.to(tl.int64) * stride_kb + (ptok % block_size) * stride_ks + kvh * stride_kh
         pdl.prefetch_l2(k_ptr + prow, ROW_BYTES)  # past `end`: rows of block 0, which no sequence is handed
         pdl.prefetch_l2(v_ptr + prow, ROW_BYTES)
+    if EARLY:
+        k1_0, k2_0, v_0, ksc_0, vsc_0, valid_0 = _rope_tile_load(
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq, kvh, start, end, stride_bt, stride_kb, stride_ks, stride_kh,
+            n_kv_heads, block_size, HEAD_DIM, BLOCK_N, QUANT)
     pdl.wait(PDL)
 
     g = tl.arange(0, BLOCK_G)
@@ -184,37 +238,19 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, k
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    d = tl.arange(0, HEAD_DIM)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    for tile in range(start, end, BLOCK_N):
-        tok = tile + n
-        valid = tok < end
-        blk = tl.load(bt_ptr + seq * stride_bt + tok // block_size, mask=valid, other=0)
-        row = blk.to(tl.int64) * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
-        k1 = tl.load(k_ptr + row[:, None] + h[None, :], mask=valid[:, None], other=0.0)
-        k2 = tl.load(k_ptr + row[:, None] + HALF + h[None, :], mask=valid[:, None], other=0.0)
-        srow = (blk.to(tl.int64) * block_size + tok % block_size) * n_kv_heads + kvh  # 8-bit scales' index
-        if QUANT:
-            k1 = kv_rows.widen(k1, dt, ASM)
-            k2 = kv_rows.widen(k2, dt, ASM)
-        s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
-        if QUANT:
-            s = s * tl.load(ks_ptr + srow, mask=valid, other=0.0)[None, :]
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        vt = 1.0
-        if QUANT:  # as in `_decode_kernel`
-            vsc = tl.load(vs_ptr + srow, mask=valid, other=0.0)
-            vt = tl.max(vsc, 0)
-            p = p * (vsc / tl.where(vt > 0, vt, 1.0))[None, :]
-            v = kv_rows.widen(v, dt, ASM)
-        acc = acc * alpha[:, None] + vt * tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    first = start
+    if EARLY and start < end:  # the tile loaded before the wait (a program past the context has none)
+        m_i, l_i, acc = _rope_tile_step(q1, q2, k1_0, k2_0, v_0, ksc_0, vsc_0, valid_0, m_i, l_i, acc, scale_log2,
+                                        dt, QUANT, ASM)
+        first = start + BLOCK_N
+    for tile in range(first, end, BLOCK_N):
+        k1, k2, v, ksc, vsc, valid = _rope_tile_load(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq, kvh, tile, end,
+                                                     stride_bt, stride_kb, stride_ks, stride_kh, n_kv_heads,
+                                                     block_size, HEAD_DIM, BLOCK_N, QUANT)
+        m_i, l_i, acc = _rope_tile_step(q1, q2, k1, k2, v, ksc, vsc, valid, m_i, l_i, acc, scale_log2, dt, QUANT,
+                                        ASM)
+    d = tl.arange(0, HEAD_DIM)
     if owner:
         kb = row_q + (n_q_heads + kvh) * HEAD_DIM
         b1 = tl.load(kb + h).to(tl.float32)
@@ -402,6 +438,16 @@ def prefetch_tiles(device) -> int:
     return tiles if pdl.enabled(device) else 0
 
 
+def early_tile(device) -> bool:
+    """Whether a decode-attention program loads its first tile of cached K/V into registers before its PDL wait
+    (`VLMCTL_ATTN_EARLY_TILE`, default 0; PDL launches only). Those positions were written in earlier steps, and
+    a step's first kernels wait for the last one's (copies and torch's kernels are launched without PDL)."""
+    v = os.environ.get("VLMCTL_ATTN_EARLY_TILE", "0").strip() or "0"
+    if v not in ("0", "1"):
+        raise OptionError(f"VLMCTL_ATTN_EARLY_TILE={v!r}: expected 0 or 1")
+    return v == "1" and pdl.enabled(device)
+
+
 def _widen_in_registers(k_cache: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether the decode kernels widen an 8-bit pool's tiles to fp16 by `kv_rows.widen`'s PTX where they are
     loaded (then through shared memory as 16-bit values, by ldmatrix, in one pipeline stage: `_tile`) rather than
@@ -460,6 +506,7 @@ def paged_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch
         BLOCK_N=block_n, SPLIT=split, HAS_WINDOW=window is not None,
         COMBINE=fold, BLOCK_S=combine_width(num_splits), QUANT=k_scale is not None,
         ASM=widen, PREFETCH=prefetch_tiles(qkv.device), ROW_BYTES=D * k_cache.element_size(),
+        EARLY=early_tile(qkv.device),
         num_warps=warps, num_stages=stages,
         **_decode_launch_kwargs(qkv.device))
     if split and not fold:
