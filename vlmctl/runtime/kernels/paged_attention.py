@@ -41,8 +41,11 @@ def online_softmax_tile(s, seen, m_i, l_i, acc, v_ptr, vs_ptr, row, srow, valid,
     to the tile's largest (so p times them keeps the model dtype's precision), the 8-bit rows widened to `dtype`."""
     s = tl.where(seen, s * scale_log2, float("-inf"))  # log2 domain
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
+    # a row that has seen no key yet (a sliding window that starts past this tile) keeps max -inf: exponents
+    # against 0 then give it alpha and p of 0, where -inf - -inf would give NaN
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_ref)
+    p = tl.math.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
     vt = 1.0
