@@ -74,13 +74,14 @@ class _Counter:
 SEQS = {"A": 60, "B": 45, "C": 8, "D": 80}
 TABLES = {"A": list(range(1, 16)), "B": list(range(16, 28)), "C": list(range(28, 30)), "D": list(range(30, 51))}
 # (sequence, start, rows) per step: prompts from 0, decode rows (one row after cached ones), a continuation longer
-# than a 32-row tile, and a 70-row step past the largest bucket (64), which runs eagerly
+# than a 32-row tile, and a 68-row step past the largest bucket (64), which runs eagerly; then D's 12 rows after 68
+# positions, whose later rows' sliding windows (Gemma 3's, 6) start past the first 64-position key tile
 STEPS = [[("A", 0, 20), ("B", 0, 5)],
          [("A", 20, 1), ("B", 5, 35)],
          [("A", 21, 1), ("B", 40, 1), ("C", 0, 8)],
          [("A", 22, 38), ("B", 41, 4), ("C", 8, 0)],
-         [("D", 0, 70)],
-         [("D", 70, 10)]]
+         [("D", 0, 68)],
+         [("D", 68, 12)]]
 
 
 def _chunks(ids, step, vocab=None, table=None):
@@ -139,7 +140,7 @@ def test_llama_steps_equal_transformers_and_the_eager_forward(tmp_path):
     hf = _llama(tmp_path / "llm")
     eager, graphed = _pair(tmp_path / "llm")
     ids = _ids(150)
-    assert _check_steps(eager, graphed, ids, _hf_logits(hf, ids)) == 5  # all but the 70-row step
+    assert _check_steps(eager, graphed, ids, _hf_logits(hf, ids)) == 5  # all but the 68-row step
 
 
 def test_gemma3_sliding_window_steps(tmp_path):
@@ -238,6 +239,19 @@ def test_captured_steps_replay_on_the_gpu(tmp_path, kv):
     # transformers has no 8-bit cache here: an 8-bit pool is checked against the eager forward only
     _check_steps(eager, graphed, ids, {k: v.cuda() for k, v in ref.items()} if kv == "auto" else None, atol=5e-2,
                  code_steps=1)
+
+
+@pytest.mark.gpu
+def test_gemma3_window_steps_replay_on_the_gpu(tmp_path):
+    """Gemma 3's sliding-window layers through the paged prompt kernel in replayed steps (fp16 weights), against the
+    eager forward, which gathers each chunk's context for SDPA. In D's last step rows see no key in the first key
+    tile their program walks: the kernel gave them NaN before session 47."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _gemma3(tmp_path / "llm")
+    eager, graphed = _pair(tmp_path / "llm", device="cuda", dtype="float16")
+    assert any(layer.window for layer in graphed.layers)
+    _check_steps(eager, graphed, _ids(150), atol=1e-1)
 
 
 def test_an_engine_serving_through_the_static_steps(tiny_llava_engine):
