@@ -137,15 +137,22 @@ def attention_times(cases: list[str]) -> list[dict]:
     """One layer's continuation attention (7B shape: 32 heads of 128), the paged prompt kernel against the
     gathered context and SDPA (the eager forward's path without it), per pool."""
     from vlmctl.runtime import kv_quant, ops
-    from vlmctl.runtime.kernels.paged_prefill import prompt_attention, tile_table, tiles
+    from vlmctl.runtime.kernels.paged_prefill import (SPLIT_WORKSPACE_BYTES, prompt_attention, split_workspace,
+                                                      tile_table, tiles)
 
     H, d, bs, rows = 32, 128, 16, []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for spec in cases:
         start, n = (int(v) for v in spec.split(":"))
         L = start + n
         nb = -(-L // bs)
         table = torch.randperm(2 * nb, device="cuda")[:nb]
         tiles_t = torch.from_numpy(tile_table([(0, 0, n, start)], tiles(d)[0])).cuda()
+        # the same tiles with their contexts split as VLMCTL_PROMPT_SPLITS=16 would allow
+        most = max(1, min(16, SPLIT_WORKSPACE_BYTES // (n * H * d * 4)))
+        split_t = tile_table([(0, 0, n, start)], tiles(d)[0], max_splits=most, heads=H, sms=sms)
+        ws = split_workspace(n, H, d, most, "cuda")
+        split_tiles = torch.from_numpy(split_t).cuda()
         k16 = torch.randn(2 * nb, bs, H, d, device="cuda", dtype=torch.float16)
         v16 = torch.randn_like(k16)
         q = torch.randn(n, 3 * H, d, device="cuda", dtype=torch.float16)[:, :H]
@@ -159,9 +166,13 @@ def attention_times(cases: list[str]) -> list[dict]:
                 return ops.prefill_attention(q, k, v, d ** -0.5)
 
             kernel = lambda: prompt_attention(q, kc, vc, table.int()[None], tiles_t, d ** -0.5, None, ks, vs)  # noqa: E731
+            split = lambda: prompt_attention(q, kc, vc, table.int()[None], split_tiles, d ** -0.5, None, ks, vs,  # noqa: E731
+                                             None, most, ws)
             r = {"start": start, "n": n, "pool": pool, "kernel_us": round(gpu_us(kernel), 1),
+                 "split_kernel_us": round(gpu_us(split), 1), "splits": split_t[:, 4].tolist(),
                  "gather_sdpa_us": round(gpu_us(gathered), 1),
-                 "max_abs_diff": float((kernel().float() - gathered().float()).abs().max())}
+                 "max_abs_diff": float((kernel().float() - gathered().float()).abs().max()),
+                 "split_max_abs_diff": float((split().float() - gathered().float()).abs().max())}
             rows.append(r)
             log(json.dumps(r))
     return rows

@@ -7,6 +7,7 @@ data each time; outputs are poisoned before the call so unwritten elements show.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -466,11 +467,17 @@ def _chunk_reference(q, kc, vc, table, length, scale, ks=None, vs=None, window=N
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_q,n_kv,d", [(4, 4, 32), (6, 2, 80)])
 @pytest.mark.parametrize("start,n", [(5, 1), (16, 7), (40, 33), (3, 70)])
-def test_chunk_attention(dtype, n_q, n_kv, d, start, n, storage):
+@pytest.mark.parametrize("splits", ["", "3"])
+def test_chunk_attention(dtype, n_q, n_kv, d, start, n, storage, splits, monkeypatch):
     """A chunk's attention read in place from the paged pool (one kernel) equals the gathered context's attention,
     for chunks shorter and longer than a program's rows, contexts ending mid-block and tile, grouped heads, a head
-    size that is not a power of two, q a strided view of a fused qkv, and 16- and 8-bit pools."""
+    size that is not a power of two, q a strided view of a fused qkv, and 16- and 8-bit pools; with
+    VLMCTL_PROMPT_SPLITS=3 (and splits of 16 positions) each tile's context divided among up to 3 programs."""
+    from vlmctl.runtime.kernels import paged_prefill
     from vlmctl.runtime.kernels.paged_prefill import chunk_attention
+
+    monkeypatch.setenv("VLMCTL_PROMPT_SPLITS", splits)
+    monkeypatch.setattr(paged_prefill, "SPLIT_POSITIONS", 16)
 
     if storage is not None and dtype == torch.float32:
         pytest.skip("8-bit pools hold 16-bit models' caches")
@@ -543,7 +550,7 @@ def test_prompt_attention_tiles(dtype, storage, window):
         row += n
     block_m = tiles(d)[0]
     table = tile_table(chunks, block_m, size=len(seqs) + T // block_m + 2)
-    assert (table[:, 2] > 0).sum() == 2 + 1 + 2 + 1 and table[-1].tolist() == [0, 0, 0, 0]
+    assert (table[:, 2] > 0).sum() == 2 + 1 + 2 + 1 and table[-1].tolist() == [0, 0, 0, 0, 0]
     out = torch.full((T, n_q, d), 7.0, dtype=dtype, device=DEV)
     scale = d ** -0.5
     got = prompt_attention(q, kc, vc, tables, torch.from_numpy(table).to(DEV), scale, window, ks, vs, out)
@@ -552,6 +559,15 @@ def test_prompt_attention_tiles(dtype, storage, window):
         want = _chunk_reference(q[row0:row0 + n], kc, vc, tables[i], pos0 + n, scale, ks, vs, window)
         assert rel_err(got[row0:row0 + n], want) < (1e-5 if dtype == torch.float32 else tol(dtype)), (i, pos0, n)
     assert bool((got[row:] == 7.0).all())  # no tile: untouched
+    # each tile's context divided among 1-4 programs (4 the launch's most), partials combined by the second kernel:
+    # the same answer within the float32 sums' order
+    split_table = table.copy()
+    used = split_table[:, 2] > 0
+    split_table[used, 4] = (np.arange(used.sum()) % 4) + 1
+    split = prompt_attention(q, kc, vc, tables, torch.from_numpy(split_table).to(DEV), scale, window, ks, vs,
+                             torch.full_like(out, 7.0), splits=4)
+    assert not split.isnan().any() and bool((split[row:] == 7.0).all())
+    assert rel_err(split[:row], got[:row]) < (1e-5 if dtype == torch.float32 else tol(dtype))
     # the torch reference the CPU runs agrees
     ref = ops.prompt_attention_reference(q, kc, vc, tables, torch.from_numpy(table), scale, window, ks, vs,
                                          torch.full_like(out, 7.0))
@@ -565,11 +581,38 @@ def test_tile_table():
     from vlmctl.runtime.kernels.paged_prefill import max_tiles, tile_table
 
     t = tile_table([(0, 0, 1, 40), (1, 1, 70, 0), (2, 71, 32, 5)], 32, size=8)
-    assert t.tolist() == [[0, 0, 1, 40], [1, 1, 32, 0], [1, 33, 32, 32], [1, 65, 6, 64], [2, 71, 32, 5],
-                          [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert t.tolist() == [[0, 0, 1, 40, 1], [1, 1, 32, 0, 1], [1, 33, 32, 32, 1], [1, 65, 6, 64, 1],
+                          [2, 71, 32, 5, 1], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
     assert max_tiles(103, 3, 32) == 7 and len(tile_table([(0, 0, 1, 40), (1, 1, 70, 0), (2, 71, 32, 5)], 32)) == 5
     with pytest.raises(ValueError, match="tiles exceed"):
         tile_table([(0, 0, 70, 0)], 32, size=2)
+    # 16 rows after 1,888 cached positions and a decode row after 600, 32 heads on 132 SMs: 2 tiles x 32 heads are
+    # 64 programs, so each tile's context is split, into ~4 programs a SM at most, 256 positions or more each
+    t = tile_table([(0, 0, 16, 1888), (1, 16, 1, 600)], 32, max_splits=16, heads=32, sms=132)
+    assert t[:, 4].tolist() == [8, 3]  # ceil(1904 / 256), ceil(601 / 256); 4 x 132 / 64 would allow 9
+    assert tile_table([(0, 0, 16, 1888)], 32, max_splits=4, heads=32, sms=132)[:, 4].tolist() == [4]
+
+
+def test_split_counts_and_max_splits(monkeypatch):
+    """Splitting is for few programs: none once the tiles give each SM two; the cap of `VLMCTL_PROMPT_SPLITS` and
+    of the partials' bytes (SPLIT_WORKSPACE_BYTES)."""
+    from vlmctl.errors import OptionError
+    from vlmctl.runtime.kernels import paged_prefill as pp
+
+    assert pp.split_counts([4000] * 9, 32, 16, 132).tolist() == [1] * 9  # 288 programs: enough
+    assert pp.split_counts([4000] * 4, 32, 16, 132).tolist() == [5] * 4  # 128 programs: ceil(528 / 128)
+    assert pp.split_counts([100, 300, 5000], 8, 16, 132).tolist() == [1, 2, 16]
+    assert pp.split_counts([5000], 8, 1, 132).tolist() == [1]
+    monkeypatch.setenv("VLMCTL_PROMPT_SPLITS", "16")
+    assert pp.max_splits(16, 32, 128) == 16
+    assert pp.max_splits(384, 32, 128) == pp.SPLIT_WORKSPACE_BYTES // (384 * 32 * 128 * 4) == 2
+    monkeypatch.setenv("VLMCTL_PROMPT_SPLITS", "1")
+    assert pp.max_splits(16, 32, 128) == 1
+    monkeypatch.setenv("VLMCTL_PROMPT_SPLITS", "0")
+    with pytest.raises(OptionError, match="VLMCTL_PROMPT_SPLITS"):
+        pp.max_splits(16, 32, 128)
+    monkeypatch.delenv("VLMCTL_PROMPT_SPLITS")
+    assert pp.max_splits(16, 32, 128) == pp.DEFAULT_SPLITS
 
 
 @pytest.mark.parametrize("storage", STORAGES)

@@ -617,11 +617,15 @@ class TorchDecoder:
                                 None if blocks is None else to_device(blocks, None, dev)))
             row += c.n
         if paged:
-            from .kernels.paged_prefill import tile_table, tiles
+            from .kernels import paged_prefill as pp
 
             maxb = max(len(t) for t in paged_tables)
             paged_bt = to_device([t + [0] * (maxb - len(t)) for t in paged_tables], torch.int32, dev)
-            paged_tiles = to_device(tile_table(paged, tiles(self.head_dim)[0]), None, dev)
+            paged_splits = pp.max_splits(T, self.n_heads, self.head_dim)
+            paged_tiles = to_device(pp.tile_table(paged, pp.tiles(self.head_dim)[0], max_splits=paged_splits,
+                                                  heads=self.n_heads, sms=self._num_sms), None, dev)
+            paged_ws = pp.split_workspace(T, self.n_heads, self.head_dim, paged_splits, dev) \
+                if paged_splits > 1 else None
 
         kc_all, vc_all = self.k_cache, self.v_cache
 
@@ -648,7 +652,8 @@ class TorchDecoder:
                     k, v = ops.gather_kv(kc, vc, bt, start + n, ks, vs, qkv.dtype)
                 out[rows] = ops.prefill_attention(q[rows], k, v, self.scale, window, blocks)
             if paged:
-                ops.prompt_attention(q, kc, vc, paged_bt, paged_tiles, self.scale, window, ks, vs, out)
+                ops.prompt_attention(q, kc, vc, paged_bt, paged_tiles, self.scale, window, ks, vs, out, paged_splits,
+                                     paged_ws)
             return out
 
         x = self._embed(ids_t, fr, tr, table)

@@ -55,14 +55,21 @@ class StepGraphs:
 
     def __init__(self, dec, max_batch: int, limit: int):
         """`dec`: the `TorchDecoder` whose steps these are (its pools allocated)."""
-        from .kernels.paged_prefill import max_tiles, tile_table, tiles  # Triton: imported where steps are built
+        from .kernels import paged_prefill  # Triton: imported where steps are built
 
         self.dec = dec
         self.sizes = buckets(limit)
         self.max_batch = max_batch
-        self.block_m = tiles(dec.head_dim)[0]
+        self.block_m = paged_prefill.tiles(dec.head_dim)[0]
         self.max_blocks = -(-dec.max_seq // dec.block_size)
-        self._max_tiles, self._tile_table = max_tiles, tile_table
+        self._prefill = paged_prefill
+        self.sms = dec._num_sms
+        # the buckets' split partials, one allocation for all of them (a step runs one bucket at a time)
+        splits = {b: paged_prefill.max_splits(b, dec.n_heads, dec.head_dim) for b in self.sizes}
+        self.splits = splits
+        most = max((b * s for b, s in splits.items() if s > 1), default=0)
+        self._workspace = paged_prefill.split_workspace(most, dec.n_heads, dec.head_dim, 1, dec.device) if most \
+            else None
         self.entries: dict[int, dict] = {}
 
     # ---- which steps ---------------------------------------------------------------------------
@@ -100,10 +107,11 @@ class StepGraphs:
         dec = self.dec
         dev = dec.device
         S = self.sequences(B)
-        NT = self._max_tiles(B, S, self.block_m)
+        NT = self._prefill.max_tiles(B, S, self.block_m)
+        F = self._prefill.TILE_FIELDS
         mrope = dec.mrope_section is not None
         # int32: positions | slots | rows wanting logits | tiles | block tables
-        n = 2 * B + S + 4 * NT + S * self.max_blocks
+        n = 2 * B + S + F * NT + S * self.max_blocks
         host = torch.zeros(n, dtype=torch.int32, pin_memory=dev.type == "cuda")
         d = torch.zeros_like(host, device=dev)
         st = {"B": B, "S": S, "NT": NT, "host": host, "dev": d, "mrope": mrope,
@@ -116,8 +124,13 @@ class StepGraphs:
         positions = st["arange"] if mrope else d[0:B]
         slots, want = d[B:2 * B], d[2 * B:2 * B + S]
         o = 2 * B + S
-        tiles_t = d[o:o + 4 * NT].view(NT, 4)
-        tables = d[o + 4 * NT:].view(S, self.max_blocks)
+        tiles_t = d[o:o + F * NT].view(NT, F)
+        tables = d[o + F * NT:].view(S, self.max_blocks)
+        splits = self.splits[B]
+        ws = None
+        if splits > 1:  # views of the shared workspace, as split_workspace(B, heads, d, splits) shapes them
+            n_part = B * dec.n_heads * splits
+            ws = (self._workspace[0][:n_part], self._workspace[1][:n_part])
 
         def attend(li, qkv):
             layer = dec.layers[li]
@@ -127,7 +140,8 @@ class StepGraphs:
             ops.rope_and_cache(qkv, st["cos_sin"] if mrope else layer.cos_sin, positions, dec.n_heads, dec.n_kv,
                                dec.head_dim, kc, vc, slots, ks, vs)
             q = qkv[:, :dec.q_size].view(B, dec.n_heads, dec.head_dim)
-            return ops.prompt_attention(q, kc, vc, tables, tiles_t, dec.scale, layer.window, ks, vs, st["attn"])
+            return ops.prompt_attention(q, kc, vc, tables, tiles_t, dec.scale, layer.window, ks, vs, st["attn"],
+                                        splits, ws)
 
         def body():
             residual, h_out = dec._layers(st["x"], attend, None)
@@ -179,13 +193,15 @@ class StepGraphs:
         h[B:B + T] = slots
         h[2 * B:2 * B + len(want)] = want
         o = 2 * B + S
+        F = self._prefill.TILE_FIELDS
         chunks, row = [], 0
-        tables = h[o + 4 * NT:].reshape(S, self.max_blocks)
+        tables = h[o + F * NT:].reshape(S, self.max_blocks)
         for i, c in enumerate(cs):
             chunks.append((i, row, c.n, c.start))
             tables[i, :len(c.block_table)] = c.block_table
             row += c.n
-        h[o:o + 4 * NT] = self._tile_table(chunks, self.block_m, NT).ravel()
+        h[o:o + F * NT] = self._prefill.tile_table(chunks, self.block_m, NT, max_splits=self.splits[B],
+                                                   heads=self.dec.n_heads, sms=self.sms).ravel()
         d = st["dev"]
         d.copy_(st["host"], non_blocking=True)
         if st["graph"] is not None:

@@ -27,10 +27,19 @@ from .paged_attention import _scales, _widen_in_registers, online_softmax_tile
 from .compile_ahead import run as run_triton
 
 # A tile is up to BLOCK_M consecutive query rows of one sequence: int32 (sequence, first row in q, rows, position of
-# the first row). A table may hold more tiles than a step needs (a captured step's is sized for its bucket); rows 0
-# marks an unused one, whose programs load nothing and store nothing.
-TILE_FIELDS = 4
+# the first row, splits: the programs its context is divided among). A table may hold more tiles than a step needs
+# (a captured step's is sized for its bucket); rows 0 marks an unused one, whose programs load nothing and store
+# nothing.
+TILE_FIELDS = 5
 NO_WINDOW = 1 << 30  # a window no context reaches: every earlier position is seen
+# A split walks at least this many context positions: fewer would spend more on writing and combining partials than
+# the parallelism gains.
+SPLIT_POSITIONS = 256
+# The splits' partials take rows x heads x splits x head_dim float32 values; a launch's splits are capped to keep them
+# within this (a few MB at the row counts where splitting pays: few rows over a long context).
+SPLIT_WORKSPACE_BYTES = 16 << 20
+# `VLMCTL_PROMPT_SPLITS` unset: no tile is split (not yet measured on a GPU)
+DEFAULT_SPLITS = 1
 
 
 # A step's block tables are as wide as its longest sequence's (eager) and a window is a model's: left unspecialized,
@@ -38,19 +47,42 @@ NO_WINDOW = 1 << 30  # a window no context reaches: every earlier position is se
 _VARYING = ["stride_bt", "window"]
 
 
-@triton.jit(do_not_specialize=_VARYING)
-def _prompt_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, tiles_ptr, out_ptr, stride_qt, stride_qh, stride_kb,
-                   stride_ks, stride_kh, stride_bt, stride_ot, stride_oh, window, scale_log2, group, n_kv_heads,
-                   block_size: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr = False,
-                   ASM: tl.constexpr = False):
-    head = tl.program_id(1)
-    kvh = head // group
-    tile_ptr = tiles_ptr + tl.program_id(0) * 4
-    seq = tl.load(tile_ptr).to(tl.int64)
+@triton.jit
+def _tile_span(tile_ptr, window, BLOCK_N: tl.constexpr):
+    """(first row in q, rows, position of the first row, splits, the first key position walked: the first row's
+    window start rounded down to a key tile, past the last row) of one tile of the table."""
     row0 = tl.load(tile_ptr + 1)
     m = tl.load(tile_ptr + 2)
     pos0 = tl.load(tile_ptr + 3)
+    splits = tl.load(tile_ptr + 4)
+    end = tl.where(m > 0, pos0 + m, 0)  # past the tile's last row; an unused tile walks nothing
+    lo = (tl.maximum(pos0 - window + 1, 0) // BLOCK_N) * BLOCK_N  # the first row's first key in its window
+    return row0, m, pos0, splits, lo, end
+
+
+@triton.jit(do_not_specialize=_VARYING)
+def _prompt_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, tiles_ptr, out_ptr, part_ptr, ml_ptr, stride_qt,
+                   stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh, window, scale_log2,
+                   group, n_kv_heads, block_size: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr = False,
+                   ASM: tl.constexpr = False, SPLIT: tl.constexpr = False):
+    """SPLIT: program_id(2) is one of the tile's splits (its fifth field; programs past them return), each a run of
+    whole key tiles of [lo, end); a tile of one split stores its output, a tile of several its un-normalized
+    partials and (max, sum) a row for `_combine_kernel`, at ((row * heads + head) * grid splits + split)."""
+    head = tl.program_id(1)
+    kvh = head // group
+    tile_ptr = tiles_ptr + tl.program_id(0) * 5
+    seq = tl.load(tile_ptr).to(tl.int64)
+    row0, m, pos0, splits, lo, end = _tile_span(tile_ptr, window, BLOCK_N)
+    first = lo
+    stop = end
+    if SPLIT:
+        split = tl.program_id(2)
+        if split >= tl.maximum(splits, 1):
+            return
+        per = tl.cdiv(tl.cdiv(end - lo, tl.maximum(splits, 1)), BLOCK_N) * BLOCK_N
+        first = lo + split * per
+        stop = tl.minimum(first + per, end)
     i = tl.arange(0, BLOCK_M)
     d = tl.arange(0, D_PAD)
     dmask = d < HEAD_DIM
@@ -64,11 +96,9 @@ def _prompt_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, tiles_ptr, out_p
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     c = tl.arange(0, BLOCK_N)
     table = bt_ptr + seq * stride_bt
-    end = tl.where(m > 0, pos0 + m, 0)  # past the tile's last row; an unused tile walks nothing
-    lo = (tl.maximum(pos0 - window + 1, 0) // BLOCK_N) * BLOCK_N  # the first row's first key in its window
-    for tile in range(lo, end, BLOCK_N):
+    for tile in range(first, stop, BLOCK_N):
         tok = tile + c
-        valid = tok < end
+        valid = tok < stop
         blk = tl.load(table + tok // block_size, mask=valid, other=0).to(tl.int64)
         row = blk * stride_kb + (tok % block_size) * stride_ks + kvh * stride_kh
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
@@ -85,9 +115,48 @@ def _prompt_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, tiles_ptr, out_p
         seen = valid[None, :] & (tok[None, :] <= pos[:, None]) & (tok[None, :] > pos[:, None] - window)
         m_i, l_i, acc = online_softmax_tile(s, seen, m_i, l_i, acc, v_ptr, vs_ptr, row, srow, valid, d, dmask,
                                             scale_log2, q.dtype, IEEE, QUANT, ASM)
-    o = acc / tl.where(rows, l_i, 1.0)[:, None]  # rows past the tile (all of an unused one's) saw nothing
-    tl.store(out_ptr + t[:, None] * stride_ot + head * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=rows[:, None] & dmask[None, :])
+    if SPLIT and splits > 1:
+        # a row may see no key of its split (causal, or a window): max -inf, sum 0, acc 0, which the combine weighs 0
+        pidx = (t * tl.num_programs(1) + head) * tl.num_programs(2) + tl.program_id(2)
+        tl.store(part_ptr + pidx[:, None] * HEAD_DIM + d[None, :], acc, mask=rows[:, None] & dmask[None, :])
+        tl.store(ml_ptr + pidx * 2, m_i, mask=rows)
+        tl.store(ml_ptr + pidx * 2 + 1, l_i, mask=rows)
+    else:
+        o = acc / tl.where(rows, l_i, 1.0)[:, None]  # rows past the tile (all of an unused one's) saw nothing
+        tl.store(out_ptr + t[:, None] * stride_ot + head * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=rows[:, None] & dmask[None, :])
+
+
+@triton.jit(do_not_specialize=_VARYING)
+def _combine_kernel(tiles_ptr, part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, window, grid_splits,
+                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The output rows of a tile of several splits from their partials (`_prompt_kernel` with SPLIT), rescaled to
+    each row's largest max; tiles of one split (or none) were written by the prompt kernel."""
+    head = tl.program_id(1)
+    tile_ptr = tiles_ptr + tl.program_id(0) * 5
+    row0, m, pos0, splits, lo, end = _tile_span(tile_ptr, window, BLOCK_N)
+    if splits > 1:
+        i = tl.arange(0, BLOCK_M)
+        d = tl.arange(0, D_PAD)
+        dmask = d < HEAD_DIM
+        rows = i < m
+        t = (row0 + i).to(tl.int64)
+        base = (t * tl.num_programs(1) + head) * grid_splits
+        m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for sp in range(0, splits):
+            m_all = tl.maximum(m_all, tl.load(ml_ptr + (base + sp) * 2, mask=rows, other=float("-inf")))
+        m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
+        denom = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        for sp in range(0, splits):
+            w = tl.math.exp2(tl.load(ml_ptr + (base + sp) * 2, mask=rows, other=float("-inf")) - m_ref)
+            denom += w * tl.load(ml_ptr + (base + sp) * 2 + 1, mask=rows, other=0.0)
+            part = tl.load(part_ptr + (base + sp)[:, None] * HEAD_DIM + d[None, :],
+                           mask=rows[:, None] & dmask[None, :], other=0.0)
+            acc += part * w[:, None]
+        o = acc / tl.where(rows, denom, 1.0)[:, None]
+        tl.store(out_ptr + t[:, None] * stride_ot + head * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=rows[:, None] & dmask[None, :])
 
 
 def tiles(head_dim: int) -> tuple[int, int]:
@@ -102,32 +171,68 @@ def max_tiles(rows: int, sequences: int, block_m: int) -> int:
     return -(-rows // block_m) + sequences
 
 
-def tile_table(chunks, block_m: int, size: int | None = None) -> np.ndarray:
+def tile_table(chunks, block_m: int, size: int | None = None, *, max_splits: int = 1, heads: int = 1,
+               sms: int = 132) -> np.ndarray:
     """int32 [size or as many as needed, TILE_FIELDS]: the tiles of chunks given as (sequence, first row in q, rows,
-    position of the first row); rows past the last tile are unused (all zero)."""
+    position of the first row), each with its splits (`split_counts`); rows past the last tile are unused (all
+    zero)."""
     out = []
     for seq, row0, n, pos0 in chunks:
         for o in range(0, n, block_m):
-            out.append((seq, row0 + o, min(block_m, n - o), pos0 + o))
+            out.append((seq, row0 + o, min(block_m, n - o), pos0 + o, 1))
     size = len(out) if size is None else size
     if len(out) > size:
         raise ValueError(f"{len(out)} tiles exceed the table's {size}")
     table = np.zeros((size, TILE_FIELDS), np.int32)
     if out:
         table[:len(out)] = out
+        table[:len(out), 4] = split_counts(table[:len(out), 2] + table[:len(out), 3], heads, max_splits, sms)
     return table
+
+
+def split_counts(ends: np.ndarray, heads: int, max_splits: int, sms: int) -> np.ndarray:
+    """How many programs walk each tile's context (tiles past positions `ends`, `heads` query heads a tile): one
+    where the tiles alone give each SM two programs or more; else as many as give ~4 a SM, each at least
+    SPLIT_POSITIONS positions, at most max_splits. Few rows over a long context (a chat's next turn after a
+    prefix-cache hit) otherwise leave most SMs idle: 1 tile x 32 heads is 32 programs."""
+    ends = np.asarray(ends, dtype=np.int64)
+    base = len(ends) * heads
+    if max_splits <= 1 or base >= 2 * sms:
+        return np.ones(len(ends), np.int32)
+    want = -(-4 * sms // base)
+    by_length = -(-ends // SPLIT_POSITIONS)
+    return np.clip(np.minimum(by_length, want), 1, max_splits).astype(np.int32)
+
+
+def max_splits(rows: int, heads: int, head_dim: int) -> int:
+    """The most splits a launch of `rows` query rows allows a tile (`VLMCTL_PROMPT_SPLITS` caps it; 1: none): its
+    partials within SPLIT_WORKSPACE_BYTES."""
+    from .settings import env_int
+
+    cap = env_int("VLMCTL_PROMPT_SPLITS", DEFAULT_SPLITS, minimum=1)
+    return max(1, min(cap, SPLIT_WORKSPACE_BYTES // max(1, rows * heads * head_dim * 4)))
+
+
+def split_workspace(rows: int, heads: int, head_dim: int, splits: int, device) -> tuple:
+    """(partials [rows * heads * splits, head_dim], (max, sum) [rows * heads * splits, 2]), float32, for a launch of
+    `rows` query rows allowing `splits` a tile; pass it to `prompt_attention` to reuse it."""
+    n = rows * heads * splits
+    return (torch.empty((n, head_dim), dtype=torch.float32, device=device),
+            torch.empty((n, 2), dtype=torch.float32, device=device))
 
 
 def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      tiles_t: torch.Tensor, scale: float, window: int | None = None,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, splits: int = 1, workspace: tuple | None = None) -> torch.Tensor:
     """Causal attention of query rows q [T, Hq, d] (any row stride, unit stride in d) over their sequences' cached
     positions in the paged pools [blocks, bs, Hkv, d] (8-bit with `k_scale`/`v_scale` [blocks, bs, Hkv]), every
     row's own K and V already appended. `tiles_t` (int32 [tiles, TILE_FIELDS], `tile_table`) says which rows are
-    whose and where they sit; `block_tables` int32 [sequences, max blocks]. With `window`, a row sees only keys less
-    than `window` positions back. Rows in no tile are left as they are. Returns out [T, Hq, d] in q's dtype (any row
-    stride), allocated where not given."""
+    whose and where they sit, and among how many programs each tile's context is divided (at most `splits`, the
+    `max_splits` the table was made with; `workspace`: a `split_workspace` for them, else one is allocated);
+    `block_tables` int32 [sequences, max blocks]. With `window`, a row sees only keys less than `window` positions
+    back. Rows in no tile are left as they are. Returns out [T, Hq, d] in q's dtype (any row stride), allocated where
+    not given."""
     T, Hq, d = q.shape
     _, bs, Hkv, _ = k_cache.shape
     if out is None:
@@ -138,12 +243,21 @@ def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     block_m, block_n = tiles(d)
     ks, vs = _scales(k_cache, k_scale, v_scale)
-    run_triton(_prompt_kernel, (tiles_t.shape[0], Hq), q, k_cache, v_cache, ks, vs, block_tables, tiles_t, out,
-               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-               block_tables.stride(0), out.stride(0), out.stride(1), NO_WINDOW if window is None else window,
-               scale * 1.4426950408889634, Hq // Hkv, Hkv, block_size=bs, HEAD_DIM=d,
-               D_PAD=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-               QUANT=k_scale is not None, ASM=_widen_in_registers(k_cache, q.dtype), num_warps=4, num_stages=2)
+    split = splits > 1
+    if split and workspace is None:
+        workspace = split_workspace(T, Hq, d, splits, q.device)
+    part, ml = workspace if split else (out, out)
+    win = NO_WINDOW if window is None else window
+    run_triton(_prompt_kernel, (tiles_t.shape[0], Hq, splits), q, k_cache, v_cache, ks, vs, block_tables, tiles_t,
+               out, part, ml, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               block_tables.stride(0), out.stride(0), out.stride(1), win, scale * 1.4426950408889634, Hq // Hkv, Hkv,
+               block_size=bs, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=block_n,
+               IEEE=q.dtype == torch.float32, QUANT=k_scale is not None, ASM=_widen_in_registers(k_cache, q.dtype),
+               SPLIT=split, num_warps=4, num_stages=2)
+    if split:
+        run_triton(_combine_kernel, (tiles_t.shape[0], Hq), tiles_t, part, ml, out, out.stride(0), out.stride(1), win,
+                   splits, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=block_n,
+                   num_warps=4)
     return out
 
 
@@ -153,7 +267,9 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     window: int | None = None) -> torch.Tensor:
     """`prompt_attention` of one chunk q [n, Hq, d] of one sequence (block table [blocks]) whose rows sit at
     positions length - n .. length - 1."""
-    n = q.shape[0]
-    table = tile_table([(0, 0, n, length - n)], tiles(q.shape[2])[0])
+    n, heads, d = q.shape
+    splits = max_splits(n, heads, d)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+    table = tile_table([(0, 0, n, length - n)], tiles(d)[0], max_splits=splits, heads=heads, sms=sms)
     return prompt_attention(q, k_cache, v_cache, block_table.to(torch.int32).view(1, -1),
-                            torch.from_numpy(table).to(q.device), scale, window, k_scale, v_scale, out)
+                            torch.from_numpy(table).to(q.device), scale, window, k_scale, v_scale, out, splits)
