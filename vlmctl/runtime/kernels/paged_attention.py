@@ -194,11 +194,15 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, k
     and after), combines the splits' partials as `_combine_kernel` does, in place of that kernel's launch.
     QUANT: 8-bit caches, as in `_decode_kernel`; the new token's k and v are quantized as they are written and
     attended to as stored (dequantized to the model dtype, as the reference reads them).
-    Before the PDL wait it reads only the step's inputs (lengths, block tables, positions: copied in before the
-    step's first kernel) and the rotary table; PREFETCH > 0 also asks L2 for the K and V rows (ROW_BYTES each) of
-    this program's first PREFETCH tiles of cached positions, so that their HBM trip overlaps the qkv GEMV. A
-    prefetch only warms L2, where every later read is coherent, so it cannot make any load see stale data."""
+    PREFETCH > 0 or EARLY: before the PDL wait the kernel reads the step's inputs (lengths, block tables, positions:
+    copied in before the step's first kernel) and the rotary table, and PREFETCH asks L2 for the K and V rows
+    (ROW_BYTES each) of this program's first PREFETCH tiles of cached positions, so that their HBM trip overlaps the
+    qkv GEMV (a prefetch only warms L2, where every later read is coherent, so it cannot make a load stale); EARLY
+    loads the first tile into registers there (`early_tile` says why that is safe). Neither: it waits first."""
     pdl.release(PDL)
+    AHEAD: tl.constexpr = EARLY or PREFETCH > 0
+    if not AHEAD:  # nothing read before the wait: the order every GPU run before session 47 measured
+        pdl.wait(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -221,7 +225,8 @@ def _decode_rope_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, k
         k1_0, k2_0, v_0, ksc_0, vsc_0, valid_0 = _rope_tile_load(
             k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq, kvh, start, end, stride_bt, stride_kb, stride_ks, stride_kh,
             n_kv_heads, block_size, HEAD_DIM, BLOCK_N, QUANT)
-    pdl.wait(PDL)
+    if AHEAD:
+        pdl.wait(PDL)
 
     g = tl.arange(0, BLOCK_G)
     gmask = g < group
