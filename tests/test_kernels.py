@@ -467,12 +467,12 @@ def _chunk_reference(q, kc, vc, table, length, scale, ks=None, vs=None, window=N
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_q,n_kv,d", [(4, 4, 32), (6, 2, 80)])
 @pytest.mark.parametrize("start,n", [(5, 1), (16, 7), (40, 33), (3, 70)])
-@pytest.mark.parametrize("splits", ["", "3"])
+@pytest.mark.parametrize("splits", ["1", "3"])
 def test_chunk_attention(dtype, n_q, n_kv, d, start, n, storage, splits, monkeypatch):
     """A chunk's attention read in place from the paged pool (one kernel) equals the gathered context's attention,
     for chunks shorter and longer than a program's rows, contexts ending mid-block and tile, grouped heads, a head
-    size that is not a power of two, q a strided view of a fused qkv, and 16- and 8-bit pools; with
-    VLMCTL_PROMPT_SPLITS=3 (and splits of 16 positions) each tile's context divided among up to 3 programs."""
+    size that is not a power of two, q a strided view of a fused qkv, and 16- and 8-bit pools; unsplit
+    (VLMCTL_PROMPT_SPLITS=1) and with each tile's context divided among up to 3 programs of 16 positions or more."""
     from vlmctl.runtime.kernels import paged_prefill
     from vlmctl.runtime.kernels.paged_prefill import chunk_attention
 

@@ -15,8 +15,8 @@ are zero, write no cache slot (-1) and are in no tile. Steps the graph cannot ta
 largest bucket, rows that see image states through cross-attention, or image rows that attend to each other.
 
 `VLMCTL_STEP_GRAPH_ROWS` (default `STEP_GRAPH_ROWS`; 0: off) is the largest bucket. The graphs share the decode
-graphs' memory pool; what the largest holds for good is one step's activations and logits (estimated ~55 MB at 384
-rows for a 7B decoder, not measured), inside the slack the engine leaves beside the KV pool (`Engine._kv_blocks`).
+graphs' memory pool; the buckets up to 384 rows reserved 318-356 MB for a 7B decoder on an H100 (docs/benchmarks.md,
+session 47), inside the 2 GiB of slack the engine leaves beside the KV pool (`Engine._kv_blocks`).
 """
 
 from __future__ import annotations
