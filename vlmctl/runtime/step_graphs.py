@@ -64,12 +64,13 @@ class StepGraphs:
         self.max_blocks = -(-dec.max_seq // dec.block_size)
         self._prefill = paged_prefill
         self.sms = dec._num_sms
-        # the buckets' split partials, one allocation for all of them (a step runs one bucket at a time)
+        # the buckets' split partials, one allocation for all of them (a step runs one bucket at a time); the CPU's
+        # torch reference splits nothing
         splits = {b: paged_prefill.max_splits(b, dec.n_heads, dec.head_dim) for b in self.sizes}
         self.splits = splits
         most = max((b * s for b, s in splits.items() if s > 1), default=0)
-        self._workspace = paged_prefill.split_workspace(most, dec.n_heads, dec.head_dim, 1, dec.device) if most \
-            else None
+        self._workspace = paged_prefill.split_workspace(most, dec.n_heads, dec.head_dim, 1, dec.device) \
+            if most and dec.device.type == "cuda" else None
         self.entries: dict[int, dict] = {}
 
     # ---- which steps ---------------------------------------------------------------------------
@@ -128,7 +129,7 @@ class StepGraphs:
         tables = d[o + F * NT:].view(S, self.max_blocks)
         splits = self.splits[B]
         ws = None
-        if splits > 1:  # views of the shared workspace, as split_workspace(B, heads, d, splits) shapes them
+        if splits > 1 and self._workspace is not None:  # views shaped as split_workspace(B, heads, d, splits)
             n_part = B * dec.n_heads * splits
             ws = (self._workspace[0][:n_part], self._workspace[1][:n_part])
 
