@@ -210,8 +210,9 @@ def test_length_dependent_rope_is_refused_past_its_switch_and_built_within_it(tm
     code, _, err = cli("build", recipe, "-o", tmp_path / "eng", capsys=capsys, expect=None)
     line = one_error_line(code, err, 4)
     assert f"past {switch} positions" in line and "limits.max_input_len" in line
+    # text only: an image of this checkpoint takes 16 prompt rows, more than the switch leaves
     within = write_recipe(tmp_path / "w.yaml", ckpt, limits={"max_batch_size": 2, "max_input_len": switch - 4,
-                                                             "max_output_len": 4})
+                                                             "max_output_len": 4, "max_images_per_request": 0})
     cli("build", within, "-o", tmp_path / "eng2", capsys=capsys)
 
 

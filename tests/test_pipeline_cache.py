@@ -84,6 +84,26 @@ def test_a_family_tensorrt_llm_does_not_serve_stops_the_build_before_any_stage(t
     assert [p["stage"] for p in plan["plan"]] == ["convert", "quantize"]
 
 
+def test_max_input_len_without_room_for_an_image_is_refused_before_any_stage(tiny_llava, tmp_path, capsys):
+    """An image of the tiny LLaVA is 16 prompt rows (28 px in patches of 7). A max_input_len of 16 or less with
+    images allowed would build an engine that refuses every request with an image: `build` and its dry run say so
+    before convert runs, and so does the build-llm stage on its own; a text-only engine (no images) may have it."""
+    eng = tmp_path / "eng"
+    small = write_recipe(tmp_path / "r.yaml", tiny_llava, limits={"max_input_len": 16})
+    for extra in (["--dry-run"], []):
+        code, _, err = cli("build", small, "-o", eng, *extra, capsys=capsys, expect=2)
+        assert "limits.max_input_len 16 leaves no room for text beside one image, which takes 16 prompt rows" in err
+        assert not eng.exists()
+    text_only = write_recipe(tmp_path / "t.yaml", tiny_llava, limits={"max_input_len": 16,
+                                                                      "max_images_per_request": 0})
+    cli_json("build", text_only, "-o", eng, "--dry-run", "--json", capsys=capsys)
+    ok = write_recipe(tmp_path / "ok.yaml", tiny_llava, limits={"max_input_len": 17})
+    cli("build", ok, "-o", eng, "--until", "convert", capsys=capsys)
+    code, _, err = cli("build-llm", eng, "--set", "limits.max_input_len=4", capsys=capsys, expect=2)
+    assert "limits.max_input_len 4 leaves no room" in err
+    assert not (eng / "build-llm").exists()
+
+
 def test_failed_stage_leaves_nothing_half_written(tiny_llava, tmp_path, capsys, monkeypatch):
     import vlmctl.export.onnx_vision as ov
 

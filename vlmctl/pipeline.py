@@ -292,6 +292,7 @@ def _spec_build_llm(recipe: Recipe, workdir: Path, progress: Progress | None, dr
         llm_dir, llm_hash = wd.convert.llm, stage_part_hash(workdir, "convert", wd.convert.llm.name)
     vlm_config = wd.convert.read_vision_config()
     lim = recipe.limits
+    _check_image_fits(recipe, family, vlm_config)
     per_image = family.max_image_tokens(vlm_config, wd.convert.processor)
     table_size = prompt_table_size(lim, per_image)
     extra = {"name": recipe.name, "backend": backend, "limits": lim.model_dump(), "prompt_table_size": table_size,
@@ -392,7 +393,7 @@ def plan(recipe: Recipe, workdir: Path, until: str | None = None, force: bool = 
     workdir = Path(workdir)
     stages = STAGES[: STAGES.index(until) + 1] if until else STAGES
     resolve_source(recipe)  # a missing source fails the dry run as it would fail the build
-    _check_decoder_backend(recipe, until)  # and so does a family build-llm would refuse TensorRT-LLM
+    _check_build_llm_settings(recipe, until)  # and so does what build-llm would refuse
     items: list[PlanItem] = []
     runs: set[str] = set()
     for s in stages:
@@ -545,19 +546,32 @@ def _check_workdir_is_a_directory(workdir: Path) -> None:
         raise OptionError(f"-o {workdir}: the output {where} a file, not a directory")
 
 
-def _check_decoder_backend(recipe: Recipe, until: str | None) -> None:
-    """build-llm's refusal of TensorRT-LLM for a family it does not serve, before any stage runs: no install can
-    lift it, and otherwise convert and quantize (an hour of AWQ on a large model) would run first and a dry run would
-    not say. TensorRT-LLM missing on this host is left to build-llm (docs/tensorrt-llm.md: the stages before it are
-    kept, for build-llm to run once it is installed)."""
+def _check_image_fits(recipe: Recipe, family, config: dict) -> None:
+    """RecipeError when images are allowed but limits.max_input_len leaves no room beside one: an engine that
+    would refuse every request with an image."""
+    lim = recipe.limits
+    rows = family.min_image_tokens(config)
+    if lim.max_images_per_request >= 1 and 0 < rows and lim.max_input_len <= rows:
+        raise RecipeError(f"limits.max_input_len {lim.max_input_len} leaves no room for text beside one image, which "
+                          f"takes {rows} prompt rows in this {family.name} model; raise it, or set "
+                          "limits.max_images_per_request: 0 for a text-only engine")
+
+
+def _check_build_llm_settings(recipe: Recipe, until: str | None) -> None:
+    """What build-llm would refuse, said before any stage runs: TensorRT-LLM for a family it does not serve (no
+    install can lift it) and a max_input_len too small for an image. Otherwise convert and quantize (an hour of AWQ on
+    a large model) would run first and a dry run would not say. TensorRT-LLM missing on this host is left to
+    build-llm (docs/tensorrt-llm.md: the stages before it are kept, for build-llm to run once it is installed)."""
     if until is not None and until != "build-llm":
         return
     try:
         src = resolve_source(recipe)
-        family = detect_family(read_config(src), where=str(src / "config.json"))
+        config = read_config(src)
+        family = detect_family(config, where=str(src / "config.json"))
     except VlmctlError:
         return  # convert says what is wrong with the source
     _refuse_unserved_family(recipe, family)
+    _check_image_fits(recipe, family, config)
 
 
 def _check_output_outside_source(recipe: Recipe, workdir: Path) -> None:
@@ -603,7 +617,7 @@ def build(recipe: Recipe, workdir: Path, *, until: str | None = None, force: boo
     workdir = Path(workdir)
     _check_workdir_is_a_directory(workdir)
     _check_output_outside_source(recipe, workdir)
-    _check_decoder_backend(recipe, until)
+    _check_build_llm_settings(recipe, until)
     results = []
     stages = STAGES[: STAGES.index(until) + 1] if until else STAGES
     had_recipe = WorkDir(workdir).recipe_file.is_file()

@@ -358,6 +358,12 @@ class VLMFamily(abc.ABC):
         the processor settings saved in `processor_dir` (dynamic-resolution families read their pixel or
         crop limits there), or the checkpoints' usual settings without it."""
 
+    def min_image_tokens(self, config_dict: dict) -> int:
+        """The fewest prompt rows one image becomes, where a family knows it from the config alone (every image the
+        same count); 0 where it does not (dynamic resolution, or images read in cross-attention). build-llm refuses
+        a max_input_len with no room beside one such image."""
+        return 0
+
     def apply_image_settings(self, processor_dir: Path, settings: dict) -> None:
         """Write a recipe's `image:` settings (min/max pixels) into the engine's processor config."""
         from ..errors import RecipeError

@@ -149,6 +149,9 @@ class Gemma3Family(VLMFamily):
     def max_image_tokens(self, config_dict: dict, processor_dir: Path | None = None) -> int:
         return self.rows_per_image(config_dict)
 
+    def min_image_tokens(self, config_dict: dict) -> int:  # every image: pan-and-scan is not offered
+        return self.rows_per_image(config_dict)
+
     def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "Gemma3ProcessorAdapter":
         return Gemma3ProcessorAdapter(self, Path(processor_dir))
 

@@ -125,6 +125,9 @@ class LlavaFamily(VLMFamily):
     def max_image_tokens(self, config_dict: dict, processor_dir: Path | None = None) -> int:
         return self.rows_per_image(config_dict)
 
+    def min_image_tokens(self, config_dict: dict) -> int:
+        return self.rows_per_image(config_dict)
+
     def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "LlavaProcessorAdapter":
         return LlavaProcessorAdapter(self, Path(processor_dir))
 
