@@ -568,6 +568,11 @@ def test_prompt_attention_tiles(dtype, storage, window):
                              torch.full_like(out, 7.0), splits=4)
     assert not split.isnan().any() and bool((split[row:] == 7.0).all())
     assert rel_err(split[:row], got[:row]) < (1e-5 if dtype == torch.float32 else tol(dtype))
+    # programs for splits 1-3 launched for the table's first rows only (the used tiles, which hold them; a captured
+    # step launches them for the rows `split_tiles` allows): the same programs, so the same bits
+    first = prompt_attention(q, kc, vc, tables, torch.from_numpy(split_table).to(DEV), scale, window, ks, vs,
+                             torch.full_like(out, 7.0), splits=4, split_rows=int(used.sum()))
+    assert torch.equal(first, split)
     # the torch reference the CPU runs agrees
     ref = ops.prompt_attention_reference(q, kc, vc, tables, torch.from_numpy(table), scale, window, ks, vs,
                                          torch.full_like(out, 7.0))
@@ -600,6 +605,7 @@ def test_split_counts_and_max_splits(monkeypatch):
     from vlmctl.runtime.kernels import paged_prefill as pp
 
     assert pp.split_counts([4000] * 9, 32, 16, 132).tolist() == [1] * 9  # 288 programs: enough
+    assert pp.split_tiles(32, 132) == 8 and pp.split_counts([4000] * 8, 32, 16, 132).tolist() == [3] * 8
     assert pp.split_counts([4000] * 4, 32, 16, 132).tolist() == [5] * 4  # 128 programs: ceil(528 / 128)
     assert pp.split_counts([100, 300, 5000], 8, 16, 132).tolist() == [1, 2, 16]
     assert pp.split_counts([5000], 8, 1, 132).tolist() == [1]

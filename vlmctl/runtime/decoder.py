@@ -622,10 +622,12 @@ class TorchDecoder:
             maxb = max(len(t) for t in paged_tables)
             paged_bt = to_device([t + [0] * (maxb - len(t)) for t in paged_tables], torch.int32, dev)
             paged_splits = pp.max_splits(T, self.n_heads, self.head_dim)
-            paged_tiles = to_device(pp.tile_table(paged, pp.tiles(self.head_dim)[0], max_splits=paged_splits,
-                                                  heads=self.n_heads, sms=self._num_sms), None, dev)
-            paged_ws = pp.split_workspace(T, self.n_heads, self.head_dim, paged_splits, dev) \
-                if paged_splits > 1 else None
+            tile_rows = pp.tile_table(paged, pp.tiles(self.head_dim)[0], max_splits=paged_splits, heads=self.n_heads,
+                                      sms=self._num_sms)
+            paged_tiles = to_device(tile_rows, None, dev)
+            paged_split_rows = len(tile_rows) if (tile_rows[:, 4] > 1).any() else 0
+            # float32 even where nothing splits: the kernel variant compiled at load takes float32 partials
+            paged_ws = pp.split_workspace(T if paged_split_rows else 1, self.n_heads, self.head_dim, paged_splits, dev)
 
         kc_all, vc_all = self.k_cache, self.v_cache
 
@@ -653,7 +655,7 @@ class TorchDecoder:
                 out[rows] = ops.prefill_attention(q[rows], k, v, self.scale, window, blocks)
             if paged:
                 ops.prompt_attention(q, kc, vc, paged_bt, paged_tiles, self.scale, window, ks, vs, out, paged_splits,
-                                     paged_ws)
+                                     paged_ws, paged_split_rows)
             return out
 
         x = self._embed(ids_t, fr, tr, table)

@@ -215,17 +215,18 @@ def prompt_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      tiles: torch.Tensor, scale: float, window: int | None = None,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None, splits: int = 1, workspace: tuple | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, splits: int = 1, workspace: tuple | None = None,
+                     split_rows: int | None = None) -> torch.Tensor:
     """Causal attention of the query rows q [T, Hq, d] of several sequences over their paged contexts, each row's own
     K and V already in the pool; `tiles` (int32 [n, 5], `kernels.paged_prefill.tile_table`) says which rows belong
     to which sequence (a row of `block_tables` [S, max blocks]) at which positions. Rows in no tile are left as they
-    are. On CUDA one Triton kernel reads the pool in place (`kernels.paged_prefill`; `splits`, `workspace`: its
-    split contexts); elsewhere the reference."""
+    are. On CUDA one Triton kernel reads the pool in place (`kernels.paged_prefill`; `splits`, `workspace`,
+    `split_rows`: its split contexts); elsewhere the reference."""
     if _use_kernels(q):
         from .kernels.paged_prefill import prompt_attention as kernel
 
         return kernel(q, k_cache, v_cache, block_tables, tiles, scale, window, k_scale, v_scale, out, splits,
-                      workspace)
+                      workspace, split_rows)
     return prompt_attention_reference(q, k_cache, v_cache, block_tables, tiles, scale, window, k_scale, v_scale, out)
 
 

@@ -128,6 +128,7 @@ class StepGraphs:
         tiles_t = d[o:o + F * NT].view(NT, F)
         tables = d[o + F * NT:].view(S, self.max_blocks)
         splits = self.splits[B]
+        split_rows = min(NT, self._prefill.split_tiles(dec.n_heads, self.sms))  # rows past these never split
         ws = None
         if splits > 1 and self._workspace is not None:  # views shaped as split_workspace(B, heads, d, splits)
             n_part = B * dec.n_heads * splits
@@ -142,7 +143,7 @@ class StepGraphs:
                                dec.head_dim, kc, vc, slots, ks, vs)
             q = qkv[:, :dec.q_size].view(B, dec.n_heads, dec.head_dim)
             return ops.prompt_attention(q, kc, vc, tables, tiles_t, dec.scale, layer.window, ks, vs, st["attn"],
-                                        splits, ws)
+                                        splits, ws, split_rows)
 
         def body():
             residual, h_out = dec._layers(st["x"], attend, None)

@@ -46,7 +46,7 @@ DEFAULT_SPLITS = 16
 
 # A step's block tables are as wide as its longest sequence's (eager) and a window is a model's: left unspecialized,
 # neither makes Triton compile another variant in the middle of serving (divisible by 16 or not, or equal to 1).
-_VARYING = ["stride_bt", "window"]
+_VARYING = ["stride_bt", "window", "n_tiles", "grid_splits"]
 
 
 @triton.jit
@@ -65,21 +65,30 @@ def _tile_span(tile_ptr, window, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=_VARYING)
 def _prompt_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, tiles_ptr, out_ptr, part_ptr, ml_ptr, stride_qt,
                    stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh, window, scale_log2,
-                   group, n_kv_heads, block_size: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr = False,
-                   ASM: tl.constexpr = False, SPLIT: tl.constexpr = False):
-    """SPLIT: program_id(2) is one of the tile's splits (its fifth field; programs past them return), each a run of
-    whole key tiles of [lo, end); a tile of one split stores its output, a tile of several its un-normalized
-    partials and (max, sum) a row for `_combine_kernel`, at ((row * heads + head) * grid splits + split)."""
+                   group, n_kv_heads, n_tiles, grid_splits, block_size: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                   QUANT: tl.constexpr = False, ASM: tl.constexpr = False, SPLIT: tl.constexpr = False):
+    """SPLIT: programs 0 .. n_tiles - 1 are split 0 of each of the table's tiles; the grid_splits - 1 programs after
+    those, a tile each, are splits 1 .. grid_splits - 1 of the table's first tiles (as many as the launch allows a
+    split: `prompt_attention`'s split_rows). A tile's fifth field says how many of its splits run (programs past
+    them return), each a run of whole key tiles of [lo, end); a tile of one split stores its output, a tile of
+    several its un-normalized partials and (max, sum) a row for `_combine_kernel`, at ((row * heads + head) *
+    grid_splits + split)."""
     head = tl.program_id(1)
     kvh = head // group
-    tile_ptr = tiles_ptr + tl.program_id(0) * 5
+    p = tl.program_id(0)
+    tile_idx = p
+    split = 0
+    if SPLIT:
+        extra = tl.maximum(p - n_tiles, 0)
+        tile_idx = tl.where(p < n_tiles, p, extra // tl.maximum(grid_splits - 1, 1))
+        split = tl.where(p < n_tiles, 0, 1 + extra % tl.maximum(grid_splits - 1, 1))
+    tile_ptr = tiles_ptr + tile_idx * 5
     seq = tl.load(tile_ptr).to(tl.int64)
     row0, m, pos0, splits, lo, end = _tile_span(tile_ptr, window, BLOCK_N)
     first = lo
     stop = end
     if SPLIT:
-        split = tl.program_id(2)
         if split >= tl.maximum(splits, 1):
             return
         per = tl.cdiv(tl.cdiv(end - lo, tl.maximum(splits, 1)), BLOCK_N) * BLOCK_N
@@ -119,7 +128,7 @@ def _prompt_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, tiles_ptr, out_p
                                             scale_log2, q.dtype, IEEE, QUANT, ASM)
     if SPLIT and splits > 1:
         # a row may see no key of its split (causal, or a window): max -inf, sum 0, acc 0, which the combine weighs 0
-        pidx = (t * tl.num_programs(1) + head) * tl.num_programs(2) + tl.program_id(2)
+        pidx = (t * tl.num_programs(1) + head) * grid_splits + split
         tl.store(part_ptr + pidx[:, None] * HEAD_DIM + d[None, :], acc, mask=rows[:, None] & dmask[None, :])
         tl.store(ml_ptr + pidx * 2, m_i, mask=rows)
         tl.store(ml_ptr + pidx * 2 + 1, l_i, mask=rows)
@@ -198,12 +207,18 @@ def split_counts(ends: np.ndarray, heads: int, max_splits: int, sms: int) -> np.
     SPLIT_POSITIONS positions, at most max_splits. Few rows over a long context (a chat's next turn after a
     prefix-cache hit) otherwise leave most SMs idle: 1 tile x 32 heads is 32 programs."""
     ends = np.asarray(ends, dtype=np.int64)
-    base = len(ends) * heads
-    if max_splits <= 1 or base >= 2 * sms:
+    if max_splits <= 1 or len(ends) > split_tiles(heads, sms):
         return np.ones(len(ends), np.int32)
-    want = -(-4 * sms // base)
+    want = -(-4 * sms // (len(ends) * heads))
     by_length = -(-ends // SPLIT_POSITIONS)
     return np.clip(np.minimum(by_length, want), 1, max_splits).astype(np.int32)
+
+
+def split_tiles(heads: int, sms: int) -> int:
+    """The most tiles a step may have and still split any (`split_counts`: fewer than two programs a SM): so a
+    table's tiles past this many rows hold one split each, and a launch needs split programs for its first rows
+    only."""
+    return (2 * sms - 1) // heads
 
 
 def max_splits(rows: int, heads: int, head_dim: int) -> int:
@@ -226,13 +241,15 @@ def split_workspace(rows: int, heads: int, head_dim: int, splits: int, device) -
 def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      tiles_t: torch.Tensor, scale: float, window: int | None = None,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None, splits: int = 1, workspace: tuple | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, splits: int = 1, workspace: tuple | None = None,
+                     split_rows: int | None = None) -> torch.Tensor:
     """Causal attention of query rows q [T, Hq, d] (any row stride, unit stride in d) over their sequences' cached
     positions in the paged pools [blocks, bs, Hkv, d] (8-bit with `k_scale`/`v_scale` [blocks, bs, Hkv]), every
     row's own K and V already appended. `tiles_t` (int32 [tiles, TILE_FIELDS], `tile_table`) says which rows are
     whose and where they sit, and among how many programs each tile's context is divided (at most `splits`, the
-    `max_splits` the table was made with; `workspace`: a `split_workspace` for them, else one is allocated);
-    `block_tables` int32 [sequences, max blocks]. With `window`, a row sees only keys less than `window` positions
+    `max_splits` the table was made with; `workspace`: a `split_workspace` for them, else one is allocated;
+    `split_rows`: how many of the table's first rows may hold more than one split, default all of them: programs
+    for further splits are launched for those rows only); `block_tables` int32 [sequences, max blocks]. With `window`, a row sees only keys less than `window` positions
     back. Rows in no tile are left as they are. Returns out [T, Hq, d] in q's dtype (any row stride), allocated where
     not given."""
     T, Hq, d = q.shape
@@ -250,14 +267,19 @@ def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         workspace = split_workspace(T, Hq, d, splits, q.device)
     part, ml = workspace if split else (out, out)
     win = NO_WINDOW if window is None else window
-    run_triton(_prompt_kernel, (tiles_t.shape[0], Hq, splits), q, k_cache, v_cache, ks, vs, block_tables, tiles_t,
+    n_tiles = tiles_t.shape[0]
+    split_rows = n_tiles if split_rows is None else min(split_rows, n_tiles)
+    # split 0 of every tile, then the further splits of the first split_rows tiles: a large step, which never
+    # splits, launches no program for splits it cannot have
+    programs = n_tiles + (split_rows * (splits - 1) if split else 0)
+    run_triton(_prompt_kernel, (programs, Hq), q, k_cache, v_cache, ks, vs, block_tables, tiles_t,
                out, part, ml, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                block_tables.stride(0), out.stride(0), out.stride(1), win, scale * 1.4426950408889634, Hq // Hkv, Hkv,
-               block_size=bs, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=block_n,
-               IEEE=q.dtype == torch.float32, QUANT=k_scale is not None, ASM=_widen_in_registers(k_cache, q.dtype),
-               SPLIT=split, num_warps=4, num_stages=2)
-    if split:
-        run_triton(_combine_kernel, (tiles_t.shape[0], Hq), tiles_t, part, ml, out, out.stride(0), out.stride(1), win,
+               n_tiles, splits, block_size=bs, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_M=block_m,
+               BLOCK_N=block_n, IEEE=q.dtype == torch.float32, QUANT=k_scale is not None,
+               ASM=_widen_in_registers(k_cache, q.dtype), SPLIT=split, num_warps=4, num_stages=2)
+    if split and split_rows:
+        run_triton(_combine_kernel, (split_rows, Hq), tiles_t, part, ml, out, out.stride(0), out.stride(1), win,
                    splits, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=block_n,
                    num_warps=4)
     return out
@@ -273,5 +295,7 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     splits = max_splits(n, heads, d)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
     table = tile_table([(0, 0, n, length - n)], tiles(d)[0], max_splits=splits, heads=heads, sms=sms)
+    split_rows = len(table) if (table[:, 4] > 1).any() else 0
     return prompt_attention(q, k_cache, v_cache, block_table.to(torch.int32).view(1, -1),
-                            torch.from_numpy(table).to(q.device), scale, window, k_scale, v_scale, out, splits)
+                            torch.from_numpy(table).to(q.device), scale, window, k_scale, v_scale, out, splits,
+                            None if split_rows else split_workspace(1, 1, d, 1, q.device), split_rows)
