@@ -218,6 +218,25 @@ def test_steps_the_graph_cannot_take_run_eagerly(tmp_path):
     assert graphed._step_graphs is None and graphed.forward(_chunks(ids, STEPS[0])).shape[0] == 2
 
 
+def test_a_decoder_with_captured_steps_is_freed_when_its_last_user_lets_go(tmp_path):
+    """Its steps hold it weakly: dropping the decoder frees it (its weights and KV pool; on a GPU, memory a next
+    engine needs) at once, not when Python's cycle collector next runs. A benchmark that loaded a second engine in
+    the same process ran out of GPU memory before (session 48)."""
+    import gc
+    import weakref
+
+    _llama(tmp_path / "llm")
+    _, graphed = _pair(tmp_path / "llm")
+    graphed.forward(_chunks(_ids(150), STEPS[0]))  # a step through the captured path
+    gone = weakref.ref(graphed)
+    gc.disable()
+    try:
+        del graphed
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv,splits", [("auto", ""), ("int8", ""), ("fp8", ""), ("auto", "1"), ("int8", "4")])
 def test_captured_steps_replay_on_the_gpu(tmp_path, kv, splits, monkeypatch):

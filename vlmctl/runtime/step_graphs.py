@@ -21,6 +21,8 @@ session 47), inside the 2 GiB of slack the engine leaves beside the KV pool (`En
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -57,7 +59,9 @@ class StepGraphs:
         """`dec`: the `TorchDecoder` whose steps these are (its pools allocated)."""
         from .kernels import paged_prefill  # Triton: imported where steps are built
 
-        self.dec = dec
+        # weakly: the decoder holds these steps, and their closures would otherwise keep it (its weights, KV pool and
+        # graphs) alive after its last user let go, until Python's cycle collector happened to run
+        self.dec = weakref.proxy(dec)
         self.sizes = buckets(limit)
         self.max_batch = max_batch
         self.block_m = paged_prefill.tiles(dec.head_dim)[0]
