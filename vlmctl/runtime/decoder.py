@@ -625,8 +625,7 @@ class TorchDecoder:
             tile_rows = pp.tile_table(paged, pp.tiles(self.head_dim)[0], max_splits=paged_splits, heads=self.n_heads,
                                       sms=self._num_sms)
             paged_tiles = to_device(tile_rows, None, dev)
-            paged_split_rows = len(tile_rows) if (tile_rows[:, 4] > 1).any() else 0
-            # float32 even where nothing splits: the kernel variant compiled at load takes float32 partials
+            paged_split_rows = pp.split_rows_of(tile_rows)
             paged_ws = pp.split_workspace(T if paged_split_rows else 1, self.n_heads, self.head_dim, paged_splits, dev)
 
         kc_all, vc_all = self.k_cache, self.v_cache

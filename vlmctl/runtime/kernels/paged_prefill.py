@@ -221,6 +221,11 @@ def split_tiles(heads: int, sms: int) -> int:
     return (2 * sms - 1) // heads
 
 
+def split_rows_of(table: np.ndarray) -> int:
+    """`prompt_attention`'s split_rows for a table known on the host: all of its rows where one splits, else none."""
+    return len(table) if (table[:, 4] > 1).any() else 0
+
+
 def max_splits(rows: int, heads: int, head_dim: int) -> int:
     """The most splits a launch of `rows` query rows allows a tile (`VLMCTL_PROMPT_SPLITS` caps it; 1: none): its
     partials within SPLIT_WORKSPACE_BYTES."""
@@ -248,10 +253,10 @@ def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     row's own K and V already appended. `tiles_t` (int32 [tiles, TILE_FIELDS], `tile_table`) says which rows are
     whose and where they sit, and among how many programs each tile's context is divided (at most `splits`, the
     `max_splits` the table was made with; `workspace`: a `split_workspace` for them, else one is allocated;
-    `split_rows`: how many of the table's first rows may hold more than one split, default all of them: programs
-    for further splits are launched for those rows only); `block_tables` int32 [sequences, max blocks]. With `window`, a row sees only keys less than `window` positions
-    back. Rows in no tile are left as they are. Returns out [T, Hq, d] in q's dtype (any row stride), allocated where
-    not given."""
+    `split_rows`: how many of the table's first rows may hold more than one split, default all of them, for whose
+    further splits alone programs are launched: `split_rows_of` a host table); `block_tables` int32 [sequences, max
+    blocks]. With `window`, a row sees only keys less than `window` positions back. Rows in no tile are left as
+    they are. Returns out [T, Hq, d] in q's dtype (any row stride), allocated where not given."""
     T, Hq, d = q.shape
     _, bs, Hkv, _ = k_cache.shape
     if out is None:
@@ -263,12 +268,12 @@ def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_m, block_n = tiles(d)
     ks, vs = _scales(k_cache, k_scale, v_scale)
     split = splits > 1
-    if split and workspace is None:
-        workspace = split_workspace(T, Hq, d, splits, q.device)
-    part, ml = workspace if split else (out, out)
-    win = NO_WINDOW if window is None else window
     n_tiles = tiles_t.shape[0]
     split_rows = n_tiles if split_rows is None else min(split_rows, n_tiles)
+    if split and workspace is None:  # float32 even where nothing splits: the variant compiled at load takes it
+        workspace = split_workspace(T if split_rows else 1, Hq, d, splits, q.device)
+    part, ml = workspace if split else (out, out)
+    win = NO_WINDOW if window is None else window
     # split 0 of every tile, then the further splits of the first split_rows tiles: a large step, which never
     # splits, launches no program for splits it cannot have
     programs = n_tiles + (split_rows * (splits - 1) if split else 0)
@@ -295,7 +300,6 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     splits = max_splits(n, heads, d)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
     table = tile_table([(0, 0, n, length - n)], tiles(d)[0], max_splits=splits, heads=heads, sms=sms)
-    split_rows = len(table) if (table[:, 4] > 1).any() else 0
     return prompt_attention(q, k_cache, v_cache, block_table.to(torch.int32).view(1, -1),
                             torch.from_numpy(table).to(q.device), scale, window, k_scale, v_scale, out, splits,
-                            None if split_rows else split_workspace(1, 1, d, 1, q.device), split_rows)
+                            split_rows=split_rows_of(table))
