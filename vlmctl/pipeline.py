@@ -292,7 +292,7 @@ def _spec_build_llm(recipe: Recipe, workdir: Path, progress: Progress | None, dr
         llm_dir, llm_hash = wd.convert.llm, stage_part_hash(workdir, "convert", wd.convert.llm.name)
     vlm_config = wd.convert.read_vision_config()
     lim = recipe.limits
-    _check_image_fits(recipe, family, vlm_config)
+    _check_image_fits(recipe, family, family.min_image_tokens(vlm_config))
     per_image = family.max_image_tokens(vlm_config, wd.convert.processor)
     table_size = prompt_table_size(lim, per_image)
     extra = {"name": recipe.name, "backend": backend, "limits": lim.model_dump(), "prompt_table_size": table_size,
@@ -546,11 +546,10 @@ def _check_workdir_is_a_directory(workdir: Path) -> None:
         raise OptionError(f"-o {workdir}: the output {where} a file, not a directory")
 
 
-def _check_image_fits(recipe: Recipe, family, config: dict) -> None:
-    """RecipeError when images are allowed but limits.max_input_len leaves no room beside one: an engine that
-    would refuse every request with an image."""
+def _check_image_fits(recipe: Recipe, family, rows: int) -> None:
+    """RecipeError when images are allowed but limits.max_input_len leaves no room beside one, of `rows` prompt rows
+    (`min_image_tokens`): an engine that would refuse every request with an image."""
     lim = recipe.limits
-    rows = family.min_image_tokens(config)
     if lim.max_images_per_request >= 1 and 0 < rows and lim.max_input_len <= rows:
         raise RecipeError(f"limits.max_input_len {lim.max_input_len} leaves no room for text beside one image, which "
                           f"takes {rows} prompt rows in this {family.name} model; raise it, or set "
@@ -571,7 +570,11 @@ def _check_build_llm_settings(recipe: Recipe, until: str | None) -> None:
     except VlmctlError:
         return  # convert says what is wrong with the source
     _refuse_unserved_family(recipe, family)
-    _check_image_fits(recipe, family, config)
+    try:
+        rows = family.min_image_tokens(config)
+    except Exception:  # a config convert refuses, with its own message
+        return
+    _check_image_fits(recipe, family, rows)
 
 
 def _check_output_outside_source(recipe: Recipe, workdir: Path) -> None:
