@@ -139,6 +139,7 @@ def attention_times(cases: list[str]) -> list[dict]:
     from vlmctl.runtime import kv_quant, ops
     from vlmctl.runtime.kernels.paged_prefill import (SPLIT_WORKSPACE_BYTES, prompt_attention, split_workspace,
                                                       tile_table, tiles)
+    from vlmctl.runtime.kernels.paged_prefill import split_tiles as split_tiles_of
 
     H, d, bs, rows = 32, 128, 16, []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -153,6 +154,9 @@ def attention_times(cases: list[str]) -> list[dict]:
         split_t = tile_table([(0, 0, n, start)], tiles(d)[0], max_splits=most, heads=H, sms=sms)
         ws = split_workspace(n, H, d, most, "cuda")
         split_tiles = torch.from_numpy(split_t).cuda()
+        whole_tiles = split_tiles.clone()
+        whole_tiles[:, 4] = 1
+        captured_rows = min(len(split_t), split_tiles_of(H, sms))  # as StepGraphs launches the combine
         k16 = torch.randn(2 * nb, bs, H, d, device="cuda", dtype=torch.float16)
         v16 = torch.randn_like(k16)
         q = torch.randn(n, 3 * H, d, device="cuda", dtype=torch.float16)[:, :H]
@@ -167,9 +171,15 @@ def attention_times(cases: list[str]) -> list[dict]:
 
             kernel = lambda: prompt_attention(q, kc, vc, table.int()[None], tiles_t, d ** -0.5, None, ks, vs)  # noqa: E731
             split = lambda: prompt_attention(q, kc, vc, table.int()[None], split_tiles, d ** -0.5, None, ks, vs,  # noqa: E731
-                                             None, most, ws)
+                                             None, most, ws, captured_rows)
+            # what the split variant costs where no tile splits: with the combine a captured step launches over its
+            # first split_tiles rows, and without it
+            idle = lambda rows: prompt_attention(q, kc, vc, table.int()[None], whole_tiles, d ** -0.5, None, ks,  # noqa: E731
+                                                 vs, None, most, ws, rows)
             r = {"start": start, "n": n, "pool": pool, "kernel_us": round(gpu_us(kernel), 1),
                  "split_kernel_us": round(gpu_us(split), 1), "splits": split_t[:, 4].tolist(),
+                 "split_variant_none_split_us": round(gpu_us(lambda: idle(captured_rows)), 1) if most > 1 else None,
+                 "split_variant_no_combine_us": round(gpu_us(lambda: idle(0)), 1) if most > 1 else None,
                  "gather_sdpa_us": round(gpu_us(gathered), 1),
                  "max_abs_diff": float((kernel().float() - gathered().float()).abs().max()),
                  "split_max_abs_diff": float((split().float() - gathered().float()).abs().max())}
