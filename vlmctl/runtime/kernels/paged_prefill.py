@@ -74,24 +74,23 @@ def _prompt_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, tiles_ptr, out_p
     them return), each a run of whole key tiles of [lo, end); a tile of one split stores its output, a tile of
     several its un-normalized partials and (max, sum) a row for `_combine_kernel`, at ((row * heads + head) *
     grid_splits + split)."""
-    # One program axis: first split 0 of every (head, tile), then the further splits of every head's first tiles, each
-    # part head-major so a head's tiles, which read the same keys, run side by side. Programs that return at once
-    # (splits a tile does not have, a captured table's unused rows) come after the programs with work; interleaved
-    # with them, a few tiles' programs could share SMs while others held only empty ones.
-    heads = group * n_kv_heads
-    L = tl.program_id(0)
-    head = L // n_tiles
-    tile_idx = L % n_tiles
+    # Without splits a head's tiles, which read the same keys, are neighbours in the launch order; with them heads vary
+    # fastest, so that every tile's split 0 is scheduled before the programs of further splits (and a captured table's
+    # unused rows), many of which return at once: interleaved with those, a few tiles' programs could share SMs while
+    # others held only empty ones (an H100 took 4-21 µs longer a layer, docs/benchmarks.md session 49).
+    if SPLIT:
+        head = tl.program_id(0)
+        p = tl.program_id(1)
+    else:
+        head = tl.program_id(1)
+        p = tl.program_id(0)
+    kvh = head // group
+    tile_idx = p
     split = 0
     if SPLIT:
-        extras = tl.num_programs(0) // heads - n_tiles  # split programs a head: split_rows x (grid_splits - 1)
-        e = tl.maximum(L - n_tiles * heads, 0)
-        ex = e % tl.maximum(extras, 1)
-        first_pass = L < n_tiles * heads
-        head = tl.where(first_pass, head, e // tl.maximum(extras, 1))
-        tile_idx = tl.where(first_pass, tile_idx, ex // tl.maximum(grid_splits - 1, 1))
-        split = tl.where(first_pass, 0, 1 + ex % tl.maximum(grid_splits - 1, 1))
-    kvh = head // group
+        extra = tl.maximum(p - n_tiles, 0)
+        tile_idx = tl.where(p < n_tiles, p, extra // tl.maximum(grid_splits - 1, 1))
+        split = tl.where(p < n_tiles, 0, 1 + extra % tl.maximum(grid_splits - 1, 1))
     tile_ptr = tiles_ptr + tile_idx * 5
     seq = tl.load(tile_ptr).to(tl.int64)
     row0, m, pos0, splits, lo, end = _tile_span(tile_ptr, window, BLOCK_N)
@@ -137,7 +136,7 @@ def _prompt_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, tiles_ptr, out_p
                                             scale_log2, q.dtype, IEEE, QUANT, ASM)
     if SPLIT and splits > 1:
         # a row may see no key of its split (causal, or a window): max -inf, sum 0, acc 0, which the combine weighs 0
-        pidx = (t * heads + head) * grid_splits + split
+        pidx = (t * tl.num_programs(0) + head) * grid_splits + split
         tl.store(part_ptr + pidx[:, None] * HEAD_DIM + d[None, :], acc, mask=rows[:, None] & dmask[None, :])
         tl.store(ml_ptr + pidx * 2, m_i, mask=rows)
         tl.store(ml_ptr + pidx * 2 + 1, l_i, mask=rows)
@@ -152,8 +151,8 @@ def _combine_kernel(tiles_ptr, part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, 
                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The output rows of a tile of several splits from their partials (`_prompt_kernel` with SPLIT), rescaled to
     each row's largest max; tiles of one split (or none) were written by the prompt kernel."""
-    head = tl.program_id(1)
-    tile_ptr = tiles_ptr + tl.program_id(0) * 5
+    head = tl.program_id(0)
+    tile_ptr = tiles_ptr + tl.program_id(1) * 5
     row0, m, pos0, splits, lo, end = _tile_span(tile_ptr, window, BLOCK_N)
     if splits > 1:
         i = tl.arange(0, BLOCK_M)
@@ -161,7 +160,7 @@ def _combine_kernel(tiles_ptr, part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, 
         dmask = d < HEAD_DIM
         rows = i < m
         t = (row0 + i).to(tl.int64)
-        base = (t * tl.num_programs(1) + head) * grid_splits
+        base = (t * tl.num_programs(0) + head) * grid_splits
         m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
         for sp in range(0, splits):
             m_all = tl.maximum(m_all, tl.load(ml_ptr + (base + sp) * 2, mask=rows, other=float("-inf")))
@@ -286,14 +285,15 @@ def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # split 0 of every tile, then the further splits of the first split_rows tiles: a large step, which never
     # splits, launches no program for splits it cannot have
     programs = n_tiles + (split_rows * (splits - 1) if split else 0)
-    run_triton(_prompt_kernel, (Hq * programs,), q, k_cache, v_cache, ks, vs, block_tables, tiles_t,
-               out, part, ml, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-               block_tables.stride(0), out.stride(0), out.stride(1), win, scale * 1.4426950408889634, Hq // Hkv, Hkv,
+    grid = (Hq, programs) if split else (programs, Hq)  # the launch orders of `_prompt_kernel`'s comment
+    run_triton(_prompt_kernel, grid, q, k_cache, v_cache, ks, vs, block_tables, tiles_t, out, part, ml, q.stride(0),
+               q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+               out.stride(0), out.stride(1), win, scale * 1.4426950408889634, Hq // Hkv, Hkv,
                n_tiles, splits, block_size=bs, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_M=block_m,
                BLOCK_N=block_n, IEEE=q.dtype == torch.float32, QUANT=k_scale is not None,
                ASM=_widen_in_registers(k_cache, q.dtype), SPLIT=split, num_warps=4, num_stages=2)
     if split and split_rows:
-        run_triton(_combine_kernel, (split_rows, Hq), tiles_t, part, ml, out, out.stride(0), out.stride(1), win,
+        run_triton(_combine_kernel, (Hq, split_rows), tiles_t, part, ml, out, out.stride(0), out.stride(1), win,
                    splits, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=block_n,
                    num_warps=4)
     return out
