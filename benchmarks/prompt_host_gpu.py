@@ -172,14 +172,14 @@ def attention_times(cases: list[str]) -> list[dict]:
             kernel = lambda: prompt_attention(q, kc, vc, table.int()[None], tiles_t, d ** -0.5, None, ks, vs)  # noqa: E731
             split = lambda: prompt_attention(q, kc, vc, table.int()[None], split_tiles, d ** -0.5, None, ks, vs,  # noqa: E731
                                              None, most, ws, captured_rows)
-            # what the split variant costs where no tile splits: with the combine a captured step launches over its
-            # first split_tiles rows, and without it
+            # what the split variant costs where no tile splits: with the split programs a captured step launches for
+            # its first split_tiles rows (before session 49 also a combine kernel over them), and without any
             idle = lambda rows: prompt_attention(q, kc, vc, table.int()[None], whole_tiles, d ** -0.5, None, ks,  # noqa: E731
                                                  vs, None, most, ws, rows)
             r = {"start": start, "n": n, "pool": pool, "kernel_us": round(gpu_us(kernel), 1),
                  "split_kernel_us": round(gpu_us(split), 1), "splits": split_t[:, 4].tolist(),
                  "split_variant_none_split_us": round(gpu_us(lambda: idle(captured_rows)), 1) if most > 1 else None,
-                 "split_variant_no_combine_us": round(gpu_us(lambda: idle(0)), 1) if most > 1 else None,
+                 "split_variant_no_split_programs_us": round(gpu_us(lambda: idle(0)), 1) if most > 1 else None,
                  "gather_sdpa_us": round(gpu_us(gathered), 1),
                  "max_abs_diff": float((kernel().float() - gathered().float()).abs().max()),
                  "split_max_abs_diff": float((split().float() - gathered().float()).abs().max())}

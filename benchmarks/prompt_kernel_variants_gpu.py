@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_gpu as D  # noqa: E402
 import prompt_host_gpu as P  # noqa: E402
 
-PATCHED = ("prompt_attention", "chunk_attention")
+PATCHED = ("prompt_attention", "chunk_attention", "split_workspace")  # what the engine calls, each version its own
 
 
 def load_variant(name: str, path: Path):
