@@ -172,8 +172,8 @@ def attention_times(cases: list[str]) -> list[dict]:
             kernel = lambda: prompt_attention(q, kc, vc, table.int()[None], tiles_t, d ** -0.5, None, ks, vs)  # noqa: E731
             split = lambda: prompt_attention(q, kc, vc, table.int()[None], split_tiles, d ** -0.5, None, ks, vs,  # noqa: E731
                                              None, most, ws, captured_rows)
-            # what the split variant costs where no tile splits: with the split programs a captured step launches for
-            # its first split_tiles rows (before session 49 also a combine kernel over them), and without any
+            # what the split variant costs where no tile splits: with the split programs and the combine a captured
+            # step launches for its first split_tiles rows, and without either
             idle = lambda rows: prompt_attention(q, kc, vc, table.int()[None], whole_tiles, d ** -0.5, None, ks,  # noqa: E731
                                                  vs, None, most, ws, rows)
             r = {"start": start, "n": n, "pool": pool, "kernel_us": round(gpu_us(kernel), 1),

@@ -136,7 +136,7 @@ class StepGraphs:
         ws = None
         if splits > 1 and self._workspace is not None:  # views shaped as split_workspace(B, heads, d, splits)
             n_part = B * dec.n_heads * splits
-            ws = (self._workspace[0][:n_part], self._workspace[1][:n_part], *self._workspace[2:])  # all tickets
+            ws = (self._workspace[0][:n_part], self._workspace[1][:n_part])
 
         def attend(li, qkv):
             layer = dec.layers[li]

@@ -63,18 +63,17 @@ def _tile_span(tile_ptr, window, BLOCK_N: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=_VARYING)
-def _prompt_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, tiles_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr,
-                   stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh, window,
-                   scale_log2, group, n_kv_heads, n_tiles, grid_splits, block_size: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   IEEE: tl.constexpr, QUANT: tl.constexpr = False, ASM: tl.constexpr = False,
-                   SPLIT: tl.constexpr = False):
+def _prompt_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, tiles_ptr, out_ptr, part_ptr, ml_ptr, stride_qt,
+                   stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh, window, scale_log2,
+                   group, n_kv_heads, n_tiles, grid_splits, block_size: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                   QUANT: tl.constexpr = False, ASM: tl.constexpr = False, SPLIT: tl.constexpr = False):
     """SPLIT: programs 0 .. n_tiles - 1 are split 0 of each of the table's tiles; the grid_splits - 1 programs after
     those, a tile each, are splits 1 .. grid_splits - 1 of the table's first tiles (as many as the launch allows a
     split: `prompt_attention`'s split_rows). A tile's fifth field says how many of its splits run (programs past
     them return), each a run of whole key tiles of [lo, end); a tile of one split stores its output, a tile of
-    several its un-normalized partials and (max, sum) a row, at ((row * heads + head) * grid_splits + split), and the
-    last of its splits to finish (counted in cnt_ptr at tile * heads + head: zero before and after) combines them."""
+    several its un-normalized partials and (max, sum) a row for `_combine_kernel`, at ((row * heads + head) *
+    grid_splits + split)."""
     # Without splits a head's tiles, which read the same keys, are neighbours in the launch order; with them heads vary
     # fastest, so that every tile's split 0 is scheduled before the programs of further splits (and a captured table's
     # unused rows), many of which return at once: interleaved with those, a few tiles' programs could share SMs while
@@ -141,44 +140,42 @@ def _prompt_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, tiles_ptr, out_p
         tl.store(part_ptr + pidx[:, None] * HEAD_DIM + d[None, :], acc, mask=rows[:, None] & dmask[None, :])
         tl.store(ml_ptr + pidx * 2, m_i, mask=rows)
         tl.store(ml_ptr + pidx * 2 + 1, l_i, mask=rows)
-        # every thread's partial is stored before the ticket is taken (release); the last split reads the others'
-        # from L2 (.cg) after its acquire and leaves the counter at zero for the next launch. In place of a combine
-        # kernel, whose launch cost a captured step 4-6 µs a layer on an H100 even where no tile split
-        tl.debug_barrier()
-        cidx = tile_idx * tl.num_programs(0) + head
-        ticket = tl.atomic_add(cnt_ptr + cidx, 1, sem="acq_rel")
-        if ticket == splits - 1:
-            _combine_tile(part_ptr, ml_ptr, out_ptr, pidx - split, rows, t, head, d, dmask, splits, stride_ot,
-                          stride_oh, HEAD_DIM, BLOCK_M, D_PAD)
-            tl.atomic_xchg(cnt_ptr + cidx, 0)
     else:
         o = acc / tl.where(rows, l_i, 1.0)[:, None]  # rows past the tile (all of an unused one's) saw nothing
         tl.store(out_ptr + t[:, None] * stride_ot + head * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=rows[:, None] & dmask[None, :])
 
 
-@triton.jit
-def _combine_tile(part_ptr, ml_ptr, out_ptr, base, rows, t, head, d, dmask, splits, stride_ot, stride_oh,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr):
-    """A tile's output rows (q rows t, one head) from its splits' partials at rows base .. base + splits of the
-    workspace, rescaled to each row's largest max."""
-    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for sp in range(0, splits):
-        m_all = tl.maximum(m_all, tl.load(ml_ptr + (base + sp) * 2, mask=rows, other=float("-inf"),
-                                          cache_modifier=".cg"))
-    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-    denom = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for sp in range(0, splits):
-        w = tl.math.exp2(tl.load(ml_ptr + (base + sp) * 2, mask=rows, other=float("-inf"), cache_modifier=".cg")
-                         - m_ref)
-        denom += w * tl.load(ml_ptr + (base + sp) * 2 + 1, mask=rows, other=0.0, cache_modifier=".cg")
-        part = tl.load(part_ptr + (base + sp)[:, None] * HEAD_DIM + d[None, :], mask=rows[:, None] & dmask[None, :],
-                       other=0.0, cache_modifier=".cg")
-        acc += part * w[:, None]
-    o = acc / tl.where(rows, denom, 1.0)[:, None]
-    tl.store(out_ptr + t[:, None] * stride_ot + head * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=rows[:, None] & dmask[None, :])
+@triton.jit(do_not_specialize=_VARYING)
+def _combine_kernel(tiles_ptr, part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, window, grid_splits,
+                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The output rows of a tile of several splits from their partials (`_prompt_kernel` with SPLIT), rescaled to
+    each row's largest max; tiles of one split (or none) were written by the prompt kernel."""
+    head = tl.program_id(0)
+    tile_ptr = tiles_ptr + tl.program_id(1) * 5
+    row0, m, pos0, splits, lo, end = _tile_span(tile_ptr, window, BLOCK_N)
+    if splits > 1:
+        i = tl.arange(0, BLOCK_M)
+        d = tl.arange(0, D_PAD)
+        dmask = d < HEAD_DIM
+        rows = i < m
+        t = (row0 + i).to(tl.int64)
+        base = (t * tl.num_programs(0) + head) * grid_splits
+        m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for sp in range(0, splits):
+            m_all = tl.maximum(m_all, tl.load(ml_ptr + (base + sp) * 2, mask=rows, other=float("-inf")))
+        m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
+        denom = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        for sp in range(0, splits):
+            w = tl.math.exp2(tl.load(ml_ptr + (base + sp) * 2, mask=rows, other=float("-inf")) - m_ref)
+            denom += w * tl.load(ml_ptr + (base + sp) * 2 + 1, mask=rows, other=0.0)
+            part = tl.load(part_ptr + (base + sp)[:, None] * HEAD_DIM + d[None, :],
+                           mask=rows[:, None] & dmask[None, :], other=0.0)
+            acc += part * w[:, None]
+        o = acc / tl.where(rows, denom, 1.0)[:, None]
+        tl.store(out_ptr + t[:, None] * stride_ot + head * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=rows[:, None] & dmask[None, :])
 
 
 def tiles(head_dim: int) -> tuple[int, int]:
@@ -247,13 +244,11 @@ def max_splits(rows: int, heads: int, head_dim: int) -> int:
 
 
 def split_workspace(rows: int, heads: int, head_dim: int, splits: int, device) -> tuple:
-    """(partials [rows * heads * splits, head_dim], (max, sum) [rows * heads * splits, 2], float32; the splits'
-    tickets, int32 [rows * heads], zero: a tile has a row at least) for a launch of `rows` query rows allowing
-    `splits` a tile; pass it to `prompt_attention` to reuse it (its tickets are left at zero)."""
+    """(partials [rows * heads * splits, head_dim], (max, sum) [rows * heads * splits, 2]), float32, for a launch of
+    `rows` query rows allowing `splits` a tile; pass it to `prompt_attention` to reuse it."""
     n = rows * heads * splits
     return (torch.empty((n, head_dim), dtype=torch.float32, device=device),
-            torch.empty((n, 2), dtype=torch.float32, device=device),
-            torch.zeros(rows * heads, dtype=torch.int32, device=device))
+            torch.empty((n, 2), dtype=torch.float32, device=device))
 
 
 def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -285,18 +280,22 @@ def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     split_rows = n_tiles if split_rows is None else min(split_rows, n_tiles)
     if split and workspace is None:  # float32 even where nothing splits: the variant compiled at load takes it
         workspace = split_workspace(T if split_rows else 1, Hq, d, splits, q.device)
-    part, ml, cnt = workspace if split else (out, out, tiles_t)  # (unused without splits)
+    part, ml = workspace if split else (out, out)
     win = NO_WINDOW if window is None else window
     # split 0 of every tile, then the further splits of the first split_rows tiles: a large step, which never
     # splits, launches no program for splits it cannot have
     programs = n_tiles + (split_rows * (splits - 1) if split else 0)
     grid = (Hq, programs) if split else (programs, Hq)  # the launch orders of `_prompt_kernel`'s comment
-    run_triton(_prompt_kernel, grid, q, k_cache, v_cache, ks, vs, block_tables, tiles_t, out, part, ml, cnt,
-               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-               block_tables.stride(0), out.stride(0), out.stride(1), win, scale * 1.4426950408889634, Hq // Hkv, Hkv,
+    run_triton(_prompt_kernel, grid, q, k_cache, v_cache, ks, vs, block_tables, tiles_t, out, part, ml, q.stride(0),
+               q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+               out.stride(0), out.stride(1), win, scale * 1.4426950408889634, Hq // Hkv, Hkv,
                n_tiles, splits, block_size=bs, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_M=block_m,
                BLOCK_N=block_n, IEEE=q.dtype == torch.float32, QUANT=k_scale is not None,
                ASM=_widen_in_registers(k_cache, q.dtype), SPLIT=split, num_warps=4, num_stages=2)
+    if split and split_rows:
+        run_triton(_combine_kernel, (Hq, split_rows), tiles_t, part, ml, out, out.stride(0), out.stride(1), win,
+                   splits, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=block_n,
+                   num_warps=4)
     return out
 
 
