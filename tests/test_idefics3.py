@@ -349,8 +349,12 @@ def test_tensorrt_profile_and_table_count_crops(tmp_path):
         proc = fam.load_processor(ckpt)
         assert proc.max_image_tokens() == crops * 16
         sizes = [(40, 40), (300, 20), (64, 47), (5, 5)]
-        most = max(proc.preprocess(make_image(0, s))[0].shape[0] for s in sizes)
-        assert most == crops
+        crops_of = [proc.preprocess(make_image(0, s))[0].shape[0] for s in sizes]
+        assert max(crops_of) == crops
+        # every image is one crop at least (images are first scaled to the longest edge, so with splitting a long,
+        # thin one has fewest: 5 at 128 px); an unsplit image is exactly one
+        assert min(crops_of) * 16 >= fam.min_image_tokens(cfg) == 16
+        assert splitting or min(crops_of) == 1
         for s in sizes:  # the count without preprocessing equals the preprocessed crops' rows
             assert proc.num_image_tokens(s) == proc.preprocess(make_image(0, s))[0].shape[0] * 16, s
     assert fam.max_image_tokens(cfg) == 17 * 16

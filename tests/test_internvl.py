@@ -278,11 +278,27 @@ def test_tensorrt_profile_counts_tiles(tmp_path):
     ip = AutoImageProcessor.from_pretrained(ckpt)
     assert ip.max_patches == 6  # the tiny processor's setting, not GotOcr2's default 12
     sizes = [(w, h) for w in (8, 31, 32, 64, 95, 100, 190, 300) for h in (8, 20, 32, 47, 64, 96, 190, 300)]
-    most_tiles = max(int(ip.get_number_of_image_patches(h, w, hf_processor_image_defaults(InternVLProcessor)))
-                     for w, h in sizes)
+    tiles = [int(ip.get_number_of_image_patches(h, w, hf_processor_image_defaults(InternVLProcessor)))
+             for w, h in sizes]
+    most_tiles = max(tiles)
     rows_per_tile = json.loads((ckpt / "processor_config.json").read_text())["image_seq_length"]
     fam = InternVLFamily()
     prof = vision_profile(fam.vision_axis(cfg, ckpt), max_batch_size=2, max_images_per_request=3)
     (lo, opt, hi) = prof["pixel_values"]
     assert lo == (1, 3, 32, 32) and opt == (most_tiles, 3, 32, 32) and hi == (2 * 3 * most_tiles, 3, 32, 32)
     assert fam.max_image_tokens(cfg, ckpt) == most_tiles * rows_per_tile
+    # the fewest rows any image takes: one tile (a small image), what build-llm's max_input_len check leaves room for
+    assert fam.min_image_tokens(cfg) == min(tiles) * rows_per_tile == rows_per_tile
+
+
+def test_max_input_len_without_room_for_one_tile_is_refused(tmp_path, capsys):
+    """A tiny InternVL image is one tile of 16 rows at least: a max_input_len of 16 with images allowed is refused
+    before any stage runs (the dry run says so too); 17 is planned."""
+    ckpt = make_internvl(tmp_path / "ck")
+    eng = tmp_path / "eng"
+    small = write_recipe(tmp_path / "r.yaml", ckpt, limits={"max_input_len": 16})
+    _, _, err = cli("build", small, "-o", eng, "--dry-run", capsys=capsys, expect=2)
+    assert "limits.max_input_len 16 leaves no room for text beside one image, which takes 16 prompt rows" in err
+    assert not eng.exists()
+    ok = write_recipe(tmp_path / "ok.yaml", ckpt, limits={"max_input_len": 17})
+    cli_json("build", ok, "-o", eng, "--dry-run", "--json", capsys=capsys)

@@ -98,6 +98,7 @@ def test_prompt_expansion_matches_processor(built):
             counts.append(n)
     assert max(counts) <= bound
     assert max(counts) == bound  # a square image on the 2x2 pinpoint reaches it
+    assert min(counts) >= fam.min_image_tokens(cfg) == 16  # the base crop's 4x4 rows begin every image
 
 
 def test_onnx_and_host_packing_match_hf_image_features(built):

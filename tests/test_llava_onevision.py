@@ -149,6 +149,7 @@ def test_prompt_expansion_matches_processor(built):
                 assert mine.num_image_tokens((w, h)) == n, (key, h, w)
                 counts.append(n)
         assert max(counts) <= bound
+        assert min(counts) >= fam.min_image_tokens(cfg) == 16  # the base crop's 4x4 rows begin every image
 
 
 def test_onnx_and_host_packing_match_hf_image_features(built):

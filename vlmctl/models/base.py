@@ -359,9 +359,9 @@ class VLMFamily(abc.ABC):
         crop limits there), or the checkpoints' usual settings without it."""
 
     def min_image_tokens(self, config_dict: dict) -> int:
-        """The fewest prompt rows one image becomes, where a family knows it from the config alone (every image the
-        same count); 0 where it does not (dynamic resolution, or images read in cross-attention). build-llm refuses
-        a max_input_len with no room beside one such image."""
+        """A lower bound of the prompt rows any one image becomes, from the config alone (a fixed count, or one
+        crop or tile where images are cut into several); 0 where a family has none (sizes set by the processor's
+        pixel limits, or images read in cross-attention). build-llm refuses a max_input_len with no room beside it."""
         return 0
 
     def apply_image_settings(self, processor_dir: Path, settings: dict) -> None:

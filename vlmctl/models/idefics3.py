@@ -189,6 +189,10 @@ class Idefics3Family(VLMFamily):
         crops = max_crops(load_image_processor(processor_dir)) if processor_dir is not None else DEFAULT_MAX_CROPS
         return crops * self.rows_per_crop(config_dict)
 
+    def min_image_tokens(self, config_dict: dict) -> int:
+        """An image is one crop at least: its global crop (the processor's splitting settings add more)."""
+        return self.rows_per_crop(config_dict)
+
     def vision_axis(self, config_dict: dict, processor_dir: Path) -> VisionAxis:
         """The graph's batch axis counts crops: an image needs up to its most crops."""
         vc = self.hf_config(config_dict).vision_config

@@ -205,6 +205,10 @@ class InternVLFamily(VLMFamily):
         patches = _processor_max_patches(processor_dir) if processor_dir is not None else DEFAULT_MAX_PATCHES
         return self.max_tiles(patches) * self.rows_per_crop(config_dict)
 
+    def min_image_tokens(self, config_dict: dict) -> int:
+        """An image is one tile at least."""
+        return self.rows_per_crop(config_dict)
+
     def vision_axis(self, config_dict: dict, processor_dir: Path) -> VisionAxis:
         """The graph's batch axis counts tiles: an image needs up to its most tiles."""
         vc = self.hf_config(config_dict).vision_config

@@ -254,8 +254,9 @@ class AnyresLlavaFamily(LlavaFamily):
     def max_image_tokens(self, config_dict: dict, processor_dir: Path | None = None) -> int:
         return self.geometry(config_dict).max_tokens()
 
-    def min_image_tokens(self, config_dict: dict) -> int:  # rows per image size: LLaVA-1.5's count does not apply
-        return 0
+    def min_image_tokens(self, config_dict: dict) -> int:
+        """Every image's rows begin with its base crop's, whatever its size (`AnyresGeometry._tokens_for_map`)."""
+        return self.geometry(config_dict).rows_per_crop
 
     def load_processor(self, processor_dir: Path, vision_dir: Path | None = None) -> "AnyresProcessorAdapter":
         return AnyresProcessorAdapter(self, Path(processor_dir), vision_dir)
