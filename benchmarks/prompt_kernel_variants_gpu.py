@@ -5,6 +5,8 @@ process-to-process differences (±0.3 ms a step on H100s) do not decide an A/B.
     python benchmarks/prompt_kernel_variants_gpu.py --variants before=/path/to/old/paged_prefill.py \
         now=vlmctl/runtime/kernels/paged_prefill.py [--chunks 0:384 512:81 1888:92] [--attention 1888:92] \
         [--rounds 2] [--repeats 5] [--out results.json]
+    python benchmarks/prompt_kernel_variants_gpu.py --smoke --variants ...   # tiny shapes on the CPU (checks the
+                                                                            # harness; the CPU runs no kernel)
 
 A version is any copy of the module with the same public functions (e.g. `git show REV:vlmctl/runtime/kernels/
 paged_prefill.py > old.py`); it is loaded beside the engine's own, and the engine's callers (captured steps, the eager
@@ -47,10 +49,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("prompt_kernel_variants_gpu.py times GPU kernels: no GPU here")
+    if args.smoke:
+        D.DEV, shape, args.layers, args.attention = "cpu", D.SMOKE, 2, []
+        args.chunks = ["0:12", "20:6"]
+    elif not torch.cuda.is_available():
+        sys.exit("prompt_kernel_variants_gpu.py times GPU kernels: no GPU here (--smoke checks the script on the CPU)")
+    else:
+        shape = D.SHAPE
     from vlmctl.runtime.kernels import paged_prefill
 
     own = {f: getattr(paged_prefill, f) for f in PATCHED}
@@ -58,8 +66,8 @@ def main() -> None:
     for spec in args.variants:
         name, path = spec.split("=", 1)
         variants[name] = load_variant(name, Path(path))
-    cfg = D.llama7b_config(args.layers, D.SHAPE)
-    sd = D.random_hf_state(cfg, "cuda")
+    cfg = D.llama7b_config(args.layers, shape)
+    sd = D.random_hf_state(cfg, D.DEV)
     dec = D.make_decoder(cfg, sd, None)
     del sd
     rows = []
@@ -72,7 +80,8 @@ def main() -> None:
                     rows.append({"round": rnd, "variant": name, "kind": "attention", **r})
                     P.log(json.dumps(rows[-1]))
                 dec.allocate_cache(P.pool_blocks(dec, args.chunks, 0), 16)
-                torch.cuda.empty_cache()
+                if D.DEV == "cuda":  # the last version's steps and pool, freed
+                    torch.cuda.empty_cache()
                 dec.capture_step_graphs(16, 2048)
                 for i, spec in enumerate(args.chunks):
                     start, n = (int(v) for v in spec.split(":"))
@@ -83,7 +92,8 @@ def main() -> None:
             finally:
                 for f, fn in own.items():
                     setattr(paged_prefill, f, fn)
-    P.log(f"device: {torch.cuda.get_device_name()}; {args.layers} layers; GPU ms a captured step, median over rounds")
+    device = torch.cuda.get_device_name() if D.DEV == "cuda" else "cpu (smoke)"
+    P.log(f"device: {device}; {args.layers} layers; GPU ms a captured step (wall on the CPU), median over rounds")
     names = list(variants)
     P.log("| cached | new | " + " | ".join(names) + " |")
     P.log("| ---: | ---: | " + " | ".join("---:" for _ in names) + " |")
@@ -91,8 +101,8 @@ def main() -> None:
         start, n = (int(v) for v in spec.split(":"))
         cells = []
         for name in names:
-            xs = [r["gpu_ms"] for r in rows if r["kind"] == "step" and r["variant"] == name and r["start"] == start
-                  and r["n"] == n]
+            xs = [r["gpu_ms"] or r["wall_ms"] for r in rows if r["kind"] == "step" and r["variant"] == name
+                  and r["start"] == start and r["n"] == n]
             cells.append(f"{statistics.median(xs):.3f} ({', '.join(f'{x:.2f}' for x in xs)})")
         P.log(f"| {start} | {n} | " + " | ".join(cells) + " |")
     if args.out:
