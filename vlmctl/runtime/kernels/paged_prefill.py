@@ -77,7 +77,7 @@ def _prompt_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, tiles_ptr, out_p
     # Without splits a head's tiles, which read the same keys, are neighbours in the launch order; with them heads vary
     # fastest, so that every tile's split 0 is scheduled before the programs of further splits (and a captured table's
     # unused rows), many of which return at once: interleaved with those, a few tiles' programs could share SMs while
-    # others held only empty ones (an H100 took 4-21 µs longer a layer, docs/benchmarks.md session 49).
+    # others held only empty ones (an H100 took 2-21 µs longer a layer, docs/benchmarks.md session 49).
     if SPLIT:
         head = tl.program_id(0)
         p = tl.program_id(1)
