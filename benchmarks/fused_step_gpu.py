@@ -4,6 +4,7 @@ kernel-by-kernel step, on a GPU: correctness, then time.
     python benchmarks/fused_step_gpu.py                 # checks, then the 7B-shaped step timed
     python benchmarks/fused_step_gpu.py --skip-time
     python benchmarks/fused_step_gpu.py --skip-check --steps 64
+    python benchmarks/fused_step_gpu.py --variant flow --warps 16 12 8   # the dataflow step (flow_step.py)
 
 Checks (random Llama decoders, round-to-nearest int4 in the W4A16 layout, fp16), per shape and group size:
 the same decode steps run fused and unfused from the same cache (teacher-forced by the unfused tokens):
@@ -94,7 +95,8 @@ def check(name, cfg, group, prompt_len, steps, seed=0) -> dict:
     graph_equal = bool(torch.equal(lg, le))
     r = {"shape": name, "group": group, "prompt_len": prompt_len, "steps": steps, "max_rel_logit_diff": worst,
          "argmax_agree": agree, "max_rel_kv_diff": kv_worst, "greedy_same": same, "graph_equals_eager": graph_equal,
-         "slots": fused.nslot, "slot_bytes": fused.slot_bytes}
+         "variant": os.environ.get("VLMCTL_FUSED_STEP"), "slots": getattr(fused, "nslot", None),
+         "slot_bytes": getattr(fused, "slot_bytes", None), "warps": getattr(fused, "warps", None)}
     print(json.dumps(r), flush=True)
     del dec, fused
     torch.cuda.empty_cache()
@@ -153,7 +155,9 @@ def modes(prompt_len: int, layers: int, profile: bool) -> None:
     fused.mode = 0
 
 
-def timing(steps: int, prompt_len: int, slots=()) -> list:
+def timing(steps: int, prompt_len: int, slots=(), variant: str = "1", warps=()) -> list:
+    """fp16 (kernel by kernel), then AWQ kernel by kernel and fused, twice each in turn; then the ring step with
+    each of `slots`, or the flow step with each of `warps`."""
     cfg = D.llama7b_config(32)
     sd = D.random_hf_state(cfg, "cuda")
     bw = D.copy_bandwidth()
@@ -161,22 +165,26 @@ def timing(steps: int, prompt_len: int, slots=()) -> list:
     for name, group in (("fp16", None), ("awq", 128)):
         dec = D.make_decoder(cfg, sd, group)
         D.size_cache(dec, 1)
-        values = ["0", "1"] if group else ["1"]
-        for value in values + (values if group else []) + (["1"] * len(slots) if group else []):
+        values = ["0", variant] if group else ["0"]
+        extra = slots if variant != "flow" else warps
+        for value in values + (values if group else []) + ([variant] * len(extra) if group else []):
             os.environ.pop("VLMCTL_FUSED_STEP_SLOTS", None)
+            os.environ.pop("VLMCTL_FLOW_WARPS", None)
             os.environ["VLMCTL_FUSED_STEP"] = value
             if group and len(rows) >= 5:
-                os.environ["VLMCTL_FUSED_STEP_SLOTS"] = str(slots[len(rows) - 5])
-                print(f"-- VLMCTL_FUSED_STEP_SLOTS={slots[len(rows) - 5]}", flush=True)
+                knob = "VLMCTL_FLOW_WARPS" if variant == "flow" else "VLMCTL_FUSED_STEP_SLOTS"
+                os.environ[knob] = str(extra[len(rows) - 5])
+                print(f"-- {knob}={extra[len(rows) - 5]}", flush=True)
             dec._fused = False
             dec._graphs.clear()
             dec._graph_pool = None
             D.sync()
             dec.capture_graphs(1)
             r = D.bench_vlmctl(dec, 1, prompt_len, steps, True)
-            r.update(variant=name, fused=value == "1" and dec._fused not in (None, False),
-                     reason=dec.fused_step_reason)
-            if r["fused"] and value == "1" and (len(rows) >= 5 or not any(x.get("trace") for x in rows)):
+            r.update(variant=name, fused=value != "0" and dec._fused not in (None, False), step=value,
+                     warps=getattr(dec._fused, "warps", None), reason=dec.fused_step_reason)
+            if (r["fused"] and value == "1"
+                    and (len(rows) >= 5 or not any(x.get("trace") for x in rows))):
                 r["trace"] = trace_phases(dec, prompt_len)
             rows.append(r)
             print(f"{name:<6} fused={r['fused']!s:<6} {r['ms_per_step']:.3f} ms/step (GPU {r['gpu_ms_per_step']:.3f}), "
@@ -195,11 +203,15 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=640)
     ap.add_argument("--slots", type=int, nargs="*", default=[], help="also time the fused step with this many ring "
                     "slots (VLMCTL_FUSED_STEP_SLOTS)")
+    ap.add_argument("--variant", default="1", choices=["1", "flow"],
+                    help="the fused step checked and timed: 1 the ring step (decode_step.cu), flow decode_flow.cu")
+    ap.add_argument("--warps", type=int, nargs="*", default=[], help="with --variant flow: also time it with "
+                    "this many warps a block (VLMCTL_FLOW_WARPS)")
     ap.add_argument("--modes", type=int, metavar="LAYERS", help="only the phase trace per mode (see modes())")
     ap.add_argument("--ncu-once", action="store_true", help="with --modes: three eager steps, for ncu")
     ap.add_argument("--out")
     args = ap.parse_args()
-    os.environ.setdefault("VLMCTL_FUSED_STEP", "1")  # the fused step is opt-in; the checks build it
+    os.environ["VLMCTL_FUSED_STEP"] = args.variant  # the fused step is opt-in; the checks build it
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     if args.modes:
         return modes(args.prompt_len, args.modes, args.ncu_once)
@@ -215,7 +227,7 @@ def main():
             out["checks"].append(check(name, cfg, group, plen, steps))
             print(f"  ({time.time() - t:.1f} s)", flush=True)
     if not args.skip_time:
-        out["timing"] = timing(args.steps, args.prompt_len, args.slots)
+        out["timing"] = timing(args.steps, args.prompt_len, args.slots, args.variant, args.warps)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)

@@ -1,4 +1,5 @@
-"""The fused batch-1 decode step (`vlmctl/runtime/kernels/fused_step.py`, `decode_step.cu`).
+"""The fused batch-1 decode steps: the ring step (`vlmctl/runtime/kernels/fused_step.py`, `decode_step.cu`,
+VLMCTL_FUSED_STEP=1) and the dataflow step (`flow_step.py`, `decode_flow.cu`, VLMCTL_FUSED_STEP=flow).
 
 On any machine with NVRTC (`pip install nvidia-cuda-nvrtc`): the kernel compiles for sm_90. On a GPU of
 compute capability 9.0 (marked `gpu`): a random AWQ decoder's decode steps fused and kernel by kernel, from
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from vlmctl.runtime.kernels import cuda_rtc, fused_step as FS
+from vlmctl.runtime.kernels import cuda_rtc, flow_step as FL, fused_step as FS
 
 GPU90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
@@ -23,6 +24,23 @@ def test_kernel_compiles_for_sm90():
     names = [FS.kernel_name(g) for g in (32, 64, 128)]
     cubin, lowered = cuda_rtc.compile_cubin(FS.source(), names, "sm_90")
     assert len(cubin) > 10_000 and set(lowered) == set(names)
+
+
+@pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
+def test_flow_kernel_compiles_for_sm90():
+    # LLaVA-1.5-7B's shapes (group 128), Qwen2-VL-7B's (I = 18,944: one row a down task), the tests' small one
+    names = [FL.kernel_name(16, 128, 4096, 4096, 11008), FL.kernel_name(16, 128, 3584, 3584, 18944),
+             FL.kernel_name(16, 64, 512, 512, 1536), FL.kernel_name(12, 32, 512, 512, 1536)]
+    cubin, lowered = cuda_rtc.compile_cubin(FL.source(), names, "sm_90")
+    assert len(cubin) > 10_000 and set(lowered) == set(names)
+
+
+def test_fused_step_modes(monkeypatch):
+    for value, want in (("0", ""), ("", ""), ("1", "ring"), ("ring", "ring"), ("flow", "flow"), ("FLOW", "flow")):
+        monkeypatch.setenv("VLMCTL_FUSED_STEP", value)
+        assert FS.mode() == want
+    monkeypatch.delenv("VLMCTL_FUSED_STEP")
+    assert FS.mode() == "" and not FS.enabled()
 
 
 def test_tile_rows():
@@ -61,9 +79,10 @@ def _step(dec, tok, n, table, fused):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["1", "flow"])
 @pytest.mark.parametrize("group,prompt", [(64, 37), (128, 64), (32, 95)])
-def test_fused_step_follows_the_kernel_by_kernel_step(group, prompt, monkeypatch):
-    monkeypatch.setenv("VLMCTL_FUSED_STEP", "1")
+def test_fused_step_follows_the_kernel_by_kernel_step(group, prompt, variant, monkeypatch):
+    monkeypatch.setenv("VLMCTL_FUSED_STEP", variant)
     if not GPU90:
         pytest.skip("needs a CUDA GPU of compute capability 9.0+")
     from vlmctl.runtime.kernels.fused_step import FusedStep
@@ -73,6 +92,7 @@ def test_fused_step_follows_the_kernel_by_kernel_step(group, prompt, monkeypatch
     dec.use_graphs = False
     fused = FusedStep.build(dec)
     assert fused is not None, dec.fused_step_reason
+    assert type(fused).__name__ == ("FlowStep" if variant == "flow" else "FusedStep")
     tok, table = _prefill(dec, prompt)
     agree = 0
     for i in range(40):
@@ -88,8 +108,9 @@ def test_fused_step_follows_the_kernel_by_kernel_step(group, prompt, monkeypatch
 
 
 @pytest.mark.gpu
-def test_captured_fused_step_equals_eager(monkeypatch):
-    monkeypatch.setenv("VLMCTL_FUSED_STEP", "1")
+@pytest.mark.parametrize("variant", ["1", "flow"])
+def test_captured_fused_step_equals_eager(variant, monkeypatch):
+    monkeypatch.setenv("VLMCTL_FUSED_STEP", variant)
     if not GPU90:
         pytest.skip("needs a CUDA GPU of compute capability 9.0+")
     dec = _decoder(group=128, kv=1)

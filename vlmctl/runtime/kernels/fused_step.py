@@ -37,10 +37,18 @@ SMEM_MAX = 227 * 1024  # dynamic shared memory one block may opt into on sm_90
 _TEXT: list = []
 
 
+def mode() -> str:
+    """Which fused step VLMCTL_FUSED_STEP asks for: "" (off, the default), "ring" (1: this module's
+    decode_step.cu, slower than the kernel-by-kernel step on an H200, docs/benchmarks.md, session 14) or
+    "flow" (flow_step.py's decode_flow.cu, the same step ordered by counters in memory)."""
+    v = os.environ.get("VLMCTL_FUSED_STEP", "0").strip().lower()
+    if v in ("1", "on", "true", "ring"):
+        return "ring"
+    return "flow" if v == "flow" else ""
+
+
 def enabled() -> bool:
-    """Off unless VLMCTL_FUSED_STEP=1: on an H200 it is still slower than the kernel-by-kernel step
-    (docs/benchmarks.md, session 14)."""
-    return os.environ.get("VLMCTL_FUSED_STEP", "0").strip().lower() in ("1", "on", "true")
+    return mode() != ""
 
 
 def source() -> str:
@@ -78,7 +86,7 @@ def unsupported_reason(decoder) -> str | None:
     from . import cuda_rtc
 
     if not enabled():
-        return "off (VLMCTL_FUSED_STEP=1 turns it on)"
+        return "off (VLMCTL_FUSED_STEP=1 or =flow turns it on)"
     if decoder.device.type != "cuda" or torch.cuda.get_device_capability(decoder.device) < (9, 0):
         return "needs a CUDA GPU of compute capability 9.0 or later"
     if decoder.dtype != torch.float16:
@@ -183,6 +191,10 @@ class FusedStep:
         reason = unsupported_reason(decoder)
         step = None
         if reason is None:
+            if mode() == "flow" and cls is FusedStep:
+                from .flow_step import FlowStep
+
+                cls = FlowStep
             try:
                 step = cls(decoder)
             except (ValueError, RtcError) as e:

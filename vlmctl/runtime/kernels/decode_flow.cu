@@ -1,0 +1,463 @@
+// decode_flow: every layer of a batch-1 decode step of an AWQ decoder in one persistent kernel, its work
+// ordered by counters in memory instead of kernel ends or grid barriers (a dataflow step).
+//
+// Compiled after w4a16_mma.cu and decode_step.cu (flow_step.py puts the sources together), whose helpers it
+// uses: the batch-1 CUDA GEMV's chunk arithmetic (gemv_chunk, the same products and sums per row), the
+// uncached loads, rotary and the StepLinear / StepLayer tables.
+//
+// Why: kernel by kernel, each linear of a batch-1 step starts its weight stream only when the kernel before it
+// has ended (PDL lets its resident blocks load one batch early), and the attention between qkv and o leaves
+// the memory system idle for ~6 us a layer. decode_step.cu (one producer warp per SM streaming weights into
+// shared memory, phases between grid barriers) was slower: its consumer warps could not keep up. Here every
+// warp of the grid is a worker that runs tasks in a fixed order: warp w takes tasks w, w + W, w + 2W, ... of
+// the step's list (W warps in all). A task is one of
+//   qkv    R rows of the layer's qkv projection, from the input RMSNorm's output
+//   attn   one KV head's 32-token tile of the context: partials of its query heads (rotary of q; the tile with
+//          the new token also rotates and appends K and V); the last tile of a KV head to finish (a ticket)
+//          combines them into that head's output
+//   o      R rows of o, added to the residual stream; the stage's last task (a ticket) writes the
+//          post-attention RMSNorm of the result
+//   gateup R/2 gate rows and their up rows, act(gate) * up stored
+//   down   R rows of down, added to the residual stream; the last task writes the next layer's input RMSNorm
+//          (layer 0's is written before the launch)
+// A task loads its weights (all of them: a lane holds its chunks of every row in registers) before it waits
+// for its input, so the warps that finished one stage already stream the next stage's weights while the last
+// tasks of the stage before finish. Each stage of each layer has a counter: a task adds one when its output
+// is stored (release); a task waits until the stage before its own is complete (acquire). Tasks only wait on
+// earlier tasks, and all warps are resident (cooperative launch), so the order cannot deadlock.
+// A stage's tasks are spread over all warps (a warp's next task is W further down the list), so the last
+// task of a stage runs beside the first weight loads of the next.
+// Each layer has its own activation buffers, so no address is written twice in a step (no L1 line can be
+// stale within the launch).
+//
+// Numerics: each linear's rows as the batch-1 CUDA GEMV computes them (gemv_chunk: the same products and sums
+// per lane, lanes added by the same shuffles); norms, rotary, residual adds and act*mul round as decode_step.cu.
+
+// Stages of a layer, in task order.
+#define FS_QKV 0
+#define FS_ATT 1
+#define FS_O 2
+#define FS_GU 3
+#define FS_DOWN 4
+#define FS_STAGES 5
+// A layer's sync words: the five stages' task counters, then o's and down's "normalized output ready" flags,
+// then the KV heads' tile tickets.
+#define FS_O_READY 5
+#define FS_DOWN_READY 6
+#define FS_SYNC 7
+
+
+__device__ __forceinline__ void red_release_add(u32* p, u32 v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ u32 atom_acq_rel_add(u32* p, u32 v) {
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
+// Read inside each task (volatile: not hoisted out of the task loops, where the compiler would otherwise keep
+// every linear's table fields and lane offsets live across the whole step and spill).
+__device__ __forceinline__ int lane_id() {
+    int l;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
+    return l;
+}
+
+__device__ __forceinline__ long long ld_table(const long long* p) {
+    long long v;
+    asm volatile("ld.global.nc.u64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32 ld_nc_u16(const u16* p) {
+    u16 v;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32 ld_nc_u8(const u8* p) {
+    u32 v;
+    asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+// One linear's table row, as its task reads it.
+struct FlowLinear {
+    const u32* qw;
+    const u16* sc;
+    const u8* zp;
+    const u16* bias;
+    int k, up;
+};
+
+__device__ __forceinline__ FlowLinear flow_linear(const StepLinear* lp) {
+    const long long* f = (const long long*)lp;
+    return FlowLinear{(const u32*)ld_table(f), (const u16*)ld_table(f + 1), (const u8*)ld_table(f + 2),
+                      (const u16*)ld_table(f + 3), (int)ld_table(f + 5), (int)ld_table(f + 6)};
+}
+
+__device__ __forceinline__ void nanosleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" :: "r"(ns)); }
+
+// Wait (every lane) until counter `c` reaches `target`; `known` caches the last stage key this warp saw
+// complete (stages complete in key order, so later tasks of a seen stage skip the poll).
+__device__ __forceinline__ void flow_wait(const u32* c, u32 target, int key, int& known) {
+    if (key <= known) return;
+    u32 spins = 0, ns = 32;
+    while (ld_acquire_u32(c) < target) {
+        nanosleep_ns(ns);
+        ns = min(ns * 2u, 256u);
+        if (++spins == SPIN_LIMIT) __trap();
+    }
+    known = key;
+}
+
+// A lane's share of R rows of a W4A16 linear: chunk c = lane + 32 u of each row (u < CPL), loaded at once.
+template <int R, int CPL>
+struct FlowRows {
+    u32x4 w[CPL][R];
+    u32 sz[CPL][R];  // scale bits | zero point << 16
+};
+
+template <int R, int CPL, int G>
+__device__ __forceinline__ void flow_load_rows(FlowRows<R, CPL>& b, const FlowLinear& l, const int (&rows)[R],
+                                               int lane) {
+    const int K = l.k, KC = K >> 5, KG = K / G;
+    // unconditional loads (a lane past the row's end reloads its last chunk, not used): registers assigned on
+    // only some paths would send the whole array to local memory
+#pragma unroll
+    for (int u = 0; u < CPL; ++u) {
+        const int c = min(lane + 32 * u, KC - 1);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const long long n = rows[r];
+            b.w[u][r] = ld_stream16(l.qw + n * (K >> 3) + 4 * c);
+            const int gi = (c * 32) / G;
+            b.sz[u][r] = (u32)ld_nc_u16(l.sc + n * KG + gi) | ((u32)ld_nc_u8(l.zp + n * KG + gi) << 16);
+        }
+    }
+}
+
+// The RMSNorm of a D-long row by one warp: out = weight * fp16(x * rsqrt(mean(x^2) + eps)), rounded as
+// fill_norm (decode_step.cu) and ops.rms_norm round. x was stored by other warps: read from L2.
+__device__ __forceinline__ void flow_norm(const u16* x, const u16* w, int D, float eps, u16* out, int lane) {
+    float ss = 0.f;
+    for (int P = lane; P < D / 8; P += 32) {
+        const u32x4 v = ld_cg16(x + 8 * P);
+        const u32 a[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float lo = lo_f(a[j]), hi = hi_f(a[j]);
+            ss += lo * lo + hi * hi;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float rstd = rsqrtf(ss / (float)D + eps);
+    for (int P = lane; P < D / 8; P += 32) {
+        const u32x4 v = ld_cg16(x + 8 * P);
+        const u32x4 wv = *(const u32x4*)(w + 8 * P);
+        const u32 a[4] = {v.x, v.y, v.z, v.w}, b[4] = {wv.x, wv.y, wv.z, wv.w};
+        u32 o[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u16 nlo = f2h(lo_f(a[j]) * rstd), nhi = f2h(hi_f(a[j]) * rstd);
+            const u16 ylo = f2h(lo_f(b[j]) * h2f(nlo)), yhi = f2h(hi_f(b[j]) * h2f(nhi));
+            o[j] = (u32)ylo | ((u32)yhi << 16);
+        }
+        *(u32x4*)(out + 8 * P) = u32x4{o[0], o[1], o[2], o[3]};
+    }
+}
+
+// One GEMV task. kind: FS_QKV (norm in, + bias), FS_O / FS_DOWN (+ residual), FS_GU (norm in, act(gate) * up:
+// rows 0 .. R/2 - 1 are gate rows out0 .., R/2 .. R - 1 their up rows). out0: its first output row.
+// FS_O and FS_DOWN count their stage's tasks on done_c with a ticket: the last task normalizes the stage's
+// output (the next linear's input, norm weight nw, into xn) and only then releases `ready`.
+template <int R, int CPL, int G, int kind>
+__device__ __forceinline__ void flow_gemv(const StepLinear* lp, int out0, const u16* x, const u16* resid, u16* out,
+                                          const u32* wait_c, u32 wait_target, int wait_key, int& known, u32* done_c,
+                                          u32 n_tasks, const u16* nw, float eps, int D, u16* xn, u32* ready,
+                                          int act_kind) {
+    const int lane = lane_id();
+    const FlowLinear l = flow_linear(lp);
+    const int K = l.k, KC = K >> 5;
+    constexpr int H = R / 2;
+    int rows[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) rows[r] = kind == FS_GU ? (r < H ? out0 + r : l.up + out0 + r - H) : out0 + r;
+    FlowRows<R, CPL> b;
+    flow_load_rows<R, CPL, G>(b, l, rows, lane);
+    if (wait_c) flow_wait(wait_c, wait_target, wait_key, known);
+    // the epilogue's residuals (or biases) now, so the end of the task does not wait on a load
+    u16 pre = 0;
+    const int nout = kind == FS_GU ? H : R;
+    if (lane < nout) {
+        if (kind == FS_O || kind == FS_DOWN) pre = resid[out0 + lane];
+        else if (kind == FS_QKV && l.bias) pre = l.bias[out0 + lane];
+    }
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+#pragma unroll
+    for (int u = 0; u < CPL; ++u) {
+        const int c = lane + 32 * u;
+        if (c < KC) {
+            u32x4 xv[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) xv[j] = ld_act16(x + 32 * c + 8 * j);
+#pragma unroll
+            for (int r = 0; r < R; ++r) gemv_chunk(acc[r], b.w[u][r], b.sz[u][r] & 0xFFFFu, b.sz[u][r] >> 16, xv);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+    }
+    // lane i stores output row out0 + i (every lane holds every row's sum after the shuffles)
+#pragma unroll
+    for (int r = 0; r < (kind == FS_GU ? H : R); ++r) {
+        if (lane == r) {
+            const int n = out0 + r;
+            if (kind == FS_QKV) {
+                out[n] = f2h(acc[r] + (l.bias ? h2f(pre) : 0.f));
+            } else if (kind == FS_GU) {
+                const float gf = h2f(f2h(acc[r])), u = h2f(f2h(acc[r + H]));
+                const float a = act_kind == 0 ? act_f32<0>(gf) : act_f32<1>(gf);
+                out[n] = f2h(h2f(f2h(a)) * u);
+            } else {
+                out[n] = f2h(h2f(pre) + h2f(f2h(acc[r])));
+            }
+        }
+    }
+    __syncwarp();
+    if constexpr (kind == FS_O || kind == FS_DOWN) {
+        u32 old = 0;
+        if (lane == 0) old = atom_acq_rel_add(done_c, 1u);
+        old = __shfl_sync(0xffffffffu, old, 0);
+        __syncwarp();  // orders the other lanes' reads below after lane 0's acquire
+        if (old + 1 == n_tasks) {  // the stage's last task: every row of `out` is stored
+            if (xn) flow_norm(out, nw, D, eps, xn, lane);
+            __syncwarp();
+            if (lane == 0) red_release_add(ready, 1u);
+        }
+    } else {
+        if (lane == 0) red_release_add(done_c, 1u);
+    }
+}
+
+// One attention task: KV head kvh's 32-token tile `tile` (decode_step.cu's attention_phase item, for one warp),
+// then the ticket: the KV head's last tile combines its query heads' partials into attn. Cached K rows are
+// loaded before the wait (they do not change in this step; the new token's row is the one this step writes,
+// and its lane takes the new K from shared memory). `part` is shared by the layers: a layer's partials are
+// written only after its qkv stage, which follows the previous layer's down stage, which follows its o stage,
+// which waited for every combine of that layer.
+__device__ __forceinline__ void flow_attn(const StepLayer& ly, const u16* qkv, u16* attn, float* part, u32* ticket, int kvh,
+                          int tile, int ntiles, int pos, int slot, int ctx, const int* bt, const float* cos_sin,
+                          int n_heads, int n_kv, int block_size, int max_tiles, float scale_log2, u32 qs,
+                          const u32* wait_c, u32 wait_target, int wait_key, int& known, u32* done_c, int lane) {
+    const int grp = n_heads / n_kv;
+    const u32 knew = qs + (u32)(grp * 256), vnew = knew + 256u;
+    const int tok = tile * 32 + lane;
+    const bool valid = tok < ctx;
+    const bool newtile = tile == ntiles - 1;
+    const int newu = ctx - 1 - tile * 32;  // the new token's lane in its tile
+    const int blk = valid ? bt[tok / block_size] : 0;
+    // tokens past the context read block 0's first row (never handed out) and get p = 0
+    const long long row = valid ? (long long)blk * block_size + tok % block_size : 0;
+    const u16* krow = ly.kc + ((size_t)row * n_kv + kvh) * 128;
+    u32x4 kr[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) kr[i] = ld_cg16(krow + 8 * i);
+    const float* cs = cos_sin + (size_t)pos * 128;
+    const float c0 = h2f(f2h(cs[lane])), c1 = h2f(f2h(cs[lane + 32]));
+    const float s0 = h2f(f2h(cs[64 + lane])), s1 = h2f(f2h(cs[64 + lane + 32]));
+    flow_wait(wait_c, wait_target, wait_key, known);
+    for (int j = 0; j < grp; ++j) {
+        const u16* qh = qkv + (size_t)(kvh * grp + j) * 128;
+        const float x0 = h2f(ld_cg_u16(qh + lane)), x1 = h2f(ld_cg_u16(qh + lane + 32));
+        const float y0 = h2f(ld_cg_u16(qh + lane + 64)), y1 = h2f(ld_cg_u16(qh + lane + 96));
+        u16 o1, o2, o3, o4;
+        rope_pair(x0, y0, c0, s0, o1, o2);
+        rope_pair(x1, y1, c1, s1, o3, o4);
+        const u32 q = qs + (u32)(j * 256);
+        asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane), "h"(o1) : "memory");
+        asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane + 64), "h"(o3) : "memory");
+        asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane + 128), "h"(o2) : "memory");
+        asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane + 192), "h"(o4) : "memory");
+    }
+    if (newtile) {
+        const u16* kh = qkv + (size_t)(n_heads + kvh) * 128;
+        const u16* vh = qkv + (size_t)(n_heads + n_kv + kvh) * 128;
+        u16* kd = ly.kc + ((size_t)slot * n_kv + kvh) * 128;
+        u16* vd = ly.vc + ((size_t)slot * n_kv + kvh) * 128;
+        u16 o[4];
+        rope_pair(h2f(ld_cg_u16(kh + lane)), h2f(ld_cg_u16(kh + lane + 64)), c0, s0, o[0], o[2]);
+        rope_pair(h2f(ld_cg_u16(kh + lane + 32)), h2f(ld_cg_u16(kh + lane + 96)), c1, s1, o[1], o[3]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u16 v = ld_cg_u16(vh + lane + 32 * i);
+            kd[lane + 32 * i] = o[i];
+            vd[lane + 32 * i] = v;
+            asm volatile("st.shared.u16 [%0], %1;" :: "r"(knew + 2 * (lane + 32 * i)), "h"(o[i]) : "memory");
+            asm volatile("st.shared.u16 [%0], %1;" :: "r"(vnew + 2 * (lane + 32 * i)), "h"(v) : "memory");
+        }
+    }
+    __syncwarp();
+    if (newtile && lane == newu) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) kr[i] = lds16(knew + 16u * i);
+    }
+    u32x2 vn = u32x2{0u, 0u};
+    if (newtile) asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(vn.x), "=r"(vn.y) : "r"(vnew + 8u * lane));
+    for (int j = 0; j < grp; ++j) {
+        float sc = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const u32x4 qv = lds16(qs + (u32)(j * 256 + 16 * i));
+            const u32 qa[4] = {qv.x, qv.y, qv.z, qv.w}, ka[4] = {kr[i].x, kr[i].y, kr[i].z, kr[i].w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sc += lo_f(qa[e]) * lo_f(ka[e]) + hi_f(qa[e]) * hi_f(ka[e]);
+        }
+        sc = valid ? sc * scale_log2 : NEG_INF;
+        float m = sc;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        const float p = valid ? exp2f(sc - m) : 0.f;
+        float lsum = p;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
+        const u32 p16 = f2h(p);
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 8
+        for (int u = 0; u < 32; ++u) {
+            const long long ru = __shfl_sync(0xffffffffu, row, u);
+            const float pu = h2f((u16)__shfl_sync(0xffffffffu, p16, u));
+            const u32x2 v = (newtile && u == newu) ? vn : ld_cg8(ly.vc + ((size_t)ru * n_kv + kvh) * 128 + 4 * lane);
+            acc[0] += pu * lo_f(v.x);
+            acc[1] += pu * hi_f(v.x);
+            acc[2] += pu * lo_f(v.y);
+            acc[3] += pu * hi_f(v.y);
+        }
+        float* pp = part + ((size_t)(kvh * grp + j) * max_tiles + tile) * 132;
+        asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(pp + 4 * lane), "f"(acc[0]), "f"(acc[1]),
+                     "f"(acc[2]), "f"(acc[3]) : "memory");
+        if (lane == 0) {
+            pp[128] = m;
+            pp[129] = lsum;
+        }
+    }
+    __syncwarp();
+    u32 old = 0;
+    if (lane == 0) old = atom_acq_rel_add(ticket + kvh, 1u);
+    old = __shfl_sync(0xffffffffu, old, 0);
+    __syncwarp();  // orders the other lanes' reads below after lane 0's acquire
+    if (old + 1 != (u32)ntiles) return;  // not the KV head's last tile
+    // the last tile: every tile's partials of this KV head are stored (the ticket's acquire, then the warp sync)
+    for (int j = 0; j < grp; ++j) {
+        const int h = kvh * grp + j;
+        const float* ph = part + (size_t)h * max_tiles * 132;
+        float M = NEG_INF, lsum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+        for (int tt = 0; tt < ntiles; ++tt) {
+            const float* pp = ph + tt * 132;
+            const float m = ld_cg_f32(pp + 128), l = ld_cg_f32(pp + 129);
+            const u32x4 v = ld_cg16(pp + 4 * lane);
+            const float Mn = fmaxf(M, m);
+            const float a = exp2f(M - Mn), b = exp2f(m - Mn);
+            lsum = lsum * a + l * b;
+            acc[0] = acc[0] * a + as_float(v.x) * b;
+            acc[1] = acc[1] * a + as_float(v.y) * b;
+            acc[2] = acc[2] * a + as_float(v.z) * b;
+            acc[3] = acc[3] * a + as_float(v.w) * b;
+            M = Mn;
+        }
+        const float inv = 1.f / lsum;
+        const u32 lo = (u32)f2h(acc[0] * inv) | ((u32)f2h(acc[1] * inv) << 16);
+        const u32 hi = (u32)f2h(acc[2] * inv) | ((u32)f2h(acc[3] * inv) << 16);
+        *(u32x2*)(attn + (size_t)h * 128 + 4 * lane) = u32x2{lo, hi};
+    }
+    __syncwarp();
+    if (lane == 0) red_release_add(done_c, 1u);
+}
+
+// Rows a GEMV task takes for a K whose lanes hold CPL chunks: as many as keep ~16 chunks of weights in a
+// lane's registers (64 registers).
+template <int CPL>
+struct FlowTaskRows {
+    static constexpr int value = CPL <= 4 ? 4 : (CPL <= 8 ? 2 : 1);
+};
+
+// NW warps a block; CD / CA / CI: chunks a lane holds of a row of K = D (qkv, gate_up), n_heads * 128 (o) and
+// I (down), i.e. ceil(K / 1024). xn1[0] (layer 0's input norm) is written before the launch.
+template <int NW, int G, int CD, int CA, int CI>
+__global__ void __launch_bounds__(NW * 32, 1)
+decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* xn1_all, u16* qkv_all, u16* attn_all,
+            u16* hmid_all, u16* xn2_all, u16* act_all, float* part, u32* sync, const int* pos_p, const int* slot_p,
+            const int* ctx_p, const int* bt, const float* cos_sin, int n_layers, int D, int I, int n_heads, int n_kv,
+            int block_size, int max_tiles, int scale_log2_bits, int eps_bits, int act_kind) {
+    constexpr int RQ = FlowTaskRows<CD>::value;                 // qkv
+    constexpr int RG = RQ < 2 ? 2 : RQ;                         // gate_up: gate and up rows in pairs
+    constexpr int RO = FlowTaskRows<CA>::value;                 // o
+    constexpr int RD = FlowTaskRows<CI>::value;                 // down
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int grp = n_heads / n_kv;
+    const u32 qs = smem_addr(smem) + (u32)(warp * (grp + 2) * 256);  // this warp's q, new K and new V
+    const float scale_log2 = __int_as_float(scale_log2_bits), eps = __int_as_float(eps_bits);
+    const int pos = pos_p[0], slot = slot_p[0], ctx = ctx_p[0];
+    const int ntiles = (ctx + 31) >> 5;
+    const int HA = n_heads * 128, NQ = (n_heads + 2 * n_kv) * 128;
+    const int nq = NQ / RQ, na = n_kv * ntiles, no = D / RO, ng = I / (RG / 2), nd = D / RD;
+    const int per_layer = nq + na + no + ng + nd;
+    const int sync_stride = FS_SYNC + n_kv;
+    const long long W = (long long)gridDim.x * NW, gw = (long long)blockIdx.x * NW + warp;
+    int known = -1;  // the last stage key (FS_STAGES * layer + stage) this warp saw complete
+    // Warp gw runs tasks gw, gw + W, ... of the step's list; a stage's tasks in a loop of their own (one inlined
+    // task body a loop keeps the register allocation of the five kinds apart).
+#define FLOW_TASKS(first, count) \
+    for (int i = (int)((((gw - (first)) % W) + W) % W); i < (count); i += (int)W)
+    for (int L = 0; L < n_layers; ++L) {
+        const long long base = (long long)L * per_layer;
+        u32* sy = sync + (size_t)L * sync_stride;
+        const StepLinear* l4 = lins + 4 * L;
+        const int key = FS_STAGES * L;
+        u16* qkv = qkv_all + (size_t)L * NQ;
+        u16* attn = attn_all + (size_t)L * HA;
+        u16* hmid = hmid_all + (size_t)L * D;
+        u16* xn2 = xn2_all + (size_t)L * D;
+        u16* act = act_all + (size_t)L * I;
+        // qkv: after the previous layer's down stage and the norm of its output
+        const u32* ready = L > 0 ? sync + (size_t)(L - 1) * sync_stride + FS_DOWN_READY : nullptr;
+        FLOW_TASKS(base, nq) {
+            flow_gemv<RQ, CD, G, FS_QKV>(l4, i * RQ, xn1_all + (size_t)L * D, nullptr, qkv, ready, 1u, key - 1,
+                                         known, sy + FS_QKV, 0u, nullptr, 0.f, D, nullptr, nullptr, act_kind);
+        }
+        FLOW_TASKS(base + nq, na) {
+            flow_attn(layers[L], qkv, attn, part, sy + FS_SYNC, i / ntiles, i % ntiles, ntiles, pos, slot, ctx, bt,
+                      cos_sin, n_heads, n_kv, block_size, max_tiles, scale_log2, qs, sy + FS_QKV, (u32)nq,
+                      key + FS_QKV, known, sy + FS_ATT, lane);
+        }
+        // o, + the residual stream h[L]; the last task normalizes hmid into xn2
+        FLOW_TASKS(base + nq + na, no) {
+            flow_gemv<RO, CA, G, FS_O>(l4 + 1, i * RO, attn, h + (size_t)L * D, hmid, sy + FS_ATT, (u32)n_kv,
+                                       key + FS_ATT, known, sy + FS_O, (u32)no, layers[L].post_norm, eps, D, xn2,
+                                       sy + FS_O_READY, act_kind);
+        }
+        FLOW_TASKS(base + nq + na + no, ng) {
+            flow_gemv<RG, CD, G, FS_GU>(l4 + 2, i * (RG / 2), xn2, nullptr, act, sy + FS_O_READY, 1u, key + FS_O,
+                                        known, sy + FS_GU, 0u, nullptr, 0.f, D, nullptr, nullptr, act_kind);
+        }
+        // down, + hmid into h[L + 1]; the last task normalizes it into the next layer's xn1
+        const bool last = L + 1 == n_layers;
+        FLOW_TASKS(base + nq + na + no + ng, nd) {
+            flow_gemv<RD, CI, G, FS_DOWN>(l4 + 3, i * RD, act, hmid, h + (size_t)(L + 1) * D, sy + FS_GU, (u32)ng,
+                                          key + FS_GU, known, sy + FS_DOWN, (u32)nd,
+                                          last ? nullptr : layers[L + 1].in_norm, eps, D,
+                                          last ? nullptr : xn1_all + (size_t)(L + 1) * D, sy + FS_DOWN_READY,
+                                          act_kind);
+        }
+    }
+#undef FLOW_TASKS
+}

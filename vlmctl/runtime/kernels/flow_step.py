@@ -1,0 +1,111 @@
+"""The batch-1 decode step of an AWQ decoder as one persistent kernel whose work is ordered by counters in
+memory (`decode_flow.cu`; the file's header says why and how).
+
+Every warp of the grid runs the step's tasks (rows of a linear, one KV head's tile of attention) in a fixed
+order; a task loads its weights before it waits for its input, so the weight stream does not stop at the
+boundaries between a layer's stages. It covers what `fused_step.unsupported_reason` allows and is selected
+with VLMCTL_FUSED_STEP=flow (off by default); VLMCTL_FLOW_WARPS sets the warps a block (16).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from .fused_step import FusedStep, _bits
+from .settings import env_int
+
+SOURCE = Path(__file__).with_name("decode_flow.cu")
+_TEXT: list = []
+SYNC_WORDS = 7  # a layer's counters and flags before its KV heads' tickets (decode_flow.cu's FS_SYNC)
+
+
+def source() -> str:
+    """w4a16_mma.cu and decode_step.cu (whose helpers the step uses), then decode_flow.cu."""
+    if not _TEXT:
+        from .fused_step import source as ring_source
+
+        _TEXT.append(ring_source() + "\n" + SOURCE.read_text())
+    return _TEXT[0]
+
+
+def chunks_per_lane(k: int) -> int:
+    """The 32-k chunks of a K-long row each lane of a warp holds: ceil(K / 1024)."""
+    return -(-k // 1024)
+
+
+def kernel_name(warps: int, group_size: int, d: int, attn_width: int, inter: int) -> str:
+    return (f"decode_flow<{warps}, {group_size}, {chunks_per_lane(d)}, {chunks_per_lane(attn_width)}, "
+            f"{chunks_per_lane(inter)}>")
+
+
+class FlowStep(FusedStep):
+    """The dataflow batch-1 step of one decoder: its tables, per-layer buffers and kernel. `run` is CUDA-graph
+    capturable."""
+
+    def __init__(self, decoder):  # noqa: D107 (FusedStep's ring set-up does not apply)
+        self.decoder = dec = decoder
+        self.group = dec.layers[0].qkv.group_size
+        self.D, self.I = dec.spec.hidden_size, dec.inter
+        dev = dec.device
+        self.warps = env_int("VLMCTL_FLOW_WARPS", 16, minimum=1)
+        if self.warps > 32:
+            raise ValueError("VLMCTL_FLOW_WARPS: at most 32 warps a block")
+        if self.I % 2:
+            raise ValueError(f"an odd intermediate size {self.I}")
+        lins = []
+        for layer in dec.layers:
+            for i, lin in enumerate((layer.qkv, layer.o, layer.gate_up, layer.down)):
+                p = lin.packed
+                n, k = p["q4weight"].shape[0], p["q4weight"].shape[1] * 8
+                bias = lin.bias.data_ptr() if lin.bias is not None else 0
+                if i == 2:  # gate_up: its first half are the gate rows, the up row of gate row r is n / 2 + r
+                    lins.append([p["q4weight"].data_ptr(), p["q4scales"].data_ptr(), p["q4zeros"].data_ptr(), bias,
+                                 n // 2, k, n // 2, 0])
+                else:
+                    lins.append([p["q4weight"].data_ptr(), p["q4scales"].data_ptr(), p["q4zeros"].data_ptr(), bias,
+                                 n, k, 0, 0])
+        self.lins = torch.tensor(lins, dtype=torch.int64, device=dev)
+        self.layers = None  # (pointers into the KV pool: built by `bind_cache`)
+        self.max_tiles = -(-dec.max_seq // 32)
+        f16, nl = torch.float16, dec.n_layers
+        self.attn_width = dec.n_heads * 128
+        nq = (dec.n_heads + 2 * dec.n_kv) * 128
+        self.h = torch.zeros(nl + 1, self.D, dtype=f16, device=dev)
+        self.xn1 = torch.zeros(nl, self.D, dtype=f16, device=dev)  # each layer's input norm
+        self.xn2 = torch.zeros(nl, self.D, dtype=f16, device=dev)  # and post-attention norm
+        self.qkv = torch.zeros(nl, nq, dtype=f16, device=dev)
+        self.attn = torch.zeros(nl, self.attn_width, dtype=f16, device=dev)
+        self.hmid = torch.zeros(nl, self.D, dtype=f16, device=dev)
+        self.act = torch.zeros(nl, self.I, dtype=f16, device=dev)
+        self.part = torch.zeros(dec.n_heads * self.max_tiles * 132, dtype=torch.float32, device=dev)
+        self.sync = torch.zeros(nl, SYNC_WORDS + dec.n_kv, dtype=torch.int32, device=dev)
+        self.num_blocks = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.scale_log2 = _bits(dec.scale * math.log2(math.e))
+        self.eps = _bits(dec.eps)
+        self.act_kind = {"silu": 0, "gelu_tanh": 1}[dec.activation]
+        self.smem = self.warps * (dec.n_heads // dec.n_kv + 2) * 256
+        from . import cuda_rtc
+
+        self.kernel = cuda_rtc.load_kernel(source(), kernel_name(self.warps, self.group, self.D, self.attn_width,
+                                                                 self.I), dev)
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+            context_lens: torch.Tensor) -> torch.Tensor:
+        """As FusedStep.run: x [1, D], the embedded token -> the residual stream after the last layer [1, D]."""
+        dec = self.decoder
+        if self.layers is None or self._cache_ptr != dec.k_cache.data_ptr():
+            self.bind_cache()
+        self.h[0].copy_(x.reshape(-1))
+        self.xn1[0].copy_(dec._norm(x.reshape(1, -1), dec.layers[0].input_norm).reshape(-1))
+        self.sync.zero_()
+        bt = block_tables[0] if block_tables.dim() == 2 else block_tables
+        positions, slots, context_lens, bt = (t.to(torch.int32) for t in (positions, slots, context_lens, bt))
+        self.kernel.launch((self.num_blocks, 1, 1), (self.warps * 32, 1, 1), self.smem,
+                           [self.lins, self.layers, self.h, self.xn1, self.qkv, self.attn, self.hmid, self.xn2,
+                            self.act, self.part, self.sync, positions, slots, context_lens, bt, dec.cos_sin, dec.n_layers, self.D, self.I,
+                            dec.n_heads, dec.n_kv, dec.block_size, self.max_tiles, self.scale_log2, self.eps,
+                            self.act_kind], dec.device, cooperative=True)
+        return self.h[dec.n_layers].view(1, -1)
