@@ -8,27 +8,17 @@
 // Why: kernel by kernel, each linear of a batch-1 step starts its weight stream only when the kernel before it
 // has ended (PDL lets its resident blocks load one batch early), and the attention between qkv and o leaves
 // the memory system idle for ~6 us a layer. decode_step.cu (one producer warp per SM streaming weights into
-// shared memory, phases between grid barriers) was slower: its consumer warps could not keep up. Here every
-// warp of the grid is a worker that runs tasks in a fixed order: warp w takes tasks w, w + W, w + 2W, ... of
-// the step's list (W warps in all). A task is one of
-//   qkv    R rows of the layer's qkv projection, from the input RMSNorm's output
-//   attn   one KV head's 32-token tile of the context: partials of its query heads (rotary of q; the tile with
-//          the new token also rotates and appends K and V); the last tile of a KV head to finish (a ticket)
-//          combines them into that head's output
-//   o      R rows of o, added to the residual stream; the stage's last task (a ticket) writes the
-//          post-attention RMSNorm of the result
-//   gateup R/2 gate rows and their up rows, act(gate) * up stored
-//   down   R rows of down, added to the residual stream; the last task writes the next layer's input RMSNorm
-//          (layer 0's is written before the launch)
-// A task loads its weights (all of them: a lane holds its chunks of every row in registers) before it waits
-// for its input, so the warps that finished one stage already stream the next stage's weights while the last
-// tasks of the stage before finish. Each stage of each layer has a counter: a task adds one when its output
-// is stored (release); a task waits until the stage before its own is complete (acquire). Tasks only wait on
-// earlier tasks, and all warps are resident (cooperative launch), so the order cannot deadlock.
-// A stage's tasks are spread over all warps (a warp's next task is W further down the list), so the last
-// task of a stage runs beside the first weight loads of the next.
-// Each layer has its own activation buffers, so no address is written twice in a step (no L1 line can be
-// stale within the launch).
+// shared memory, phases between grid barriers) was slower: its consumer warps could not keep up.
+// Here one block per SM runs a layer's stages in order: qkv (of the input RMSNorm), attention, o (+ residual),
+// gate_up (of the post-attention RMSNorm, act(gate) * up), down (+ residual). In a linear's stage (flow_stage)
+// each warp computes tasks of R weight rows as the batch-1 CUDA GEMV does (its lanes hold their chunks of every
+// row in registers); it loads its first task's weights before the stage's input is ready, so the weights
+// stream while the grid finishes the stage before. The input is staged once per block in shared memory (the
+// RMSNorms computed there). A stage's completion is a counter in memory each block adds one to (release) and
+// the next stage polls (acquire): no grid barrier, no kernel boundary. Attention runs as warp tasks over the
+// whole grid (one KV head's 32-token tile, the last tile of a head combining by ticket); o waits for every head.
+// All blocks are resident (cooperative launch) and every wait is for earlier work, so nothing can deadlock.
+// Each layer has its own activation buffers, so no address is written twice in a step.
 //
 // Numerics: each linear's rows as the batch-1 CUDA GEMV computes them (gemv_chunk: the same products and sums
 // per lane, lanes added by the same shuffles); norms, rotary, residual adds and act*mul round as decode_step.cu.
@@ -40,11 +30,9 @@
 #define FS_GU 3
 #define FS_DOWN 4
 #define FS_STAGES 5
-// A layer's sync words: the five stages' task counters, then o's and down's "normalized output ready" flags,
-// then the KV heads' tile tickets.
-#define FS_O_READY 5
-#define FS_DOWN_READY 6
-#define FS_SYNC 7
+// A layer's sync words: the five stages' counters (blocks done; for FS_ATT, KV heads combined), then the KV
+// heads' tile tickets.
+#define FS_SYNC 5
 
 
 __device__ __forceinline__ void red_release_add(u32* p, u32 v) {
@@ -139,112 +127,139 @@ __device__ __forceinline__ void flow_load_rows(FlowRows<R, CPL>& b, const FlowLi
     }
 }
 
-// The RMSNorm of a D-long row by one warp: out = weight * fp16(x * rsqrt(mean(x^2) + eps)), rounded as
-// fill_norm (decode_step.cu) and ops.rms_norm round. x was stored by other warps: read from L2.
-__device__ __forceinline__ void flow_norm(const u16* x, const u16* w, int D, float eps, u16* out, int lane) {
-    float ss = 0.f;
-    for (int P = lane; P < D / 8; P += 32) {
-        const u32x4 v = ld_cg16(x + 8 * P);
-        const u32 a[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float lo = lo_f(a[j]), hi = hi_f(a[j]);
-            ss += lo * lo + hi * hi;
+// Step 2 of flow_stage: warp 0 waits for the input, then the block stages it in shared memory: x as stored,
+// or (norm_w) its RMSNorm, weight * fp16(x * rsqrt(mean(x^2) + eps)), rounded as fill_norm (decode_step.cu)
+// and ops.rms_norm round. Reads after warp 0's acquire are ordered by the barrier.
+template <int NW>
+__device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* norm_w, float eps, int K,
+                                                 const u32* wait_c, u32 wait_target, u32 xs, float* red, int warp,
+                                                 int lane) {
+    if (wait_c && warp == 0) {
+        u32 spins = 0, ns = 32;
+        while (ld_acquire_u32(wait_c) < wait_target) {
+            nanosleep_ns(ns);
+            ns = min(ns * 2u, 256u);
+            if (++spins == SPIN_LIMIT) __trap();
         }
     }
+    asm volatile("bar.sync 0;" ::: "memory");
+    if (norm_w) {
+        float ss = 0.f;
+        for (int P = threadIdx.x; P < K / 8; P += NW * 32) {
+            const u32x4 v = ld_act16(xsrc + 8 * P);
+            const u32 a[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const float rstd = rsqrtf(ss / (float)D + eps);
-    for (int P = lane; P < D / 8; P += 32) {
-        const u32x4 v = ld_cg16(x + 8 * P);
-        const u32x4 wv = *(const u32x4*)(w + 8 * P);
-        const u32 a[4] = {v.x, v.y, v.z, v.w}, b[4] = {wv.x, wv.y, wv.z, wv.w};
-        u32 o[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const u16 nlo = f2h(lo_f(a[j]) * rstd), nhi = f2h(hi_f(a[j]) * rstd);
-            const u16 ylo = f2h(lo_f(b[j]) * h2f(nlo)), yhi = f2h(hi_f(b[j]) * h2f(nhi));
-            o[j] = (u32)ylo | ((u32)yhi << 16);
+            for (int j = 0; j < 4; ++j) {
+                const float lo = lo_f(a[j]), hi = hi_f(a[j]);
+                ss += lo * lo + hi * hi;
+            }
         }
-        *(u32x4*)(out + 8 * P) = u32x4{o[0], o[1], o[2], o[3]};
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) red[warp] = ss;
+        asm volatile("bar.sync 0;" ::: "memory");
+        float total = 0.f;
+#pragma unroll
+        for (int i = 0; i < NW; ++i) total += red[i];
+        const float rstd = rsqrtf(total / (float)K + eps);
+        for (int P = threadIdx.x; P < K / 8; P += NW * 32) {
+            const u32x4 v = ld_act16(xsrc + 8 * P);
+            const u32x4 wv = *(const u32x4*)(norm_w + 8 * P);
+            const u32 a[4] = {v.x, v.y, v.z, v.w}, c[4] = {wv.x, wv.y, wv.z, wv.w};
+            u32 o[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u16 nlo = f2h(lo_f(a[j]) * rstd), nhi = f2h(hi_f(a[j]) * rstd);
+                const u16 ylo = f2h(lo_f(c[j]) * h2f(nlo)), yhi = f2h(hi_f(c[j]) * h2f(nhi));
+                o[j] = (u32)ylo | ((u32)yhi << 16);
+            }
+            sts16(xs + 16u * (u32)P, u32x4{o[0], o[1], o[2], o[3]});
+        }
+    } else {
+        for (int P = threadIdx.x; P < K / 8; P += NW * 32) sts16(xs + 16u * (u32)P, ld_act16(xsrc + 8 * P));
     }
+    asm volatile("bar.sync 0;" ::: "memory");
 }
 
-// One GEMV task. kind: FS_QKV (norm in, + bias), FS_O / FS_DOWN (+ residual), FS_GU (norm in, act(gate) * up:
-// rows 0 .. R/2 - 1 are gate rows out0 .., R/2 .. R - 1 their up rows). out0: its first output row.
-// FS_O and FS_DOWN count their stage's tasks on done_c with a ticket: the last task normalizes the stage's
-// output (the next linear's input, norm weight nw, into xn) and only then releases `ready`.
-template <int R, int CPL, int G, int kind>
-__device__ __forceinline__ void flow_gemv(const StepLinear* lp, int out0, const u16* x, const u16* resid, u16* out,
-                                          const u32* wait_c, u32 wait_target, int wait_key, int& known, u32* done_c,
-                                          u32 n_tasks, const u16* nw, float eps, int D, u16* xn, u32* ready,
-                                          int act_kind) {
-    const int lane = lane_id();
+// One block's share of a linear's stage (block b: tasks [b n / nb, (b + 1) n / nb) of the stage's n, warp w of NW
+// their w-th, w + NW-th, ...; a task is R weight rows, for FS_GU R / 2 gate rows and their up rows).
+//   1. each warp loads its first task's weights (before the wait: they do not depend on the step)
+//   2. flow_stage_input: the input, when ready, staged in shared memory (or its RMSNorm)
+//   3. the warps compute their tasks from it (a later task's weights are loaded after the one before) and store
+//      the rows: qkv + bias; o and down + the residual `resid`; gate_up act(gate) * up
+//   4. the block adds one to done_c (release) once every warp has stored its rows
+template <int R, int CPL, int G, int kind, int NW>
+__device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, const u16* xsrc, const u16* norm_w,
+                                           float eps, const u16* resid, u16* out, const u32* wait_c,
+                                           u32 wait_target, u32* done_c, u32 xs, float* red, int act_kind) {
+    constexpr int H = R / 2, UPT = kind == FS_GU ? H : R;  // output rows a task
+    const int warp = threadIdx.x >> 5, lane = lane_id();
     const FlowLinear l = flow_linear(lp);
     const int K = l.k, KC = K >> 5;
-    constexpr int H = R / 2;
-    int rows[R];
+    const int ntask = n_units / UPT;
+    const int t0 = (int)((long long)blockIdx.x * ntask / gridDim.x);
+    const int t1 = (int)((long long)(blockIdx.x + 1) * ntask / gridDim.x);
+    // A warp's tasks each load into a fresh register array; the block's wait and staging run after the first task's loads are issued, or, for a warp
+    // with no task, straight away (bar.sync counts threads, wherever they reach it).
+    bool staged = false;
+    for (int t = t0 + warp; t < t1 || !staged; t += NW) {
+        const bool has = t < t1;
+        // a warp with no task loads the block's last one (another warp's: L2 hits), so that b is assigned on
+        // every path
+        const int tl = has ? t : max(t1 - 1, 0);
+        FlowRows<R, CPL> b;
+        int rows[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) rows[r] = kind == FS_GU ? (r < H ? out0 + r : l.up + out0 + r - H) : out0 + r;
-    FlowRows<R, CPL> b;
-    flow_load_rows<R, CPL, G>(b, l, rows, lane);
-    if (wait_c) flow_wait(wait_c, wait_target, wait_key, known);
-    // the epilogue's residuals (or biases) now, so the end of the task does not wait on a load
-    u16 pre = 0;
-    const int nout = kind == FS_GU ? H : R;
-    if (lane < nout) {
-        if (kind == FS_O || kind == FS_DOWN) pre = resid[out0 + lane];
-        else if (kind == FS_QKV && l.bias) pre = l.bias[out0 + lane];
-    }
-    float acc[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.f;
-#pragma unroll
-    for (int u = 0; u < CPL; ++u) {
-        const int c = lane + 32 * u;
-        if (c < KC) {
-            u32x4 xv[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) xv[j] = ld_act16(x + 32 * c + 8 * j);
-#pragma unroll
-            for (int r = 0; r < R; ++r) gemv_chunk(acc[r], b.w[u][r], b.sz[u][r] & 0xFFFFu, b.sz[u][r] >> 16, xv);
+        for (int r = 0; r < R; ++r) rows[r] = kind == FS_GU ? (r < H ? tl * H + r : l.up + tl * H + r - H) : tl * R + r;
+        flow_load_rows<R, CPL, G>(b, l, rows, lane);
+        if (!staged) {
+            flow_stage_input<NW>(xsrc, norm_w, eps, K, wait_c, wait_target, xs, red, warp, lane);
+            staged = true;
         }
-    }
+        if (!has) break;
+        const int out0 = t * UPT;
+        u16 pre = 0;  // the epilogue's residual (or bias), loaded before the arithmetic
+        if (lane < UPT) {
+            if (kind == FS_O || kind == FS_DOWN) pre = resid[out0 + lane];
+            else if (kind == FS_QKV && l.bias) pre = l.bias[out0 + lane];
+        }
+        float acc[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < R; ++r) acc[r] = 0.f;
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
-    }
-    // lane i stores output row out0 + i (every lane holds every row's sum after the shuffles)
+        for (int u = 0; u < CPL; ++u) {
+            const int c = lane + 32 * u;
+            if (c < KC) {
+                u32x4 xv[4];
 #pragma unroll
-    for (int r = 0; r < (kind == FS_GU ? H : R); ++r) {
-        if (lane == r) {
-            const int n = out0 + r;
-            if (kind == FS_QKV) {
-                out[n] = f2h(acc[r] + (l.bias ? h2f(pre) : 0.f));
-            } else if (kind == FS_GU) {
-                const float gf = h2f(f2h(acc[r])), u = h2f(f2h(acc[r + H]));
-                const float a = act_kind == 0 ? act_f32<0>(gf) : act_f32<1>(gf);
-                out[n] = f2h(h2f(f2h(a)) * u);
-            } else {
-                out[n] = f2h(h2f(pre) + h2f(f2h(acc[r])));
+                for (int j = 0; j < 4; ++j) xv[j] = lds16(xs + (u32)(64 * c + 16 * j));
+#pragma unroll
+                for (int r = 0; r < R; ++r) gemv_chunk(acc[r], b.w[u][r], b.sz[u][r] & 0xFFFFu, b.sz[u][r] >> 16, xv);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+        }
+#pragma unroll
+        for (int r = 0; r < UPT; ++r) {  // lane r stores output row out0 + r
+            if (lane == r) {
+                const int n = out0 + r;
+                if (kind == FS_QKV) {
+                    out[n] = f2h(acc[r] + (l.bias ? h2f(pre) : 0.f));
+                } else if (kind == FS_GU) {
+                    const float gf = h2f(f2h(acc[r])), u = h2f(f2h(acc[r + H]));
+                    const float a = act_kind == 0 ? act_f32<0>(gf) : act_f32<1>(gf);
+                    out[n] = f2h(h2f(f2h(a)) * u);
+                } else {
+                    out[n] = f2h(h2f(pre) + h2f(f2h(acc[r])));
+                }
             }
         }
     }
-    __syncwarp();
-    if constexpr (kind == FS_O || kind == FS_DOWN) {
-        u32 old = 0;
-        if (lane == 0) old = atom_acq_rel_add(done_c, 1u);
-        old = __shfl_sync(0xffffffffu, old, 0);
-        __syncwarp();  // orders the other lanes' reads below after lane 0's acquire
-        if (old + 1 == n_tasks) {  // the stage's last task: every row of `out` is stored
-            if (xn) flow_norm(out, nw, D, eps, xn, lane);
-            __syncwarp();
-            if (lane == 0) red_release_add(ready, 1u);
-        }
-    } else {
-        if (lane == 0) red_release_add(done_c, 1u);
-    }
+    asm volatile("bar.sync 0;" ::: "memory");
+    if (threadIdx.x == 0) red_release_add(done_c, 1u);
 }
 
 // One attention task: KV head kvh's 32-token tile `tile` (decode_step.cu's attention_phase item, for one warp),
@@ -390,74 +405,59 @@ struct FlowTaskRows {
 };
 
 // NW warps a block; CD / CA / CI: chunks a lane holds of a row of K = D (qkv, gate_up), n_heads * 128 (o) and
-// I (down), i.e. ceil(K / 1024). xn1[0] (layer 0's input norm) is written before the launch.
+// I (down), i.e. ceil(K / 1024). Shared memory: the staged input (max(D, n_heads * 128, I) fp16), the warps'
+// attention scratch (NW x (group + 2) x 256 bytes), NW floats.
 template <int NW, int G, int CD, int CA, int CI>
 __global__ void __launch_bounds__(NW * 32, 1)
-decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* xn1_all, u16* qkv_all, u16* attn_all,
-            u16* hmid_all, u16* xn2_all, u16* act_all, float* part, u32* sync, const int* pos_p, const int* slot_p,
-            const int* ctx_p, const int* bt, const float* cos_sin, int n_layers, int D, int I, int n_heads, int n_kv,
-            int block_size, int max_tiles, int scale_log2_bits, int eps_bits, int act_kind) {
+decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_all, u16* attn_all, u16* hmid_all,
+            u16* act_all, float* part, u32* sync, const int* pos_p, const int* slot_p, const int* ctx_p, const int* bt,
+            const float* cos_sin, int n_layers, int D, int I, int n_heads, int n_kv, int block_size, int max_tiles,
+            int scale_log2_bits, int eps_bits, int act_kind, int x_bytes) {
     constexpr int RQ = FlowTaskRows<CD>::value;                 // qkv
     constexpr int RG = RQ < 2 ? 2 : RQ;                         // gate_up: gate and up rows in pairs
-    constexpr int RO = FlowTaskRows<CA>::value;                 // o
+    constexpr int RO = FlowTaskRows<CA>::value > 2 ? 2 : FlowTaskRows<CA>::value;  // o: few rows a block
     constexpr int RD = FlowTaskRows<CI>::value;                 // down
     extern __shared__ __align__(128) unsigned char smem[];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
     const int grp = n_heads / n_kv;
-    const u32 qs = smem_addr(smem) + (u32)(warp * (grp + 2) * 256);  // this warp's q, new K and new V
+    const u32 xs = smem_addr(smem);
+    const u32 qs = xs + (u32)x_bytes + (u32)(warp * (grp + 2) * 256);  // this warp's q, new K and new V
+    float* red = (float*)(smem + x_bytes + NW * (grp + 2) * 256);
     const float scale_log2 = __int_as_float(scale_log2_bits), eps = __int_as_float(eps_bits);
     const int pos = pos_p[0], slot = slot_p[0], ctx = ctx_p[0];
     const int ntiles = (ctx + 31) >> 5;
     const int HA = n_heads * 128, NQ = (n_heads + 2 * n_kv) * 128;
-    const int nq = NQ / RQ, na = n_kv * ntiles, no = D / RO, ng = I / (RG / 2), nd = D / RD;
-    const int per_layer = nq + na + no + ng + nd;
+    const int na = n_kv * ntiles;
     const int sync_stride = FS_SYNC + n_kv;
+    const u32 nb = gridDim.x;
     const long long W = (long long)gridDim.x * NW, gw = (long long)blockIdx.x * NW + warp;
-    int known = -1;  // the last stage key (FS_STAGES * layer + stage) this warp saw complete
-    // Warp gw runs tasks gw, gw + W, ... of the step's list; a stage's tasks in a loop of their own (one inlined
-    // task body a loop keeps the register allocation of the five kinds apart).
-#define FLOW_TASKS(first, count) \
-    for (int i = (int)((((gw - (first)) % W) + W) % W); i < (count); i += (int)W)
+    int known = -1;  // the last attention wait this warp saw satisfied (layer)
     for (int L = 0; L < n_layers; ++L) {
-        const long long base = (long long)L * per_layer;
         u32* sy = sync + (size_t)L * sync_stride;
         const StepLinear* l4 = lins + 4 * L;
-        const int key = FS_STAGES * L;
         u16* qkv = qkv_all + (size_t)L * NQ;
         u16* attn = attn_all + (size_t)L * HA;
         u16* hmid = hmid_all + (size_t)L * D;
-        u16* xn2 = xn2_all + (size_t)L * D;
         u16* act = act_all + (size_t)L * I;
-        // qkv: after the previous layer's down stage and the norm of its output
-        const u32* ready = L > 0 ? sync + (size_t)(L - 1) * sync_stride + FS_DOWN_READY : nullptr;
-        FLOW_TASKS(base, nq) {
-            flow_gemv<RQ, CD, G, FS_QKV>(l4, i * RQ, xn1_all + (size_t)L * D, nullptr, qkv, ready, 1u, key - 1,
-                                         known, sy + FS_QKV, 0u, nullptr, 0.f, D, nullptr, nullptr, act_kind);
+        // qkv of the input norm of h[L], after the previous layer's down stage
+        flow_stage<RQ, CD, G, FS_QKV, NW>(l4, NQ, h + (size_t)L * D, layers[L].in_norm, eps, nullptr, qkv,
+                                          L > 0 ? sync + (size_t)(L - 1) * sync_stride + FS_DOWN : nullptr, nb,
+                                          sy + FS_QKV, xs, red, act_kind);
+        // attention: KV head tiles spread over all warps of the grid (warp gw: tiles gw, gw + W, ... of the
+        // layer's list, so that each block's share differs layer to layer); a warp's own wait for qkv
+        for (long long i = (gw - (long long)L * na % W + W) % W; i < na; i += W) {
+            flow_attn(layers[L], qkv, attn, part, sy + FS_SYNC, (int)(i / ntiles), (int)(i % ntiles), ntiles, pos,
+                      slot, ctx, bt, cos_sin, n_heads, n_kv, block_size, max_tiles, scale_log2, qs, sy + FS_QKV, nb,
+                      L, known, sy + FS_ATT, lane_id());
         }
-        FLOW_TASKS(base + nq, na) {
-            flow_attn(layers[L], qkv, attn, part, sy + FS_SYNC, i / ntiles, i % ntiles, ntiles, pos, slot, ctx, bt,
-                      cos_sin, n_heads, n_kv, block_size, max_tiles, scale_log2, qs, sy + FS_QKV, (u32)nq,
-                      key + FS_QKV, known, sy + FS_ATT, lane);
-        }
-        // o, + the residual stream h[L]; the last task normalizes hmid into xn2
-        FLOW_TASKS(base + nq + na, no) {
-            flow_gemv<RO, CA, G, FS_O>(l4 + 1, i * RO, attn, h + (size_t)L * D, hmid, sy + FS_ATT, (u32)n_kv,
-                                       key + FS_ATT, known, sy + FS_O, (u32)no, layers[L].post_norm, eps, D, xn2,
-                                       sy + FS_O_READY, act_kind);
-        }
-        FLOW_TASKS(base + nq + na + no, ng) {
-            flow_gemv<RG, CD, G, FS_GU>(l4 + 2, i * (RG / 2), xn2, nullptr, act, sy + FS_O_READY, 1u, key + FS_O,
-                                        known, sy + FS_GU, 0u, nullptr, 0.f, D, nullptr, nullptr, act_kind);
-        }
-        // down, + hmid into h[L + 1]; the last task normalizes it into the next layer's xn1
-        const bool last = L + 1 == n_layers;
-        FLOW_TASKS(base + nq + na + no + ng, nd) {
-            flow_gemv<RD, CI, G, FS_DOWN>(l4 + 3, i * RD, act, hmid, h + (size_t)(L + 1) * D, sy + FS_GU, (u32)ng,
-                                          key + FS_GU, known, sy + FS_DOWN, (u32)nd,
-                                          last ? nullptr : layers[L + 1].in_norm, eps, D,
-                                          last ? nullptr : xn1_all + (size_t)(L + 1) * D, sy + FS_DOWN_READY,
-                                          act_kind);
-        }
+        // o, + the residual stream h[L] -> hmid; after every KV head's combine
+        flow_stage<RO, CA, G, FS_O, NW>(l4 + 1, D, attn, nullptr, eps, h + (size_t)L * D, hmid, sy + FS_ATT,
+                                        (u32)n_kv, sy + FS_O, xs, red, act_kind);
+        // gate_up of the post-attention norm of hmid
+        flow_stage<RG, CD, G, FS_GU, NW>(l4 + 2, I, hmid, layers[L].post_norm, eps, nullptr, act, sy + FS_O, nb,
+                                         sy + FS_GU, xs, red, act_kind);
+        // down, + hmid -> h[L + 1]
+        flow_stage<RD, CI, G, FS_DOWN, NW>(l4 + 3, D, act, nullptr, eps, hmid, h + (size_t)(L + 1) * D, sy + FS_GU,
+                                           nb, sy + FS_DOWN, xs, red, act_kind);
     }
-#undef FLOW_TASKS
 }

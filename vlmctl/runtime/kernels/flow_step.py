@@ -4,7 +4,7 @@ memory (`decode_flow.cu`; the file's header says why and how).
 Every warp of the grid runs the step's tasks (rows of a linear, one KV head's tile of attention) in a fixed
 order; a task loads its weights before it waits for its input, so the weight stream does not stop at the
 boundaries between a layer's stages. It covers what `fused_step.unsupported_reason` allows and is selected
-with VLMCTL_FUSED_STEP=flow (off by default); VLMCTL_FLOW_WARPS sets the warps a block (16).
+with VLMCTL_FUSED_STEP=flow (off by default); VLMCTL_FLOW_WARPS sets the warps a block (12: at 16 the 7B kernel spills registers).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .settings import env_int
 
 SOURCE = Path(__file__).with_name("decode_flow.cu")
 _TEXT: list = []
-SYNC_WORDS = 7  # a layer's counters and flags before its KV heads' tickets (decode_flow.cu's FS_SYNC)
+SYNC_WORDS = 5  # a layer's stage counters before its KV heads' tickets (decode_flow.cu's FS_SYNC)
 
 
 def source() -> str:
@@ -50,7 +50,7 @@ class FlowStep(FusedStep):
         self.group = dec.layers[0].qkv.group_size
         self.D, self.I = dec.spec.hidden_size, dec.inter
         dev = dec.device
-        self.warps = env_int("VLMCTL_FLOW_WARPS", 16, minimum=1)
+        self.warps = env_int("VLMCTL_FLOW_WARPS", 12, minimum=1)
         if self.warps > 32:
             raise ValueError("VLMCTL_FLOW_WARPS: at most 32 warps a block")
         if self.I % 2:
@@ -74,8 +74,6 @@ class FlowStep(FusedStep):
         self.attn_width = dec.n_heads * 128
         nq = (dec.n_heads + 2 * dec.n_kv) * 128
         self.h = torch.zeros(nl + 1, self.D, dtype=f16, device=dev)
-        self.xn1 = torch.zeros(nl, self.D, dtype=f16, device=dev)  # each layer's input norm
-        self.xn2 = torch.zeros(nl, self.D, dtype=f16, device=dev)  # and post-attention norm
         self.qkv = torch.zeros(nl, nq, dtype=f16, device=dev)
         self.attn = torch.zeros(nl, self.attn_width, dtype=f16, device=dev)
         self.hmid = torch.zeros(nl, self.D, dtype=f16, device=dev)
@@ -86,7 +84,9 @@ class FlowStep(FusedStep):
         self.scale_log2 = _bits(dec.scale * math.log2(math.e))
         self.eps = _bits(dec.eps)
         self.act_kind = {"silu": 0, "gelu_tanh": 1}[dec.activation]
-        self.smem = self.warps * (dec.n_heads // dec.n_kv + 2) * 256
+        # the staged input of a stage, the warps' attention scratch, the norm's partial sums
+        self.x_bytes = -(-2 * max(self.D, self.attn_width, self.I) // 128) * 128
+        self.smem = self.x_bytes + self.warps * (dec.n_heads // dec.n_kv + 2) * 256 + 4 * self.warps
         from . import cuda_rtc
 
         self.kernel = cuda_rtc.load_kernel(source(), kernel_name(self.warps, self.group, self.D, self.attn_width,
@@ -99,13 +99,12 @@ class FlowStep(FusedStep):
         if self.layers is None or self._cache_ptr != dec.k_cache.data_ptr():
             self.bind_cache()
         self.h[0].copy_(x.reshape(-1))
-        self.xn1[0].copy_(dec._norm(x.reshape(1, -1), dec.layers[0].input_norm).reshape(-1))
         self.sync.zero_()
         bt = block_tables[0] if block_tables.dim() == 2 else block_tables
         positions, slots, context_lens, bt = (t.to(torch.int32) for t in (positions, slots, context_lens, bt))
         self.kernel.launch((self.num_blocks, 1, 1), (self.warps * 32, 1, 1), self.smem,
-                           [self.lins, self.layers, self.h, self.xn1, self.qkv, self.attn, self.hmid, self.xn2,
-                            self.act, self.part, self.sync, positions, slots, context_lens, bt, dec.cos_sin, dec.n_layers, self.D, self.I,
+                           [self.lins, self.layers, self.h, self.qkv, self.attn, self.hmid, self.act, self.part,
+                            self.sync, positions, slots, context_lens, bt, dec.cos_sin, dec.n_layers, self.D, self.I,
                             dec.n_heads, dec.n_kv, dec.block_size, self.max_tiles, self.scale_log2, self.eps,
-                            self.act_kind], dec.device, cooperative=True)
+                            self.act_kind, self.x_bytes], dec.device, cooperative=True)
         return self.h[dec.n_layers].view(1, -1)
