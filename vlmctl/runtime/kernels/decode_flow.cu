@@ -199,24 +199,22 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
     const int ntask = n_units / UPT;
     const int t0 = (int)((long long)blockIdx.x * ntask / gridDim.x);
     const int t1 = (int)((long long)(blockIdx.x + 1) * ntask / gridDim.x);
-    // A warp's tasks each load into a fresh register array; the block's wait and staging run after the first task's loads are issued, or, for a warp
-    // with no task, straight away (bar.sync counts threads, wherever they reach it).
-    bool staged = false;
-    for (int t = t0 + warp; t < t1 || !staged; t += NW) {
-        const bool has = t < t1;
-        // a warp with no task loads the block's last one (another warp's: L2 hits), so that b is assigned on
-        // every path
-        const int tl = has ? t : max(t1 - 1, 0);
-        FlowRows<R, CPL> b;
+    // Two tasks' weights in flight a warp: the next task's loads are issued before the current one is computed.
+    // Loads are unconditional (an array assigned on only some paths would go to local memory): past its last
+    // task a warp reloads the block's last one (L2 hits).
+    auto load_task = [&](FlowRows<R, CPL>& b, int t) {
+        const int tl = min(t, max(t1 - 1, 0));
         int rows[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) rows[r] = kind == FS_GU ? (r < H ? tl * H + r : l.up + tl * H + r - H) : tl * R + r;
         flow_load_rows<R, CPL, G>(b, l, rows, lane);
-        if (!staged) {
-            flow_stage_input<NW>(xsrc, norm_w, eps, K, wait_c, wait_target, xs, red, warp, lane);
-            staged = true;
-        }
-        if (!has) break;
+    };
+    FlowRows<R, CPL> cur;
+    load_task(cur, t0 + warp);
+    flow_stage_input<NW>(xsrc, norm_w, eps, K, wait_c, wait_target, xs, red, warp, lane);
+    for (int t = t0 + warp; t < t1; t += NW) {
+        const FlowRows<R, CPL> b = cur;
+        load_task(cur, t + NW);
         const int out0 = t * UPT;
         u16 pre = 0;  // the epilogue's residual (or bias), loaded before the arithmetic
         if (lane < UPT) {
@@ -397,11 +395,11 @@ __device__ __forceinline__ void flow_attn(const StepLayer& ly, const u16* qkv, u
     if (lane == 0) red_release_add(done_c, 1u);
 }
 
-// Rows a GEMV task takes for a K whose lanes hold CPL chunks: as many as keep ~16 chunks of weights in a
-// lane's registers (64 registers).
+// Rows a GEMV task takes for a K whose lanes hold CPL chunks: as many as keep two tasks' weights (flow_stage's
+// current and next) in ~100 of a lane's registers.
 template <int CPL>
 struct FlowTaskRows {
-    static constexpr int value = CPL <= 4 ? 4 : (CPL <= 8 ? 2 : 1);
+    static constexpr int value = CPL <= 4 ? 2 : 1;
 };
 
 // NW warps a block; CD / CA / CI: chunks a lane holds of a row of K = D (qkv, gate_up), n_heads * 128 (o) and
