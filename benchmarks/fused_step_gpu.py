@@ -131,6 +131,36 @@ def trace_phases(dec, prompt_len: int) -> dict:
     return out
 
 
+def flow_trace(dec, prompt_len: int) -> dict:
+    """The flow step's block 0: the time from each mark to the next (decode_flow.cu's marks, flow_step.TRACE_MARKS;
+    "x -> y" is y's time minus x's), median over layers 1.. and 5 eager steps, microseconds."""
+    from vlmctl.runtime.kernels.flow_step import TRACE_MARKS
+
+    fused = dec._fused
+    prev = dec.use_graphs
+    n = len(TRACE_MARKS)
+    fused.trace = torch.zeros(n * dec.n_layers, dtype=torch.int64, device="cuda")
+    dec.use_graphs = False
+    t, table = prefill(dec, prompt_len, 0)
+    per = []
+    for i in range(6):
+        step(dec, t, prompt_len + i, table, fused)
+        torch.cuda.synchronize()
+        tr = fused.trace.cpu().numpy().astype(np.int64)
+        if i:
+            d = np.diff(tr)  # mark k+1 minus mark k, across layers in order
+            per.append(np.concatenate([d, [0]]).reshape(dec.n_layers, n)[1:])
+    fused.trace = None
+    dec.use_graphs = prev
+    per = np.concatenate(per)
+    med = np.median(per, 0) / 1000
+    names = list(TRACE_MARKS) + ["next qkv start"]
+    out = {f"{names[k]} -> {names[k + 1]}": round(float(v), 2) for k, v in enumerate(med)}
+    out["layer"] = round(float(np.median(per.sum(1)) / 1000), 2)
+    print("  flow trace (block 0, us per layer):", json.dumps(out), flush=True)
+    return out
+
+
 def modes(prompt_len: int, layers: int, profile: bool) -> None:
     """The 7B-shaped fused step's phases as they are, computing on stale slots with no weights copied (mode 1),
     and waiting for the weights without computing (mode 2); with --ncu-once, one step for a profiler to catch."""
@@ -183,6 +213,8 @@ def timing(steps: int, prompt_len: int, slots=(), variant: str = "1", warps=()) 
             r = D.bench_vlmctl(dec, 1, prompt_len, steps, True)
             r.update(variant=name, fused=value != "0" and dec._fused not in (None, False), step=value,
                      warps=getattr(dec._fused, "warps", None), reason=dec.fused_step_reason)
+            if r["fused"] and value == "flow" and not any(x.get("trace") for x in rows):
+                r["trace"] = flow_trace(dec, prompt_len)
             if (r["fused"] and value == "1"
                     and (len(rows) >= 5 or not any(x.get("trace") for x in rows))):
                 r["trace"] = trace_phases(dec, prompt_len)

@@ -86,6 +86,12 @@ __device__ __forceinline__ FlowLinear flow_linear(const StepLinear* lp) {
                       (const u16*)ld_table(f + 3), (int)ld_table(f + 5), (int)ld_table(f + 6)};
 }
 
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 __device__ __forceinline__ void nanosleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" :: "r"(ns)); }
 
 // Wait (every lane) until counter `c` reaches `target`; `known` caches the last stage key this warp saw
@@ -133,7 +139,7 @@ __device__ __forceinline__ void flow_load_rows(FlowRows<R, CPL>& b, const FlowLi
 template <int NW>
 __device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* norm_w, float eps, int K,
                                                  const u32* wait_c, u32 wait_target, u32 xs, float* red, int warp,
-                                                 int lane) {
+                                                 int lane, unsigned long long* tr) {
     if (wait_c && warp == 0) {
         u32 spins = 0, ns = 32;
         while (ld_acquire_u32(wait_c) < wait_target) {
@@ -142,6 +148,7 @@ __device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* nor
             if (++spins == SPIN_LIMIT) __trap();
         }
     }
+    if (tr) tr[1] = global_ns();
     asm volatile("bar.sync 0;" ::: "memory");
     if (norm_w) {
         float ss = 0.f;
@@ -179,6 +186,7 @@ __device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* nor
         for (int P = threadIdx.x; P < K / 8; P += NW * 32) sts16(xs + 16u * (u32)P, ld_act16(xsrc + 8 * P));
     }
     asm volatile("bar.sync 0;" ::: "memory");
+    if (tr) tr[2] = global_ns();
 }
 
 // One block's share of a linear's stage (block b: tasks [b n / nb, (b + 1) n / nb) of the stage's n, warp w of NW
@@ -191,7 +199,9 @@ __device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* nor
 template <int R, int CPL, int G, int kind, int NW>
 __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, const u16* xsrc, const u16* norm_w,
                                            float eps, const u16* resid, u16* out, const u32* wait_c,
-                                           u32 wait_target, u32* done_c, u32 xs, float* red, int act_kind) {
+                                           u32 wait_target, u32* done_c, u32 xs, float* red, int act_kind,
+                                           unsigned long long* tr) {
+    if (tr) tr[0] = global_ns();
     constexpr int H = R / 2, UPT = kind == FS_GU ? H : R;  // output rows a task
     const int warp = threadIdx.x >> 5, lane = lane_id();
     const FlowLinear l = flow_linear(lp);
@@ -211,7 +221,7 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
     };
     FlowRows<R, CPL> cur;
     load_task(cur, t0 + warp);
-    flow_stage_input<NW>(xsrc, norm_w, eps, K, wait_c, wait_target, xs, red, warp, lane);
+    flow_stage_input<NW>(xsrc, norm_w, eps, K, wait_c, wait_target, xs, red, warp, lane, tr);
     for (int t = t0 + warp; t < t1; t += NW) {
         const FlowRows<R, CPL> b = cur;
         load_task(cur, t + NW);
@@ -256,8 +266,10 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
             }
         }
     }
+    if (tr) tr[3] = global_ns();
     asm volatile("bar.sync 0;" ::: "memory");
     if (threadIdx.x == 0) red_release_add(done_c, 1u);
+    if (tr) tr[4] = global_ns();
 }
 
 // One attention task: KV head kvh's 32-token tile `tile` (decode_step.cu's attention_phase item, for one warp),
@@ -410,7 +422,7 @@ __global__ void __launch_bounds__(NW * 32, 1)
 decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_all, u16* attn_all, u16* hmid_all,
             u16* act_all, float* part, u32* sync, const int* pos_p, const int* slot_p, const int* ctx_p, const int* bt,
             const float* cos_sin, int n_layers, int D, int I, int n_heads, int n_kv, int block_size, int max_tiles,
-            int scale_log2_bits, int eps_bits, int act_kind, int x_bytes) {
+            int scale_log2_bits, int eps_bits, int act_kind, int x_bytes, unsigned long long* trace) {
     constexpr int RQ = FlowTaskRows<CD>::value;                 // qkv
     constexpr int RG = RQ < 2 ? 2 : RQ;                         // gate_up: gate and up rows in pairs
     constexpr int RO = FlowTaskRows<CA>::value > 2 ? 2 : FlowTaskRows<CA>::value;  // o: few rows a block
@@ -430,7 +442,11 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
     const u32 nb = gridDim.x;
     const long long W = (long long)gridDim.x * NW, gw = (long long)blockIdx.x * NW + warp;
     int known = -1;  // the last attention wait this warp saw satisfied (layer)
+    // measurements (benchmarks/fused_step_gpu.py --trace): block 0's thread 0 marks each stage's start, wait done,
+    // input staged, tasks done, block done (FLOW_MARKS a layer), and the end of its warp's attention tasks
+    const bool tracing = trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0;
     for (int L = 0; L < n_layers; ++L) {
+        unsigned long long* tl = tracing ? trace + (size_t)L * 21 : nullptr;
         u32* sy = sync + (size_t)L * sync_stride;
         const StepLinear* l4 = lins + 4 * L;
         u16* qkv = qkv_all + (size_t)L * NQ;
@@ -440,7 +456,7 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
         // qkv of the input norm of h[L], after the previous layer's down stage
         flow_stage<RQ, CD, G, FS_QKV, NW>(l4, NQ, h + (size_t)L * D, layers[L].in_norm, eps, nullptr, qkv,
                                           L > 0 ? sync + (size_t)(L - 1) * sync_stride + FS_DOWN : nullptr, nb,
-                                          sy + FS_QKV, xs, red, act_kind);
+                                          sy + FS_QKV, xs, red, act_kind, tl);
         // attention: KV head tiles spread over all warps of the grid (warp gw: tiles gw, gw + W, ... of the
         // layer's list, so that each block's share differs layer to layer); a warp's own wait for qkv
         for (long long i = (gw - (long long)L * na % W + W) % W; i < na; i += W) {
@@ -448,14 +464,15 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
                       slot, ctx, bt, cos_sin, n_heads, n_kv, block_size, max_tiles, scale_log2, qs, sy + FS_QKV, nb,
                       L, known, sy + FS_ATT, lane_id());
         }
+        if (tracing) tl[5] = global_ns();
         // o, + the residual stream h[L] -> hmid; after every KV head's combine
         flow_stage<RO, CA, G, FS_O, NW>(l4 + 1, D, attn, nullptr, eps, h + (size_t)L * D, hmid, sy + FS_ATT,
-                                        (u32)n_kv, sy + FS_O, xs, red, act_kind);
+                                        (u32)n_kv, sy + FS_O, xs, red, act_kind, tl ? tl + 6 : nullptr);
         // gate_up of the post-attention norm of hmid
         flow_stage<RG, CD, G, FS_GU, NW>(l4 + 2, I, hmid, layers[L].post_norm, eps, nullptr, act, sy + FS_O, nb,
-                                         sy + FS_GU, xs, red, act_kind);
+                                         sy + FS_GU, xs, red, act_kind, tl ? tl + 11 : nullptr);
         // down, + hmid -> h[L + 1]
         flow_stage<RD, CI, G, FS_DOWN, NW>(l4 + 3, D, act, nullptr, eps, hmid, h + (size_t)(L + 1) * D, sy + FS_GU,
-                                           nb, sy + FS_DOWN, xs, red, act_kind);
+                                           nb, sy + FS_DOWN, xs, red, act_kind, tl ? tl + 16 : nullptr);
     }
 }

@@ -20,6 +20,12 @@ from .settings import env_int
 SOURCE = Path(__file__).with_name("decode_flow.cu")
 _TEXT: list = []
 SYNC_WORDS = 5  # a layer's stage counters before its KV heads' tickets (decode_flow.cu's FS_SYNC)
+# Block 0's marks a layer (decode_flow.cu, `trace`): each linear's stage start, its input's wait done, the input
+# staged, the block's tasks done and the block done; after qkv's, the end of the attention tasks.
+TRACE_MARKS = ("qkv start", "qkv waited", "qkv staged", "qkv computed", "qkv done", "attention done",
+               "o start", "o waited", "o staged", "o computed", "o done",
+               "gate_up start", "gate_up waited", "gate_up staged", "gate_up computed", "gate_up done",
+               "down start", "down waited", "down staged", "down computed", "down done")
 
 
 def source() -> str:
@@ -80,6 +86,7 @@ class FlowStep(FusedStep):
         self.act = torch.zeros(nl, self.I, dtype=f16, device=dev)
         self.part = torch.zeros(dec.n_heads * self.max_tiles * 132, dtype=torch.float32, device=dev)
         self.sync = torch.zeros(nl, SYNC_WORDS + dec.n_kv, dtype=torch.int32, device=dev)
+        self.trace = None  # uint64 [n_layers, TRACE_MARKS]: block 0's stage marks (ns), for benchmarks
         self.num_blocks = torch.cuda.get_device_properties(dev).multi_processor_count
         self.scale_log2 = _bits(dec.scale * math.log2(math.e))
         self.eps = _bits(dec.eps)
@@ -106,5 +113,5 @@ class FlowStep(FusedStep):
                            [self.lins, self.layers, self.h, self.qkv, self.attn, self.hmid, self.act, self.part,
                             self.sync, positions, slots, context_lens, bt, dec.cos_sin, dec.n_layers, self.D, self.I,
                             dec.n_heads, dec.n_kv, dec.block_size, self.max_tiles, self.scale_log2, self.eps,
-                            self.act_kind, self.x_bytes], dec.device, cooperative=True)
+                            self.act_kind, self.x_bytes, self.trace], dec.device, cooperative=True)
         return self.h[dec.n_layers].view(1, -1)
