@@ -185,9 +185,9 @@ def modes(prompt_len: int, layers: int, profile: bool) -> None:
     fused.mode = 0
 
 
-def timing(steps: int, prompt_len: int, slots=(), variant: str = "1", warps=()) -> list:
+def timing(steps: int, prompt_len: int, slots=(), variant: str = "1", warps=(), opts=()) -> list:
     """fp16 (kernel by kernel), then AWQ kernel by kernel and fused, twice each in turn; then the ring step with
-    each of `slots`, or the flow step with each of `warps`."""
+    each of `slots`, or the flow step with each of `warps` and then each of `opts`."""
     cfg = D.llama7b_config(32)
     sd = D.random_hf_state(cfg, "cuda")
     bw = D.copy_bandwidth()
@@ -196,15 +196,18 @@ def timing(steps: int, prompt_len: int, slots=(), variant: str = "1", warps=()) 
         dec = D.make_decoder(cfg, sd, group)
         D.size_cache(dec, 1)
         values = ["0", variant] if group else ["0"]
-        extra = slots if variant != "flow" else warps
+        if variant == "flow":
+            extra = [("VLMCTL_FLOW_WARPS", w) for w in warps] + [("VLMCTL_FLOW_OPTS", o) for o in opts]
+        else:
+            extra = [("VLMCTL_FUSED_STEP_SLOTS", n) for n in slots]
         for value in values + (values if group else []) + ([variant] * len(extra) if group else []):
-            os.environ.pop("VLMCTL_FUSED_STEP_SLOTS", None)
-            os.environ.pop("VLMCTL_FLOW_WARPS", None)
+            for knob in ("VLMCTL_FUSED_STEP_SLOTS", "VLMCTL_FLOW_WARPS", "VLMCTL_FLOW_OPTS"):
+                os.environ.pop(knob, None)
             os.environ["VLMCTL_FUSED_STEP"] = value
             if group and len(rows) >= 5:
-                knob = "VLMCTL_FLOW_WARPS" if variant == "flow" else "VLMCTL_FUSED_STEP_SLOTS"
-                os.environ[knob] = str(extra[len(rows) - 5])
-                print(f"-- {knob}={extra[len(rows) - 5]}", flush=True)
+                knob, v = extra[len(rows) - 5]
+                os.environ[knob] = str(v)
+                print(f"-- {knob}={v}", flush=True)
             dec._fused = False
             dec._graphs.clear()
             dec._graph_pool = None
@@ -212,14 +215,16 @@ def timing(steps: int, prompt_len: int, slots=(), variant: str = "1", warps=()) 
             dec.capture_graphs(1)
             r = D.bench_vlmctl(dec, 1, prompt_len, steps, True)
             r.update(variant=name, fused=value != "0" and dec._fused not in (None, False), step=value,
-                     warps=getattr(dec._fused, "warps", None), reason=dec.fused_step_reason)
+                     warps=getattr(dec._fused, "warps", None), opts=getattr(dec._fused, "opts", None),
+                     reason=dec.fused_step_reason)
             if r["fused"] and value == "flow" and not any(x.get("trace") for x in rows):
                 r["trace"] = flow_trace(dec, prompt_len)
             if (r["fused"] and value == "1"
                     and (len(rows) >= 5 or not any(x.get("trace") for x in rows))):
                 r["trace"] = trace_phases(dec, prompt_len)
             rows.append(r)
-            print(f"{name:<6} fused={r['fused']!s:<6} {r['ms_per_step']:.3f} ms/step (GPU {r['gpu_ms_per_step']:.3f}), "
+            print(f"{name:<6} fused={r['fused']!s:<6} warps={r['warps']} opts={r['opts']} "
+                  f"{r['ms_per_step']:.3f} ms/step (GPU {r['gpu_ms_per_step']:.3f}), "
                   f"{r['tok_s']:.0f} tok/s", flush=True)
         del dec
         torch.cuda.empty_cache()
@@ -239,6 +244,9 @@ def main():
                     help="the fused step checked and timed: 1 the ring step (decode_step.cu), flow decode_flow.cu")
     ap.add_argument("--warps", type=int, nargs="*", default=[], help="with --variant flow: also time it with "
                     "this many warps a block (VLMCTL_FLOW_WARPS)")
+    ap.add_argument("--opts", type=int, nargs="*", default=[], help="with --variant flow: also time it with "
+                    "each of these VLMCTL_FLOW_OPTS (bit 1: both tasks' loads before the wait; bit 2: no block "
+                    "barrier at a stage's end)")
     ap.add_argument("--modes", type=int, metavar="LAYERS", help="only the phase trace per mode (see modes())")
     ap.add_argument("--ncu-once", action="store_true", help="with --modes: three eager steps, for ncu")
     ap.add_argument("--out")
@@ -259,7 +267,7 @@ def main():
             out["checks"].append(check(name, cfg, group, plen, steps))
             print(f"  ({time.time() - t:.1f} s)", flush=True)
     if not args.skip_time:
-        out["timing"] = timing(args.steps, args.prompt_len, args.slots, args.variant, args.warps)
+        out["timing"] = timing(args.steps, args.prompt_len, args.slots, args.variant, args.warps, args.opts)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)

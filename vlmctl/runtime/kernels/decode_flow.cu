@@ -196,11 +196,11 @@ __device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* nor
 //   3. the warps compute their tasks from it (a later task's weights are loaded after the one before) and store
 //      the rows: qkv + bias; o and down + the residual `resid`; gate_up act(gate) * up
 //   4. the block adds one to done_c (release) once every warp has stored its rows
-template <int R, int CPL, int G, int kind, int NW>
+template <int R, int CPL, int G, int kind, int NW, int OPTS>
 __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, const u16* xsrc, const u16* norm_w,
                                            float eps, const u16* resid, u16* out, const u32* wait_c,
                                            u32 wait_target, u32* done_c, u32 xs, float* red, int act_kind,
-                                           unsigned long long* tr) {
+                                           unsigned long long* tr, u32* warps_done) {
     if (tr) tr[0] = global_ns();
     constexpr int H = R / 2, UPT = kind == FS_GU ? H : R;  // output rows a task
     const int warp = threadIdx.x >> 5, lane = lane_id();
@@ -219,12 +219,13 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
         for (int r = 0; r < R; ++r) rows[r] = kind == FS_GU ? (r < H ? tl * H + r : l.up + tl * H + r - H) : tl * R + r;
         flow_load_rows<R, CPL, G>(b, l, rows, lane);
     };
-    FlowRows<R, CPL> cur;
+    // OPTS & 1: both tasks' loads issued before the wait (else the second after it, with the first's arithmetic)
+    FlowRows<R, CPL> cur, nxt;
     load_task(cur, t0 + warp);
+    if constexpr (OPTS & 1) load_task(nxt, t0 + warp + NW);
     flow_stage_input<NW>(xsrc, norm_w, eps, K, wait_c, wait_target, xs, red, warp, lane, tr);
+    if constexpr (!(OPTS & 1)) load_task(nxt, t0 + warp + NW);
     for (int t = t0 + warp; t < t1; t += NW) {
-        const FlowRows<R, CPL> b = cur;
-        load_task(cur, t + NW);
         const int out0 = t * UPT;
         u16 pre = 0;  // the epilogue's residual (or bias), loaded before the arithmetic
         if (lane < UPT) {
@@ -242,7 +243,7 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
 #pragma unroll
                 for (int j = 0; j < 4; ++j) xv[j] = lds16(xs + (u32)(64 * c + 16 * j));
 #pragma unroll
-                for (int r = 0; r < R; ++r) gemv_chunk(acc[r], b.w[u][r], b.sz[u][r] & 0xFFFFu, b.sz[u][r] >> 16, xv);
+                for (int r = 0; r < R; ++r) gemv_chunk(acc[r], cur.w[u][r], cur.sz[u][r] & 0xFFFFu, cur.sz[u][r] >> 16, xv);
             }
         }
 #pragma unroll
@@ -265,10 +266,28 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
                 }
             }
         }
+        cur = nxt;  // the next task's weights (in flight during this one's arithmetic), and the one after
+        load_task(nxt, t + 2 * NW);
     }
     if (tr) tr[3] = global_ns();
-    asm volatile("bar.sync 0;" ::: "memory");
-    if (threadIdx.x == 0) red_release_add(done_c, 1u);
+    if constexpr (OPTS & 2) {
+        // no block barrier: the block's last warp to finish (a ticket in shared memory, acq_rel at block scope so
+        // the other warps' stores are ordered before its release) adds the block's one; the others go on to
+        // the next stage's loads (its staging barrier keeps them from overwriting the input in use)
+        __syncwarp();
+        u32 old = 0;
+        if (lane == 0) {
+            asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], 1;" : "=r"(old) : "r"(smem_addr(warps_done))
+                         : "memory");
+            if (old == NW - 1) {
+                *(volatile u32*)warps_done = 0u;
+                red_release_add(done_c, 1u);
+            }
+        }
+    } else {
+        asm volatile("bar.sync 0;" ::: "memory");
+        if (threadIdx.x == 0) red_release_add(done_c, 1u);
+    }
     if (tr) tr[4] = global_ns();
 }
 
@@ -417,7 +436,7 @@ struct FlowTaskRows {
 // NW warps a block; CD / CA / CI: chunks a lane holds of a row of K = D (qkv, gate_up), n_heads * 128 (o) and
 // I (down), i.e. ceil(K / 1024). Shared memory: the staged input (max(D, n_heads * 128, I) fp16), the warps'
 // attention scratch (NW x (group + 2) x 256 bytes), NW floats.
-template <int NW, int G, int CD, int CA, int CI>
+template <int NW, int G, int CD, int CA, int CI, int OPTS>
 __global__ void __launch_bounds__(NW * 32, 1)
 decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_all, u16* attn_all, u16* hmid_all,
             u16* act_all, float* part, u32* sync, const int* pos_p, const int* slot_p, const int* ctx_p, const int* bt,
@@ -433,6 +452,9 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
     const u32 xs = smem_addr(smem);
     const u32 qs = xs + (u32)x_bytes + (u32)(warp * (grp + 2) * 256);  // this warp's q, new K and new V
     float* red = (float*)(smem + x_bytes + NW * (grp + 2) * 256);
+    u32* warps_done = (u32*)(red + NW);  // OPTS & 2: the warps done with the block's current stage
+    if (threadIdx.x == 0) *warps_done = 0u;
+    __syncthreads();
     const float scale_log2 = __int_as_float(scale_log2_bits), eps = __int_as_float(eps_bits);
     const int pos = pos_p[0], slot = slot_p[0], ctx = ctx_p[0];
     const int ntiles = (ctx + 31) >> 5;
@@ -454,9 +476,9 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
         u16* hmid = hmid_all + (size_t)L * D;
         u16* act = act_all + (size_t)L * I;
         // qkv of the input norm of h[L], after the previous layer's down stage
-        flow_stage<RQ, CD, G, FS_QKV, NW>(l4, NQ, h + (size_t)L * D, layers[L].in_norm, eps, nullptr, qkv,
+        flow_stage<RQ, CD, G, FS_QKV, NW, OPTS>(l4, NQ, h + (size_t)L * D, layers[L].in_norm, eps, nullptr, qkv,
                                           L > 0 ? sync + (size_t)(L - 1) * sync_stride + FS_DOWN : nullptr, nb,
-                                          sy + FS_QKV, xs, red, act_kind, tl);
+                                          sy + FS_QKV, xs, red, act_kind, tl, warps_done);
         // attention: KV head tiles spread over all warps of the grid (warp gw: tiles gw, gw + W, ... of the
         // layer's list, so that each block's share differs layer to layer); a warp's own wait for qkv
         for (long long i = (gw - (long long)L * na % W + W) % W; i < na; i += W) {
@@ -466,13 +488,13 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
         }
         if (tracing) tl[5] = global_ns();
         // o, + the residual stream h[L] -> hmid; after every KV head's combine
-        flow_stage<RO, CA, G, FS_O, NW>(l4 + 1, D, attn, nullptr, eps, h + (size_t)L * D, hmid, sy + FS_ATT,
-                                        (u32)n_kv, sy + FS_O, xs, red, act_kind, tl ? tl + 6 : nullptr);
+        flow_stage<RO, CA, G, FS_O, NW, OPTS>(l4 + 1, D, attn, nullptr, eps, h + (size_t)L * D, hmid, sy + FS_ATT,
+                                        (u32)n_kv, sy + FS_O, xs, red, act_kind, tl ? tl + 6 : nullptr, warps_done);
         // gate_up of the post-attention norm of hmid
-        flow_stage<RG, CD, G, FS_GU, NW>(l4 + 2, I, hmid, layers[L].post_norm, eps, nullptr, act, sy + FS_O, nb,
-                                         sy + FS_GU, xs, red, act_kind, tl ? tl + 11 : nullptr);
+        flow_stage<RG, CD, G, FS_GU, NW, OPTS>(l4 + 2, I, hmid, layers[L].post_norm, eps, nullptr, act, sy + FS_O, nb,
+                                         sy + FS_GU, xs, red, act_kind, tl ? tl + 11 : nullptr, warps_done);
         // down, + hmid -> h[L + 1]
-        flow_stage<RD, CI, G, FS_DOWN, NW>(l4 + 3, D, act, nullptr, eps, hmid, h + (size_t)(L + 1) * D, sy + FS_GU,
-                                           nb, sy + FS_DOWN, xs, red, act_kind, tl ? tl + 16 : nullptr);
+        flow_stage<RD, CI, G, FS_DOWN, NW, OPTS>(l4 + 3, D, act, nullptr, eps, hmid, h + (size_t)(L + 1) * D, sy + FS_GU,
+                                           nb, sy + FS_DOWN, xs, red, act_kind, tl ? tl + 16 : nullptr, warps_done);
     }
 }

@@ -4,7 +4,7 @@ memory (`decode_flow.cu`; the file's header says why and how).
 Every warp of the grid runs the step's tasks (rows of a linear, one KV head's tile of attention) in a fixed
 order; a task loads its weights before it waits for its input, so the weight stream does not stop at the
 boundaries between a layer's stages. It covers what `fused_step.unsupported_reason` allows and is selected
-with VLMCTL_FUSED_STEP=flow (off by default); VLMCTL_FLOW_WARPS sets the warps a block (12: at 16 the 7B kernel spills registers).
+with VLMCTL_FUSED_STEP=flow (off by default); VLMCTL_FLOW_WARPS sets the warps a block (8: at 12 and 16 the 7B kernel spills registers).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def chunks_per_lane(k: int) -> int:
     return -(-k // 1024)
 
 
-def kernel_name(warps: int, group_size: int, d: int, attn_width: int, inter: int) -> str:
+def kernel_name(warps: int, group_size: int, d: int, attn_width: int, inter: int, opts: int = 0) -> str:
     return (f"decode_flow<{warps}, {group_size}, {chunks_per_lane(d)}, {chunks_per_lane(attn_width)}, "
-            f"{chunks_per_lane(inter)}>")
+            f"{chunks_per_lane(inter)}, {opts}>")
 
 
 class FlowStep(FusedStep):
@@ -56,7 +56,9 @@ class FlowStep(FusedStep):
         self.group = dec.layers[0].qkv.group_size
         self.D, self.I = dec.spec.hidden_size, dec.inter
         dev = dec.device
-        self.warps = env_int("VLMCTL_FLOW_WARPS", 12, minimum=1)
+        self.warps = env_int("VLMCTL_FLOW_WARPS", 8, minimum=1)
+        # measurements: bit 1 both tasks' loads before the wait, bit 2 no block barrier at a stage's end
+        self.opts = env_int("VLMCTL_FLOW_OPTS", 0, minimum=0) & 3
         if self.warps > 32:
             raise ValueError("VLMCTL_FLOW_WARPS: at most 32 warps a block")
         if self.I % 2:
@@ -93,11 +95,11 @@ class FlowStep(FusedStep):
         self.act_kind = {"silu": 0, "gelu_tanh": 1}[dec.activation]
         # the staged input of a stage, the warps' attention scratch, the norm's partial sums
         self.x_bytes = -(-2 * max(self.D, self.attn_width, self.I) // 128) * 128
-        self.smem = self.x_bytes + self.warps * (dec.n_heads // dec.n_kv + 2) * 256 + 4 * self.warps
+        self.smem = self.x_bytes + self.warps * (dec.n_heads // dec.n_kv + 2) * 256 + 4 * self.warps + 4
         from . import cuda_rtc
 
         self.kernel = cuda_rtc.load_kernel(source(), kernel_name(self.warps, self.group, self.D, self.attn_width,
-                                                                 self.I), dev)
+                                                                 self.I, self.opts), dev)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
             context_lens: torch.Tensor) -> torch.Tensor:
