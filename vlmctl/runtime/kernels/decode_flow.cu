@@ -135,11 +135,20 @@ __device__ __forceinline__ void flow_load_rows(FlowRows<R, CPL>& b, const FlowLi
 
 // Step 2 of flow_stage: warp 0 waits for the input, then the block stages it in shared memory: x as stored,
 // or (norm_w) its RMSNorm, weight * fp16(x * rsqrt(mean(x^2) + eps)), rounded as fill_norm (decode_step.cu)
-// and ops.rms_norm round. Reads after warp 0's acquire are ordered by the barrier.
+// and ops.rms_norm round. Reads after warp 0's acquire are ordered by the barrier. A thread's first NP pieces of
+// 8 (all of them for K <= NP * 8 * 32 * NW) are loaded once and kept in registers between the norm's two passes;
+// the norm weights are loaded before the wait.
 template <int NW>
 __device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* norm_w, float eps, int K,
                                                  const u32* wait_c, u32 wait_target, u32 xs, float* red, int warp,
                                                  int lane, unsigned long long* tr) {
+    constexpr int NP = 4;
+    const int np = K / 8;
+    u32x4 wv[NP], v[NP];
+    if (norm_w) {
+#pragma unroll
+        for (int i = 0; i < NP; ++i) wv[i] = *(const u32x4*)(norm_w + 8 * min((int)threadIdx.x + i * NW * 32, np - 1));
+    }
     if (wait_c && warp == 0) {
         u32 spins = 0, ns = 32;
         while (ld_acquire_u32(wait_c) < wait_target) {
@@ -150,17 +159,23 @@ __device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* nor
     }
     if (tr) tr[1] = global_ns();
     asm volatile("bar.sync 0;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < NP; ++i) v[i] = ld_act16(xsrc + 8 * min((int)threadIdx.x + i * NW * 32, np - 1));
     if (norm_w) {
         float ss = 0.f;
-        for (int P = threadIdx.x; P < K / 8; P += NW * 32) {
-            const u32x4 v = ld_act16(xsrc + 8 * P);
-            const u32 a[4] = {v.x, v.y, v.z, v.w};
+        auto sum_sq = [&](const u32x4& x) {
+            const u32 a[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const float lo = lo_f(a[j]), hi = hi_f(a[j]);
                 ss += lo * lo + hi * hi;
             }
+        };
+#pragma unroll
+        for (int i = 0; i < NP; ++i) {
+            if ((int)threadIdx.x + i * NW * 32 < np) sum_sq(v[i]);
         }
+        for (int P = threadIdx.x + NP * NW * 32; P < np; P += NW * 32) sum_sq(ld_act16(xsrc + 8 * P));
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
         if (lane == 0) red[warp] = ss;
@@ -169,10 +184,8 @@ __device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* nor
 #pragma unroll
         for (int i = 0; i < NW; ++i) total += red[i];
         const float rstd = rsqrtf(total / (float)K + eps);
-        for (int P = threadIdx.x; P < K / 8; P += NW * 32) {
-            const u32x4 v = ld_act16(xsrc + 8 * P);
-            const u32x4 wv = *(const u32x4*)(norm_w + 8 * P);
-            const u32 a[4] = {v.x, v.y, v.z, v.w}, c[4] = {wv.x, wv.y, wv.z, wv.w};
+        auto put = [&](int P, const u32x4& x, const u32x4& w) {
+            const u32 a[4] = {x.x, x.y, x.z, x.w}, c[4] = {w.x, w.y, w.z, w.w};
             u32 o[4];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -181,9 +194,21 @@ __device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* nor
                 o[j] = (u32)ylo | ((u32)yhi << 16);
             }
             sts16(xs + 16u * (u32)P, u32x4{o[0], o[1], o[2], o[3]});
+        };
+#pragma unroll
+        for (int i = 0; i < NP; ++i) {
+            const int P = (int)threadIdx.x + i * NW * 32;
+            if (P < np) put(P, v[i], wv[i]);
         }
+        for (int P = threadIdx.x + NP * NW * 32; P < np; P += NW * 32)
+            put(P, ld_act16(xsrc + 8 * P), *(const u32x4*)(norm_w + 8 * P));
     } else {
-        for (int P = threadIdx.x; P < K / 8; P += NW * 32) sts16(xs + 16u * (u32)P, ld_act16(xsrc + 8 * P));
+#pragma unroll
+        for (int i = 0; i < NP; ++i) {
+            const int P = (int)threadIdx.x + i * NW * 32;
+            if (P < np) sts16(xs + 16u * (u32)P, v[i]);
+        }
+        for (int P = threadIdx.x + NP * NW * 32; P < np; P += NW * 32) sts16(xs + 16u * (u32)P, ld_act16(xsrc + 8 * P));
     }
     asm volatile("bar.sync 0;" ::: "memory");
     if (tr) tr[2] = global_ns();
