@@ -244,12 +244,20 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
         for (int r = 0; r < R; ++r) rows[r] = kind == FS_GU ? (r < H ? tl * H + r : l.up + tl * H + r - H) : tl * R + r;
         flow_load_rows<R, CPL, G>(b, l, rows, lane);
     };
-    // OPTS & 1: both tasks' loads issued before the wait (else the second after it, with the first's arithmetic)
-    FlowRows<R, CPL> cur, nxt;
-    load_task(cur, t0 + warp);
-    if constexpr (OPTS & 1) load_task(nxt, t0 + warp + NW);
+    // DEPTH tasks' weights a warp (OPTS & 4: three, else two): the current task's and the next ones', in flight
+    // during its arithmetic. OPTS & 1: all DEPTH tasks' loads issued before the wait (else the first only).
+    constexpr int DEPTH = (OPTS & 4) ? 3 : 2;
+    FlowRows<R, CPL> q[DEPTH];
+    load_task(q[0], t0 + warp);
+    if constexpr (OPTS & 1) {
+#pragma unroll
+        for (int d = 1; d < DEPTH; ++d) load_task(q[d], t0 + warp + d * NW);
+    }
     flow_stage_input<NW>(xsrc, norm_w, eps, K, wait_c, wait_target, xs, red, warp, lane, tr);
-    if constexpr (!(OPTS & 1)) load_task(nxt, t0 + warp + NW);
+    if constexpr (!(OPTS & 1)) {
+#pragma unroll
+        for (int d = 1; d < DEPTH; ++d) load_task(q[d], t0 + warp + d * NW);
+    }
     for (int t = t0 + warp; t < t1; t += NW) {
         const int out0 = t * UPT;
         u16 pre = 0;  // the epilogue's residual (or bias), loaded before the arithmetic
@@ -268,7 +276,7 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
 #pragma unroll
                 for (int j = 0; j < 4; ++j) xv[j] = lds16(xs + (u32)(64 * c + 16 * j));
 #pragma unroll
-                for (int r = 0; r < R; ++r) gemv_chunk(acc[r], cur.w[u][r], cur.sz[u][r] & 0xFFFFu, cur.sz[u][r] >> 16, xv);
+                for (int r = 0; r < R; ++r) gemv_chunk(acc[r], q[0].w[u][r], q[0].sz[u][r] & 0xFFFFu, q[0].sz[u][r] >> 16, xv);
             }
         }
 #pragma unroll
@@ -291,8 +299,9 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
                 }
             }
         }
-        cur = nxt;  // the next task's weights (in flight during this one's arithmetic), and the one after
-        load_task(nxt, t + 2 * NW);
+#pragma unroll
+        for (int d = 0; d + 1 < DEPTH; ++d) q[d] = q[d + 1];
+        load_task(q[DEPTH - 1], t + DEPTH * NW);
     }
     if (tr) tr[3] = global_ns();
     if constexpr (OPTS & 2) {

@@ -57,8 +57,9 @@ class FlowStep(FusedStep):
         self.D, self.I = dec.spec.hidden_size, dec.inter
         dev = dec.device
         self.warps = env_int("VLMCTL_FLOW_WARPS", 8, minimum=1)
-        # measurements: bit 1 both tasks' loads before the wait, bit 2 no block barrier at a stage's end
-        self.opts = env_int("VLMCTL_FLOW_OPTS", 0, minimum=0) & 3
+        # measurements: bit 1 the first tasks' loads all before a stage's wait, bit 2 no block barrier at a stage's
+        # end, bit 4 three tasks' weights a warp (else two)
+        self.opts = env_int("VLMCTL_FLOW_OPTS", 0, minimum=0) & 7
         if self.warps > 32:
             raise ValueError("VLMCTL_FLOW_WARPS: at most 32 warps a block")
         if self.I % 2:
