@@ -348,6 +348,12 @@ __device__ __forceinline__ void flow_attn(const StepLayer& ly, const u16* qkv, u
     u32x4 kr[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) kr[i] = ld_cg16(krow + 8 * i);
+    u32x2 vv[32];  // V rows of the tile's 32 tokens, dims 4 lane .. + 3 (the new token's comes from shared memory)
+#pragma unroll
+    for (int u = 0; u < 32; ++u) {
+        const long long ru = __shfl_sync(0xffffffffu, row, u);
+        vv[u] = ld_cg8(ly.vc + ((size_t)ru * n_kv + kvh) * 128 + 4 * lane);
+    }
     const float* cs = cos_sin + (size_t)pos * 128;
     const float c0 = h2f(f2h(cs[lane])), c1 = h2f(f2h(cs[lane + 32]));
     const float s0 = h2f(f2h(cs[64 + lane])), s1 = h2f(f2h(cs[64 + lane + 32]));
@@ -408,11 +414,10 @@ __device__ __forceinline__ void flow_attn(const StepLayer& ly, const u16* qkv, u
         for (int o = 16; o > 0; o >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
         const u32 p16 = f2h(p);
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 8
+#pragma unroll
         for (int u = 0; u < 32; ++u) {
-            const long long ru = __shfl_sync(0xffffffffu, row, u);
             const float pu = h2f((u16)__shfl_sync(0xffffffffu, p16, u));
-            const u32x2 v = (newtile && u == newu) ? vn : ld_cg8(ly.vc + ((size_t)ru * n_kv + kvh) * 128 + 4 * lane);
+            const u32x2 v = (newtile && u == newu) ? vn : vv[u];
             acc[0] += pu * lo_f(v.x);
             acc[1] += pu * hi_f(v.x);
             acc[2] += pu * lo_f(v.y);
@@ -436,21 +441,39 @@ __device__ __forceinline__ void flow_attn(const StepLayer& ly, const u16* qkv, u
     for (int j = 0; j < grp; ++j) {
         const int h = kvh * grp + j;
         const float* ph = part + (size_t)h * max_tiles * 132;
-        float M = NEG_INF, lsum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-        for (int tt = 0; tt < ntiles; ++tt) {
-            const float* pp = ph + tt * 132;
-            const float m = ld_cg_f32(pp + 128), l = ld_cg_f32(pp + 129);
-            const u32x4 v = ld_cg16(pp + 4 * lane);
-            const float Mn = fmaxf(M, m);
-            const float a = exp2f(M - Mn), b = exp2f(m - Mn);
-            lsum = lsum * a + l * b;
-            acc[0] = acc[0] * a + as_float(v.x) * b;
-            acc[1] = acc[1] * a + as_float(v.y) * b;
-            acc[2] = acc[2] * a + as_float(v.z) * b;
-            acc[3] = acc[3] * a + as_float(v.w) * b;
-            M = Mn;
+        // the tiles' maxima and sums a lane each (32 at a time), then their weighted outputs, 16 loads in flight
+        float M = NEG_INF;
+        for (int tt = lane; tt < ntiles; tt += 32) M = fmaxf(M, ld_cg_f32(ph + tt * 132 + 128));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        float lsum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int t0 = 0; t0 < ntiles; t0 += 32) {
+            const int tt = t0 + lane;
+            float b = 0.f;
+            if (tt < ntiles) {
+                const float* pp = ph + tt * 132;
+                b = exp2f(ld_cg_f32(pp + 128) - M);
+                lsum += ld_cg_f32(pp + 129) * b;
+            }
+            const int n = min(32, ntiles - t0);
+            for (int u0 = 0; u0 < n; u0 += 16) {
+                u32x4 v[16];
+#pragma unroll
+                for (int u = 0; u < 16; ++u) v[u] = ld_cg16(ph + (size_t)(t0 + min(u0 + u, n - 1)) * 132 + 4 * lane);
+#pragma unroll
+                for (int u = 0; u < 16; ++u) {
+                    const float bu = __shfl_sync(0xffffffffu, b, (u0 + u) & 31);
+                    if (u0 + u < n) {
+                        acc[0] += as_float(v[u].x) * bu;
+                        acc[1] += as_float(v[u].y) * bu;
+                        acc[2] += as_float(v[u].z) * bu;
+                        acc[3] += as_float(v[u].w) * bu;
+                    }
+                }
+            }
         }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
         const float inv = 1.f / lsum;
         const u32 lo = (u32)f2h(acc[0] * inv) | ((u32)f2h(acc[1] * inv) << 16);
         const u32 hi = (u32)f2h(acc[2] * inv) | ((u32)f2h(acc[3] * inv) << 16);
