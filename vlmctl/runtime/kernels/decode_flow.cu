@@ -98,10 +98,10 @@ __device__ __forceinline__ void nanosleep_ns(u32 ns) { asm volatile("nanosleep.u
 // complete (stages complete in key order, so later tasks of a seen stage skip the poll).
 __device__ __forceinline__ void flow_wait(const u32* c, u32 target, int key, int& known) {
     if (key <= known) return;
-    u32 spins = 0, ns = 32;
+    u32 spins = 0, ns = 16;
     while (ld_acquire_u32(c) < target) {
         nanosleep_ns(ns);
-        ns = min(ns * 2u, 256u);
+        ns = min(ns * 2u, 64u);  // one poller a block: a short back-off
         if (++spins == SPIN_LIMIT) __trap();
     }
     known = key;
@@ -150,10 +150,10 @@ __device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* nor
         for (int i = 0; i < NP; ++i) wv[i] = *(const u32x4*)(norm_w + 8 * min((int)threadIdx.x + i * NW * 32, np - 1));
     }
     if (wait_c && warp == 0) {
-        u32 spins = 0, ns = 32;
+        u32 spins = 0, ns = 16;
         while (ld_acquire_u32(wait_c) < wait_target) {
             nanosleep_ns(ns);
-            ns = min(ns * 2u, 256u);
+            ns = min(ns * 2u, 64u);  // one poller a block: a short back-off
             if (++spins == SPIN_LIMIT) __trap();
         }
     }
