@@ -217,7 +217,7 @@ def timing(steps: int, prompt_len: int, slots=(), variant: str = "1", warps=(), 
             r.update(variant=name, fused=value != "0" and dec._fused not in (None, False), step=value,
                      warps=getattr(dec._fused, "warps", None), opts=getattr(dec._fused, "opts", None),
                      reason=dec.fused_step_reason)
-            if r["fused"] and value == "flow" and not any(x.get("trace") for x in rows):
+            if r["fused"] and value == "flow" and (len(rows) >= 5 or not any(x.get("trace") for x in rows)):
                 r["trace"] = flow_trace(dec, prompt_len)
             if (r["fused"] and value == "1"
                     and (len(rows) >= 5 or not any(x.get("trace") for x in rows))):
@@ -245,8 +245,9 @@ def main():
     ap.add_argument("--warps", type=int, nargs="*", default=[], help="with --variant flow: also time it with "
                     "this many warps a block (VLMCTL_FLOW_WARPS)")
     ap.add_argument("--opts", type=int, nargs="*", default=[], help="with --variant flow: also time it with "
-                    "each of these VLMCTL_FLOW_OPTS (bit 1: both tasks' loads before the wait; bit 2: no block "
-                    "barrier at a stage's end)")
+                    "each of these VLMCTL_FLOW_OPTS (bit 1: the first tasks' loads all before the wait; bit 2: no "
+                    "block barrier at a stage's end; bit 4: three tasks' weights a warp; bit 8: weights through "
+                    "shared memory)")
     ap.add_argument("--modes", type=int, metavar="LAYERS", help="only the phase trace per mode (see modes())")
     ap.add_argument("--ncu-once", action="store_true", help="with --modes: three eager steps, for ncu")
     ap.add_argument("--out")

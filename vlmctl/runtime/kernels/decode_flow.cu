@@ -33,6 +33,8 @@
 // A layer's sync words: the five stages' counters (blocks done; for FS_ATT, KV heads combined), then the KV
 // heads' tile tickets.
 #define FS_SYNC 5
+// Weight slots a warp (VLMCTL_FLOW_OPTS bit 8: weights through shared memory)
+#define FLOW_SLOTS 4
 
 
 __device__ __forceinline__ void red_release_add(u32* p, u32 v) {
@@ -214,6 +216,34 @@ __device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* nor
     if (tr) tr[2] = global_ns();
 }
 
+// A task's row sums added across the warp, and lane r storing output row out0 + r: qkv + bias (pre), o and
+// down + the residual (pre), gate_up act(gate) * up (rows 0 .. R/2 - 1 gate, the rest their up rows).
+template <int R, int kind>
+__device__ __forceinline__ void flow_store_rows(float (&acc)[R], int lane, int out0, u16 pre, bool has_bias,
+                                                int act_kind, u16* out) {
+    constexpr int H = R / 2, UPT = kind == FS_GU ? H : R;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+    }
+#pragma unroll
+    for (int r = 0; r < UPT; ++r) {
+        if (lane == r) {
+            const int n = out0 + r;
+            if (kind == FS_QKV) {
+                out[n] = f2h(acc[r] + (has_bias ? h2f(pre) : 0.f));
+            } else if (kind == FS_GU) {
+                const float gf = h2f(f2h(acc[r])), u = h2f(f2h(acc[r + H]));
+                const float a = act_kind == 0 ? act_f32<0>(gf) : act_f32<1>(gf);
+                out[n] = f2h(h2f(f2h(a)) * u);
+            } else {
+                out[n] = f2h(h2f(pre) + h2f(f2h(acc[r])));
+            }
+        }
+    }
+}
+
 // One block's share of a linear's stage (block b: tasks [b n / nb, (b + 1) n / nb) of the stage's n, warp w of NW
 // their w-th, w + NW-th, ...; a task is R weight rows, for FS_GU R / 2 gate rows and their up rows).
 //   1. each warp loads its first task's weights (before the wait: they do not depend on the step)
@@ -225,7 +255,7 @@ template <int R, int CPL, int G, int kind, int NW, int OPTS>
 __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, const u16* xsrc, const u16* norm_w,
                                            float eps, const u16* resid, u16* out, const u32* wait_c,
                                            u32 wait_target, u32* done_c, u32 xs, float* red, int act_kind,
-                                           unsigned long long* tr, u32* warps_done) {
+                                           unsigned long long* tr, u32* warps_done, u32 wslots) {
     if (tr) tr[0] = global_ns();
     constexpr int H = R / 2, UPT = kind == FS_GU ? H : R;  // output rows a task
     const int warp = threadIdx.x >> 5, lane = lane_id();
@@ -244,6 +274,72 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
         for (int r = 0; r < R; ++r) rows[r] = kind == FS_GU ? (r < H ? tl * H + r : l.up + tl * H + r - H) : tl * R + r;
         flow_load_rows<R, CPL, G>(b, l, rows, lane);
     };
+    if constexpr (OPTS & 8) {
+        // The weights through shared memory: each warp has S slots of one task's weights, filled by cp.async
+        // (each lane copies, and later reads, only its own 16-byte pieces: [u][r][lane]), S tasks ahead, the
+        // first S issued before the stage's wait. The scales and zero points stay in registers.
+        constexpr int S = FLOW_SLOTS, SB = R * CPL * 512;
+        u32 sz[S][CPL][R];
+        auto issue = [&](u32 slot, u32 (&z)[CPL][R], int t) {
+            const bool valid = t < t1;
+            const int tl = min(t, max(t1 - 1, 0));
+#pragma unroll
+            for (int u = 0; u < CPL; ++u) {
+                const int c = min(lane + 32 * u, KC - 1);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const long long n = kind == FS_GU ? (r < H ? tl * H + r : l.up + tl * H + r - H) : tl * R + r;
+                    cp_async16_s(slot + (u32)((u * R + r) * 512 + lane * 16), l.qw + n * (K >> 3) + 4 * c, valid);
+                    const int gi = (c * 32) / G;
+                    z[u][r] = (u32)ld_nc_u16(l.sc + n * (K / G) + gi) | ((u32)ld_nc_u8(l.zp + n * (K / G) + gi) << 16);
+                }
+            }
+            cp_async_commit();
+        };
+#pragma unroll
+        for (int k = 0; k < S; ++k) issue(wslots + k * SB, sz[k], t0 + warp + k * NW);
+        flow_stage_input<NW>(xsrc, norm_w, eps, K, wait_c, wait_target, xs, red, warp, lane, tr);
+        for (int k0 = 0;; k0 += S) {
+            bool done = false;
+#pragma unroll
+            for (int k = 0; k < S; ++k) {
+                const int t = t0 + warp + (k0 + k) * NW;
+                if (t >= t1) {
+                    done = true;
+                    break;
+                }
+                cp_async_wait<S - 1>();  // this lane's pieces of task t have landed
+                const u32 slot = wslots + k * SB;
+                const int out0 = t * UPT;
+                u16 pre = 0;
+                if (lane < UPT) {
+                    if (kind == FS_O || kind == FS_DOWN) pre = resid[out0 + lane];
+                    else if (kind == FS_QKV && l.bias) pre = l.bias[out0 + lane];
+                }
+                float acc[R];
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r] = 0.f;
+#pragma unroll
+                for (int u = 0; u < CPL; ++u) {
+                    const int c = lane + 32 * u;
+                    if (c < KC) {
+                        u32x4 xv[4];
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) xv[j] = lds16(xs + (u32)(64 * c + 16 * j));
+#pragma unroll
+                        for (int r = 0; r < R; ++r) {
+                            const u32x4 w = lds16(slot + (u32)((u * R + r) * 512 + lane * 16));
+                            gemv_chunk(acc[r], w, sz[k][u][r] & 0xFFFFu, sz[k][u][r] >> 16, xv);
+                        }
+                    }
+                }
+                flow_store_rows<R, kind>(acc, lane, out0, pre, l.bias != nullptr, act_kind, out);
+                issue(slot, sz[k], t + S * NW);  // this lane read its own pieces only: the slot is free for it
+            }
+            if (done) break;
+        }
+        cp_async_wait<0>();  // the slots are refilled by the next stage
+    } else {
     // DEPTH tasks' weights a warp (OPTS & 4: three, else two): the current task's and the next ones', in flight
     // during its arithmetic. OPTS & 1: all DEPTH tasks' loads issued before the wait (else the first only).
     constexpr int DEPTH = (OPTS & 4) ? 3 : 2;
@@ -279,29 +375,11 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
                 for (int r = 0; r < R; ++r) gemv_chunk(acc[r], q[0].w[u][r], q[0].sz[u][r] & 0xFFFFu, q[0].sz[u][r] >> 16, xv);
             }
         }
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
-        }
-#pragma unroll
-        for (int r = 0; r < UPT; ++r) {  // lane r stores output row out0 + r
-            if (lane == r) {
-                const int n = out0 + r;
-                if (kind == FS_QKV) {
-                    out[n] = f2h(acc[r] + (l.bias ? h2f(pre) : 0.f));
-                } else if (kind == FS_GU) {
-                    const float gf = h2f(f2h(acc[r])), u = h2f(f2h(acc[r + H]));
-                    const float a = act_kind == 0 ? act_f32<0>(gf) : act_f32<1>(gf);
-                    out[n] = f2h(h2f(f2h(a)) * u);
-                } else {
-                    out[n] = f2h(h2f(pre) + h2f(f2h(acc[r])));
-                }
-            }
-        }
+        flow_store_rows<R, kind>(acc, lane, out0, pre, l.bias != nullptr, act_kind, out);
 #pragma unroll
         for (int d = 0; d + 1 < DEPTH; ++d) q[d] = q[d + 1];
         load_task(q[DEPTH - 1], t + DEPTH * NW);
+    }
     }
     if (tr) tr[3] = global_ns();
     if constexpr (OPTS & 2) {
@@ -498,7 +576,8 @@ __global__ void __launch_bounds__(NW * 32, 1)
 decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_all, u16* attn_all, u16* hmid_all,
             u16* act_all, float* part, u32* sync, const int* pos_p, const int* slot_p, const int* ctx_p, const int* bt,
             const float* cos_sin, int n_layers, int D, int I, int n_heads, int n_kv, int block_size, int max_tiles,
-            int scale_log2_bits, int eps_bits, int act_kind, int x_bytes, unsigned long long* trace) {
+            int scale_log2_bits, int eps_bits, int act_kind, int x_bytes, int slot_bytes,
+            unsigned long long* trace) {
     constexpr int RQ = FlowTaskRows<CD>::value;                 // qkv
     constexpr int RG = RQ < 2 ? 2 : RQ;                         // gate_up: gate and up rows in pairs
     constexpr int RO = FlowTaskRows<CA>::value > 2 ? 2 : FlowTaskRows<CA>::value;  // o: few rows a block
@@ -510,6 +589,9 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
     const u32 qs = xs + (u32)x_bytes + (u32)(warp * (grp + 2) * 256);  // this warp's q, new K and new V
     float* red = (float*)(smem + x_bytes + NW * (grp + 2) * 256);
     u32* warps_done = (u32*)(red + NW);  // OPTS & 2: the warps done with the block's current stage
+    // OPTS & 8: this warp's FLOW_SLOTS weight slots of slot_bytes each, 128-byte aligned after the rest
+    const u32 wslots = ((xs + (u32)(x_bytes + NW * (grp + 2) * 256 + 4 * NW + 4) + 127u) & ~127u) +
+                       (u32)(warp * FLOW_SLOTS * slot_bytes);
     if (threadIdx.x == 0) *warps_done = 0u;
     __syncthreads();
     const float scale_log2 = __int_as_float(scale_log2_bits), eps = __int_as_float(eps_bits);
@@ -535,7 +617,7 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
         // qkv of the input norm of h[L], after the previous layer's down stage
         flow_stage<RQ, CD, G, FS_QKV, NW, OPTS>(l4, NQ, h + (size_t)L * D, layers[L].in_norm, eps, nullptr, qkv,
                                           L > 0 ? sync + (size_t)(L - 1) * sync_stride + FS_DOWN : nullptr, nb,
-                                          sy + FS_QKV, xs, red, act_kind, tl, warps_done);
+                                          sy + FS_QKV, xs, red, act_kind, tl, warps_done, wslots);
         // attention: KV head tiles spread over all warps of the grid (warp gw: tiles gw, gw + W, ... of the
         // layer's list, so that each block's share differs layer to layer); a warp's own wait for qkv
         for (long long i = (gw - (long long)L * na % W + W) % W; i < na; i += W) {
@@ -546,12 +628,12 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
         if (tracing) tl[5] = global_ns();
         // o, + the residual stream h[L] -> hmid; after every KV head's combine
         flow_stage<RO, CA, G, FS_O, NW, OPTS>(l4 + 1, D, attn, nullptr, eps, h + (size_t)L * D, hmid, sy + FS_ATT,
-                                        (u32)n_kv, sy + FS_O, xs, red, act_kind, tl ? tl + 6 : nullptr, warps_done);
+                                        (u32)n_kv, sy + FS_O, xs, red, act_kind, tl ? tl + 6 : nullptr, warps_done, wslots);
         // gate_up of the post-attention norm of hmid
         flow_stage<RG, CD, G, FS_GU, NW, OPTS>(l4 + 2, I, hmid, layers[L].post_norm, eps, nullptr, act, sy + FS_O, nb,
-                                         sy + FS_GU, xs, red, act_kind, tl ? tl + 11 : nullptr, warps_done);
+                                         sy + FS_GU, xs, red, act_kind, tl ? tl + 11 : nullptr, warps_done, wslots);
         // down, + hmid -> h[L + 1]
         flow_stage<RD, CI, G, FS_DOWN, NW, OPTS>(l4 + 3, D, act, nullptr, eps, hmid, h + (size_t)(L + 1) * D, sy + FS_GU,
-                                           nb, sy + FS_DOWN, xs, red, act_kind, tl ? tl + 16 : nullptr, warps_done);
+                                           nb, sy + FS_DOWN, xs, red, act_kind, tl ? tl + 16 : nullptr, warps_done, wslots);
     }
 }

@@ -20,6 +20,7 @@ from .settings import env_int
 SOURCE = Path(__file__).with_name("decode_flow.cu")
 _TEXT: list = []
 SYNC_WORDS = 5  # a layer's stage counters before its KV heads' tickets (decode_flow.cu's FS_SYNC)
+FLOW_SLOTS = 4  # weight slots a warp with VLMCTL_FLOW_OPTS bit 8 (decode_flow.cu's FLOW_SLOTS)
 # Block 0's marks a layer (decode_flow.cu, `trace`): each linear's stage start, its input's wait done, the input
 # staged, the block's tasks done and the block done; after qkv's, the end of the attention tasks.
 TRACE_MARKS = ("qkv start", "qkv waited", "qkv staged", "qkv computed", "qkv done", "attention done",
@@ -58,8 +59,9 @@ class FlowStep(FusedStep):
         dev = dec.device
         self.warps = env_int("VLMCTL_FLOW_WARPS", 8, minimum=1)
         # measurements: bit 1 the first tasks' loads all before a stage's wait, bit 2 no block barrier at a stage's
-        # end, bit 4 three tasks' weights a warp (else two)
-        self.opts = env_int("VLMCTL_FLOW_OPTS", 0, minimum=0) & 7
+        # end, bit 4 three tasks' weights a warp (else two), bit 8 the weights through FLOW_SLOTS shared-memory
+        # slots a warp (cp.async)
+        self.opts = env_int("VLMCTL_FLOW_OPTS", 0, minimum=0) & 15
         if self.warps > 32:
             raise ValueError("VLMCTL_FLOW_WARPS: at most 32 warps a block")
         if self.I % 2:
@@ -97,6 +99,16 @@ class FlowStep(FusedStep):
         # the staged input of a stage, the warps' attention scratch, the norm's partial sums
         self.x_bytes = -(-2 * max(self.D, self.attn_width, self.I) // 128) * 128
         self.smem = self.x_bytes + self.warps * (dec.n_heads // dec.n_kv + 2) * 256 + 4 * self.warps + 4
+        self.slot_bytes = 0
+        if self.opts & 8:  # a task's weights: rows x chunks a lane x 512 bytes (decode_flow.cu's FlowTaskRows)
+            def rows(c):
+                return 2 if c <= 4 else 1
+
+            cd, ca, ci = (chunks_per_lane(k) for k in (self.D, self.attn_width, self.I))
+            self.slot_bytes = 512 * max(rows(cd) * cd, 2 * cd, min(2, rows(ca)) * ca, rows(ci) * ci)
+            self.smem = -(-self.smem // 128) * 128 + self.warps * FLOW_SLOTS * self.slot_bytes
+            if self.smem > 227 * 1024:
+                raise ValueError(f"the flow step's weight slots need {self.smem} bytes of shared memory a block")
         from . import cuda_rtc
 
         self.kernel = cuda_rtc.load_kernel(source(), kernel_name(self.warps, self.group, self.D, self.attn_width,
@@ -116,5 +128,5 @@ class FlowStep(FusedStep):
                            [self.lins, self.layers, self.h, self.qkv, self.attn, self.hmid, self.act, self.part,
                             self.sync, positions, slots, context_lens, bt, dec.cos_sin, dec.n_layers, self.D, self.I,
                             dec.n_heads, dec.n_kv, dec.block_size, self.max_tiles, self.scale_log2, self.eps,
-                            self.act_kind, self.x_bytes, self.trace], dec.device, cooperative=True)
+                            self.act_kind, self.x_bytes, self.slot_bytes, self.trace], dec.device, cooperative=True)
         return self.h[dec.n_layers].view(1, -1)
