@@ -409,6 +409,7 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
 // and its lane takes the new K from shared memory). `part` is shared by the layers: a layer's partials are
 // written only after its qkv stage, which follows the previous layer's down stage, which follows its o stage,
 // which waited for every combine of that layer.
+template <bool VPRE>
 __device__ __forceinline__ void flow_attn(const StepLayer& ly, const u16* qkv, u16* attn, float* part, u32* ticket, int kvh,
                           int tile, int ntiles, int pos, int slot, int ctx, const int* bt, const float* cos_sin,
                           int n_heads, int n_kv, int block_size, int max_tiles, float scale_log2, u32 qs,
@@ -427,10 +428,12 @@ __device__ __forceinline__ void flow_attn(const StepLayer& ly, const u16* qkv, u
 #pragma unroll
     for (int i = 0; i < 16; ++i) kr[i] = ld_cg16(krow + 8 * i);
     u32x2 vv[32];  // V rows of the tile's 32 tokens, dims 4 lane .. + 3 (the new token's comes from shared memory)
+    if constexpr (VPRE) {  // before the wait (else where they are used)
 #pragma unroll
-    for (int u = 0; u < 32; ++u) {
-        const long long ru = __shfl_sync(0xffffffffu, row, u);
-        vv[u] = ld_cg8(ly.vc + ((size_t)ru * n_kv + kvh) * 128 + 4 * lane);
+        for (int u = 0; u < 32; ++u) {
+            const long long ru = __shfl_sync(0xffffffffu, row, u);
+            vv[u] = ld_cg8(ly.vc + ((size_t)ru * n_kv + kvh) * 128 + 4 * lane);
+        }
     }
     const float* cs = cos_sin + (size_t)pos * 128;
     const float c0 = h2f(f2h(cs[lane])), c1 = h2f(f2h(cs[lane + 32]));
@@ -495,7 +498,14 @@ __device__ __forceinline__ void flow_attn(const StepLayer& ly, const u16* qkv, u
 #pragma unroll
         for (int u = 0; u < 32; ++u) {
             const float pu = h2f((u16)__shfl_sync(0xffffffffu, p16, u));
-            const u32x2 v = (newtile && u == newu) ? vn : vv[u];
+            u32x2 v;
+            if constexpr (VPRE) {
+                v = vv[u];
+            } else {
+                const long long ru = __shfl_sync(0xffffffffu, row, u);
+                v = ld_cg8(ly.vc + ((size_t)ru * n_kv + kvh) * 128 + 4 * lane);
+            }
+            if (newtile && u == newu) v = vn;
             acc[0] += pu * lo_f(v.x);
             acc[1] += pu * hi_f(v.x);
             acc[2] += pu * lo_f(v.y);
@@ -621,7 +631,7 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
         // attention: KV head tiles spread over all warps of the grid (warp gw: tiles gw, gw + W, ... of the
         // layer's list, so that each block's share differs layer to layer); a warp's own wait for qkv
         for (long long i = (gw - (long long)L * na % W + W) % W; i < na; i += W) {
-            flow_attn(layers[L], qkv, attn, part, sy + FS_SYNC, (int)(i / ntiles), (int)(i % ntiles), ntiles, pos,
+            flow_attn<!(OPTS & 16)>(layers[L], qkv, attn, part, sy + FS_SYNC, (int)(i / ntiles), (int)(i % ntiles), ntiles, pos,
                       slot, ctx, bt, cos_sin, n_heads, n_kv, block_size, max_tiles, scale_log2, qs, sy + FS_QKV, nb,
                       L, known, sy + FS_ATT, lane_id());
         }

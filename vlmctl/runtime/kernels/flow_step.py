@@ -60,8 +60,8 @@ class FlowStep(FusedStep):
         self.warps = env_int("VLMCTL_FLOW_WARPS", 8, minimum=1)
         # measurements: bit 1 the first tasks' loads all before a stage's wait, bit 2 no block barrier at a stage's
         # end, bit 4 three tasks' weights a warp (else two), bit 8 the weights through FLOW_SLOTS shared-memory
-        # slots a warp (cp.async)
-        self.opts = env_int("VLMCTL_FLOW_OPTS", 0, minimum=0) & 15
+        # slots a warp (cp.async), bit 16 the attention's V rows loaded where they are used (not before the wait)
+        self.opts = env_int("VLMCTL_FLOW_OPTS", 0, minimum=0) & 31
         if self.warps > 32:
             raise ValueError("VLMCTL_FLOW_WARPS: at most 32 warps a block")
         if self.I % 2:
