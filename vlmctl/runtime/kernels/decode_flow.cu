@@ -631,9 +631,9 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
         // attention: KV head tiles spread over all warps of the grid (warp gw: tiles gw, gw + W, ... of the
         // layer's list, so that each block's share differs layer to layer); a warp's own wait for qkv
         for (long long i = (gw - (long long)L * na % W + W) % W; i < na; i += W) {
-            flow_attn<!(OPTS & 16)>(layers[L], qkv, attn, part, sy + FS_SYNC, (int)(i / ntiles), (int)(i % ntiles), ntiles, pos,
-                      slot, ctx, bt, cos_sin, n_heads, n_kv, block_size, max_tiles, scale_log2, qs, sy + FS_QKV, nb,
-                      L, known, sy + FS_ATT, lane_id());
+            flow_attn<!(OPTS & 16)>(layers[L], qkv, attn, part, sy + FS_SYNC, (int)(i / ntiles), (int)(i % ntiles),
+                                    ntiles, pos, slot, ctx, bt, cos_sin, n_heads, n_kv, block_size, max_tiles,
+                                    scale_log2, qs, sy + FS_QKV, nb, L, known, sy + FS_ATT, lane_id());
         }
         if (tracing) tl[5] = global_ns();
         // o, + the residual stream h[L] -> hmid; after every KV head's combine
