@@ -136,3 +136,26 @@ def test_unsupported_decoders_say_why(monkeypatch):
     assert "K % 256" in FS.unsupported_reason(dec)
     monkeypatch.setenv("VLMCTL_FUSED_STEP", "0")
     assert FS.unsupported_reason(_decoder(group=64)).startswith("off")
+
+
+def test_linear_table_rows():
+    # the StepLinear rows both fused steps read: four a layer, gate_up's N counting gate rows
+    from types import SimpleNamespace
+
+    def lin(n, k, g=128, bias=False):
+        packed = {"q4weight": torch.zeros(n, k // 8, dtype=torch.int32),
+                  "q4scales": torch.zeros(n, k // g, dtype=torch.float16),
+                  "q4zeros": torch.zeros(n, k // g, dtype=torch.uint8)}
+        return SimpleNamespace(packed=packed, bias=torch.zeros(n, dtype=torch.float16) if bias else None)
+
+    layers = [SimpleNamespace(qkv=lin(768, 256, bias=True), o=lin(256, 256), gate_up=lin(1024, 256), down=lin(256, 512))
+              for _ in range(2)]
+    rows = FS.linear_table(SimpleNamespace(layers=layers), lambda k: 16 if k == 256 else 8, 16)
+    assert len(rows) == 8
+    qkv, o, gate_up, down = rows[4:]
+    lay = layers[1]
+    assert qkv == [lay.qkv.packed["q4weight"].data_ptr(), lay.qkv.packed["q4scales"].data_ptr(),
+                   lay.qkv.packed["q4zeros"].data_ptr(), lay.qkv.bias.data_ptr(), 768, 256, 0, 16]
+    assert o[3:] == [0, 256, 256, 0, 16]
+    assert gate_up[4:] == [512, 256, 512, 16]
+    assert down[4:] == [256, 512, 0, 8]

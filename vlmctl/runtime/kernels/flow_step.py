@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .fused_step import FusedStep, _bits
+from .fused_step import FusedStep, _bits, linear_table
 from .settings import env_int
 
 SOURCE = Path(__file__).with_name("decode_flow.cu")
@@ -66,18 +66,7 @@ class FlowStep(FusedStep):
             raise ValueError("VLMCTL_FLOW_WARPS: at most 32 warps a block")
         if self.I % 2:
             raise ValueError(f"an odd intermediate size {self.I}")
-        lins = []
-        for layer in dec.layers:
-            for i, lin in enumerate((layer.qkv, layer.o, layer.gate_up, layer.down)):
-                p = lin.packed
-                n, k = p["q4weight"].shape[0], p["q4weight"].shape[1] * 8
-                bias = lin.bias.data_ptr() if lin.bias is not None else 0
-                if i == 2:  # gate_up: its first half are the gate rows, the up row of gate row r is n / 2 + r
-                    lins.append([p["q4weight"].data_ptr(), p["q4scales"].data_ptr(), p["q4zeros"].data_ptr(), bias,
-                                 n // 2, k, n // 2, 0])
-                else:
-                    lins.append([p["q4weight"].data_ptr(), p["q4scales"].data_ptr(), p["q4zeros"].data_ptr(), bias,
-                                 n, k, 0, 0])
+        lins = linear_table(dec, lambda k: 0, 0)  # (no ring tiles here)
         self.lins = torch.tensor(lins, dtype=torch.int64, device=dev)
         self.layers = None  # (pointers into the KV pool: built by `bind_cache`)
         self.max_tiles = -(-dec.max_seq // 32)

@@ -126,6 +126,25 @@ def unsupported_reason(decoder) -> str | None:
     return None
 
 
+def linear_table(decoder, tile_rows_of, gate_up_tile_rows: int) -> list:
+    """decode_step.cu's and decode_flow.cu's StepLinear rows, four a layer (qkv, o, gate_up, down): the packed
+    weights', scales' and zero points' addresses, the bias's (or 0), rows N, K, the row where gate_up's up half
+    starts (0 otherwise) and the rows a ring tile holds (tile_rows_of(K); gate_up's gate_up_tile_rows). gate_up's
+    N counts gate rows: the up row of gate row r is N + r."""
+    lins = []
+    for layer in decoder.layers:
+        for i, lin in enumerate((layer.qkv, layer.o, layer.gate_up, layer.down)):
+            p = lin.packed
+            n, k = p["q4weight"].shape[0], p["q4weight"].shape[1] * 8
+            bias = lin.bias.data_ptr() if lin.bias is not None else 0
+            ptrs = [p["q4weight"].data_ptr(), p["q4scales"].data_ptr(), p["q4zeros"].data_ptr(), bias]
+            if i == 2:
+                lins.append(ptrs + [n // 2, k, n // 2, gate_up_tile_rows])
+            else:
+                lins.append(ptrs + [n, k, 0, tile_rows_of(k)])
+    return lins
+
+
 class FusedStep:
     """The fused batch-1 step of one decoder: its tables, buffers and kernel. `run` is CUDA-graph capturable."""
 
@@ -149,18 +168,7 @@ class FusedStep:
         if self.nslot < 1:
             raise ValueError(f"a {self.slot_bytes}-byte tile does not fit in shared memory beside the x buffer")
         self.smem = self.nslot * self.slot_bytes + self.x_bytes + misc + 16 * self.nslot
-        lins = []
-        for layer in dec.layers:
-            for i, lin in enumerate((layer.qkv, layer.o, layer.gate_up, layer.down)):
-                p = lin.packed
-                n, k = p["q4weight"].shape[0], p["q4weight"].shape[1] * 8
-                bias = lin.bias.data_ptr() if lin.bias is not None else 0
-                if i == 2:  # gate_up: pairs of a gate row and its up row, 8 to a tile
-                    lins.append([p["q4weight"].data_ptr(), p["q4scales"].data_ptr(), p["q4zeros"].data_ptr(), bias,
-                                 n // 2, k, n // 2, 16])
-                else:
-                    lins.append([p["q4weight"].data_ptr(), p["q4scales"].data_ptr(), p["q4zeros"].data_ptr(), bias,
-                                 n, k, 0, rows[k]])
+        lins = linear_table(dec, lambda k: rows[k], 16)
         self.lins = torch.tensor(lins, dtype=torch.int64, device=dev)
         self.layers = None  # (pointers into the KV pool: built by `bind_cache`)
         self.max_tiles = -(-dec.max_seq // 32)
