@@ -22,6 +22,9 @@
 //
 // Numerics: each linear's rows as the batch-1 CUDA GEMV computes them (gemv_chunk: the same products and sums
 // per lane, lanes added by the same shuffles); norms, rotary, residual adds and act*mul round as decode_step.cu.
+//
+// Status: correct on an H100, slower than the kernel-by-kernel step (2.6-2.9 against 2.1 ms a 7B step); opt-in.
+// docs/benchmarks.md, session 50, has block 0's per-stage trace and what it says.
 
 // Stages of a layer, in task order.
 #define FS_QKV 0
@@ -96,8 +99,8 @@ __device__ __forceinline__ unsigned long long global_ns() {
 
 __device__ __forceinline__ void nanosleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" :: "r"(ns)); }
 
-// Wait (every lane) until counter `c` reaches `target`; `known` caches the last stage key this warp saw
-// complete (stages complete in key order, so later tasks of a seen stage skip the poll).
+// Wait (every lane) until counter `c` reaches `target`; `known` caches the last key (the attention's: its layer)
+// this warp saw satisfied, so its later tasks of that layer skip the poll.
 __device__ __forceinline__ void flow_wait(const u32* c, u32 target, int key, int& known) {
     if (key <= known) return;
     u32 spins = 0, ns = 16;
@@ -613,7 +616,7 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
     const u32 nb = gridDim.x;
     const long long W = (long long)gridDim.x * NW, gw = (long long)blockIdx.x * NW + warp;
     int known = -1;  // the last attention wait this warp saw satisfied (layer)
-    // measurements (benchmarks/fused_step_gpu.py --trace): block 0's thread 0 marks each stage's start, wait done,
+    // measurements (benchmarks/fused_step_gpu.py's flow rows): block 0's thread 0 marks each stage's start, wait done,
     // input staged, tasks done, block done (FLOW_MARKS a layer), and the end of its warp's attention tasks
     const bool tracing = trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0;
     for (int L = 0; L < n_layers; ++L) {
