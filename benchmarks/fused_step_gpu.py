@@ -55,13 +55,13 @@ def step(dec, tok, n, table, fused):
 
 
 def check(name, cfg, group, prompt_len, steps, seed=0) -> dict:
-    from vlmctl.runtime.kernels.fused_step import FusedStep
+    from vlmctl.runtime.kernels.flow_step import build_step
 
     sd = D.random_hf_state(cfg, "cuda", seed)
     dec = D.make_decoder(cfg, sd, group)
     dec.allocate_cache(1 + -(-(prompt_len + 200) // 16) + 8, 16)
     dec.use_graphs = False
-    fused = FusedStep.build(dec)
+    fused = build_step(dec)
     assert fused is not None, dec.fused_step_reason
     tok, table = prefill(dec, prompt_len, seed)
     worst, agree, kv_worst = 0.0, 0, 0.0

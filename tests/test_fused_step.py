@@ -86,12 +86,10 @@ def test_fused_step_follows_the_kernel_by_kernel_step(group, prompt, variant, mo
     monkeypatch.setenv("VLMCTL_FUSED_STEP", variant)
     if not GPU90:
         pytest.skip("needs a CUDA GPU of compute capability 9.0+")
-    from vlmctl.runtime.kernels.fused_step import FusedStep
-
     dec = _decoder(group=group)
     dec.allocate_cache(64, 16)
     dec.use_graphs = False
-    fused = FusedStep.build(dec)
+    fused = FL.build_step(dec)
     assert fused is not None, dec.fused_step_reason
     assert type(fused).__name__ == ("FlowStep" if variant == "flow" else "FusedStep")
     tok, table = _prefill(dec, prompt)

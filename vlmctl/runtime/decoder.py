@@ -761,9 +761,9 @@ class TorchDecoder:
         """The fused batch-1 step where this decoder can run it (built on first use; None where not, with
         the reason in `fused_step_reason`)."""
         if self._fused is False:
-            from .kernels.fused_step import FusedStep
+            from .kernels.flow_step import build_step
 
-            self._fused = FusedStep.build(self) if self.device.type == "cuda" else None
+            self._fused = build_step(self) if self.device.type == "cuda" else None
         return self._fused
 
     @torch.inference_mode()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .fused_step import FusedStep, _bits, linear_table
+from .fused_step import FusedStep, _bits, linear_table, mode
 from .settings import env_int
 
 SOURCE = Path(__file__).with_name("decode_flow.cu")
@@ -119,3 +119,9 @@ class FlowStep(FusedStep):
                             dec.n_heads, dec.n_kv, dec.block_size, self.max_tiles, self.scale_log2, self.eps,
                             self.act_kind, self.x_bytes, self.slot_bytes, self.trace], dec.device, cooperative=True)
         return self.h[dec.n_layers].view(1, -1)
+
+
+def build_step(decoder) -> FusedStep | None:
+    """The fused batch-1 step VLMCTL_FUSED_STEP asks for (the ring step, or with `flow` this module's), or None
+    with the reason in `decoder.fused_step_reason` (FusedStep.build)."""
+    return (FlowStep if mode() == "flow" else FusedStep).build(decoder)

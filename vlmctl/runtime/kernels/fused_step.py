@@ -199,10 +199,6 @@ class FusedStep:
         reason = unsupported_reason(decoder)
         step = None
         if reason is None:
-            if mode() == "flow" and cls is FusedStep:
-                from .flow_step import FlowStep
-
-                cls = FlowStep
             try:
                 step = cls(decoder)
             except (ValueError, RtcError) as e:
