@@ -1,10 +1,11 @@
-"""The batch-1 decode step of an AWQ decoder as one persistent kernel whose work is ordered by counters in
-memory (`decode_flow.cu`; the file's header says why and how).
+"""The batch-1 decode step of an AWQ decoder as one persistent kernel whose stages are ordered by counters in
+memory instead of kernel ends (`decode_flow.cu`; the file's header says why and how).
 
-Every warp of the grid runs the step's tasks (rows of a linear, one KV head's tile of attention) in a fixed
-order; a task loads its weights before it waits for its input, so the weight stream does not stop at the
-boundaries between a layer's stages. It covers what `fused_step.unsupported_reason` allows and is selected
-with VLMCTL_FUSED_STEP=flow (off by default); VLMCTL_FLOW_WARPS sets the warps a block (8: at 12 and 16 the 7B kernel spills registers).
+One block per SM runs its share of each linear's rows, its warps loading their first tasks' weights before the
+stage's input is ready; attention runs as warp tasks over the grid. It covers what
+`fused_step.unsupported_reason` allows and is selected with VLMCTL_FUSED_STEP=flow (off by default: correct,
+slower so far, docs/benchmarks.md, session 50). VLMCTL_FLOW_WARPS sets the warps a block (8: at 12 and more the
+7B kernel spills registers); VLMCTL_FLOW_OPTS selects variants for measurements.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class FlowStep(FusedStep):
     """The dataflow batch-1 step of one decoder: its tables, per-layer buffers and kernel. `run` is CUDA-graph
     capturable."""
 
-    def __init__(self, decoder):  # noqa: D107 (FusedStep's ring set-up does not apply)
+    def __init__(self, decoder):  # (not FusedStep's: no ring here)
         self.decoder = dec = decoder
         self.group = dec.layers[0].qkv.group_size
         self.D, self.I = dec.spec.hidden_size, dec.inter
