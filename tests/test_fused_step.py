@@ -44,6 +44,19 @@ def test_fused_step_modes(monkeypatch):
     assert FS.mode() == "" and not FS.enabled()
 
 
+def test_flow_warps_setting(monkeypatch):
+    from vlmctl.errors import OptionError
+
+    monkeypatch.delenv("VLMCTL_FLOW_WARPS", raising=False)
+    assert FL.flow_warps() == 8
+    monkeypatch.setenv("VLMCTL_FLOW_WARPS", "12")
+    assert FL.flow_warps() == 12
+    for bad in ("33", "0", "eight"):
+        monkeypatch.setenv("VLMCTL_FLOW_WARPS", bad)
+        with pytest.raises(OptionError, match="VLMCTL_FLOW_WARPS"):
+            FL.flow_warps()
+
+
 def test_tile_rows():
     assert FS.tile_rows(4096, 128) == 16  # 16 rows of 2,144 bytes fit a 48 KB slot
     assert FS.tile_rows(11008, 128) == 8  # 16 rows of 5,762 bytes do not

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ...errors import OptionError
 from .fused_step import FusedStep, _bits, linear_table, mode
 from .settings import env_int
 
@@ -44,6 +45,15 @@ def chunks_per_lane(k: int) -> int:
     return -(-k // 1024)
 
 
+def flow_warps() -> int:
+    """VLMCTL_FLOW_WARPS: warps a block, 1-32 (8 by default); a bad value is an OptionError, as every kernel
+    setting's (not a silent fall-back to the kernel-by-kernel step)."""
+    warps = env_int("VLMCTL_FLOW_WARPS", 8, minimum=1)
+    if warps > 32:
+        raise OptionError(f"VLMCTL_FLOW_WARPS={warps}: at most 32 warps a block")
+    return warps
+
+
 def kernel_name(warps: int, group_size: int, d: int, attn_width: int, inter: int, opts: int = 0) -> str:
     return (f"decode_flow<{warps}, {group_size}, {chunks_per_lane(d)}, {chunks_per_lane(attn_width)}, "
             f"{chunks_per_lane(inter)}, {opts}>")
@@ -58,13 +68,11 @@ class FlowStep(FusedStep):
         self.group = dec.layers[0].qkv.group_size
         self.D, self.I = dec.spec.hidden_size, dec.inter
         dev = dec.device
-        self.warps = env_int("VLMCTL_FLOW_WARPS", 8, minimum=1)
+        self.warps = flow_warps()
         # measurements: bit 1 the first tasks' loads all before a stage's wait, bit 2 no block barrier at a stage's
         # end, bit 4 three tasks' weights a warp (else two), bit 8 the weights through FLOW_SLOTS shared-memory
         # slots a warp (cp.async), bit 16 the attention's V rows loaded where they are used (not before the wait)
         self.opts = env_int("VLMCTL_FLOW_OPTS", 0, minimum=0) & 31
-        if self.warps > 32:
-            raise ValueError("VLMCTL_FLOW_WARPS: at most 32 warps a block")
         if self.I % 2:
             raise ValueError(f"an odd intermediate size {self.I}")
         lins = linear_table(dec, lambda k: 0, 0)  # (no ring tiles here)
