@@ -5,6 +5,8 @@ kernel-by-kernel step, on a GPU: correctness, then time.
     python benchmarks/fused_step_gpu.py --skip-time
     python benchmarks/fused_step_gpu.py --skip-check --steps 64
     python benchmarks/fused_step_gpu.py --variant flow --warps 16 12 8   # the dataflow step (flow_step.py)
+    VLMCTL_FLOW_OPTS=32 VLMCTL_FLOW_WARPS=7 python benchmarks/fused_step_gpu.py --variant flow --flow-configs 7:32
+                                                                         # its ring kernel checked, then timed
 
 Checks (random Llama decoders, round-to-nearest int4 in the W4A16 layout, fp16), per shape and group size:
 the same decode steps run fused and unfused from the same cache (teacher-forced by the unfused tokens):
@@ -185,9 +187,9 @@ def modes(prompt_len: int, layers: int, profile: bool) -> None:
     fused.mode = 0
 
 
-def timing(steps: int, prompt_len: int, slots=(), variant: str = "1", warps=(), opts=()) -> list:
+def timing(steps: int, prompt_len: int, slots=(), variant: str = "1", warps=(), opts=(), configs=()) -> list:
     """fp16 (kernel by kernel), then AWQ kernel by kernel and fused, twice each in turn; then the ring step with
-    each of `slots`, or the flow step with each of `warps` and then each of `opts`."""
+    each of `slots`, or the flow step with each of `warps`, each of `opts` and each (warps, opts) of `configs`."""
     cfg = D.llama7b_config(32)
     sd = D.random_hf_state(cfg, "cuda")
     bw = D.copy_bandwidth()
@@ -197,17 +199,18 @@ def timing(steps: int, prompt_len: int, slots=(), variant: str = "1", warps=(), 
         D.size_cache(dec, 1)
         values = ["0", variant] if group else ["0"]
         if variant == "flow":
-            extra = [("VLMCTL_FLOW_WARPS", w) for w in warps] + [("VLMCTL_FLOW_OPTS", o) for o in opts]
+            extra = ([[("VLMCTL_FLOW_WARPS", w)] for w in warps] + [[("VLMCTL_FLOW_OPTS", o)] for o in opts]
+                     + [[("VLMCTL_FLOW_WARPS", w), ("VLMCTL_FLOW_OPTS", o)] for w, o in configs])
         else:
-            extra = [("VLMCTL_FUSED_STEP_SLOTS", n) for n in slots]
+            extra = [[("VLMCTL_FUSED_STEP_SLOTS", n)] for n in slots]
         for value in values + (values if group else []) + ([variant] * len(extra) if group else []):
             for knob in ("VLMCTL_FUSED_STEP_SLOTS", "VLMCTL_FLOW_WARPS", "VLMCTL_FLOW_OPTS"):
                 os.environ.pop(knob, None)
             os.environ["VLMCTL_FUSED_STEP"] = value
             if group and len(rows) >= 5:
-                knob, v = extra[len(rows) - 5]
-                os.environ[knob] = str(v)
-                print(f"-- {knob}={v}", flush=True)
+                for knob, v in extra[len(rows) - 5]:
+                    os.environ[knob] = str(v)
+                print("--", " ".join(f"{k}={v}" for k, v in extra[len(rows) - 5]), flush=True)
             dec._fused = False
             dec._graphs.clear()
             dec._graph_pool = None
@@ -247,7 +250,10 @@ def main():
     ap.add_argument("--opts", type=int, nargs="*", default=[], help="with --variant flow: also time it with "
                     "each of these VLMCTL_FLOW_OPTS (bit 1: the first tasks' loads all before the wait; bit 2: no "
                     "block barrier at a stage's end; bit 4: three tasks' weights a warp; bit 8: weights through "
-                    "shared memory)")
+                    "shared memory; 16: the attention's V rows loaded where used; 32: the ring kernel, a producer "
+                    "warp streaming the weights through shared memory)")
+    ap.add_argument("--flow-configs", nargs="*", default=[], metavar="WARPS:OPTS",
+                    help="with --variant flow: also time it with each pair of VLMCTL_FLOW_WARPS and VLMCTL_FLOW_OPTS")
     ap.add_argument("--modes", type=int, metavar="LAYERS", help="only the phase trace per mode (see modes())")
     ap.add_argument("--ncu-once", action="store_true", help="with --modes: three eager steps, for ncu")
     ap.add_argument("--out")
@@ -268,7 +274,8 @@ def main():
             out["checks"].append(check(name, cfg, group, plen, steps))
             print(f"  ({time.time() - t:.1f} s)", flush=True)
     if not args.skip_time:
-        out["timing"] = timing(args.steps, args.prompt_len, args.slots, args.variant, args.warps, args.opts)
+        configs = [tuple(int(v) for v in c.split(":")) for c in args.flow_configs]
+        out["timing"] = timing(args.steps, args.prompt_len, args.slots, args.variant, args.warps, args.opts, configs)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)

@@ -31,9 +31,28 @@ def test_flow_kernel_compiles_for_sm90():
     # LLaVA-1.5-7B's shapes (group 128), Qwen2-VL-7B's (I = 18,944: one row a down task), the tests' small one
     names = [FL.kernel_name(8, 128, 4096, 4096, 11008), FL.kernel_name(8, 128, 3584, 3584, 18944),
              FL.kernel_name(8, 64, 512, 512, 1536), FL.kernel_name(12, 32, 512, 512, 1536, 3),
-             FL.kernel_name(8, 128, 4096, 4096, 11008, 11)]
+             FL.kernel_name(8, 128, 4096, 4096, 11008, 11),
+             # the ring kernel (VLMCTL_FLOW_OPTS bit 32), at the same shapes
+             FL.kernel_name(7, 128, 4096, 4096, 11008, 32), FL.kernel_name(8, 128, 3584, 3584, 18944, 48),
+             FL.kernel_name(7, 64, 512, 512, 1536, 32)]
     cubin, lowered = cuda_rtc.compile_cubin(FL.source(), names, "sm_90")
     assert len(cubin) > 10_000 and set(lowered) == set(names)
+
+
+def test_ring_scales_words():
+    # the ring kernel's per-group words: fp16 scale bits | zero point << 16, rows padded to 16 bytes; K / G = 86
+    # (Qwen2-VL-7B-like down: K = 11,008, G = 128) pads to 88
+    g = torch.Generator().manual_seed(0)
+    n, kg = 5, 86
+    sc = (torch.rand(n, kg, generator=g) * 0.1 - 0.05).to(torch.float16)
+    zp = torch.randint(0, 16, (n, kg), generator=g, dtype=torch.uint8)
+    assert FL.ring_row_words(11008, 128) == 88 and FL.ring_row_words(4096, 128) == 32
+    out = FL.ring_scales({"q4scales": sc, "q4zeros": zp}, 128)
+    assert out.shape == (n, 88) and out.dtype == torch.int32
+    words = out.numpy().view(np.uint32)
+    want = sc.numpy().view(np.uint16).astype(np.uint32) | (zp.numpy().astype(np.uint32) << 16)
+    assert np.array_equal(words[:, :kg], want)
+    assert not words[:, kg:].any()
 
 
 def test_fused_step_modes(monkeypatch):
@@ -92,11 +111,17 @@ def _step(dec, tok, n, table, fused):
     return logits, dec.k_cache[:, slot // bs, slot % bs].float(), dec.v_cache[:, slot // bs, slot % bs].float()
 
 
+def _set_variant(monkeypatch, variant):
+    """VLMCTL_FUSED_STEP for a variant: "1" the ring step, "flow" the dataflow step, "flow-ring" its ring kernel."""
+    monkeypatch.setenv("VLMCTL_FUSED_STEP", variant.split("-")[0])
+    monkeypatch.setenv("VLMCTL_FLOW_OPTS", str(FL.RING) if variant == "flow-ring" else "0")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["1", "flow"])
+@pytest.mark.parametrize("variant", ["1", "flow", "flow-ring"])
 @pytest.mark.parametrize("group,prompt", [(64, 37), (128, 64), (32, 95)])
 def test_fused_step_follows_the_kernel_by_kernel_step(group, prompt, variant, monkeypatch):
-    monkeypatch.setenv("VLMCTL_FUSED_STEP", variant)
+    _set_variant(monkeypatch, variant)
     if not GPU90:
         pytest.skip("needs a CUDA GPU of compute capability 9.0+")
     dec = _decoder(group=group)
@@ -104,7 +129,8 @@ def test_fused_step_follows_the_kernel_by_kernel_step(group, prompt, variant, mo
     dec.use_graphs = False
     fused = FL.build_step(dec)
     assert fused is not None, dec.fused_step_reason
-    assert type(fused).__name__ == ("FlowStep" if variant == "flow" else "FusedStep")
+    assert type(fused).__name__ == ("FusedStep" if variant == "1" else "FlowStep")
+    assert getattr(fused, "ring", False) == (variant == "flow-ring")
     tok, table = _prefill(dec, prompt)
     agree = 0
     for i in range(40):
@@ -120,9 +146,9 @@ def test_fused_step_follows_the_kernel_by_kernel_step(group, prompt, variant, mo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["1", "flow"])
+@pytest.mark.parametrize("variant", ["1", "flow", "flow-ring"])
 def test_captured_fused_step_equals_eager(variant, monkeypatch):
-    monkeypatch.setenv("VLMCTL_FUSED_STEP", variant)
+    _set_variant(monkeypatch, variant)
     if not GPU90:
         pytest.skip("needs a CUDA GPU of compute capability 9.0+")
     dec = _decoder(group=128, kv=1)

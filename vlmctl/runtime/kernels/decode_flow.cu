@@ -76,6 +76,21 @@ __device__ __forceinline__ u32 ld_nc_u8(const u8* p) {
     return v;
 }
 
+// The consumer warps' block barrier (named barrier 1: the ring kernel's producer warp never joins it).
+template <int NW>
+__device__ __forceinline__ void flow_sync() {
+    asm volatile("bar.sync 1, %0;" :: "n"(NW * 32) : "memory");
+}
+
+// Byte offset of piece P (x[8 P .. 8 P + 7]) of a staged input in shared memory. A lane reads chunk c's four
+// pieces (4 c + j) one j at a time, and the 8 lanes of a phase read 8 consecutive chunks: the pieces of a chunk
+// are rotated by (c / 2) % 4 so that those 8 reads hit 8 different 16-byte bank groups (unswizzled, 4-way
+// conflicts).
+__device__ __forceinline__ u32 xs_piece(int P) {
+    const int c = P >> 2, j = P & 3;
+    return (u32)(64 * c + 16 * (j ^ ((c >> 1) & 3)));
+}
+
 // One linear's table row, as its task reads it.
 struct FlowLinear {
     const u32* qw;
@@ -163,7 +178,7 @@ __device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* nor
         }
     }
     if (tr) tr[1] = global_ns();
-    asm volatile("bar.sync 0;" ::: "memory");
+    flow_sync<NW>();
 #pragma unroll
     for (int i = 0; i < NP; ++i) v[i] = ld_act16(xsrc + 8 * min((int)threadIdx.x + i * NW * 32, np - 1));
     if (norm_w) {
@@ -184,7 +199,7 @@ __device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* nor
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
         if (lane == 0) red[warp] = ss;
-        asm volatile("bar.sync 0;" ::: "memory");
+        flow_sync<NW>();
         float total = 0.f;
 #pragma unroll
         for (int i = 0; i < NW; ++i) total += red[i];
@@ -198,7 +213,7 @@ __device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* nor
                 const u16 ylo = f2h(lo_f(c[j]) * h2f(nlo)), yhi = f2h(hi_f(c[j]) * h2f(nhi));
                 o[j] = (u32)ylo | ((u32)yhi << 16);
             }
-            sts16(xs + 16u * (u32)P, u32x4{o[0], o[1], o[2], o[3]});
+            sts16(xs + xs_piece(P), u32x4{o[0], o[1], o[2], o[3]});
         };
 #pragma unroll
         for (int i = 0; i < NP; ++i) {
@@ -211,11 +226,11 @@ __device__ __forceinline__ void flow_stage_input(const u16* xsrc, const u16* nor
 #pragma unroll
         for (int i = 0; i < NP; ++i) {
             const int P = (int)threadIdx.x + i * NW * 32;
-            if (P < np) sts16(xs + 16u * (u32)P, v[i]);
+            if (P < np) sts16(xs + xs_piece(P), v[i]);
         }
-        for (int P = threadIdx.x + NP * NW * 32; P < np; P += NW * 32) sts16(xs + 16u * (u32)P, ld_act16(xsrc + 8 * P));
+        for (int P = threadIdx.x + NP * NW * 32; P < np; P += NW * 32) sts16(xs + xs_piece(P), ld_act16(xsrc + 8 * P));
     }
-    asm volatile("bar.sync 0;" ::: "memory");
+    flow_sync<NW>();
     if (tr) tr[2] = global_ns();
 }
 
@@ -328,7 +343,7 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
                     if (c < KC) {
                         u32x4 xv[4];
 #pragma unroll
-                        for (int j = 0; j < 4; ++j) xv[j] = lds16(xs + (u32)(64 * c + 16 * j));
+                        for (int j = 0; j < 4; ++j) xv[j] = lds16(xs + xs_piece(4 * c + j));
 #pragma unroll
                         for (int r = 0; r < R; ++r) {
                             const u32x4 w = lds16(slot + (u32)((u * R + r) * 512 + lane * 16));
@@ -373,7 +388,7 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
             if (c < KC) {
                 u32x4 xv[4];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) xv[j] = lds16(xs + (u32)(64 * c + 16 * j));
+                for (int j = 0; j < 4; ++j) xv[j] = lds16(xs + xs_piece(4 * c + j));
 #pragma unroll
                 for (int r = 0; r < R; ++r) gemv_chunk(acc[r], q[0].w[u][r], q[0].sz[u][r] & 0xFFFFu, q[0].sz[u][r] >> 16, xv);
             }
@@ -400,9 +415,141 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
             }
         }
     } else {
-        asm volatile("bar.sync 0;" ::: "memory");
+        flow_sync<NW>();
         if (threadIdx.x == 0) red_release_add(done_c, 1u);
     }
+    if (tr) tr[4] = global_ns();
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The ring variant (VLMCTL_FLOW_OPTS bit 32, decode_flow_ring): the same stages, but the weights come through a
+// ring of shared-memory slots that one producer warp a block fills with bulk copies, ahead of the consumer
+// warps and across the stage waits (the weights do not depend on the step), as far as the ring allows. The
+// flow kernel's warps hold their next weights in registers, 32-64 KB an SM in flight, and its stages streamed at
+// 1.5-2.0 TB/s on an H100; the ring holds ~190 KB an SM. Consumers compute each row as the batch-1 GEMV does
+// (gemv_chunk; the CUDA cores, not session 14's tensor-core tiles, whose dependent chains could not keep up).
+//
+// A piece (one ring slot) is `per` consecutive units of the block's share of a linear (a unit: one row, for
+// gate_up a gate row and its up row): the units' packed words [R][n][K/8], then their scale | zero << 16 words
+// [R][n][kgp] (flow_step.py builds that array at load, its rows padded to 16 bytes so that every piece is two or
+// four bulk copies). The ring table's field 2 is that array and field 7 its row length kgp.
+
+struct RingLinear {
+    const u32* qw;
+    const u32* sz;
+    const u16* bias;
+    int n, k, up, kgp;
+};
+
+__device__ __forceinline__ RingLinear ring_linear(const StepLinear* lp) {
+    const long long* f = (const long long*)lp;
+    return RingLinear{(const u32*)ld_table(f), (const u32*)ld_table(f + 2), (const u16*)ld_table(f + 3),
+                      (int)ld_table(f + 4), (int)ld_table(f + 5), (int)ld_table(f + 6), (int)ld_table(f + 7)};
+}
+
+// Units a piece of linear l holds (at least one: the host sizes the slots for the longest unit).
+__device__ __forceinline__ int ring_per(const RingLinear& l, int R, int slot_bytes) {
+    return max(1, slot_bytes / (R * (l.k / 2 + 4 * l.kgp)));
+}
+
+// The producer (one lane): every piece of the block's share of every linear, in the consumers' order.
+__device__ void flow_produce(const StepLinear* lins, int nlin, u32 ring, int ns, int slot_bytes, u32 full0,
+                            u32 empty0) {
+    u32 it = 0;
+    for (int li = 0; li < nlin; ++li) {
+        const RingLinear l = ring_linear(lins + li);
+        const int R = (li & 3) == 2 ? 2 : 1;  // gate_up is a layer's third table row: units of two rows
+        const int u0 = (int)((long long)blockIdx.x * l.n / gridDim.x);
+        const int u1 = (int)((long long)(blockIdx.x + 1) * l.n / gridDim.x);
+        const u32 rq = (u32)l.k / 2, rs = 4u * (u32)l.kgp;
+        const int per = ring_per(l, R, slot_bytes);
+        for (int a = u0; a < u1; a += per, ++it) {
+            const u32 n = (u32)min(per, u1 - a), s = it % (u32)ns;
+            if (it >= (u32)ns) mbar_wait(empty0 + 8 * s, ((it / ns) - 1) & 1);
+            const u32 fb = full0 + 8 * s, dst = ring + s * (u32)slot_bytes;
+            mbar_expect_tx(fb, (u32)R * n * (rq + rs));
+            for (int r = 0; r < R; ++r) {
+                const long long row = (r == 0 ? a : l.up + a);
+                bulk_copy(dst + (u32)r * n * rq, l.qw + row * (l.k / 8), n * rq, fb);
+                bulk_copy(dst + (u32)R * n * rq + (u32)r * n * rs, l.sz + row * l.kgp, n * rs, fb);
+            }
+        }
+    }
+}
+
+// A consumer warp's share of one linear's stage in the ring kernel: the input staged (flow_stage_input), then
+// each piece as it lands: the warp's units of it (unit i of the block's share goes to warp i % NW), the slot
+// handed back, and at the end the block's one added to done_c. `it` counts the pieces consumed (the producer's
+// order). Inputs of K <= 4096 (CPL <= 4) are kept in registers for the whole stage; longer ones are read from the
+// staged copy per unit.
+template <int CPL, int G, int kind, int NW>
+__device__ __forceinline__ void flow_ring_stage(const StepLinear* lp, const u16* xsrc, const u16* norm_w, float eps,
+                                                const u16* resid, u16* out, const u32* wait_c, u32 wait_target,
+                                                u32* done_c, u32 xs, float* red, int act_kind,
+                                                unsigned long long* tr, u32 ring, int ns, int slot_bytes, u32 full0,
+                                                u32 empty0, u32& it) {
+    if (tr) tr[0] = global_ns();
+    constexpr int R = kind == FS_GU ? 2 : 1;  // rows a unit
+    constexpr bool XREG = CPL <= 4;
+    const int warp = threadIdx.x >> 5, lane = lane_id();
+    const RingLinear l = ring_linear(lp);
+    const int K = l.k, KC = K >> 5;
+    const int u0 = (int)((long long)blockIdx.x * l.n / gridDim.x);
+    const int u1 = (int)((long long)(blockIdx.x + 1) * l.n / gridDim.x);
+    const int per = ring_per(l, R, slot_bytes);
+    flow_stage_input<NW>(xsrc, norm_w, eps, K, wait_c, wait_target, xs, red, warp, lane, tr);
+    u32x4 xr[XREG ? CPL : 1][4];
+    if constexpr (XREG) {
+#pragma unroll
+        for (int u = 0; u < CPL; ++u) {
+            const int c = min(lane + 32 * u, KC - 1);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) xr[u][j] = lds16(xs + xs_piece(4 * c + j));
+        }
+    }
+    for (int a = u0; a < u1; a += per, ++it) {
+        const int n = min(per, u1 - a);
+        const u32 s = it % (u32)ns;
+        const u32 slot = ring + s * (u32)slot_bytes;
+        const u32 szs = slot + (u32)(R * n * (K / 2));
+        // every warp waits for every piece, units in it or not: a warp that handed a slot back without waiting
+        // could run a lap ahead and count its next arrival in the round a slower warp is still reading
+        mbar_wait(full0 + 8 * s, (it / ns) & 1);
+        for (int j = (warp - (a - u0) % NW + NW) % NW; j < n; j += NW) {  // this warp's units of the piece
+            const int unit = a + j;
+            u16 pre = 0;
+            if (lane == 0) {
+                if (kind == FS_O || kind == FS_DOWN) pre = resid[unit];
+                else if (kind == FS_QKV && l.bias) pre = l.bias[unit];
+            }
+            float acc[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = 0.f;
+#pragma unroll
+            for (int u = 0; u < CPL; ++u) {
+                const int c = lane + 32 * u;
+                if (c < KC) {
+                    u32x4 xv[4];
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) xv[q] = XREG ? xr[XREG ? u : 0][q] : lds16(xs + xs_piece(4 * c + q));
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        const u32x4 w = lds16(slot + (u32)((r * n + j) * (K / 2) + 16 * c));
+                        u32 sz;
+                        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sz)
+                                     : "r"(szs + (u32)(4 * ((r * n + j) * l.kgp + (c * 32) / G))));
+                        gemv_chunk(acc[r], w, sz & 0xFFFFu, sz >> 16, xv);
+                    }
+                }
+            }
+            flow_store_rows<R, kind>(acc, lane, unit, pre, l.bias != nullptr, act_kind, out);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * s);  // (every warp, whether it had units here or not)
+    }
+    if (tr) tr[3] = global_ns();
+    flow_sync<NW>();
+    if (threadIdx.x == 0) red_release_add(done_c, 1u);
     if (tr) tr[4] = global_ns();
 }
 
@@ -648,5 +795,77 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
         // down, + hmid -> h[L + 1]
         flow_stage<RD, CI, G, FS_DOWN, NW, OPTS>(l4 + 3, D, act, nullptr, eps, hmid, h + (size_t)(L + 1) * D, sy + FS_GU,
                                            nb, sy + FS_DOWN, xs, red, act_kind, tl ? tl + 16 : nullptr, warps_done, wslots);
+    }
+}
+
+
+// The ring variant's kernel (VLMCTL_FLOW_OPTS bit 32; flow_ring_stage's header says why): NW consumer warps
+// run decode_flow's stages with their weights from the ring; warp NW is the producer. Shared memory: the staged
+// input, the warps' attention scratch and NW + 1 floats as decode_flow's, then (128-byte aligned) ns slots of
+// slot_bytes and 2 ns mbarriers (full, then empty).
+template <int NW, int G, int CD, int CA, int CI, int OPTS>
+__global__ void __launch_bounds__((NW + 1) * 32, 1)
+decode_flow_ring(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_all, u16* attn_all, u16* hmid_all,
+                 u16* act_all, float* part, u32* sync, const int* pos_p, const int* slot_p, const int* ctx_p,
+                 const int* bt, const float* cos_sin, int n_layers, int D, int I, int n_heads, int n_kv, int block_size,
+                 int max_tiles, int scale_log2_bits, int eps_bits, int act_kind, int x_bytes, int slot_bytes, int ns,
+                 unsigned long long* trace) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x >> 5;
+    const int grp = n_heads / n_kv;
+    const u32 xs = smem_addr(smem);
+    const u32 qs = xs + (u32)x_bytes + (u32)(warp * (grp + 2) * 256);
+    float* red = (float*)(smem + x_bytes + NW * (grp + 2) * 256);
+    const u32 ring = (xs + (u32)(x_bytes + NW * (grp + 2) * 256 + 4 * NW + 4) + 127u) & ~127u;
+    const u32 full0 = ring + (u32)(ns * slot_bytes), empty0 = full0 + 8u * (u32)ns;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < ns; ++s) {
+            mbar_init(full0 + 8 * s, 1);
+            mbar_init(empty0 + 8 * s, NW);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == NW) {
+        if ((threadIdx.x & 31) == 0) flow_produce(lins, 4 * n_layers, ring, ns, slot_bytes, full0, empty0);
+        return;
+    }
+    const float scale_log2 = __int_as_float(scale_log2_bits), eps = __int_as_float(eps_bits);
+    const int pos = pos_p[0], slot = slot_p[0], ctx = ctx_p[0];
+    const int ntiles = (ctx + 31) >> 5;
+    const int HA = n_heads * 128, NQ = (n_heads + 2 * n_kv) * 128;
+    const int na = n_kv * ntiles;
+    const int sync_stride = FS_SYNC + n_kv;
+    const u32 nb = gridDim.x;
+    const long long W = (long long)gridDim.x * NW, gw = (long long)blockIdx.x * NW + warp;
+    int known = -1;
+    u32 it = 0;  // ring pieces consumed
+    const bool tracing = trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0;
+    for (int L = 0; L < n_layers; ++L) {
+        unsigned long long* tl = tracing ? trace + (size_t)L * 21 : nullptr;
+        u32* sy = sync + (size_t)L * sync_stride;
+        const StepLinear* l4 = lins + 4 * L;
+        u16* qkv = qkv_all + (size_t)L * NQ;
+        u16* attn = attn_all + (size_t)L * HA;
+        u16* hmid = hmid_all + (size_t)L * D;
+        u16* act = act_all + (size_t)L * I;
+        flow_ring_stage<CD, G, FS_QKV, NW>(l4, h + (size_t)L * D, layers[L].in_norm, eps, nullptr, qkv,
+                                           L > 0 ? sync + (size_t)(L - 1) * sync_stride + FS_DOWN : nullptr, nb,
+                                           sy + FS_QKV, xs, red, act_kind, tl, ring, ns, slot_bytes, full0, empty0, it);
+        for (long long i = (gw - (long long)L * na % W + W) % W; i < na; i += W) {
+            flow_attn<!(OPTS & 16)>(layers[L], qkv, attn, part, sy + FS_SYNC, (int)(i / ntiles), (int)(i % ntiles),
+                                    ntiles, pos, slot, ctx, bt, cos_sin, n_heads, n_kv, block_size, max_tiles,
+                                    scale_log2, qs, sy + FS_QKV, nb, L, known, sy + FS_ATT, lane_id());
+        }
+        if (tracing) tl[5] = global_ns();
+        flow_ring_stage<CA, G, FS_O, NW>(l4 + 1, attn, nullptr, eps, h + (size_t)L * D, hmid, sy + FS_ATT, (u32)n_kv,
+                                         sy + FS_O, xs, red, act_kind, tl ? tl + 6 : nullptr, ring, ns, slot_bytes,
+                                         full0, empty0, it);
+        flow_ring_stage<CD, G, FS_GU, NW>(l4 + 2, hmid, layers[L].post_norm, eps, nullptr, act, sy + FS_O, nb,
+                                          sy + FS_GU, xs, red, act_kind, tl ? tl + 11 : nullptr, ring, ns, slot_bytes,
+                                          full0, empty0, it);
+        flow_ring_stage<CI, G, FS_DOWN, NW>(l4 + 3, act, nullptr, eps, hmid, h + (size_t)(L + 1) * D, sy + FS_GU, nb,
+                                            sy + FS_DOWN, xs, red, act_kind, tl ? tl + 16 : nullptr, ring, ns,
+                                            slot_bytes, full0, empty0, it);
     }
 }

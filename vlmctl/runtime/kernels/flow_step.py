@@ -54,9 +54,33 @@ def flow_warps() -> int:
     return warps
 
 
+RING = 32  # VLMCTL_FLOW_OPTS bit: the weights through a ring of shared-memory slots a producer warp fills
+
+
 def kernel_name(warps: int, group_size: int, d: int, attn_width: int, inter: int, opts: int = 0) -> str:
-    return (f"decode_flow<{warps}, {group_size}, {chunks_per_lane(d)}, {chunks_per_lane(attn_width)}, "
+    name = "decode_flow_ring" if opts & RING else "decode_flow"
+    return (f"{name}<{warps}, {group_size}, {chunks_per_lane(d)}, {chunks_per_lane(attn_width)}, "
             f"{chunks_per_lane(inter)}, {opts}>")
+
+
+def ring_row_words(k: int, group_size: int) -> int:
+    """A row's scale | zero-point words in the ring kernel's array: K / G, padded to a multiple of 4 (16 bytes)."""
+    return -(-(k // group_size) // 4) * 4
+
+
+def ring_scales(packed: dict, group_size: int) -> torch.Tensor:
+    """The ring kernel's per-group words of one packed linear: fp16 scale bits | zero point << 16, int32
+    [N, ring_row_words(K)] (the padding zero), so that a run of rows is one 16-byte-aligned bulk copy."""
+    sc, zp = packed["q4scales"], packed["q4zeros"]
+    n, kg = sc.shape
+    out = torch.zeros(n, ring_row_words(kg * group_size, group_size), dtype=torch.int32, device=sc.device)
+    out[:, :kg] = (sc.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF) | (zp.to(torch.int32) << 16)
+    return out
+
+
+def ring_slot_bytes() -> int:
+    """VLMCTL_FLOW_SLOT_KB: the ring kernel's slot size (32 KiB by default; measurements)."""
+    return 1024 * env_int("VLMCTL_FLOW_SLOT_KB", 32, minimum=8)
 
 
 class FlowStep(FusedStep):
@@ -72,10 +96,20 @@ class FlowStep(FusedStep):
         # measurements: bit 1 the first tasks' loads all before a stage's wait, bit 2 no block barrier at a stage's
         # end, bit 4 three tasks' weights a warp (else two), bit 8 the weights through FLOW_SLOTS shared-memory
         # slots a warp (cp.async), bit 16 the attention's V rows loaded where they are used (not before the wait)
-        self.opts = env_int("VLMCTL_FLOW_OPTS", 0, minimum=0) & 31
+        # bit 32 the ring kernel (decode_flow_ring: a producer warp streams the weights through shared memory)
+        self.opts = env_int("VLMCTL_FLOW_OPTS", 0, minimum=0) & 63
         if self.I % 2:
             raise ValueError(f"an odd intermediate size {self.I}")
-        lins = linear_table(dec, lambda k: 0, 0)  # (no ring tiles here)
+        self.ring = bool(self.opts & RING)
+        if self.ring:
+            # the table's zero-point field holds the scale | zero words and its last field their row length
+            lins = linear_table(dec, lambda k: ring_row_words(k, self.group), ring_row_words(self.D, self.group))
+            self.ring_sz = [ring_scales(lin.packed, self.group) for layer in dec.layers
+                            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            for row, sz in zip(lins, self.ring_sz):
+                row[2] = sz.data_ptr()
+        else:
+            lins = linear_table(dec, lambda k: 0, 0)  # (no ring tiles here)
         self.lins = torch.tensor(lins, dtype=torch.int64, device=dev)
         self.layers = None  # (pointers into the KV pool: built by `bind_cache`)
         self.max_tiles = -(-dec.max_seq // 32)
@@ -97,8 +131,18 @@ class FlowStep(FusedStep):
         # the staged input of a stage, the warps' attention scratch, the norm's partial sums
         self.x_bytes = -(-2 * max(self.D, self.attn_width, self.I) // 128) * 128
         self.smem = self.x_bytes + self.warps * (dec.n_heads // dec.n_kv + 2) * 256 + 4 * self.warps + 4
-        self.slot_bytes = 0
-        if self.opts & 8:  # a task's weights: rows x chunks a lane x 512 bytes (decode_flow.cu's FlowTaskRows)
+        self.slot_bytes = self.nslot = 0
+        if self.ring:
+            # the longest unit must fit a slot: a down row, or a gate_up row pair
+            unit = max(k // 2 + 4 * ring_row_words(k, self.group) for k in (self.D, self.attn_width, self.I))
+            unit = max(unit, 2 * (self.D // 2 + 4 * ring_row_words(self.D, self.group)))
+            self.slot_bytes = -(-max(ring_slot_bytes(), unit) // 128) * 128
+            self.smem = -(-self.smem // 128) * 128
+            self.nslot = (227 * 1024 - self.smem) // (self.slot_bytes + 16)
+            if self.nslot < 2:
+                raise ValueError(f"the flow step's ring has room for {self.nslot} slots of {self.slot_bytes} bytes")
+            self.smem += self.nslot * (self.slot_bytes + 16)
+        elif self.opts & 8:  # a task's weights: rows x chunks a lane x 512 bytes (decode_flow.cu's FlowTaskRows)
             def rows(c):
                 return 2 if c <= 4 else 1
 
@@ -122,11 +166,12 @@ class FlowStep(FusedStep):
         self.sync.zero_()
         bt = block_tables[0] if block_tables.dim() == 2 else block_tables
         positions, slots, context_lens, bt = (t.to(torch.int32) for t in (positions, slots, context_lens, bt))
-        self.kernel.launch((self.num_blocks, 1, 1), (self.warps * 32, 1, 1), self.smem,
-                           [self.lins, self.layers, self.h, self.qkv, self.attn, self.hmid, self.act, self.part,
-                            self.sync, positions, slots, context_lens, bt, dec.cos_sin, dec.n_layers, self.D, self.I,
-                            dec.n_heads, dec.n_kv, dec.block_size, self.max_tiles, self.scale_log2, self.eps,
-                            self.act_kind, self.x_bytes, self.slot_bytes, self.trace], dec.device, cooperative=True)
+        args = [self.lins, self.layers, self.h, self.qkv, self.attn, self.hmid, self.act, self.part, self.sync,
+                positions, slots, context_lens, bt, dec.cos_sin, dec.n_layers, self.D, self.I, dec.n_heads, dec.n_kv,
+                dec.block_size, self.max_tiles, self.scale_log2, self.eps, self.act_kind, self.x_bytes,
+                self.slot_bytes] + ([self.nslot] if self.ring else []) + [self.trace]
+        threads = (self.warps + self.ring) * 32  # (the ring kernel's producer warp)
+        self.kernel.launch((self.num_blocks, 1, 1), (threads, 1, 1), self.smem, args, dec.device, cooperative=True)
         return self.h[dec.n_layers].view(1, -1)
 
 
