@@ -200,11 +200,12 @@ def timing(steps: int, prompt_len: int, slots=(), variant: str = "1", warps=(), 
         values = ["0", variant] if group else ["0"]
         if variant == "flow":
             extra = ([[("VLMCTL_FLOW_WARPS", w)] for w in warps] + [[("VLMCTL_FLOW_OPTS", o)] for o in opts]
-                     + [[("VLMCTL_FLOW_WARPS", w), ("VLMCTL_FLOW_OPTS", o)] for w, o in configs])
+                     + [[("VLMCTL_FLOW_WARPS", c[0]), ("VLMCTL_FLOW_OPTS", c[1])]
+                        + ([("VLMCTL_FLOW_SLOT_KB", c[2])] if len(c) > 2 else []) for c in configs])
         else:
             extra = [[("VLMCTL_FUSED_STEP_SLOTS", n)] for n in slots]
         for value in values + (values if group else []) + ([variant] * len(extra) if group else []):
-            for knob in ("VLMCTL_FUSED_STEP_SLOTS", "VLMCTL_FLOW_WARPS", "VLMCTL_FLOW_OPTS"):
+            for knob in ("VLMCTL_FUSED_STEP_SLOTS", "VLMCTL_FLOW_WARPS", "VLMCTL_FLOW_OPTS", "VLMCTL_FLOW_SLOT_KB"):
                 os.environ.pop(knob, None)
             os.environ["VLMCTL_FUSED_STEP"] = value
             if group and len(rows) >= 5:
@@ -219,6 +220,7 @@ def timing(steps: int, prompt_len: int, slots=(), variant: str = "1", warps=(), 
             r = D.bench_vlmctl(dec, 1, prompt_len, steps, True)
             r.update(variant=name, fused=value != "0" and dec._fused not in (None, False), step=value,
                      warps=getattr(dec._fused, "warps", None), opts=getattr(dec._fused, "opts", None),
+                     slot_bytes=getattr(dec._fused, "slot_bytes", None), nslot=getattr(dec._fused, "nslot", None),
                      reason=dec.fused_step_reason)
             if r["fused"] and value == "flow" and (len(rows) >= 5 or not any(x.get("trace") for x in rows)):
                 r["trace"] = flow_trace(dec, prompt_len)
@@ -226,7 +228,8 @@ def timing(steps: int, prompt_len: int, slots=(), variant: str = "1", warps=(), 
                     and (len(rows) >= 5 or not any(x.get("trace") for x in rows))):
                 r["trace"] = trace_phases(dec, prompt_len)
             rows.append(r)
-            print(f"{name:<6} fused={r['fused']!s:<6} warps={r['warps']} opts={r['opts']} "
+            print(f"{name:<6} fused={r['fused']!s:<6} warps={r['warps']} opts={r['opts']} slots={r['nslot']}x"
+                  f"{r['slot_bytes']} "
                   f"{r['ms_per_step']:.3f} ms/step (GPU {r['gpu_ms_per_step']:.3f}), "
                   f"{r['tok_s']:.0f} tok/s", flush=True)
         del dec
@@ -252,8 +255,9 @@ def main():
                     "block barrier at a stage's end; bit 4: three tasks' weights a warp; bit 8: weights through "
                     "shared memory; 16: the attention's V rows loaded where used; 32: the ring kernel, a producer "
                     "warp streaming the weights through shared memory)")
-    ap.add_argument("--flow-configs", nargs="*", default=[], metavar="WARPS:OPTS",
-                    help="with --variant flow: also time it with each pair of VLMCTL_FLOW_WARPS and VLMCTL_FLOW_OPTS")
+    ap.add_argument("--flow-configs", nargs="*", default=[], metavar="WARPS:OPTS[:SLOT_KB]",
+                    help="with --variant flow: also time it with each VLMCTL_FLOW_WARPS, VLMCTL_FLOW_OPTS (and "
+                    "VLMCTL_FLOW_SLOT_KB) together")
     ap.add_argument("--modes", type=int, metavar="LAYERS", help="only the phase trace per mode (see modes())")
     ap.add_argument("--ncu-once", action="store_true", help="with --modes: three eager steps, for ncu")
     ap.add_argument("--out")
