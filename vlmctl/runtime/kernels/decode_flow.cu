@@ -453,6 +453,7 @@ __device__ __forceinline__ int ring_per(const RingLinear& l, int R, int slot_byt
 }
 
 // The producer (one lane): every piece of the block's share of every linear, in the consumers' order.
+template <int OPTS>
 __device__ void flow_produce(const StepLinear* lins, int nlin, u32 ring, int ns, int slot_bytes, u32 full0,
                             u32 empty0) {
     u32 it = 0;
@@ -467,6 +468,10 @@ __device__ void flow_produce(const StepLinear* lins, int nlin, u32 ring, int ns,
             const u32 n = (u32)min(per, u1 - a), s = it % (u32)ns;
             if (it >= (u32)ns) mbar_wait(empty0 + 8 * s, ((it / ns) - 1) & 1);
             const u32 fb = full0 + 8 * s, dst = ring + s * (u32)slot_bytes;
+            if (OPTS & 256) {  // measurements: nothing copied (the consumers compute on what the slot held)
+                mbar_arrive(fb);
+                continue;
+            }
             mbar_expect_tx(fb, (u32)R * n * (rq + rs));
             for (int r = 0; r < R; ++r) {
                 const long long row = (r == 0 ? a : l.up + a);
@@ -482,7 +487,7 @@ __device__ void flow_produce(const StepLinear* lins, int nlin, u32 ring, int ns,
 // handed back, and at the end the block's one added to done_c. `it` counts the pieces consumed (the producer's
 // order). Inputs of K <= 4096 (CPL <= 4) are kept in registers for the whole stage; longer ones are read from the
 // staged copy per unit.
-template <int CPL, int G, int kind, int NW>
+template <int CPL, int G, int kind, int NW, int OPTS>
 __device__ __forceinline__ void flow_ring_stage(const StepLinear* lp, const u16* xsrc, const u16* norm_w, float eps,
                                                 const u16* resid, u16* out, const u32* wait_c, u32 wait_target,
                                                 u32* done_c, u32 xs, float* red, int act_kind,
@@ -490,7 +495,9 @@ __device__ __forceinline__ void flow_ring_stage(const StepLinear* lp, const u16*
                                                 u32 empty0, u32& it) {
     if (tr) tr[0] = global_ns();
     constexpr int R = kind == FS_GU ? 2 : 1;  // rows a unit
-    constexpr bool XREG = CPL <= 4;
+    constexpr int U = (OPTS & 64) ? 2 : 1;     // units a warp computes at once
+    // the input in registers for the whole stage where it fits beside the weights (K <= 4096, few warps)
+    constexpr bool XREG = CPL <= 4 && NW <= 8;
     const int warp = threadIdx.x >> 5, lane = lane_id();
     const RingLinear l = ring_linear(lp);
     const int K = l.k, KC = K >> 5;
@@ -515,16 +522,22 @@ __device__ __forceinline__ void flow_ring_stage(const StepLinear* lp, const u16*
         // every warp waits for every piece, units in it or not: a warp that handed a slot back without waiting
         // could run a lap ahead and count its next arrival in the round a slower warp is still reading
         mbar_wait(full0 + 8 * s, (it / ns) & 1);
-        for (int j = (warp - (a - u0) % NW + NW) % NW; j < n; j += NW) {  // this warp's units of the piece
-            const int unit = a + j;
-            u16 pre = 0;
-            if (lane == 0) {
-                if (kind == FS_O || kind == FS_DOWN) pre = resid[unit];
-                else if (kind == FS_QKV && l.bias) pre = l.bias[unit];
-            }
-            float acc[R];
+        // this warp's units of the piece, U at a time (j, j + NW, ...; one past the piece recomputes j, unstored)
+        for (int j = (warp - (a - u0) % NW + NW) % NW; !(OPTS & 128) && j < n; j += U * NW) {
+            int jj[U];
+            u16 pre[U];
+            float acc[U][R];
 #pragma unroll
-            for (int r = 0; r < R; ++r) acc[r] = 0.f;
+            for (int v = 0; v < U; ++v) {
+                jj[v] = j + v * NW < n ? j + v * NW : j;
+                pre[v] = 0;
+                if (lane == 0) {
+                    if (kind == FS_O || kind == FS_DOWN) pre[v] = resid[a + jj[v]];
+                    else if (kind == FS_QKV && l.bias) pre[v] = l.bias[a + jj[v]];
+                }
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[v][r] = 0.f;
+            }
 #pragma unroll
             for (int u = 0; u < CPL; ++u) {
                 const int c = lane + 32 * u;
@@ -532,17 +545,29 @@ __device__ __forceinline__ void flow_ring_stage(const StepLinear* lp, const u16*
                     u32x4 xv[4];
 #pragma unroll
                     for (int q = 0; q < 4; ++q) xv[q] = XREG ? xr[XREG ? u : 0][q] : lds16(xs + xs_piece(4 * c + q));
+                    u32x4 w[U][R];
+                    u32 sz[U][R];
 #pragma unroll
-                    for (int r = 0; r < R; ++r) {
-                        const u32x4 w = lds16(slot + (u32)((r * n + j) * (K / 2) + 16 * c));
-                        u32 sz;
-                        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sz)
-                                     : "r"(szs + (u32)(4 * ((r * n + j) * l.kgp + (c * 32) / G))));
-                        gemv_chunk(acc[r], w, sz & 0xFFFFu, sz >> 16, xv);
+                    for (int v = 0; v < U; ++v) {
+#pragma unroll
+                        for (int r = 0; r < R; ++r) {
+                            w[v][r] = lds16(slot + (u32)((r * n + jj[v]) * (K / 2) + 16 * c));
+                            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sz[v][r])
+                                         : "r"(szs + (u32)(4 * ((r * n + jj[v]) * l.kgp + (c * 32) / G))));
+                        }
+                    }
+#pragma unroll
+                    for (int v = 0; v < U; ++v) {
+#pragma unroll
+                        for (int r = 0; r < R; ++r) gemv_chunk(acc[v][r], w[v][r], sz[v][r] & 0xFFFFu, sz[v][r] >> 16, xv);
                     }
                 }
             }
-            flow_store_rows<R, kind>(acc, lane, unit, pre, l.bias != nullptr, act_kind, out);
+#pragma unroll
+            for (int v = 0; v < U; ++v) {
+                if (v == 0 || j + v * NW < n) flow_store_rows<R, kind>(acc[v], lane, a + jj[v], pre[v], l.bias != nullptr,
+                                                                      act_kind, out);
+            }
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * s);  // (every warp, whether it had units here or not)
@@ -827,7 +852,7 @@ decode_flow_ring(const StepLinear* lins, const StepLayer* layers, u16* h, u16* q
     }
     __syncthreads();
     if (warp == NW) {
-        if ((threadIdx.x & 31) == 0) flow_produce(lins, 4 * n_layers, ring, ns, slot_bytes, full0, empty0);
+        if ((threadIdx.x & 31) == 0) flow_produce<OPTS>(lins, 4 * n_layers, ring, ns, slot_bytes, full0, empty0);
         return;
     }
     const float scale_log2 = __int_as_float(scale_log2_bits), eps = __int_as_float(eps_bits);
@@ -849,7 +874,7 @@ decode_flow_ring(const StepLinear* lins, const StepLayer* layers, u16* h, u16* q
         u16* attn = attn_all + (size_t)L * HA;
         u16* hmid = hmid_all + (size_t)L * D;
         u16* act = act_all + (size_t)L * I;
-        flow_ring_stage<CD, G, FS_QKV, NW>(l4, h + (size_t)L * D, layers[L].in_norm, eps, nullptr, qkv,
+        flow_ring_stage<CD, G, FS_QKV, NW, OPTS>(l4, h + (size_t)L * D, layers[L].in_norm, eps, nullptr, qkv,
                                            L > 0 ? sync + (size_t)(L - 1) * sync_stride + FS_DOWN : nullptr, nb,
                                            sy + FS_QKV, xs, red, act_kind, tl, ring, ns, slot_bytes, full0, empty0, it);
         for (long long i = (gw - (long long)L * na % W + W) % W; i < na; i += W) {
@@ -858,13 +883,13 @@ decode_flow_ring(const StepLinear* lins, const StepLayer* layers, u16* h, u16* q
                                     scale_log2, qs, sy + FS_QKV, nb, L, known, sy + FS_ATT, lane_id());
         }
         if (tracing) tl[5] = global_ns();
-        flow_ring_stage<CA, G, FS_O, NW>(l4 + 1, attn, nullptr, eps, h + (size_t)L * D, hmid, sy + FS_ATT, (u32)n_kv,
+        flow_ring_stage<CA, G, FS_O, NW, OPTS>(l4 + 1, attn, nullptr, eps, h + (size_t)L * D, hmid, sy + FS_ATT, (u32)n_kv,
                                          sy + FS_O, xs, red, act_kind, tl ? tl + 6 : nullptr, ring, ns, slot_bytes,
                                          full0, empty0, it);
-        flow_ring_stage<CD, G, FS_GU, NW>(l4 + 2, hmid, layers[L].post_norm, eps, nullptr, act, sy + FS_O, nb,
+        flow_ring_stage<CD, G, FS_GU, NW, OPTS>(l4 + 2, hmid, layers[L].post_norm, eps, nullptr, act, sy + FS_O, nb,
                                           sy + FS_GU, xs, red, act_kind, tl ? tl + 11 : nullptr, ring, ns, slot_bytes,
                                           full0, empty0, it);
-        flow_ring_stage<CI, G, FS_DOWN, NW>(l4 + 3, act, nullptr, eps, hmid, h + (size_t)(L + 1) * D, sy + FS_GU, nb,
+        flow_ring_stage<CI, G, FS_DOWN, NW, OPTS>(l4 + 3, act, nullptr, eps, hmid, h + (size_t)(L + 1) * D, sy + FS_GU, nb,
                                             sy + FS_DOWN, xs, red, act_kind, tl ? tl + 16 : nullptr, ring, ns,
                                             slot_bytes, full0, empty0, it);
     }

@@ -97,7 +97,7 @@ class FlowStep(FusedStep):
         # end, bit 4 three tasks' weights a warp (else two), bit 8 the weights through FLOW_SLOTS shared-memory
         # slots a warp (cp.async), bit 16 the attention's V rows loaded where they are used (not before the wait)
         # bit 32 the ring kernel (decode_flow_ring: a producer warp streams the weights through shared memory)
-        self.opts = env_int("VLMCTL_FLOW_OPTS", 0, minimum=0) & 63
+        self.opts = env_int("VLMCTL_FLOW_OPTS", 0, minimum=0) & 511
         if self.I % 2:
             raise ValueError(f"an odd intermediate size {self.I}")
         self.ring = bool(self.opts & RING)
