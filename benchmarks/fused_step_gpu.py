@@ -169,9 +169,10 @@ def modes(prompt_len: int, layers: int, profile: bool) -> None:
     cfg = D.llama7b_config(layers)
     dec = D.make_decoder(cfg, D.random_hf_state(cfg, "cuda"), 128)
     D.size_cache(dec, 1)
-    from vlmctl.runtime.kernels.fused_step import FusedStep
+    from vlmctl.runtime.kernels.flow_step import build_step
 
-    fused = FusedStep.build(dec)
+    fused = build_step(dec)  # (--variant flow: the flow step, for --ncu-once)
+    assert fused is not None, dec.fused_step_reason
     dec._fused = fused
     dec.use_graphs = False
     if profile:
