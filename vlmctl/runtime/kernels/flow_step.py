@@ -5,7 +5,10 @@ One block per SM runs its share of each linear's rows, its warps loading their f
 stage's input is ready; attention runs as warp tasks over the grid. It covers what
 `fused_step.unsupported_reason` allows and is selected with VLMCTL_FUSED_STEP=flow (off by default: correct,
 slower so far, docs/benchmarks.md, session 50). VLMCTL_FLOW_WARPS sets the warps a block (8: at 12 and more the
-7B kernel spills registers); VLMCTL_FLOW_OPTS selects variants for measurements.
+7B kernel spills registers); VLMCTL_FLOW_OPTS selects variants for measurements. Its bit 32 (RING) runs
+`decode_flow_ring`: a producer warp a block streams the weights through shared-memory slots (VLMCTL_FLOW_SLOT_KB)
+with bulk copies, and VLMCTL_FLOW_WARPS counts its consumer warps (7 fit the registers). That is correct and about
+as slow: the GEMV arithmetic holds both (docs/benchmarks.md, session 51).
 """
 
 from __future__ import annotations
