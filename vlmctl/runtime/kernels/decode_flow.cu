@@ -23,7 +23,8 @@
 // Numerics: each linear's rows as the batch-1 CUDA GEMV computes them (gemv_chunk: the same products and sums
 // per lane, lanes added by the same shuffles); norms, rotary, residual adds and act*mul round as decode_step.cu.
 //
-// Status: correct on an H100, slower than the kernel-by-kernel step (2.6-2.9 against 2.1 ms a 7B step); opt-in.
+// Status: correct on an H100, slower than the kernel-by-kernel step (2.6-2.9 against 2.1 ms a 7B step, the ring
+// variant 2.8); opt-in. Its GEMV arithmetic holds it (docs/benchmarks.md, session 51).
 // docs/benchmarks.md, session 50, has block 0's per-stage trace and what it says.
 
 // Stages of a layer, in task order.
@@ -422,7 +423,7 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The ring variant (VLMCTL_FLOW_OPTS bit 32, decode_flow_ring): the same stages, but the weights come through a
+// The ring variant (VLMCTL_FLOW_OPTS bit 32): the same stages, but the weights come through a
 // ring of shared-memory slots that one producer warp a block fills with bulk copies, ahead of the consumer
 // warps and across the stage waits (the weights do not depend on the step), as far as the ring allows. The
 // flow kernel's warps hold their next weights in registers, 32-64 KB an SM in flight, and its stages streamed at
@@ -753,15 +754,42 @@ struct FlowTaskRows {
     static constexpr int value = CPL <= 4 ? 2 : 1;
 };
 
-// NW warps a block; CD / CA / CI: chunks a lane holds of a row of K = D (qkv, gate_up), n_heads * 128 (o) and
-// I (down), i.e. ceil(K / 1024). Shared memory: the staged input (max(D, n_heads * 128, I) fp16), the warps'
-// attention scratch (NW x (group + 2) x 256 bytes), NW floats.
+// Where a block's linear stages get their weights: registers (flow_stage: warps_done, wslots for OPTS bits 2 and 8)
+// or the ring (OPTS bit 32, flow_ring_stage: its slots, mbarriers and the pieces consumed so far).
+struct FlowWeights {
+    u32* warps_done;
+    u32 wslots;
+    u32 ring, full0, empty0;
+    int ns, slot_bytes;
+    u32 it;
+};
+
+// One linear's stage of a layer, by the kernel's weight path.
+template <int R, int CPL, int G, int kind, int NW, int OPTS>
+__device__ __forceinline__ void flow_linear_stage(const StepLinear* lp, int n_units, const u16* xsrc, const u16* norm_w,
+                                                  float eps, const u16* resid, u16* out, const u32* wait_c,
+                                                  u32 wait_target, u32* done_c, u32 xs, float* red, int act_kind,
+                                                  unsigned long long* tr, FlowWeights& fw) {
+    if constexpr (OPTS & 32) {
+        flow_ring_stage<CPL, G, kind, NW, OPTS>(lp, xsrc, norm_w, eps, resid, out, wait_c, wait_target, done_c, xs, red,
+                                                act_kind, tr, fw.ring, fw.ns, fw.slot_bytes, fw.full0, fw.empty0, fw.it);
+    } else {
+        flow_stage<R, CPL, G, kind, NW, OPTS>(lp, n_units, xsrc, norm_w, eps, resid, out, wait_c, wait_target, done_c,
+                                              xs, red, act_kind, tr, fw.warps_done, fw.wslots);
+    }
+}
+
+// NW warps a block (with OPTS bit 32, NW consumer warps and warp NW the ring's producer); CD / CA / CI: chunks a
+// lane holds of a row of K = D (qkv, gate_up), n_heads * 128 (o) and I (down), i.e. ceil(K / 1024). Shared memory:
+// the staged input (max(D, n_heads * 128, I) fp16), the warps' attention scratch (NW x (group + 2) x 256 bytes), NW
+// floats and a word; then, 128-byte aligned, OPTS bit 8's slots (FLOW_SLOTS of slot_bytes a warp) or bit 32's ring
+// (ns slots of slot_bytes, then 2 ns mbarriers: full, then empty).
 template <int NW, int G, int CD, int CA, int CI, int OPTS>
-__global__ void __launch_bounds__(NW * 32, 1)
+__global__ void __launch_bounds__((NW + ((OPTS & 32) ? 1 : 0)) * 32, 1)
 decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_all, u16* attn_all, u16* hmid_all,
             u16* act_all, float* part, u32* sync, const int* pos_p, const int* slot_p, const int* ctx_p, const int* bt,
             const float* cos_sin, int n_layers, int D, int I, int n_heads, int n_kv, int block_size, int max_tiles,
-            int scale_log2_bits, int eps_bits, int act_kind, int x_bytes, int slot_bytes,
+            int scale_log2_bits, int eps_bits, int act_kind, int x_bytes, int slot_bytes, int ns,
             unsigned long long* trace) {
     constexpr int RQ = FlowTaskRows<CD>::value;                 // qkv
     constexpr int RG = RQ < 2 ? 2 : RQ;                         // gate_up: gate and up rows in pairs
@@ -773,12 +801,34 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
     const u32 xs = smem_addr(smem);
     const u32 qs = xs + (u32)x_bytes + (u32)(warp * (grp + 2) * 256);  // this warp's q, new K and new V
     float* red = (float*)(smem + x_bytes + NW * (grp + 2) * 256);
-    u32* warps_done = (u32*)(red + NW);  // OPTS & 2: the warps done with the block's current stage
-    // OPTS & 8: this warp's FLOW_SLOTS weight slots of slot_bytes each, 128-byte aligned after the rest
-    const u32 wslots = ((xs + (u32)(x_bytes + NW * (grp + 2) * 256 + 4 * NW + 4) + 127u) & ~127u) +
-                       (u32)(warp * FLOW_SLOTS * slot_bytes);
-    if (threadIdx.x == 0) *warps_done = 0u;
+    const u32 after = (xs + (u32)(x_bytes + NW * (grp + 2) * 256 + 4 * NW + 4) + 127u) & ~127u;
+    FlowWeights fw;
+    fw.warps_done = (u32*)(red + NW);  // OPTS & 2: the warps done with the block's current stage
+    fw.wslots = after + (u32)(warp * FLOW_SLOTS * slot_bytes);  // OPTS & 8: this warp's slots
+    fw.ring = after;
+    fw.full0 = after + (u32)(ns * slot_bytes);
+    fw.empty0 = fw.full0 + 8u * (u32)ns;
+    fw.ns = ns;
+    fw.slot_bytes = slot_bytes;
+    fw.it = 0;  // ring pieces consumed
+    if (threadIdx.x == 0) {
+        *fw.warps_done = 0u;
+        if constexpr (OPTS & 32) {
+            for (int s = 0; s < ns; ++s) {
+                mbar_init(fw.full0 + 8 * s, 1);
+                mbar_init(fw.empty0 + 8 * s, NW);
+            }
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+    }
     __syncthreads();
+    if constexpr (OPTS & 32) {
+        if (warp == NW) {
+            if ((threadIdx.x & 31) == 0) flow_produce<OPTS>(lins, 4 * n_layers, fw.ring, ns, slot_bytes, fw.full0,
+                                                            fw.empty0);
+            return;
+        }
+    }
     const float scale_log2 = __int_as_float(scale_log2_bits), eps = __int_as_float(eps_bits);
     const int pos = pos_p[0], slot = slot_p[0], ctx = ctx_p[0];
     const int ntiles = (ctx + 31) >> 5;
@@ -800,9 +850,9 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
         u16* hmid = hmid_all + (size_t)L * D;
         u16* act = act_all + (size_t)L * I;
         // qkv of the input norm of h[L], after the previous layer's down stage
-        flow_stage<RQ, CD, G, FS_QKV, NW, OPTS>(l4, NQ, h + (size_t)L * D, layers[L].in_norm, eps, nullptr, qkv,
-                                          L > 0 ? sync + (size_t)(L - 1) * sync_stride + FS_DOWN : nullptr, nb,
-                                          sy + FS_QKV, xs, red, act_kind, tl, warps_done, wslots);
+        flow_linear_stage<RQ, CD, G, FS_QKV, NW, OPTS>(l4, NQ, h + (size_t)L * D, layers[L].in_norm, eps, nullptr, qkv,
+                                                       L > 0 ? sync + (size_t)(L - 1) * sync_stride + FS_DOWN : nullptr,
+                                                       nb, sy + FS_QKV, xs, red, act_kind, tl, fw);
         // attention: KV head tiles spread over all warps of the grid (warp gw: tiles gw, gw + W, ... of the
         // layer's list, so that each block's share differs layer to layer); a warp's own wait for qkv
         for (long long i = (gw - (long long)L * na % W + W) % W; i < na; i += W) {
@@ -812,85 +862,16 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
         }
         if (tracing) tl[5] = global_ns();
         // o, + the residual stream h[L] -> hmid; after every KV head's combine
-        flow_stage<RO, CA, G, FS_O, NW, OPTS>(l4 + 1, D, attn, nullptr, eps, h + (size_t)L * D, hmid, sy + FS_ATT,
-                                        (u32)n_kv, sy + FS_O, xs, red, act_kind, tl ? tl + 6 : nullptr, warps_done, wslots);
+        flow_linear_stage<RO, CA, G, FS_O, NW, OPTS>(l4 + 1, D, attn, nullptr, eps, h + (size_t)L * D, hmid,
+                                                     sy + FS_ATT, (u32)n_kv, sy + FS_O, xs, red, act_kind,
+                                                     tl ? tl + 6 : nullptr, fw);
         // gate_up of the post-attention norm of hmid
-        flow_stage<RG, CD, G, FS_GU, NW, OPTS>(l4 + 2, I, hmid, layers[L].post_norm, eps, nullptr, act, sy + FS_O, nb,
-                                         sy + FS_GU, xs, red, act_kind, tl ? tl + 11 : nullptr, warps_done, wslots);
+        flow_linear_stage<RG, CD, G, FS_GU, NW, OPTS>(l4 + 2, I, hmid, layers[L].post_norm, eps, nullptr, act,
+                                                      sy + FS_O, nb, sy + FS_GU, xs, red, act_kind,
+                                                      tl ? tl + 11 : nullptr, fw);
         // down, + hmid -> h[L + 1]
-        flow_stage<RD, CI, G, FS_DOWN, NW, OPTS>(l4 + 3, D, act, nullptr, eps, hmid, h + (size_t)(L + 1) * D, sy + FS_GU,
-                                           nb, sy + FS_DOWN, xs, red, act_kind, tl ? tl + 16 : nullptr, warps_done, wslots);
-    }
-}
-
-
-// The ring variant's kernel (VLMCTL_FLOW_OPTS bit 32; flow_ring_stage's header says why): NW consumer warps
-// run decode_flow's stages with their weights from the ring; warp NW is the producer. Shared memory: the staged
-// input, the warps' attention scratch and NW + 1 floats as decode_flow's, then (128-byte aligned) ns slots of
-// slot_bytes and 2 ns mbarriers (full, then empty).
-template <int NW, int G, int CD, int CA, int CI, int OPTS>
-__global__ void __launch_bounds__((NW + 1) * 32, 1)
-decode_flow_ring(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_all, u16* attn_all, u16* hmid_all,
-                 u16* act_all, float* part, u32* sync, const int* pos_p, const int* slot_p, const int* ctx_p,
-                 const int* bt, const float* cos_sin, int n_layers, int D, int I, int n_heads, int n_kv, int block_size,
-                 int max_tiles, int scale_log2_bits, int eps_bits, int act_kind, int x_bytes, int slot_bytes, int ns,
-                 unsigned long long* trace) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    const int warp = threadIdx.x >> 5;
-    const int grp = n_heads / n_kv;
-    const u32 xs = smem_addr(smem);
-    const u32 qs = xs + (u32)x_bytes + (u32)(warp * (grp + 2) * 256);
-    float* red = (float*)(smem + x_bytes + NW * (grp + 2) * 256);
-    const u32 ring = (xs + (u32)(x_bytes + NW * (grp + 2) * 256 + 4 * NW + 4) + 127u) & ~127u;
-    const u32 full0 = ring + (u32)(ns * slot_bytes), empty0 = full0 + 8u * (u32)ns;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < ns; ++s) {
-            mbar_init(full0 + 8 * s, 1);
-            mbar_init(empty0 + 8 * s, NW);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-    if (warp == NW) {
-        if ((threadIdx.x & 31) == 0) flow_produce<OPTS>(lins, 4 * n_layers, ring, ns, slot_bytes, full0, empty0);
-        return;
-    }
-    const float scale_log2 = __int_as_float(scale_log2_bits), eps = __int_as_float(eps_bits);
-    const int pos = pos_p[0], slot = slot_p[0], ctx = ctx_p[0];
-    const int ntiles = (ctx + 31) >> 5;
-    const int HA = n_heads * 128, NQ = (n_heads + 2 * n_kv) * 128;
-    const int na = n_kv * ntiles;
-    const int sync_stride = FS_SYNC + n_kv;
-    const u32 nb = gridDim.x;
-    const long long W = (long long)gridDim.x * NW, gw = (long long)blockIdx.x * NW + warp;
-    int known = -1;
-    u32 it = 0;  // ring pieces consumed
-    const bool tracing = trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0;
-    for (int L = 0; L < n_layers; ++L) {
-        unsigned long long* tl = tracing ? trace + (size_t)L * 21 : nullptr;
-        u32* sy = sync + (size_t)L * sync_stride;
-        const StepLinear* l4 = lins + 4 * L;
-        u16* qkv = qkv_all + (size_t)L * NQ;
-        u16* attn = attn_all + (size_t)L * HA;
-        u16* hmid = hmid_all + (size_t)L * D;
-        u16* act = act_all + (size_t)L * I;
-        flow_ring_stage<CD, G, FS_QKV, NW, OPTS>(l4, h + (size_t)L * D, layers[L].in_norm, eps, nullptr, qkv,
-                                           L > 0 ? sync + (size_t)(L - 1) * sync_stride + FS_DOWN : nullptr, nb,
-                                           sy + FS_QKV, xs, red, act_kind, tl, ring, ns, slot_bytes, full0, empty0, it);
-        for (long long i = (gw - (long long)L * na % W + W) % W; i < na; i += W) {
-            flow_attn<!(OPTS & 16)>(layers[L], qkv, attn, part, sy + FS_SYNC, (int)(i / ntiles), (int)(i % ntiles),
-                                    ntiles, pos, slot, ctx, bt, cos_sin, n_heads, n_kv, block_size, max_tiles,
-                                    scale_log2, qs, sy + FS_QKV, nb, L, known, sy + FS_ATT, lane_id());
-        }
-        if (tracing) tl[5] = global_ns();
-        flow_ring_stage<CA, G, FS_O, NW, OPTS>(l4 + 1, attn, nullptr, eps, h + (size_t)L * D, hmid, sy + FS_ATT, (u32)n_kv,
-                                         sy + FS_O, xs, red, act_kind, tl ? tl + 6 : nullptr, ring, ns, slot_bytes,
-                                         full0, empty0, it);
-        flow_ring_stage<CD, G, FS_GU, NW, OPTS>(l4 + 2, hmid, layers[L].post_norm, eps, nullptr, act, sy + FS_O, nb,
-                                          sy + FS_GU, xs, red, act_kind, tl ? tl + 11 : nullptr, ring, ns, slot_bytes,
-                                          full0, empty0, it);
-        flow_ring_stage<CI, G, FS_DOWN, NW, OPTS>(l4 + 3, act, nullptr, eps, hmid, h + (size_t)(L + 1) * D, sy + FS_GU, nb,
-                                            sy + FS_DOWN, xs, red, act_kind, tl ? tl + 16 : nullptr, ring, ns,
-                                            slot_bytes, full0, empty0, it);
+        flow_linear_stage<RD, CI, G, FS_DOWN, NW, OPTS>(l4 + 3, D, act, nullptr, eps, hmid, h + (size_t)(L + 1) * D,
+                                                        sy + FS_GU, nb, sy + FS_DOWN, xs, red, act_kind,
+                                                        tl ? tl + 16 : nullptr, fw);
     }
 }

@@ -6,7 +6,7 @@ stage's input is ready; attention runs as warp tasks over the grid. It covers wh
 `fused_step.unsupported_reason` allows and is selected with VLMCTL_FUSED_STEP=flow (off by default: correct,
 slower so far, docs/benchmarks.md, session 50). VLMCTL_FLOW_WARPS sets the warps a block (8: at 12 and more the
 7B kernel spills registers); VLMCTL_FLOW_OPTS selects variants for measurements. Its bit 32 (RING) runs
-`decode_flow_ring`: a producer warp a block streams the weights through shared-memory slots (VLMCTL_FLOW_SLOT_KB)
+decode_flow.cu's ring variant: a producer warp a block streams the weights through shared-memory slots (VLMCTL_FLOW_SLOT_KB)
 with bulk copies, and VLMCTL_FLOW_WARPS counts its consumer warps (7 fit the registers). That is correct and about
 as slow: the GEMV arithmetic holds both (docs/benchmarks.md, session 51).
 """
@@ -61,8 +61,7 @@ RING = 32  # VLMCTL_FLOW_OPTS bit: the weights through a ring of shared-memory s
 
 
 def kernel_name(warps: int, group_size: int, d: int, attn_width: int, inter: int, opts: int = 0) -> str:
-    name = "decode_flow_ring" if opts & RING else "decode_flow"
-    return (f"{name}<{warps}, {group_size}, {chunks_per_lane(d)}, {chunks_per_lane(attn_width)}, "
+    return (f"decode_flow<{warps}, {group_size}, {chunks_per_lane(d)}, {chunks_per_lane(attn_width)}, "
             f"{chunks_per_lane(inter)}, {opts}>")
 
 
@@ -99,7 +98,9 @@ class FlowStep(FusedStep):
         # measurements: bit 1 the first tasks' loads all before a stage's wait, bit 2 no block barrier at a stage's
         # end, bit 4 three tasks' weights a warp (else two), bit 8 the weights through FLOW_SLOTS shared-memory
         # slots a warp (cp.async), bit 16 the attention's V rows loaded where they are used (not before the wait)
-        # bit 32 the ring kernel (decode_flow_ring: a producer warp streams the weights through shared memory)
+        # bit 32 the ring variant (a producer warp streams the weights through shared memory; VLMCTL_FLOW_WARPS then
+        # counts the consumer warps), bit 64 two of its units a warp at once, 128 and 256 its ablations (nothing
+        # computed, nothing copied)
         self.opts = env_int("VLMCTL_FLOW_OPTS", 0, minimum=0) & 511
         if self.I % 2:
             raise ValueError(f"an odd intermediate size {self.I}")
@@ -172,7 +173,7 @@ class FlowStep(FusedStep):
         args = [self.lins, self.layers, self.h, self.qkv, self.attn, self.hmid, self.act, self.part, self.sync,
                 positions, slots, context_lens, bt, dec.cos_sin, dec.n_layers, self.D, self.I, dec.n_heads, dec.n_kv,
                 dec.block_size, self.max_tiles, self.scale_log2, self.eps, self.act_kind, self.x_bytes,
-                self.slot_bytes] + ([self.nslot] if self.ring else []) + [self.trace]
+                self.slot_bytes, self.nslot, self.trace]
         threads = (self.warps + self.ring) * 32  # (the ring kernel's producer warp)
         self.kernel.launch((self.num_blocks, 1, 1), (threads, 1, 1), self.smem, args, dec.device, cooperative=True)
         return self.h[dec.n_layers].view(1, -1)
