@@ -560,14 +560,15 @@ __device__ __forceinline__ void flow_ring_stage(const StepLinear* lp, const u16*
 #pragma unroll
                     for (int v = 0; v < U; ++v) {
 #pragma unroll
-                        for (int r = 0; r < R; ++r) gemv_chunk(acc[v][r], w[v][r], sz[v][r] & 0xFFFFu, sz[v][r] >> 16, xv);
+                        for (int r = 0; r < R; ++r)
+                            gemv_chunk(acc[v][r], w[v][r], sz[v][r] & 0xFFFFu, sz[v][r] >> 16, xv);
                     }
                 }
             }
 #pragma unroll
             for (int v = 0; v < U; ++v) {
-                if (v == 0 || j + v * NW < n) flow_store_rows<R, kind>(acc[v], lane, a + jj[v], pre[v], l.bias != nullptr,
-                                                                      act_kind, out);
+                if (v == 0 || j + v * NW < n)
+                    flow_store_rows<R, kind>(acc[v], lane, a + jj[v], pre[v], l.bias != nullptr, act_kind, out);
             }
         }
         __syncwarp();
@@ -772,7 +773,8 @@ __device__ __forceinline__ void flow_linear_stage(const StepLinear* lp, int n_un
                                                   unsigned long long* tr, FlowWeights& fw) {
     if constexpr (OPTS & 32) {
         flow_ring_stage<CPL, G, kind, NW, OPTS>(lp, xsrc, norm_w, eps, resid, out, wait_c, wait_target, done_c, xs, red,
-                                                act_kind, tr, fw.ring, fw.ns, fw.slot_bytes, fw.full0, fw.empty0, fw.it);
+                                                act_kind, tr, fw.ring, fw.ns, fw.slot_bytes, fw.full0, fw.empty0,
+                                                fw.it);
     } else {
         flow_stage<R, CPL, G, kind, NW, OPTS>(lp, n_units, xsrc, norm_w, eps, resid, out, wait_c, wait_target, done_c,
                                               xs, red, act_kind, tr, fw.warps_done, fw.wslots);

@@ -6,9 +6,9 @@ stage's input is ready; attention runs as warp tasks over the grid. It covers wh
 `fused_step.unsupported_reason` allows and is selected with VLMCTL_FUSED_STEP=flow (off by default: correct,
 slower so far, docs/benchmarks.md, session 50). VLMCTL_FLOW_WARPS sets the warps a block (8: at 12 and more the
 7B kernel spills registers); VLMCTL_FLOW_OPTS selects variants for measurements. Its bit 32 (RING) runs
-decode_flow.cu's ring variant: a producer warp a block streams the weights through shared-memory slots (VLMCTL_FLOW_SLOT_KB)
-with bulk copies, and VLMCTL_FLOW_WARPS counts its consumer warps (7 fit the registers). That is correct and about
-as slow: the GEMV arithmetic holds both (docs/benchmarks.md, session 51).
+decode_flow.cu's ring variant: a producer warp a block streams the weights through shared-memory slots
+(VLMCTL_FLOW_SLOT_KB) with bulk copies, and VLMCTL_FLOW_WARPS counts its consumer warps (7 fit the registers).
+That is correct and about as slow: the GEMV arithmetic holds both (docs/benchmarks.md, session 51).
 """
 
 from __future__ import annotations
@@ -66,12 +66,12 @@ def kernel_name(warps: int, group_size: int, d: int, attn_width: int, inter: int
 
 
 def ring_row_words(k: int, group_size: int) -> int:
-    """A row's scale | zero-point words in the ring kernel's array: K / G, padded to a multiple of 4 (16 bytes)."""
+    """A row's scale | zero-point words in the ring variant's array: K / G, padded to a multiple of 4 (16 bytes)."""
     return -(-(k // group_size) // 4) * 4
 
 
 def ring_scales(packed: dict, group_size: int) -> torch.Tensor:
-    """The ring kernel's per-group words of one packed linear: fp16 scale bits | zero point << 16, int32
+    """The ring variant's per-group words of one packed linear: fp16 scale bits | zero point << 16, int32
     [N, ring_row_words(K)] (the padding zero), so that a run of rows is one 16-byte-aligned bulk copy."""
     sc, zp = packed["q4scales"], packed["q4zeros"]
     n, kg = sc.shape
@@ -81,7 +81,7 @@ def ring_scales(packed: dict, group_size: int) -> torch.Tensor:
 
 
 def ring_slot_bytes() -> int:
-    """VLMCTL_FLOW_SLOT_KB: the ring kernel's slot size (32 KiB by default; measurements)."""
+    """VLMCTL_FLOW_SLOT_KB: the ring variant's slot size (32 KiB by default; measurements)."""
     return 1024 * env_int("VLMCTL_FLOW_SLOT_KB", 32, minimum=8)
 
 
@@ -174,7 +174,7 @@ class FlowStep(FusedStep):
                 positions, slots, context_lens, bt, dec.cos_sin, dec.n_layers, self.D, self.I, dec.n_heads, dec.n_kv,
                 dec.block_size, self.max_tiles, self.scale_log2, self.eps, self.act_kind, self.x_bytes,
                 self.slot_bytes, self.nslot, self.trace]
-        threads = (self.warps + self.ring) * 32  # (the ring kernel's producer warp)
+        threads = (self.warps + self.ring) * 32  # (the ring variant's producer warp)
         self.kernel.launch((self.num_blocks, 1, 1), (threads, 1, 1), self.smem, args, dec.device, cooperative=True)
         return self.h[dec.n_layers].view(1, -1)
 
