@@ -39,6 +39,19 @@ def test_flow_kernel_compiles_for_sm90():
     assert len(cubin) > 10_000 and set(lowered) == set(names)
 
 
+def test_flow_slot_setting(monkeypatch):
+    from vlmctl.errors import OptionError
+
+    monkeypatch.delenv("VLMCTL_FLOW_SLOT_KB", raising=False)
+    assert FL.ring_slot_bytes() == 32 * 1024
+    monkeypatch.setenv("VLMCTL_FLOW_SLOT_KB", "16")
+    assert FL.ring_slot_bytes() == 16 * 1024
+    for bad in ("4", "big"):
+        monkeypatch.setenv("VLMCTL_FLOW_SLOT_KB", bad)
+        with pytest.raises(OptionError, match="VLMCTL_FLOW_SLOT_KB"):
+            FL.ring_slot_bytes()
+
+
 def test_ring_scales_words():
     # the ring kernel's per-group words: fp16 scale bits | zero point << 16, rows padded to 16 bytes; K / G = 86
     # (Qwen2-VL-7B-like down: K = 11,008, G = 128) pads to 88
