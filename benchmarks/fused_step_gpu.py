@@ -253,8 +253,7 @@ def main():
                     "this many warps a block (VLMCTL_FLOW_WARPS)")
     ap.add_argument("--opts", type=int, nargs="*", default=[], help="with --variant flow: also time it with "
                     "each of these VLMCTL_FLOW_OPTS (bit 1: the first tasks' loads all before the wait; bit 2: no "
-                    "block barrier at a stage's end; bit 4: three tasks' weights a warp; bit 8: weights through "
-                    "shared memory; 16: the attention's V rows loaded where used; 32: the ring kernel, a producer "
+                    "block barrier at a stage's end; bit 4: three tasks' weights a warp; 16: the attention's V rows loaded where used; 32: the ring kernel, a producer "
                     "warp streaming the weights through shared memory)")
     ap.add_argument("--flow-configs", nargs="*", default=[], metavar="WARPS:OPTS[:SLOT_KB]",
                     help="with --variant flow: also time it with each VLMCTL_FLOW_WARPS, VLMCTL_FLOW_OPTS (and "

@@ -37,8 +37,6 @@
 // A layer's sync words: the five stages' counters (blocks done; for FS_ATT, KV heads combined), then the KV
 // heads' tile tickets.
 #define FS_SYNC 5
-// Weight slots a warp (VLMCTL_FLOW_OPTS bit 8: weights through shared memory)
-#define FLOW_SLOTS 4
 
 
 __device__ __forceinline__ void red_release_add(u32* p, u32 v) {
@@ -274,7 +272,7 @@ template <int R, int CPL, int G, int kind, int NW, int OPTS>
 __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, const u16* xsrc, const u16* norm_w,
                                            float eps, const u16* resid, u16* out, const u32* wait_c,
                                            u32 wait_target, u32* done_c, u32 xs, float* red, int act_kind,
-                                           unsigned long long* tr, u32* warps_done, u32 wslots) {
+                                           unsigned long long* tr, u32* warps_done) {
     if (tr) tr[0] = global_ns();
     constexpr int H = R / 2, UPT = kind == FS_GU ? H : R;  // output rows a task
     const int warp = threadIdx.x >> 5, lane = lane_id();
@@ -293,72 +291,6 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
         for (int r = 0; r < R; ++r) rows[r] = kind == FS_GU ? (r < H ? tl * H + r : l.up + tl * H + r - H) : tl * R + r;
         flow_load_rows<R, CPL, G>(b, l, rows, lane);
     };
-    if constexpr (OPTS & 8) {
-        // The weights through shared memory: each warp has S slots of one task's weights, filled by cp.async
-        // (each lane copies, and later reads, only its own 16-byte pieces: [u][r][lane]), S tasks ahead, the
-        // first S issued before the stage's wait. The scales and zero points stay in registers.
-        constexpr int S = FLOW_SLOTS, SB = R * CPL * 512;
-        u32 sz[S][CPL][R];
-        auto issue = [&](u32 slot, u32 (&z)[CPL][R], int t) {
-            const bool valid = t < t1;
-            const int tl = min(t, max(t1 - 1, 0));
-#pragma unroll
-            for (int u = 0; u < CPL; ++u) {
-                const int c = min(lane + 32 * u, KC - 1);
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const long long n = kind == FS_GU ? (r < H ? tl * H + r : l.up + tl * H + r - H) : tl * R + r;
-                    cp_async16_s(slot + (u32)((u * R + r) * 512 + lane * 16), l.qw + n * (K >> 3) + 4 * c, valid);
-                    const int gi = (c * 32) / G;
-                    z[u][r] = (u32)ld_nc_u16(l.sc + n * (K / G) + gi) | ((u32)ld_nc_u8(l.zp + n * (K / G) + gi) << 16);
-                }
-            }
-            cp_async_commit();
-        };
-#pragma unroll
-        for (int k = 0; k < S; ++k) issue(wslots + k * SB, sz[k], t0 + warp + k * NW);
-        flow_stage_input<NW>(xsrc, norm_w, eps, K, wait_c, wait_target, xs, red, warp, lane, tr);
-        for (int k0 = 0;; k0 += S) {
-            bool done = false;
-#pragma unroll
-            for (int k = 0; k < S; ++k) {
-                const int t = t0 + warp + (k0 + k) * NW;
-                if (t >= t1) {
-                    done = true;
-                    break;
-                }
-                cp_async_wait<S - 1>();  // this lane's pieces of task t have landed
-                const u32 slot = wslots + k * SB;
-                const int out0 = t * UPT;
-                u16 pre = 0;
-                if (lane < UPT) {
-                    if (kind == FS_O || kind == FS_DOWN) pre = resid[out0 + lane];
-                    else if (kind == FS_QKV && l.bias) pre = l.bias[out0 + lane];
-                }
-                float acc[R];
-#pragma unroll
-                for (int r = 0; r < R; ++r) acc[r] = 0.f;
-#pragma unroll
-                for (int u = 0; u < CPL; ++u) {
-                    const int c = lane + 32 * u;
-                    if (c < KC) {
-                        u32x4 xv[4];
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) xv[j] = lds16(xs + xs_piece(4 * c + j));
-#pragma unroll
-                        for (int r = 0; r < R; ++r) {
-                            const u32x4 w = lds16(slot + (u32)((u * R + r) * 512 + lane * 16));
-                            gemv_chunk(acc[r], w, sz[k][u][r] & 0xFFFFu, sz[k][u][r] >> 16, xv);
-                        }
-                    }
-                }
-                flow_store_rows<R, kind>(acc, lane, out0, pre, l.bias != nullptr, act_kind, out);
-                issue(slot, sz[k], t + S * NW);  // this lane read its own pieces only: the slot is free for it
-            }
-            if (done) break;
-        }
-        cp_async_wait<0>();  // the slots are refilled by the next stage
-    } else {
     // DEPTH tasks' weights a warp (OPTS & 4: three, else two): the current task's and the next ones', in flight
     // during its arithmetic. OPTS & 1: all DEPTH tasks' loads issued before the wait (else the first only).
     constexpr int DEPTH = (OPTS & 4) ? 3 : 2;
@@ -398,7 +330,6 @@ __device__ __forceinline__ void flow_stage(const StepLinear* lp, int n_units, co
 #pragma unroll
         for (int d = 0; d + 1 < DEPTH; ++d) q[d] = q[d + 1];
         load_task(q[DEPTH - 1], t + DEPTH * NW);
-    }
     }
     if (tr) tr[3] = global_ns();
     if constexpr (OPTS & 2) {
@@ -755,11 +686,10 @@ struct FlowTaskRows {
     static constexpr int value = CPL <= 4 ? 2 : 1;
 };
 
-// Where a block's linear stages get their weights: registers (flow_stage: warps_done, wslots for OPTS bits 2 and 8)
+// Where a block's linear stages get their weights: registers (flow_stage: warps_done for OPTS bit 2)
 // or the ring (OPTS bit 32, flow_ring_stage: its slots, mbarriers and the pieces consumed so far).
 struct FlowWeights {
     u32* warps_done;
-    u32 wslots;
     u32 ring, full0, empty0;
     int ns, slot_bytes;
     u32 it;
@@ -777,14 +707,14 @@ __device__ __forceinline__ void flow_linear_stage(const StepLinear* lp, int n_un
                                                 fw.it);
     } else {
         flow_stage<R, CPL, G, kind, NW, OPTS>(lp, n_units, xsrc, norm_w, eps, resid, out, wait_c, wait_target, done_c,
-                                              xs, red, act_kind, tr, fw.warps_done, fw.wslots);
+                                              xs, red, act_kind, tr, fw.warps_done);
     }
 }
 
 // NW warps a block (with OPTS bit 32, NW consumer warps and warp NW the ring's producer); CD / CA / CI: chunks a
 // lane holds of a row of K = D (qkv, gate_up), n_heads * 128 (o) and I (down), i.e. ceil(K / 1024). Shared memory:
 // the staged input (max(D, n_heads * 128, I) fp16), the warps' attention scratch (NW x (group + 2) x 256 bytes), NW
-// floats and a word; then, 128-byte aligned, OPTS bit 8's slots (FLOW_SLOTS of slot_bytes a warp) or bit 32's ring
+// floats and a word; then, 128-byte aligned, OPTS bit 32's ring
 // (ns slots of slot_bytes, then 2 ns mbarriers: full, then empty).
 template <int NW, int G, int CD, int CA, int CI, int OPTS>
 __global__ void __launch_bounds__((NW + ((OPTS & 32) ? 1 : 0)) * 32, 1)
@@ -806,7 +736,6 @@ decode_flow(const StepLinear* lins, const StepLayer* layers, u16* h, u16* qkv_al
     const u32 after = (xs + (u32)(x_bytes + NW * (grp + 2) * 256 + 4 * NW + 4) + 127u) & ~127u;
     FlowWeights fw;
     fw.warps_done = (u32*)(red + NW);  // OPTS & 2: the warps done with the block's current stage
-    fw.wslots = after + (u32)(warp * FLOW_SLOTS * slot_bytes);  // OPTS & 8: this warp's slots
     fw.ring = after;
     fw.full0 = after + (u32)(ns * slot_bytes);
     fw.empty0 = fw.full0 + 8u * (u32)ns;

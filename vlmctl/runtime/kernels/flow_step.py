@@ -25,7 +25,6 @@ from .settings import env_int
 SOURCE = Path(__file__).with_name("decode_flow.cu")
 _TEXT: list = []
 SYNC_WORDS = 5  # a layer's stage counters before its KV heads' tickets (decode_flow.cu's FS_SYNC)
-FLOW_SLOTS = 4  # weight slots a warp with VLMCTL_FLOW_OPTS bit 8 (decode_flow.cu's FLOW_SLOTS)
 # Block 0's marks a layer (decode_flow.cu, `trace`): each linear's stage start, its input's wait done, the input
 # staged, the block's tasks done and the block done; after qkv's, the end of the attention tasks.
 TRACE_MARKS = ("qkv start", "qkv waited", "qkv staged", "qkv computed", "qkv done", "attention done",
@@ -96,12 +95,12 @@ class FlowStep(FusedStep):
         dev = dec.device
         self.warps = flow_warps()
         # measurements: bit 1 the first tasks' loads all before a stage's wait, bit 2 no block barrier at a stage's
-        # end, bit 4 three tasks' weights a warp (else two), bit 8 the weights through FLOW_SLOTS shared-memory
-        # slots a warp (cp.async), bit 16 the attention's V rows loaded where they are used (not before the wait)
-        # bit 32 the ring variant (a producer warp streams the weights through shared memory; VLMCTL_FLOW_WARPS then
-        # counts the consumer warps), bit 64 two of its units a warp at once, 128 and 256 its ablations (nothing
-        # computed, nothing copied)
-        self.opts = env_int("VLMCTL_FLOW_OPTS", 0, minimum=0) & 511
+        # end, bit 4 three tasks' weights a warp (else two), bit 16 the attention's V rows loaded where they are used
+        # (not before the wait), bit 32 the ring variant (a producer warp streams the weights through shared memory;
+        # VLMCTL_FLOW_WARPS then counts the consumer warps), bit 64 two of its units a warp at once, 128 and 256 its
+        # ablations (nothing computed, nothing copied). Bit 8 (each warp's weights through its own cp.async slots,
+        # twice as slow: session 50) was taken out in session 51.
+        self.opts = env_int("VLMCTL_FLOW_OPTS", 0, minimum=0) & (511 & ~8)
         if self.I % 2:
             raise ValueError(f"an odd intermediate size {self.I}")
         self.ring = bool(self.opts & RING)
@@ -146,15 +145,6 @@ class FlowStep(FusedStep):
             if self.nslot < 2:
                 raise ValueError(f"the flow step's ring has room for {self.nslot} slots of {self.slot_bytes} bytes")
             self.smem += self.nslot * (self.slot_bytes + 16)
-        elif self.opts & 8:  # a task's weights: rows x chunks a lane x 512 bytes (decode_flow.cu's FlowTaskRows)
-            def rows(c):
-                return 2 if c <= 4 else 1
-
-            cd, ca, ci = (chunks_per_lane(k) for k in (self.D, self.attn_width, self.I))
-            self.slot_bytes = 512 * max(rows(cd) * cd, 2 * cd, min(2, rows(ca)) * ca, rows(ci) * ci)
-            self.smem = -(-self.smem // 128) * 128 + self.warps * FLOW_SLOTS * self.slot_bytes
-            if self.smem > 227 * 1024:
-                raise ValueError(f"the flow step's weight slots need {self.smem} bytes of shared memory a block")
         from . import cuda_rtc
 
         self.kernel = cuda_rtc.load_kernel(source(), kernel_name(self.warps, self.group, self.D, self.attn_width,
