@@ -102,7 +102,10 @@ class Config:
     K % 128 == 0 and groups of a multiple of 32), or "wgmma" (`w4a16_wgmma.cu`, sm_90 only, M <= block_m:
     warpgroup MMA on block_n = 128 or 256 weight rows per block (num_warps = block_n // 16: a warpgroup per
     64 rows) by block_m = 32 or 64 batch rows, K in units of block_k = 128 through a num_stages-deep ring; a
-    persistent grid of one block per SM (split_k = 1) cuts the (tile, K unit) space stream-K).
+    persistent grid of one block per SM (split_k = 1) cuts the (tile, K unit) space stream-K), or "gemv_tc"
+    (the batch-1 GEMV on the tensor cores, fp16 x, opt-in: `gemv_tc_mode`; block_n = 16 T weight rows a block, T
+    16-row tiles a warp, num_warps warps splitting K in runs of num_stages 128-k chunks; needs K and the group
+    size multiples of 128).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
     next K block into registers while computing the current one, 1 that it does not."""
 
@@ -141,6 +144,11 @@ class Config:
             return (self.block_n == 16 and self.block_m in (8, 16) and self.num_warps in (1, 2, 4, 8, 16)
                     and 1 <= self.num_stages <= 4 and self.split_k == 1 and group_size % 32 == 0
                     and k % 128 == 0 and k % group_size == 0)
+        if self.kernel == "gemv_tc":
+            tiles, rem = divmod(self.block_n, 16)
+            return (rem == 0 and tiles in (1, 2, 4) and self.num_warps in (1, 2, 4, 8, 16)
+                    and self.num_stages in (1, 2, 4) and tiles * self.num_stages <= 4 and self.split_k == 1
+                    and group_size % 128 == 0 and k % 128 == 0 and k % group_size == 0)
         if self.kernel == "gemv_cuda":
             rpw, rem = divmod(self.block_n, max(1, self.num_warps))
             return (self.num_warps in (1, 2, 4, 8, 16) and rem == 0 and rpw in (1, 2, 4, 8)
@@ -517,6 +525,8 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None, *
     if (17 <= m <= 64 and _wgmma_ok(dtype, device) and (c := heuristic_wgmma_config(m)).valid_for(n, k, group_size)
             and (wgmma_mode() == "1" or triton_cdiv(n, c.block_n) >= 32)):
         return c
+    if cuda_gemv and (tc := gemv_tc_config(n, k, group_size, act_mul)) is not None:
+        return tc
     mma_gemv = _TUNED_MMA_GEMV.get(key) if _mma_gemv_ok(dtype, device) else None
     measured = ((_TUNED_CUDA.get(key) if cuda_gemv else None), (_TUNED_H2.get(key) if half2 else None),
                 mma_gemv, _TUNED.get(key))
@@ -658,7 +668,7 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     y = out if out is not None else torch.empty(m, n_out, dtype=x2.dtype, device=x2.device)
     if m == 0 or n == 0:
         return y
-    if compiling_only() and config.kernel in ("wgmma", "mma", "mma_gemv", "gemv_cuda"):
+    if compiling_only() and config.kernel in ("wgmma", "mma", "mma_gemv", "gemv_cuda", "gemv_tc"):
         return y  # NVRTC kernels: `precompile_selected` compiles them, several at a time
     if config.kernel == "wgmma":
         if not wgmma_runs(x2, qw):
@@ -672,9 +682,10 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
                              "and weights, and NVRTC")
         (_launch_mma if config.kernel == "mma" else _launch_mma_gemv)(x2, packed, group_size, config, bias, y)
         return y
-    if config.kernel == "gemv_cuda":
+    if config.kernel in ("gemv_cuda", "gemv_tc"):
         if not gemv_cuda_runs(x2, qw):
-            raise ValueError("the CUDA GEMV needs fp16 x on CUDA with 16-byte aligned rows and weights, and NVRTC")
+            raise ValueError(f"the {config.kernel} kernel needs fp16 x on CUDA with 16-byte aligned rows and "
+                             "weights, and NVRTC")
         _launch_gemv_cuda(x2, packed, group_size, config, bias, y, act)
         return y
     bk = config.block_k
@@ -726,7 +737,7 @@ def launch(x2, packed: dict, group_size: int, config: Config, bias=None, out=Non
     return y
 
 
-ACT_MUL_KERNELS = ("gemv", "gemv_h2", "gemv_cuda")  # the kernels whose epilogue can apply act(gate) * up
+ACT_MUL_KERNELS = ("gemv", "gemv_h2", "gemv_cuda", "gemv_tc")  # the kernels whose epilogue can apply act(gate) * up
 
 
 def _act_mul_tiles(config: Config) -> bool:
@@ -734,6 +745,8 @@ def _act_mul_tiles(config: Config) -> bool:
     number of rows per warp)."""
     if config.kernel == "gemv_cuda":
         return (config.block_n // config.num_warps) % 2 == 0
+    if config.kernel == "gemv_tc":
+        return (config.block_n // 16) % 2 == 0
     return config.block_n % 2 == 0
 
 
@@ -857,15 +870,68 @@ def gemv_cuda_kernel_name(config: Config, group_size: int, act: str | None = Non
     return f"w4a16_gemv<{rpw}, {config.num_warps}, {config.num_stages}, {group_size}{tail}>"
 
 
+def gemv_tc_kernel_name(config: Config, group_size: int, act: str | None = None) -> str:
+    """The template instance of `w4a16_mma.cu`'s w4a16_gemv_tc that runs `config` (act: with the gate_up
+    epilogue)."""
+    tail = ""
+    if act is not None:
+        from .fused import ACTIVATIONS
+
+        tail = f", {ACTIVATIONS[act]}"
+    return f"w4a16_gemv_tc<{config.block_n // 16}, {config.num_warps}, {config.num_stages}, {group_size}{tail}>"
+
+
+def gemv_tc_mode() -> tuple[int, int, int] | bool:
+    """`VLMCTL_W4A16_GEMV_TC`: "0" (the default) leaves fp16 batch-1 linears to the CUDA GEMV; "1" gives them
+    the tensor-core GEMV (`w4a16_gemv_tc`) with its rule's config where it fits; "T:W:S" with that config (T
+    16-row tiles a warp, W warps, S chunks a run; a gate_up with its act·mul takes T rounded up to even)."""
+    v = os.environ.get("VLMCTL_W4A16_GEMV_TC", "0").strip().lower()
+    if v in ("", "0", "off", "false"):
+        return False
+    if v in ("1", "on", "true"):
+        return True
+    try:
+        tiles, warps, stages = (int(p) for p in v.split(":"))
+    except ValueError:
+        tiles = warps = stages = 0
+    if not Config("gemv_tc", block_n=16 * tiles, num_warps=warps, num_stages=stages).valid_for(128, 128, 128):
+        raise OptionError(f"VLMCTL_W4A16_GEMV_TC={v!r}: expected 0, 1 or T:W:S (T 1, 2 or 4 tiles a warp, "
+                          "W 1-16 warps, S 1, 2 or 4 chunks a run, T x S <= 4)")
+    return tiles, warps, stages
+
+
+def heuristic_gemv_tc_config(n: int, k: int, group_size: int, act_mul: bool = False) -> Config:
+    """The tensor-core GEMV's config where `VLMCTL_W4A16_GEMV_TC=1`: 2 tiles a warp (x loaded once for 32 rows),
+    4 warps splitting K, 2 chunks a run (a warp's run is 4 KB of weights in flight, two runs in turn)."""
+    return Config("gemv_tc", block_n=32, num_warps=4, num_stages=2)
+
+
+def gemv_tc_config(n: int, k: int, group_size: int, act_mul: bool = False) -> Config | None:
+    """The "gemv_tc" config `VLMCTL_W4A16_GEMV_TC` asks for at this shape, or None (off, or the shape does not fit)."""
+    mode = gemv_tc_mode()
+    if mode is False:
+        return None
+    if mode is True:
+        c = heuristic_gemv_tc_config(n, k, group_size, act_mul)
+    else:
+        tiles, warps, stages = mode
+        if act_mul and tiles % 2:
+            tiles += 1
+        c = Config("gemv_tc", block_n=16 * tiles, num_warps=warps, num_stages=stages)
+    return c if c.valid_for(n, k, group_size) else None
+
+
 def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y, act: str | None = None) -> None:
-    """act: a gate_up weight whose epilogue stores act(gate) * up (y [M, N / 2]; each warp's rows are gate rows
-    and their up rows, so a block covers half as many output rows)."""
+    """The CUDA GEMV or (config.kernel "gemv_tc") the tensor-core GEMV. act: a gate_up weight whose epilogue
+    stores act(gate) * up (y [M, N / 2]; each warp's rows, or each block's tiles, are gate rows and their up rows,
+    so a block covers half as many output rows)."""
     from . import cuda_rtc, pdl
 
     qw, s, z = (packed[key] for key in KEYS)
     m, k = x2.shape
     n = qw.shape[0]
-    kern = cuda_rtc.load_kernel(mma_source(), gemv_cuda_kernel_name(config, group_size, act), x2.device)
+    name = (gemv_tc_kernel_name if config.kernel == "gemv_tc" else gemv_cuda_kernel_name)(config, group_size, act)
+    kern = cuda_rtc.load_kernel(mma_source(), name, x2.device)
     rows = (n // 2, config.block_n // 2) if act is not None else (n, config.block_n)
     # PDL as for the Triton GEMVs: the kernel reads only weights, scales and zero points before its wait
     kern.launch((triton_cdiv(*rows), m, 1), (32 * config.num_warps, 1, 1), 0,
@@ -1168,6 +1234,8 @@ def cuda_build(config: Config, group_size: int, dtype, device) -> tuple[str, str
     kernel or cuBLAS does."""
     if config.kernel == "gemv_cuda":
         return mma_source(), gemv_cuda_kernel_name(config, group_size), ""
+    if config.kernel == "gemv_tc":
+        return mma_source(), gemv_tc_kernel_name(config, group_size), ""
     if config.kernel == "mma":
         return mma_source(), mma_kernel_name(config, group_size, dtype), ""
     if config.kernel == "mma_gemv":
@@ -1201,9 +1269,10 @@ def precompile_selected(shapes, group_size: int, m_values, dtype, device, *, act
     if 1 in m_values:
         for n, k in act_mul_shapes:
             c = select_config(1, n, k, group_size, dtype, device, act_mul=True)
-            if c.kernel == "gemv_cuda" and _act_mul_tiles(c) and n % 2 == 0:
-                builds.setdefault((mma_source(), f"sm_{major}{minor}"), set()).add(
-                    gemv_cuda_kernel_name(c, group_size, activation))
+            if c.kernel in ("gemv_cuda", "gemv_tc") and _act_mul_tiles(c) and n % 2 == 0:
+                name = (gemv_tc_kernel_name if c.kernel == "gemv_tc" else gemv_cuda_kernel_name)(c, group_size,
+                                                                                              activation)
+                builds.setdefault((mma_source(), f"sm_{major}{minor}"), set()).add(name)
     return sum(cuda_rtc.precompile(src, names, arch) for (src, arch), names in builds.items())
 
 
@@ -1301,8 +1370,8 @@ def describe(config: Config) -> str:
     bm = f" bm{config.block_m}" if config.kernel in ("dot", "mma") else ""
     run = f" r{config.run_words}" if config.kernel == "gemv_h2" else ""
     km = " kmajor" if config.k_major else ""
-    if config.kernel == "gemv_cuda":
-        return f"gemv_cuda bn{config.block_n} w{config.num_warps} s{config.num_stages}"
+    if config.kernel in ("gemv_cuda", "gemv_tc"):
+        return f"{config.kernel} bn{config.block_n} w{config.num_warps} s{config.num_stages}"
     if config.kernel == "wgmma":  # a persistent grid of one block per SM, stream-K
         return f"wgmma bn{config.block_n} bm{config.block_m} s{config.num_stages}"
     if config.kernel == "mma_gemv":  # 16 weight rows a block, no K blocking or split

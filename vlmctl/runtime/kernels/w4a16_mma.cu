@@ -905,3 +905,202 @@ w4a16_mma_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__
         }
     }
 }
+
+
+// ---------------------------------------------------------------------------------------------------
+// w4a16_gemv_tc: the batch-1 GEMV on the tensor cores, the zero point and the codes' magic folded out of the
+// K loop. Opt-in (VLMCTL_W4A16_GEMV_TC; docs/benchmarks.md, session 52).
+//
+// Why: w4a16_gemv spends 3.25 instructions a pair of weights on arithmetic (mask-or, subtract the zero point,
+// fp16 multiply-add) because its fp16 sums need each code cancelled against its magic before the products are
+// added; with that arithmetic it runs at ~60 % of the copy bandwidth, its loads alone at ~90 % (session 37).
+// mma.sync sums exact fp16 products in fp32, where the cancellation can wait to the end of a chunk. A code
+// enters the A registers as magic + code / 128 by one AND-OR a pair: the low nibble of a byte in place at
+// magic 8 (0x4800), the high one in place at magic 0.5 (0x3800); one shift a word reaches its other two
+// pairs. Over a 128-k chunk of one group, with acc the mma's sum of those values times x,
+//     sum_k (code_k - zero) x_k = 128 (acc - 8 Lo - 0.5 Hi) - zero (Lo + Hi),
+// Lo and Hi being the chunk's sums of x at the low- and high-nibble positions. Those are the same for every
+// weight row, so one mma a 16-k step against constant A registers (ones at those positions) makes them for
+// all of the warp's tiles, and each row's chunk sum takes its scale once, in fp32: 1.25 instructions a pair,
+// one mma per 256 weights, and a few fp32 instructions per row and chunk.
+// Layout: a tile is 16 weight rows, lane (g = lane / 4, t = lane % 4) holding A's rows g and g + 8; K is
+// permuted inside each 128-k chunk as in w4a16_mma_gemv (lane t loads words 4t .. 4t+3 of the chunk of both
+// rows, and its word u serves the chunk's 16-k steps 2u and 2u + 1); every column of B is x (one batch row),
+// so every lane ends a chunk holding its two rows' sums. A warp takes T tiles, which share its x registers;
+// the block's NW warps split K in runs of KS chunks (warp w: runs w, w + NW, ...), the next run of every tile
+// loaded into registers while one is computed. The warps' sums meet in shared memory and are added in warp
+// order (deterministic); then the bias, and y in fp16 (ACT >= 0: the tiles are T / 2 gate tiles and their up
+// tiles, and y = act(gate) * up rounded as w4a16_gemv's epilogue rounds it). blockIdx.y: the x row.
+// Needs K % 128 == 0 and G % 128 == 0 (a step's 16 k come from all four lanes t, so a chunk lies in one group).
+// PDL: the first run's weights, scales and zero points are loaded before griddepcontrol.wait, x after it.
+
+template <int T, int KS>
+struct TcRun {
+    u32x4 w[KS][T][2];  // chunk, tile, row g / g + 8: words 4t .. 4t+3 of the chunk
+    u32 s[KS][T][2];    // their group's scale bits
+    u32 z[KS][T][2];    // and zero point
+    u32x4 x[KS][4];     // x[128 c + 32 t + 8 u .. + 7], u = 0..3
+};
+
+template <int T, int KS, int G>
+__device__ __forceinline__ void tc_load_weights(TcRun<T, KS>& r, const u32* const (&wr)[T][2],
+                                                const u16* const (&sr)[T][2], const u8* const (&zr)[T][2],
+                                                int c0, int KC, int t) {
+#pragma unroll
+    for (int j = 0; j < KS; ++j) {
+        const int c = c0 + j;
+        if (c < KC) {
+            const int grp = (128 * c) / G;
+#pragma unroll
+            for (int i = 0; i < T; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    r.w[j][i][h] = ld_stream16(wr[i][h] + 16 * c + 4 * t);
+                    r.s[j][i][h] = sr[i][h][grp];
+                    r.z[j][i][h] = zr[i][h][grp];
+                }
+        }
+    }
+}
+
+template <int T, int KS>
+__device__ __forceinline__ void tc_load_x(TcRun<T, KS>& r, const u16* xr, int c0, int KC, int t) {
+#pragma unroll
+    for (int j = 0; j < KS; ++j)
+        if (c0 + j < KC)
+#pragma unroll
+            for (int u = 0; u < 4; ++u) r.x[j][u] = ld_act16(xr + 128 * (c0 + j) + 32 * t + 8 * u);
+}
+
+__device__ __forceinline__ u32 tc_low(u32 w) { return (w & 0x000F000Fu) | 0x48004800u; }   // 8 + code / 128
+__device__ __forceinline__ u32 tc_high(u32 w) { return (w & 0x00F000F0u) | 0x38003800u; }  // 0.5 + code / 128
+
+// one run: each chunk's Lo / Hi from the constant mma, then every tile's rows, their chunk sums scaled into tot
+// (tot holds sum / 128: the power of two is applied once at the end)
+template <int T, int KS>
+__device__ __forceinline__ void tc_compute(const TcRun<T, KS>& r, float (&tot)[T][2], int c0, int KC) {
+#pragma unroll
+    for (int j = 0; j < KS; ++j) {
+        if (c0 + j < KC) {
+            const u32 ones[4] = {0x3C003C00u, 0u, 0u, 0x3C003C00u};  // row g: the low positions, row g + 8: the high
+            float lh[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                mma16816(lh, ones, r.x[j][u].x, r.x[j][u].y);
+                mma16816(lh, ones, r.x[j][u].z, r.x[j][u].w);
+            }
+            const float magic = 8.f * lh[0] + 0.5f * lh[2];                 // 8 Lo + 0.5 Hi
+            const float per_zero = (lh[0] + lh[2]) * (1.f / 128.f);        // (Lo + Hi) / 128, exact scaling
+#pragma unroll
+            for (int i = 0; i < T; ++i) {
+                const u32 wa[4] = {r.w[j][i][0].x, r.w[j][i][0].y, r.w[j][i][0].z, r.w[j][i][0].w};
+                const u32 wb[4] = {r.w[j][i][1].x, r.w[j][i][1].y, r.w[j][i][1].z, r.w[j][i][1].w};
+                float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const u32 a0[4] = {tc_low(wa[u]), tc_low(wb[u]), tc_high(wa[u]), tc_high(wb[u])};
+                    mma16816(acc, a0, r.x[j][u].x, r.x[j][u].y);  // step 2u: pairs at bits 0 / 16 and 4 / 20
+                    const u32 ha = wa[u] >> 8, hb = wb[u] >> 8;
+                    const u32 a1[4] = {tc_low(ha), tc_low(hb), tc_high(ha), tc_high(hb)};
+                    mma16816(acc, a1, r.x[j][u].z, r.x[j][u].w);  // step 2u + 1: bits 8 / 24 and 12 / 28
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {  // acc[0]: row g, acc[2]: row g + 8 (every column alike)
+                    const float v = fmaf(-(float)r.z[j][i][h], per_zero, acc[2 * h] - magic);
+                    tot[i][h] = fmaf(half_to_float((u16)r.s[j][i][h]), v, tot[i][h]);
+                }
+            }
+        }
+    }
+}
+
+// the weight row of row slot rr (0..15) of tile i in block bx: ACT < 0 rows 16 T bx + 16 i + rr; ACT >= 0 the
+// gate rows 16 (T / 2) bx + 16 i + rr for i < T / 2, their up rows N / 2 below for the rest. Rows past the end
+// read the last row of their half and are not stored.
+template <int T, int ACT>
+__device__ __forceinline__ int tc_weight_row(int bx, int i, int rr, int N) {
+    if constexpr (ACT < 0) return min(16 * T * bx + 16 * i + rr, N - 1);
+    constexpr int H = T / 2;
+    return min(16 * H * bx + 16 * (i % H) + rr, N / 2 - 1) + (i < H ? 0 : N / 2);
+}
+
+template <int T, int NW, int KS, int G, int ACT = -1>
+__global__ void __launch_bounds__(NW * 32)
+w4a16_gemv_tc(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
+              const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias) {
+    static_assert(G % 128 == 0, "a 128-k chunk lies in one group");
+    static_assert(ACT < 0 || T % 2 == 0, "gate tiles and their up tiles");
+    __shared__ float red[NW][16 * T];
+    pdl_release();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int KC = K >> 7, KG = K / G;
+    const u32* wr[T][2];
+    const u16* sr[T][2];
+    const u8* zr[T][2];
+#pragma unroll
+    for (int i = 0; i < T; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int n = tc_weight_row<T, ACT>(blockIdx.x, i, g + 8 * h, N);
+            wr[i][h] = qw + (size_t)n * (K >> 3);
+            sr[i][h] = sc + (size_t)n * KG;
+            zr[i][h] = zp + (size_t)n * KG;
+        }
+    const u16* xr = x + (size_t)blockIdx.y * ldx;
+    float tot[T][2];
+#pragma unroll
+    for (int i = 0; i < T; ++i) tot[i][0] = tot[i][1] = 0.f;
+    TcRun<T, KS> a, b;
+    int run = warp;
+    tc_load_weights<T, KS, G>(a, wr, sr, zr, run * KS, KC, t);
+    pdl_wait();
+    tc_load_x<T, KS>(a, xr, run * KS, KC, t);
+    for (; run * KS < KC; run += 2 * NW) {  // two runs per trip: a and b take turns
+        const int nb = run + NW;
+        tc_load_weights<T, KS, G>(b, wr, sr, zr, nb * KS, KC, t);
+        tc_load_x<T, KS>(b, xr, nb * KS, KC, t);
+        tc_compute<T, KS>(a, tot, run * KS, KC);
+        if (nb * KS >= KC) break;
+        tc_load_weights<T, KS, G>(a, wr, sr, zr, (nb + NW) * KS, KC, t);
+        tc_load_x<T, KS>(a, xr, (nb + NW) * KS, KC, t);
+        tc_compute<T, KS>(b, tot, nb * KS, KC);
+    }
+    if (t == 0) {
+#pragma unroll
+        for (int i = 0; i < T; ++i) {
+            red[warp][16 * i + g] = tot[i][0];
+            red[warp][16 * i + g + 8] = tot[i][1];
+        }
+    }
+    __syncthreads();
+    if constexpr (ACT < 0) {
+        u16* yr = y + (size_t)blockIdx.y * N;
+        for (int r = threadIdx.x; r < 16 * T; r += NW * 32) {
+            const int n = 16 * T * blockIdx.x + r;
+            float v = 0.f;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) v += red[w][r];
+            if (n < N) yr[n] = f32_to_f16(128.f * v + (has_bias ? half_to_float(bias[n]) : 0.f));
+        }
+    } else {
+        constexpr int H = T / 2;
+        const int half = N / 2;
+        u16* yr = y + (size_t)blockIdx.y * half;
+        for (int r = threadIdx.x; r < 16 * H; r += NW * 32) {
+            const int n = 16 * H * blockIdx.x + r;
+            float vg = 0.f, vu = 0.f;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) {
+                vg += red[w][r];
+                vu += red[w][16 * H + r];
+            }
+            if (n < half) {
+                const float gt = half_to_float(f32_to_f16(128.f * vg + (has_bias ? half_to_float(bias[n]) : 0.f)));
+                const float up = half_to_float(f32_to_f16(128.f * vu + (has_bias ? half_to_float(bias[n + half])
+                                                                                  : 0.f)));
+                yr[n] = f32_to_f16(half_to_float(f32_to_f16(act_f32<ACT>(gt))) * up);
+            }
+        }
+    }
+}
