@@ -25,6 +25,7 @@
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
 #define __restrict__ __restrict
+#define __constant__ static const  // read-only data of the translation unit
 #define __shared__ static  // one block runs at a time, so a function's statics are its block's shared memory
 
 struct alignas(16) uint4 { unsigned x, y, z, w; };

@@ -778,12 +778,14 @@ def test_cuda_build_names_every_nvrtc_kernel(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(W, "_device_index", lambda device: 0)
     cases = {"gemv_cuda": W.heuristic_gemv_cuda_config(4096, 4096, 128),
+             "gemv_tc": W.heuristic_gemv_tc_config(4096, 4096, 128),
              "mma_gemv": W.heuristic_mma_gemv_config(4096, 4096, 128),
              "wgmma": W.heuristic_wgmma_config(48)}
     for kind, c in cases.items():
         assert c.kernel == kind
-        src, name, suffix = W.cuda_build(c, 128, torch.float16, cpu)
+        src, name, suffix = W.cuda_build(c, 128, torch.float16, cpu, 4096)
         assert name.startswith(f"w4a16_{kind.replace('_cuda', '')}<") and suffix == ("a" if kind == "wgmma" else "")
+        assert name.endswith(", 4096>") == (kind == "gemv_tc")  # compiled for each K
         assert src == (W.wgmma_source(W.wgmma_build_defines()) if kind == "wgmma" else W.mma_source())
     mma = W.heuristic_mma_config(4096, 4096, 128, 132, "float16")
     assert mma.kernel == "mma" and W.cuda_build(mma, 128, torch.float16, cpu)[1].startswith("w4a16_mma<")

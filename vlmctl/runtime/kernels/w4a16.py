@@ -105,7 +105,8 @@ class Config:
     persistent grid of one block per SM (split_k = 1) cuts the (tile, K unit) space stream-K), or "gemv_tc"
     (the batch-1 GEMV on the tensor cores, fp16 x, opt-in: `gemv_tc_mode`; block_n = 16 T weight rows a block, T
     16-row tiles a warp, num_warps warps splitting K in runs of num_stages 128-k chunks; needs K and the group
-    size multiples of 128).
+    size multiples of 128 and N of block_n (with act·mul, N / 2 is then a multiple of its block_n / 2 gate
+    rows); compiled for each K).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
     next K block into registers while computing the current one, 1 that it does not."""
 
@@ -148,7 +149,7 @@ class Config:
             tiles, rem = divmod(self.block_n, 16)
             return (rem == 0 and tiles in (1, 2, 4) and self.num_warps in (1, 2, 4, 8, 16)
                     and self.num_stages in (1, 2, 4) and tiles * self.num_stages <= 4 and self.split_k == 1
-                    and group_size % 128 == 0 and k % 128 == 0 and k % group_size == 0)
+                    and group_size % 128 == 0 and k % 128 == 0 and k % group_size == 0 and n % self.block_n == 0)
         if self.kernel == "gemv_cuda":
             rpw, rem = divmod(self.block_n, max(1, self.num_warps))
             return (self.num_warps in (1, 2, 4, 8, 16) and rem == 0 and rpw in (1, 2, 4, 8)
@@ -870,15 +871,15 @@ def gemv_cuda_kernel_name(config: Config, group_size: int, act: str | None = Non
     return f"w4a16_gemv<{rpw}, {config.num_warps}, {config.num_stages}, {group_size}{tail}>"
 
 
-def gemv_tc_kernel_name(config: Config, group_size: int, act: str | None = None) -> str:
-    """The template instance of `w4a16_mma.cu`'s w4a16_gemv_tc that runs `config` (act: with the gate_up
-    epilogue)."""
+def gemv_tc_kernel_name(config: Config, group_size: int, k: int, act: str | None = None) -> str:
+    """The template instance of `w4a16_mma.cu`'s w4a16_gemv_tc that runs `config` at this K (act: with the
+    gate_up epilogue)."""
     tail = ""
     if act is not None:
         from .fused import ACTIVATIONS
 
         tail = f", {ACTIVATIONS[act]}"
-    return f"w4a16_gemv_tc<{config.block_n // 16}, {config.num_warps}, {config.num_stages}, {group_size}{tail}>"
+    return f"w4a16_gemv_tc<{config.block_n // 16}, {config.num_warps}, {config.num_stages}, {group_size}, {k}{tail}>"
 
 
 def gemv_tc_mode() -> tuple[int, int, int] | bool:
@@ -930,8 +931,14 @@ def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y
     qw, s, z = (packed[key] for key in KEYS)
     m, k = x2.shape
     n = qw.shape[0]
-    name = (gemv_tc_kernel_name if config.kernel == "gemv_tc" else gemv_cuda_kernel_name)(config, group_size, act)
-    kern = cuda_rtc.load_kernel(mma_source(), name, x2.device)
+    if config.kernel == "gemv_tc":
+        kern = cuda_rtc.load_kernel(mma_source(), gemv_tc_kernel_name(config, group_size, k, act), x2.device)
+        rows = (n // 2, config.block_n // 2) if act is not None else (n, config.block_n)
+        kern.launch((triton_cdiv(*rows), m, 1), (32 * config.num_warps, 1, 1), 0,
+                    [x2, qw, s, z, bias, y, n, x2.stride(0), int(bias is not None)], x2.device,
+                    pdl=pdl.enabled(x2.device))
+        return
+    kern = cuda_rtc.load_kernel(mma_source(), gemv_cuda_kernel_name(config, group_size, act), x2.device)
     rows = (n // 2, config.block_n // 2) if act is not None else (n, config.block_n)
     # PDL as for the Triton GEMVs: the kernel reads only weights, scales and zero points before its wait
     kern.launch((triton_cdiv(*rows), m, 1), (32 * config.num_warps, 1, 1), 0,
@@ -1229,13 +1236,13 @@ def prefill_buckets(max_rows: int, decode_buckets=()) -> list[int]:
     return out
 
 
-def cuda_build(config: Config, group_size: int, dtype, device) -> tuple[str, str, str] | None:
-    """(source, template instance, arch suffix) of the NVRTC kernel that runs `config`, or None where a Triton
-    kernel or cuBLAS does."""
+def cuda_build(config: Config, group_size: int, dtype, device, k: int = 0) -> tuple[str, str, str] | None:
+    """(source, template instance, arch suffix) of the NVRTC kernel that runs `config` (at this K: "gemv_tc" is
+    compiled for each), or None where a Triton kernel or cuBLAS does."""
     if config.kernel == "gemv_cuda":
         return mma_source(), gemv_cuda_kernel_name(config, group_size), ""
     if config.kernel == "gemv_tc":
-        return mma_source(), gemv_tc_kernel_name(config, group_size), ""
+        return mma_source(), gemv_tc_kernel_name(config, group_size, k), ""
     if config.kernel == "mma":
         return mma_source(), mma_kernel_name(config, group_size, dtype), ""
     if config.kernel == "mma_gemv":
@@ -1263,15 +1270,15 @@ def precompile_selected(shapes, group_size: int, m_values, dtype, device, *, act
     builds: dict = {}
     for n, k in shapes:
         for m in m_values:
-            b = cuda_build(select_config(m, n, k, group_size, dtype, device), group_size, dtype, device)
+            b = cuda_build(select_config(m, n, k, group_size, dtype, device), group_size, dtype, device, k)
             if b is not None:
                 builds.setdefault((b[0], f"sm_{major}{minor}{b[2]}"), set()).add(b[1])
     if 1 in m_values:
         for n, k in act_mul_shapes:
             c = select_config(1, n, k, group_size, dtype, device, act_mul=True)
             if c.kernel in ("gemv_cuda", "gemv_tc") and _act_mul_tiles(c) and n % 2 == 0:
-                name = (gemv_tc_kernel_name if c.kernel == "gemv_tc" else gemv_cuda_kernel_name)(c, group_size,
-                                                                                              activation)
+                name = (gemv_tc_kernel_name(c, group_size, k, activation) if c.kernel == "gemv_tc"
+                        else gemv_cuda_kernel_name(c, group_size, activation))
                 builds.setdefault((mma_source(), f"sm_{major}{minor}"), set()).add(name)
     return sum(cuda_rtc.precompile(src, names, arch) for (src, arch), names in builds.items())
 

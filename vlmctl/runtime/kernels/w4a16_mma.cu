@@ -920,9 +920,9 @@ w4a16_mma_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__
 // pairs. Over a 128-k chunk of one group, with acc the mma's sum of those values times x,
 //     sum_k (code_k - zero) x_k = 128 (acc - 8 Lo - 0.5 Hi) - zero (Lo + Hi),
 // Lo and Hi being the chunk's sums of x at the low- and high-nibble positions. Those are the same for every
-// weight row, so one mma a 16-k step against constant A registers (ones at those positions) makes them for
-// all of the warp's tiles, and each row's chunk sum takes its scale once, in fp32: 1.25 instructions a pair,
-// one mma per 256 weights, and a few fp32 instructions per row and chunk.
+// weight row: four mma a chunk, with the x registers as A and ones as B, make them for all of the warp's tiles,
+// and each row's chunk sum takes its scale once, in fp32: 1.25 instructions a pair, one mma per 256 weights, and
+// a few fp32 instructions per row and chunk.
 // Layout: a tile is 16 weight rows, lane (g = lane / 4, t = lane % 4) holding A's rows g and g + 8; K is
 // permuted inside each 128-k chunk as in w4a16_mma_gemv (lane t loads words 4t .. 4t+3 of the chunk of both
 // rows, and its word u serves the chunk's 16-k steps 2u and 2u + 1); every column of B is x (one batch row),
@@ -931,7 +931,10 @@ w4a16_mma_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__
 // loaded into registers while one is computed. The warps' sums meet in shared memory and are added in warp
 // order (deterministic); then the bias, and y in fp16 (ACT >= 0: the tiles are T / 2 gate tiles and their up
 // tiles, and y = act(gate) * up rounded as w4a16_gemv's epilogue rounds it). blockIdx.y: the x row.
-// Needs K % 128 == 0 and G % 128 == 0 (a step's 16 k come from all four lanes t, so a chunk lies in one group).
+// Needs K % 128 == 0 and G % 128 == 0 (a step's 16 k come from all four lanes t, so a chunk lies in one group),
+// and N a multiple of a block's rows. K is a template argument, so that every load but the first of a run is at an
+// immediate offset from a base pointer: with run-time strides the compiler rebuilt each run's row addresses
+// (about 180 address instructions a run of 4 KB, twice the arithmetic's) and reloaded constants.
 // PDL: the first run's weights, scales and zero points are loaded before griddepcontrol.wait, x after it.
 
 template <int T, int KS>
@@ -942,10 +945,27 @@ struct TcRun {
     u32x4 x[KS][4];     // x[128 c + 32 t + 8 u .. + 7], u = 0..3
 };
 
-template <int T, int KS, int G>
-__device__ __forceinline__ void tc_load_weights(TcRun<T, KS>& r, const u32* const (&wr)[T][2],
-                                                const u16* const (&sr)[T][2], const u8* const (&zr)[T][2],
-                                                int c0, int KC, int t) {
+// Where a lane's loads start: the weight bytes, scales and zero points of its row g in the block's first tile
+// (and, with the act·mul epilogue, in its first up tile), and its x. Everything else a run loads lies at a
+// compile-time offset from these (K is a template argument), so a load is one instruction with an immediate.
+struct TcBase {
+    const char* w[2];
+    const u16* s[2];
+    const u8* z[2];
+    const u16* x;
+};
+
+template <int T, int ACT>
+__device__ __forceinline__ constexpr int tc_base(int i) { return ACT < 0 || i < T / 2 ? 0 : 1; }
+
+template <int T, int ACT>
+__device__ __forceinline__ constexpr int tc_row_offset(int i, int h) {  // rows from the tile's base row
+    return 16 * (ACT < 0 ? i : i % (T / 2)) + 8 * h;
+}
+
+template <int T, int KS, int G, int K, int ACT>
+__device__ __forceinline__ void tc_load_weights(TcRun<T, KS>& r, const TcBase& b, int c0) {
+    constexpr int KC = K / 128, KG = K / G;
 #pragma unroll
     for (int j = 0; j < KS; ++j) {
         const int c = c0 + j;
@@ -955,39 +975,50 @@ __device__ __forceinline__ void tc_load_weights(TcRun<T, KS>& r, const u32* cons
             for (int i = 0; i < T; ++i)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    r.w[j][i][h] = ld_stream16(wr[i][h] + 16 * c + 4 * t);
-                    r.s[j][i][h] = sr[i][h][grp];
-                    r.z[j][i][h] = zr[i][h][grp];
+                    const int base = tc_base<T, ACT>(i);
+                    const int rows = tc_row_offset<T, ACT>(i, h);
+                    r.w[j][i][h] = ld_stream16(b.w[base] + 64 * c + rows * (K / 2));
+                    r.s[j][i][h] = b.s[base][rows * KG + grp];
+                    r.z[j][i][h] = b.z[base][rows * KG + grp];
                 }
         }
     }
 }
 
-template <int T, int KS>
-__device__ __forceinline__ void tc_load_x(TcRun<T, KS>& r, const u16* xr, int c0, int KC, int t) {
+template <int T, int KS, int K>
+__device__ __forceinline__ void tc_load_x(TcRun<T, KS>& r, const u16* xr, int c0) {
+    constexpr int KC = K / 128;
 #pragma unroll
     for (int j = 0; j < KS; ++j)
         if (c0 + j < KC)
 #pragma unroll
-            for (int u = 0; u < 4; ++u) r.x[j][u] = ld_act16(xr + 128 * (c0 + j) + 32 * t + 8 * u);
+            for (int u = 0; u < 4; ++u) r.x[j][u] = ld_act16(xr + 128 * (c0 + j) + 8 * u);
 }
 
-__device__ __forceinline__ u32 tc_low(u32 w) { return (w & 0x000F000Fu) | 0x48004800u; }   // 8 + code / 128
-__device__ __forceinline__ u32 tc_high(u32 w) { return (w & 0x00F000F0u) | 0x38003800u; }  // 0.5 + code / 128
+// The masks as constants in memory: LOP3 takes one immediate (the magic), and with the mask in a register ptxas
+// rebuilt it before most LOP3s (a MOV each, a third of the loop's instructions); a constant-bank operand it reads
+// in place.
+__constant__ u32 kTcMask[2] = {0x000F000Fu, 0x00F000F0u};
 
-// one run: each chunk's Lo / Hi from the constant mma, then every tile's rows, their chunk sums scaled into tot
-// (tot holds sum / 128: the power of two is applied once at the end)
-template <int T, int KS>
-__device__ __forceinline__ void tc_compute(const TcRun<T, KS>& r, float (&tot)[T][2], int c0, int KC) {
+__device__ __forceinline__ u32 tc_low(u32 w) { return (w & kTcMask[0]) | 0x48004800u; }   // 8 + code / 128
+__device__ __forceinline__ u32 tc_high(u32 w) { return (w & kTcMask[1]) | 0x38003800u; }  // 0.5 + code / 128
+
+// one run: each chunk's Lo / Hi, then every tile's rows, their chunk sums scaled into tot (tot holds sum / 128:
+// the power of two is applied once at the end)
+template <int T, int KS, int K>
+__device__ __forceinline__ void tc_compute(const TcRun<T, KS>& r, float (&tot)[T][2], int c0) {
+    constexpr int KC = K / 128;
 #pragma unroll
     for (int j = 0; j < KS; ++j) {
         if (c0 + j < KC) {
-            const u32 ones[4] = {0x3C003C00u, 0u, 0u, 0x3C003C00u};  // row g: the low positions, row g + 8: the high
+            // Lo and Hi: a lane's x quad of word u, read as an A fragment, puts that word's low-position pairs
+            // (k + 0, 1 and k + 4, 5) in row g and its high-position pairs in row g + 8, the same in every lane
+            // of a t; against B = ones each row sums them over the four lanes t, and four such mma a chunk
             float lh[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
-                mma16816(lh, ones, r.x[j][u].x, r.x[j][u].y);
-                mma16816(lh, ones, r.x[j][u].z, r.x[j][u].w);
+                const u32 xq[4] = {r.x[j][u].x, r.x[j][u].y, r.x[j][u].z, r.x[j][u].w};
+                mma16816(lh, xq, 0x3C003C00u, 0x3C003C00u);
             }
             const float magic = 8.f * lh[0] + 0.5f * lh[2];                 // 8 Lo + 0.5 Hi
             const float per_zero = (lh[0] + lh[2]) * (1.f / 128.f);        // (Lo + Hi) / 128, exact scaling
@@ -1014,57 +1045,46 @@ __device__ __forceinline__ void tc_compute(const TcRun<T, KS>& r, float (&tot)[T
     }
 }
 
-// the weight row of row slot rr (0..15) of tile i in block bx: ACT < 0 rows 16 T bx + 16 i + rr; ACT >= 0 the
-// gate rows 16 (T / 2) bx + 16 i + rr for i < T / 2, their up rows N / 2 below for the rest. Rows past the end
-// read the last row of their half and are not stored.
-template <int T, int ACT>
-__device__ __forceinline__ int tc_weight_row(int bx, int i, int rr, int N) {
-    if constexpr (ACT < 0) return min(16 * T * bx + 16 * i + rr, N - 1);
-    constexpr int H = T / 2;
-    return min(16 * H * bx + 16 * (i % H) + rr, N / 2 - 1) + (i < H ? 0 : N / 2);
-}
-
-template <int T, int NW, int KS, int G, int ACT = -1>
+// Block bx covers weight rows 16 T bx .. + 16 T (ACT < 0), or gate rows 16 (T / 2) bx .. and their up rows N / 2
+// below (ACT >= 0); the launcher checks that N (N / 2) is a multiple of those, so no row is past the end.
+template <int T, int NW, int KS, int G, int K, int ACT = -1>
 __global__ void __launch_bounds__(NW * 32)
 w4a16_gemv_tc(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
-              const u16* __restrict__ bias, u16* __restrict__ y, int N, int K, int ldx, int has_bias) {
-    static_assert(G % 128 == 0, "a 128-k chunk lies in one group");
+              const u16* __restrict__ bias, u16* __restrict__ y, int N, int ldx, int has_bias) {
+    static_assert(G % 128 == 0 && K % G == 0, "a 128-k chunk lies in one group");
     static_assert(ACT < 0 || T % 2 == 0, "gate tiles and their up tiles");
+    constexpr int KC = K / 128, KG = K / G;
     __shared__ float red[NW][16 * T];
     pdl_release();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int KC = K >> 7, KG = K / G;
-    const u32* wr[T][2];
-    const u16* sr[T][2];
-    const u8* zr[T][2];
+    const int row0 = (ACT < 0 ? 16 * T : 8 * T) * blockIdx.x + g;  // row g of the first (gate) tile
+    TcBase b;
 #pragma unroll
-    for (int i = 0; i < T; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int n = tc_weight_row<T, ACT>(blockIdx.x, i, g + 8 * h, N);
-            wr[i][h] = qw + (size_t)n * (K >> 3);
-            sr[i][h] = sc + (size_t)n * KG;
-            zr[i][h] = zp + (size_t)n * KG;
-        }
-    const u16* xr = x + (size_t)blockIdx.y * ldx;
+    for (int base = 0; base < (ACT < 0 ? 1 : 2); ++base) {
+        const int n = row0 + (base ? N / 2 : 0);
+        b.w[base] = (const char*)qw + (size_t)n * (K / 2) + 16 * t;
+        b.s[base] = sc + (size_t)n * KG;
+        b.z[base] = zp + (size_t)n * KG;
+    }
+    b.x = x + (size_t)blockIdx.y * ldx + 32 * t;
     float tot[T][2];
 #pragma unroll
     for (int i = 0; i < T; ++i) tot[i][0] = tot[i][1] = 0.f;
-    TcRun<T, KS> a, b;
+    TcRun<T, KS> ra, rb;
     int run = warp;
-    tc_load_weights<T, KS, G>(a, wr, sr, zr, run * KS, KC, t);
+    tc_load_weights<T, KS, G, K, ACT>(ra, b, run * KS);
     pdl_wait();
-    tc_load_x<T, KS>(a, xr, run * KS, KC, t);
-    for (; run * KS < KC; run += 2 * NW) {  // two runs per trip: a and b take turns
+    tc_load_x<T, KS, K>(ra, b.x, run * KS);
+    for (; run * KS < KC; run += 2 * NW) {  // two runs per trip: ra and rb take turns
         const int nb = run + NW;
-        tc_load_weights<T, KS, G>(b, wr, sr, zr, nb * KS, KC, t);
-        tc_load_x<T, KS>(b, xr, nb * KS, KC, t);
-        tc_compute<T, KS>(a, tot, run * KS, KC);
+        tc_load_weights<T, KS, G, K, ACT>(rb, b, nb * KS);
+        tc_load_x<T, KS, K>(rb, b.x, nb * KS);
+        tc_compute<T, KS, K>(ra, tot, run * KS);
         if (nb * KS >= KC) break;
-        tc_load_weights<T, KS, G>(a, wr, sr, zr, (nb + NW) * KS, KC, t);
-        tc_load_x<T, KS>(a, xr, (nb + NW) * KS, KC, t);
-        tc_compute<T, KS>(b, tot, nb * KS, KC);
+        tc_load_weights<T, KS, G, K, ACT>(ra, b, (nb + NW) * KS);
+        tc_load_x<T, KS, K>(ra, b.x, (nb + NW) * KS);
+        tc_compute<T, KS, K>(rb, tot, nb * KS);
     }
     if (t == 0) {
 #pragma unroll
@@ -1081,7 +1101,7 @@ w4a16_gemv_tc(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ 
             float v = 0.f;
 #pragma unroll
             for (int w = 0; w < NW; ++w) v += red[w][r];
-            if (n < N) yr[n] = f32_to_f16(128.f * v + (has_bias ? half_to_float(bias[n]) : 0.f));
+            yr[n] = f32_to_f16(128.f * v + (has_bias ? half_to_float(bias[n]) : 0.f));
         }
     } else {
         constexpr int H = T / 2;
@@ -1095,12 +1115,9 @@ w4a16_gemv_tc(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ 
                 vg += red[w][r];
                 vu += red[w][16 * H + r];
             }
-            if (n < half) {
-                const float gt = half_to_float(f32_to_f16(128.f * vg + (has_bias ? half_to_float(bias[n]) : 0.f)));
-                const float up = half_to_float(f32_to_f16(128.f * vu + (has_bias ? half_to_float(bias[n + half])
-                                                                                  : 0.f)));
-                yr[n] = f32_to_f16(half_to_float(f32_to_f16(act_f32<ACT>(gt))) * up);
-            }
+            const float gt = half_to_float(f32_to_f16(128.f * vg + (has_bias ? half_to_float(bias[n]) : 0.f)));
+            const float up = half_to_float(f32_to_f16(128.f * vu + (has_bias ? half_to_float(bias[n + half]) : 0.f)));
+            yr[n] = f32_to_f16(half_to_float(f32_to_f16(act_f32<ACT>(gt))) * up);
         }
     }
 }
