@@ -5,8 +5,10 @@ that only XORs them (`w4a16_stream_ceiling_gpu.py`), and a tensor-core GEMV with
 tied; session 27's ring GEMV (more bytes in flight) was slower. What was never measured is the GEMV itself with
 one part taken out at a time. This builds `w4a16_mma.cu` with W4A16_GEMV_ABLATE (bits: 1 x not loaded, 2 scales
 and zero points not loaded, 4 no dequantize or multiply, 8 the first batch loaded after the PDL wait, 64 zero
-points not loaded) or W4A16_GEMV_SCALE_PER_RUN=0 (the arithmetic before session 29: each weight dequantized
-before its product, whose error against the fp32 reference is printed beside the shipped one's), and times each build at the configs the
+points not loaded), W4A16_NIBBLE_MASK_IMMEDIATE (the shipped arithmetic with its masks as immediates, as compiled
+before session 52: the same outputs, checked equal) or W4A16_GEMV_SCALE_PER_RUN=0 (the arithmetic before session 29:
+each weight dequantized before its product, whose error against the fp32 reference is printed beside the shipped
+one's), and times each build at the configs the
 decode step runs (gate_up plain, by the CUDA GEMV's rule or table):
 - per linear: a CUDA graph of 8 PDL launches over distinct weights, median of 15 replays, µs a call;
 - the step's 128 linears (32 layers) as one graph with PDL, ms.
@@ -31,17 +33,19 @@ from vlmctl.runtime.kernels import w4a16 as W
 
 SH = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
 G = 128
-# (name, ablate bits, each weight dequantized first: the arithmetic before session 29)
+# (name, ablate bits, each weight dequantized first: the arithmetic before session 29); "masks as immediates" is
+# the shipped GEMV as compiled before session 52 (W4A16_NIBBLE_MASK_IMMEDIATE: the same arithmetic, more instructions)
 BUILDS = [("shipped", 0, False), ("dequant each", 0, True), ("no x", 1, False), ("no s/z", 2, False),
           ("no x, s/z", 3, False), ("no math", 4, False), ("loads only", 7, False), ("weights after wait", 8, False),
-          ("one s/z load", 64, False)]
+          ("one s/z load", 64, False), ("masks as immediates", 0, "masks")]
 # the H200 table's batch-1 configs (qkv, o, down) and the rule's, which gate_up takes plain
 H200_CONFIGS = [(32, 4, 1), (8, 2, 2), (32, 8, 2)]
 
 
-def source(bits: int, dequant_each: bool) -> str:
-    return f"#define W4A16_GEMV_ABLATE {bits}\n" + ("#define W4A16_GEMV_SCALE_PER_RUN 0\n" if dequant_each else "") \
-        + W.mma_source()
+def source(bits: int, variant) -> str:
+    """variant: True the arithmetic before session 29, "masks" the nibble masks as immediates"""
+    return (f"#define W4A16_GEMV_ABLATE {bits}\n" + ("#define W4A16_GEMV_SCALE_PER_RUN 0\n" if variant is True else "")
+            + ("#define W4A16_NIBBLE_MASK_IMMEDIATE\n" if variant == "masks" else "") + W.mma_source())
 
 
 def registers_offline(configs) -> dict:
@@ -120,6 +124,9 @@ def main() -> None:
         y1 = torch.empty_like(y0)
         W.launch(x, p, G, cfg[nm], out=y0)
         launch(BUILDS[0], nm, p, x, y1)
+        torch.cuda.synchronize()
+        assert torch.equal(y0, y1), nm
+        launch(BUILDS[-1], nm, p, x, y1)  # the masks as immediates: the same arithmetic
         torch.cuda.synchronize()
         assert torch.equal(y0, y1), nm
         for build in BUILDS[:2]:

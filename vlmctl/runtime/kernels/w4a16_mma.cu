@@ -467,6 +467,18 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
 
 struct alignas(16) u32x4 { u32 x, y, z, w; };
 
+// The nibble masks of a word's pairs as constants in memory. LOP3 takes one immediate (the magic goes there), so
+// the mask is a register, and under the GEMVs' register pressure ptxas rebuilt it before most LOP3s (a MOV or an
+// HFMA2.MMA each: 216 of w4a16_gemv<4, 2, 2, 128>'s 1,904 instructions, a third of w4a16_gemv_tc's loop); a
+// constant-bank operand it reads in place. W4A16_NIBBLE_MASK_IMMEDIATE (a measurement build,
+// benchmarks/w4a16_gemv_ablate_gpu.py) writes them as immediates, as before session 52.
+__constant__ u32 kNibbleMask[2] = {0x000F000Fu, 0x00F000F0u};
+#ifdef W4A16_NIBBLE_MASK_IMMEDIATE
+#define NIBBLE_MASK(i) ((i) ? 0x00F000F0u : 0x000F000Fu)
+#else
+#define NIBBLE_MASK(i) kNibbleMask[i]
+#endif
+
 __device__ __forceinline__ u32x4 ld_stream16(const void* p) {  // weights: read once, not kept in L1
     u32x4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -599,10 +611,10 @@ __device__ __forceinline__ void gemv_chunk(float& acc, const u32x4& w, u32 s, u3
         for (int jj = 0; jj < 2; ++jj) {
             const int j = 2 * h + jj;
             const u32 lo = words[j], hi = words[j] >> 8;  // pair t: bits 4t and 4t + 16
-            run = fma_f16x2(sub_f16x2((lo & 0x000F000Fu) | 0x48004800u, zlo), x[j].x, run);  // t = 0
-            run = fma_f16x2(sub_f16x2((lo & 0x00F000F0u) | 0x38003800u, zhi), x[j].y, run);  // t = 1
-            run = fma_f16x2(sub_f16x2((hi & 0x000F000Fu) | 0x48004800u, zlo), x[j].z, run);  // t = 2
-            run = fma_f16x2(sub_f16x2((hi & 0x00F000F0u) | 0x38003800u, zhi), x[j].w, run);  // t = 3
+            run = fma_f16x2(sub_f16x2((lo & NIBBLE_MASK(0)) | 0x48004800u, zlo), x[j].x, run);  // t = 0
+            run = fma_f16x2(sub_f16x2((lo & NIBBLE_MASK(1)) | 0x38003800u, zhi), x[j].y, run);  // t = 1
+            run = fma_f16x2(sub_f16x2((hi & NIBBLE_MASK(0)) | 0x48004800u, zlo), x[j].z, run);  // t = 2
+            run = fma_f16x2(sub_f16x2((hi & NIBBLE_MASK(1)) | 0x38003800u, zhi), x[j].w, run);  // t = 3
         }
         acc += s128 * half2_sum(run);
     }
@@ -995,13 +1007,8 @@ __device__ __forceinline__ void tc_load_x(TcRun<T, KS>& r, const u16* xr, int c0
             for (int u = 0; u < 4; ++u) r.x[j][u] = ld_act16(xr + 128 * (c0 + j) + 8 * u);
 }
 
-// The masks as constants in memory: LOP3 takes one immediate (the magic), and with the mask in a register ptxas
-// rebuilt it before most LOP3s (a MOV each, a third of the loop's instructions); a constant-bank operand it reads
-// in place.
-__constant__ u32 kTcMask[2] = {0x000F000Fu, 0x00F000F0u};
-
-__device__ __forceinline__ u32 tc_low(u32 w) { return (w & kTcMask[0]) | 0x48004800u; }   // 8 + code / 128
-__device__ __forceinline__ u32 tc_high(u32 w) { return (w & kTcMask[1]) | 0x38003800u; }  // 0.5 + code / 128
+__device__ __forceinline__ u32 tc_low(u32 w) { return (w & NIBBLE_MASK(0)) | 0x48004800u; }   // 8 + code / 128
+__device__ __forceinline__ u32 tc_high(u32 w) { return (w & NIBBLE_MASK(1)) | 0x38003800u; }  // 0.5 + code / 128
 
 // one run: each chunk's Lo / Hi, then every tile's rows, their chunk sums scaled into tot (tot holds sum / 128:
 // the power of two is applied once at the end)
