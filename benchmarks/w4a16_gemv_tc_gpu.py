@@ -10,8 +10,12 @@ This prints, for each linear (gate_up as the step runs it, with its act·mul epi
 and the step's 128 linears (32 layers) as one graph with PDL, ms, for selection, gemv_tc at each config given, and
 gemv_tc at each linear's fastest config, the chain timings interleaved `--repeats` times.
 
+With --table-out FILE it writes the table in use plus a "tc" entry for each linear whose fastest gemv_tc config
+beat selection by --margin or more a call (the table `VLMCTL_W4A16_TABLE=FILE` then selects from).
+
     OUT=results python benchmarks/w4a16_gemv_tc_gpu.py            # -> $OUT/gemv_tc.json
     python benchmarks/w4a16_gemv_tc_gpu.py --configs 2:4:2 4:4:1   # T:W:S (tiles a warp, warps, chunks a run)
+    python benchmarks/w4a16_gemv_tc_gpu.py --table-out tc.json
 """
 import argparse
 import json
@@ -40,6 +44,8 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="gemv_tc configs T:W:S")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--activation", default="silu")
+    ap.add_argument("--table-out", help="write the table in use plus the gemv_tc entries that won")
+    ap.add_argument("--margin", type=float, default=0.02, help="how much faster a call an entry must be")
     args = ap.parse_args()
 
     import torch
@@ -100,6 +106,11 @@ def main() -> None:
                 best = (name, t)
             print(f"{nm:8s} {name:10s} {t:7.2f} us ({byt / t / 1e6:.2f} TB/s)", flush=True)
         res["best"][nm] = best[0]
+        sel_t = res["per_call_us"][f"{nm} / selection"]
+        if args.table_out and best[1] <= (1 - args.margin) * sel_t:
+            W.set_config(1, n, k, G, torch.float16, tc(best[0], is_act(nm)), dev)
+            res.setdefault("table_entries", {})[nm] = best[0]
+            print(f"{nm:8s} table entry gemv_tc {best[0]}: {best[1]:.2f} against {sel_t:.2f} us", flush=True)
         del ps
 
     layers = [{nm: random_packed(n, k, G, 1000 * i + j, dev) for j, (nm, (n, k)) in enumerate(SH.items())}
@@ -120,6 +131,8 @@ def main() -> None:
             res["chain_ms"].setdefault(label, []).append(t)
             print(f"rep {rep} {label:32s} {t:.3f} ms ({int4 / t / 1e9:.2f} TB/s)", flush=True)
     res["best_configs"] = {nm: res["best"][nm] for nm in SH}
+    if args.table_out:
+        W.save_tuned(args.table_out)
     with open(os.path.join(out_dir, "gemv_tc.json"), "w") as f:
         json.dump(res, f, indent=1)
 

@@ -56,7 +56,9 @@ def test_gemv_tc_config_rules_and_names():
 
 def test_gemv_tc_switch(monkeypatch):
     monkeypatch.delenv("VLMCTL_W4A16_GEMV_TC", raising=False)
-    assert W.gemv_tc_mode() is False and W.gemv_tc_config(4096, 4096, 128) is None
+    assert W.gemv_tc_mode() == "auto" and W.gemv_tc_config(4096, 4096, 128) is None  # the table decides
+    monkeypatch.setenv("VLMCTL_W4A16_GEMV_TC", "off")
+    assert W.gemv_tc_mode() == "off" and W.gemv_tc_config(4096, 4096, 128) is None
     monkeypatch.setenv("VLMCTL_W4A16_GEMV_TC", "1")
     assert W.gemv_tc_config(4096, 4096, 128) == W.heuristic_gemv_tc_config(4096, 4096, 128)
     assert W.gemv_tc_config(4096, 4096, 64) is None  # groups of 64: the shape does not fit
@@ -88,6 +90,36 @@ def test_selection_takes_gemv_tc_only_where_switched_on_and_it_can_run(monkeypat
     assert W.select_config(1, n, k, 64, torch.float16).kernel != "gemv_tc"  # groups of 64
     monkeypatch.setattr(W, "_gemv_cuda_ok", lambda device: False)  # e.g. the CPU, or no NVRTC
     assert W.select_config(1, n, k, g, torch.float16).kernel != "gemv_tc"
+
+
+def test_table_entries_pick_gemv_tc_unless_switched_off(monkeypatch, tmp_path):
+    """A "tc" entry of the tuned table (what `benchmarks/w4a16_gemv_tc_gpu.py --table-out` writes) wins over the
+    CUDA GEMV's at fp16 batch 1 by default; with VLMCTL_W4A16_GEMV_TC=0 it is ignored; a gate_up entry with an odd
+    number of tiles is not used for the act·mul call (it could not fuse); the table keeps its variant through a
+    save and a load."""
+    monkeypatch.setattr(W, "_gemv_cuda_ok", lambda device: True)
+    monkeypatch.delenv("VLMCTL_W4A16_GEMV_TC", raising=False)
+    W._load_tuned_table()
+    tables = (W._TUNED, *W._VARIANT_TABLES.values())
+    saved = [dict(t) for t in tables]
+    n, k, g = 4128, 4096, 128  # a shape the shipped table does not hold
+    try:
+        W.set_config(1, n, k, g, torch.float16, _cfg(1, 8, 2))
+        assert W.select_config(1, n, k, g, torch.float16) == _cfg(1, 8, 2)
+        assert W.select_config(1, n, k, g, torch.float16, act_mul=True).kernel == "gemv_cuda"  # 1 tile: no pairs
+        assert W.select_config(2, n, k, g, torch.float16).kernel != "gemv_tc"
+        monkeypatch.setenv("VLMCTL_W4A16_GEMV_TC", "0")
+        assert W.select_config(1, n, k, g, torch.float16).kernel == "gemv_cuda"
+        monkeypatch.delenv("VLMCTL_W4A16_GEMV_TC")
+        W.save_tuned(tmp_path / "t.json")
+        for t in tables:
+            t.clear()
+        W.load_tuned(tmp_path / "t.json")
+        assert list(W._TUNED_TC.values()) == [_cfg(1, 8, 2)]
+    finally:
+        for t, s in zip(tables, saved):
+            t.clear()
+            t.update(s)
 
 
 @pytest.mark.skipif(not cuda_rtc.available(), reason="needs NVRTC (the nvidia-cuda-nvrtc wheel)")

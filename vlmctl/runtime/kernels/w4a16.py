@@ -55,9 +55,10 @@ _TUNED: dict = {}  # (device name, bucket, N, K, G, dtype name) -> Config
 _TUNED_H2: dict = {}  # the same for the half2 GEMV ("variant": "h2" in the table), per gemv_mode()
 _TUNED_CUDA: dict = {}  # and for the CUDA GEMV ("variant": "cuda"), where it can run
 _TUNED_MMA_GEMV: dict = {}  # and for the tensor-core GEMV ("variant": "mma_gemv"), unless switched off
+_TUNED_TC: dict = {}  # and for the batch-1 tensor-core GEMV ("variant": "tc"), where the CUDA GEMV can run
 _TUNED_SOURCE: str | None = None  # the table file the tables above were loaded from ("" for none)
 _TUNED_ENV: str | None = None  # the VLMCTL_W4A16_TABLE setting that source was resolved from
-_VARIANT_TABLES = {"h2": _TUNED_H2, "cuda": _TUNED_CUDA, "mma_gemv": _TUNED_MMA_GEMV}
+_VARIANT_TABLES = {"h2": _TUNED_H2, "cuda": _TUNED_CUDA, "mma_gemv": _TUNED_MMA_GEMV, "tc": _TUNED_TC}
 _SM_COUNT: dict = {}
 
 
@@ -103,10 +104,10 @@ class Config:
     warpgroup MMA on block_n = 128 or 256 weight rows per block (num_warps = block_n // 16: a warpgroup per
     64 rows) by block_m = 32 or 64 batch rows, K in units of block_k = 128 through a num_stages-deep ring; a
     persistent grid of one block per SM (split_k = 1) cuts the (tile, K unit) space stream-K), or "gemv_tc"
-    (the batch-1 GEMV on the tensor cores, fp16 x, opt-in: `gemv_tc_mode`; block_n = 16 T weight rows a block, T
-    16-row tiles a warp, num_warps warps splitting K in runs of num_stages 128-k chunks; needs K and the group
-    size multiples of 128 and N of block_n (with act·mul, N / 2 is then a multiple of its block_n / 2 gate
-    rows); compiled for each K).
+    (the batch-1 GEMV on the tensor cores, fp16 x, where the table names it: `gemv_tc_mode`; block_n = 16 T
+    weight rows a block, T 16-row tiles a warp, num_warps warps splitting K in runs of num_stages 128-k chunks;
+    needs K and the group size multiples of 128 and N of block_n (with act·mul, N / 2 is then a multiple of its
+    block_n / 2 gate rows); compiled for each K).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
     next K block into registers while computing the current one, 1 that it does not."""
 
@@ -509,7 +510,8 @@ def set_config(m: int, n: int, k: int, group_size: int, dtype, config: Config, d
     if not config.valid_for(n, k, group_size):
         raise ValueError(f"{config} does not fit N={n} K={k} G={group_size}")
     _load_tuned_table()  # first, so that loading the table in use later does not drop the pin
-    table = {"gemv_h2": _TUNED_H2, "gemv_cuda": _TUNED_CUDA, "mma_gemv": _TUNED_MMA_GEMV}.get(config.kernel, _TUNED)
+    table = {"gemv_h2": _TUNED_H2, "gemv_cuda": _TUNED_CUDA, "mma_gemv": _TUNED_MMA_GEMV,
+             "gemv_tc": _TUNED_TC}.get(config.kernel, _TUNED)
     table[(_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))] = config
 
 
@@ -521,16 +523,19 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None, *
     key = (_device_name(device), bucket(m), n, k, group_size, _dtype_name(dtype))
     half2 = bucket(m) == 1 and _dtype_name(dtype) == "float16" and gemv_mode() != "cublas"
     cuda_gemv = half2 and _gemv_cuda_ok(device)
-    # measured entries first (the CUDA GEMV's, the half2 GEMV's, the tensor-core GEMV's, then any other
-    # kernel's), then the untuned rules
+    # a forced batch-1 tensor-core GEMV; measured entries (the batch-1 tensor-core GEMV's, the CUDA GEMV's, the
+    # half2 GEMV's, the tensor-core GEMV's for 2-16 rows, then any other kernel's); then the untuned rules
     if (17 <= m <= 64 and _wgmma_ok(dtype, device) and (c := heuristic_wgmma_config(m)).valid_for(n, k, group_size)
             and (wgmma_mode() == "1" or triton_cdiv(n, c.block_n) >= 32)):
         return c
     if cuda_gemv and (tc := gemv_tc_config(n, k, group_size, act_mul)) is not None:
         return tc
     mma_gemv = _TUNED_MMA_GEMV.get(key) if _mma_gemv_ok(dtype, device) else None
-    measured = ((_TUNED_CUDA.get(key) if cuda_gemv else None), (_TUNED_H2.get(key) if half2 else None),
-                mma_gemv, _TUNED.get(key))
+    tc = _TUNED_TC.get(key) if cuda_gemv and gemv_tc_mode() == "auto" else None
+    if tc is not None and act_mul and not _act_mul_tiles(tc):
+        tc = None  # (a gate_up entry must pair gate tiles with up tiles to fuse its act·mul)
+    measured = (tc, (_TUNED_CUDA.get(key) if cuda_gemv else None),
+                (_TUNED_H2.get(key) if half2 else None), mma_gemv, _TUNED.get(key))
     for c in measured:
         if c is not None and c.valid_for(n, k, group_size):
             return c
@@ -882,37 +887,42 @@ def gemv_tc_kernel_name(config: Config, group_size: int, k: int, act: str | None
     return f"w4a16_gemv_tc<{config.block_n // 16}, {config.num_warps}, {config.num_stages}, {group_size}, {k}{tail}>"
 
 
-def gemv_tc_mode() -> tuple[int, int, int] | bool:
-    """`VLMCTL_W4A16_GEMV_TC`: "0" (the default) leaves fp16 batch-1 linears to the CUDA GEMV; "1" gives them
-    the tensor-core GEMV (`w4a16_gemv_tc`) with its rule's config where it fits; "T:W:S" with that config (T
-    16-row tiles a warp, W warps, S chunks a run; a gate_up with its act·mul takes T rounded up to even)."""
-    v = os.environ.get("VLMCTL_W4A16_GEMV_TC", "0").strip().lower()
-    if v in ("", "0", "off", "false"):
-        return False
+def gemv_tc_mode() -> str | tuple[int, int, int]:
+    """`VLMCTL_W4A16_GEMV_TC`: "auto" (the default) gives fp16 batch-1 linears the tensor-core GEMV
+    (`w4a16_gemv_tc`) where this card's tuned table names it ("variant": "tc"), the CUDA GEMV elsewhere; "0"
+    ("off") never; "1" ("on") everywhere it fits, with its rule's config; "T:W:S" everywhere it fits, with that
+    config (T 16-row tiles a warp, W warps, S chunks a run; a gate_up with its act·mul takes T rounded up to even)."""
+    v = os.environ.get("VLMCTL_W4A16_GEMV_TC", "auto").strip().lower()
+    if v in ("", "auto"):
+        return "auto"
+    if v in ("0", "off", "false"):
+        return "off"
     if v in ("1", "on", "true"):
-        return True
+        return "on"
     try:
         tiles, warps, stages = (int(p) for p in v.split(":"))
     except ValueError:
         tiles = warps = stages = 0
     if not Config("gemv_tc", block_n=16 * tiles, num_warps=warps, num_stages=stages).valid_for(128, 128, 128):
-        raise OptionError(f"VLMCTL_W4A16_GEMV_TC={v!r}: expected 0, 1 or T:W:S (T 1, 2 or 4 tiles a warp, "
+        raise OptionError(f"VLMCTL_W4A16_GEMV_TC={v!r}: expected auto, 0, 1 or T:W:S (T 1, 2 or 4 tiles a warp, "
                           "W 1-16 warps, S 1, 2 or 4 chunks a run, T x S <= 4)")
     return tiles, warps, stages
 
 
 def heuristic_gemv_tc_config(n: int, k: int, group_size: int, act_mul: bool = False) -> Config:
     """The tensor-core GEMV's config where `VLMCTL_W4A16_GEMV_TC=1`: 2 tiles a warp (x loaded once for 32 rows),
-    4 warps splitting K, 2 chunks a run (a warp's run is 4 KB of weights in flight, two runs in turn)."""
-    return Config("gemv_tc", block_n=32, num_warps=4, num_stages=2)
+    8 warps splitting K, 1 chunk a run: the fastest of those the 7B decoder's four linears all took on an H100,
+    and the fastest alone for gate_up with its act·mul (docs/benchmarks.md, session 52)."""
+    return Config("gemv_tc", block_n=32, num_warps=8, num_stages=1)
 
 
 def gemv_tc_config(n: int, k: int, group_size: int, act_mul: bool = False) -> Config | None:
-    """The "gemv_tc" config `VLMCTL_W4A16_GEMV_TC` asks for at this shape, or None (off, or the shape does not fit)."""
+    """The "gemv_tc" config `VLMCTL_W4A16_GEMV_TC` forces at this shape ("1" or "T:W:S"), or None (auto: the
+    table decides; off; or the shape does not fit)."""
     mode = gemv_tc_mode()
-    if mode is False:
+    if mode in ("auto", "off"):
         return None
-    if mode is True:
+    if mode == "on":
         c = heuristic_gemv_tc_config(n, k, group_size, act_mul)
     else:
         tiles, warps, stages = mode
