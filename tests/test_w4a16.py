@@ -607,8 +607,8 @@ def test_gpu_act_mul_at_7b_gate_up_and_in_a_graph(dtype, activation, monkeypatch
     # The pair runs the fused call's config: on a card without table entries a plain gate_up call takes the CUDA
     # GEMV's plain rule and the fused call its act·mul rule (another config), and the two sum in different orders.
     cfg = W.select_config(1, n, k, g, dtype, x.device, act_mul=True)
-    if cfg.kernel == "gemv_cuda":
-        # the CUDA GEMV (this card's table entry, or the act·mul rule where it has none), whose epilogue rounds act
+    if cfg.kernel in ("gemv_cuda", "gemv_tc"):
+        # the CUDA GEMVs (this card's table entry, or the act·mul rule where it has none), whose epilogue rounds act
         # differently from the act·mul kernel (tests/test_w4a16_gemv_cuda.py bounds it against that pair): here
         # the fused call must be that config's epilogue, eager and replayed
         want = W.launch(x, p, g, cfg, act=activation)

@@ -419,8 +419,14 @@ def test_gpu_gemv_cuda_is_selected_and_switchable(monkeypatch):
     assert float((y0.float() - ref).norm() / ref.norm()) <= TOL16
     monkeypatch.delenv("VLMCTL_W4A16_GEMV_CUDA")
     for n, k in ((12288, 4096), (4608, 3584)):
+        # where this card's table names the tensor-core GEMV for the shape (the 7B qkv on an H100) that comes
+        # first, unless VLMCTL_W4A16_GEMV_TC=0
+        tc = W._TUNED_TC.get((W._device_name(dev), 1, n, k, 128, "float16"))
+        assert W.select_config(1, n, k, 128, torch.float16, dev).kernel == ("gemv_tc" if tc else "gemv_cuda")
+        monkeypatch.setenv("VLMCTL_W4A16_GEMV_TC", "0")
         assert W.select_config(1, n, k, 128, torch.float16, dev).kernel == "gemv_cuda"
-        assert W.select_config(1, n, k, 128, torch.bfloat16, dev).kernel != "gemv_cuda"
+        monkeypatch.delenv("VLMCTL_W4A16_GEMV_TC")
+        assert W.select_config(1, n, k, 128, torch.bfloat16, dev).kernel not in ("gemv_cuda", "gemv_tc")
     y = W.w4a16_linear(x, p, 128)
     assert float((y.float() - ref).norm() / ref.norm()) <= TOL16
 
@@ -467,7 +473,8 @@ def test_gpu_act_mul_epilogue_and_its_selection(activation):
         check_epilogue(cfg, W.launch(x, p, g, cfg, act=activation))
     fusedy = W.w4a16_act_mul(x, p, g, activation)
     chosen = W._act_mul_config(x, p["q4weight"], g)
-    table_cuda = W._TUNED_CUDA.get((W._device_name(x.device), 1, n, k, g, "float16"))
-    # the table's CUDA GEMV (both cards since session 31), else the act·mul rule's
-    assert chosen == (table_cuda or W.heuristic_gemv_cuda_act_mul_config())
+    key = (W._device_name(x.device), 1, n, k, g, "float16")
+    # the table's tensor-core GEMV (an H100 since session 52), else its CUDA GEMV (both cards since session 31),
+    # else the act·mul rule's
+    assert chosen == (W._TUNED_TC.get(key) or W._TUNED_CUDA.get(key) or W.heuristic_gemv_cuda_act_mul_config())
     check_epilogue(chosen, fusedy)

@@ -13,6 +13,8 @@ run the same checks at the 7B shapes on the GPU, and a CUDA-graph replay bit for
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -115,11 +117,23 @@ def test_table_entries_pick_gemv_tc_unless_switched_off(monkeypatch, tmp_path):
         for t in tables:
             t.clear()
         W.load_tuned(tmp_path / "t.json")
-        assert list(W._TUNED_TC.values()) == [_cfg(1, 8, 2)]
+        assert W._TUNED_TC[(W._device_name(None), 1, n, k, g, "float16")] == _cfg(1, 8, 2)
     finally:
         for t, s in zip(tables, saved):
             t.clear()
             t.update(s)
+
+
+def test_shipped_tc_entries():
+    """The shipped table's gemv_tc entries (session 52, H100: the 7B decoder's qkv and gate_up, whose gate_up entry
+    must pair gate tiles with up tiles to fuse its act·mul) are valid for their shapes and sit in their own table."""
+    entries = [e for e in json.loads(W.TUNED_TABLE.read_text())["entries"] if e["config"]["kernel"] == "gemv_tc"]
+    assert entries and all(e.get("variant") == "tc" and e["bucket"] == 1 and e["dtype"] == "float16" for e in entries)
+    for e in entries:
+        c = W.Config(**e["config"])
+        assert c.valid_for(e["n"], e["k"], e["group_size"]) and W._act_mul_tiles(c), e
+    assert {(e["device"], e["n"], e["k"]) for e in entries} == {("NVIDIA H100 80GB HBM3", 12288, 4096),
+                                                                ("NVIDIA H100 80GB HBM3", 22016, 4096)}
 
 
 @pytest.mark.skipif(not cuda_rtc.available(), reason="needs NVRTC (the nvidia-cuda-nvrtc wheel)")
