@@ -308,13 +308,16 @@ def _act_mul_reference(y, activation):
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("n,k,g,cfg", [(90, 1024, 128, _cfg(16, 4, 2)), (46, 96, 32, _cfg(4, 2, 1)),
                                        (64, 2048, 64, _cfg(32, 4, 1)),
-                                       (70, 512, 64, W.heuristic_gemv_cuda_act_mul_config())], ids=str)
+                                       (70, 512, 64, W.heuristic_gemv_cuda_act_mul_config()),
+                                       (96, 512, 128, W.Config("gemv_tc", block_n=32, num_warps=2, num_stages=2)),
+                                       (192, 256, 256, W.Config("gemv_tc", block_n=64, num_warps=1, num_stages=1))],
+                         ids=str)
 def test_on_the_host_act_mul_epilogue(n, k, g, cfg, activation, monkeypatch):
-    """The gate_up epilogue (`act=`) of both GEMVs on the CPU through their launcher: each warp's rows are gate rows and
-    their up rows N / 2 below, and it stores act(gate) * up rounded as the act·mul kernel rounds it: against
-    that kernel's formula applied to the plain GEMV's output, equal up to one fp16 rounding of the activation
-    (IEEE exp and division here, float64 in the reference). Odd N / 2 (a last warp half full), bias, groups
-    32-128."""
+    """The gate_up epilogue (`act=`) of the CUDA GEMV and the tensor-core batch-1 GEMV ("gemv_tc") on the CPU through
+    their launcher: each warp's rows (gemv_tc: each block's tiles) are gate rows and their up rows N / 2 below, and it
+    stores act(gate) * up rounded as the act·mul kernel rounds it: against that kernel's formula applied to the
+    plain GEMV's output, equal up to one fp16 rounding of the activation (IEEE exp and division here, float64 in the
+    reference). Odd N / 2 (a last warp half full), bias, groups 32-256."""
     monkeypatch.setattr(cuda_rtc, "load_kernel", cuda_host.HostRTC(guard=0, seed=k).load_kernel)
     gen = torch.Generator().manual_seed(n + k)
     p = random_packed(n, k, g, seed=n * k, device="cpu")

@@ -7,7 +7,8 @@ against constant A registers makes. So the tests check it against the fp32 refer
 kernel. Without a GPU: its config rules, names, switch and selection; every instance compiles for sm_90 (where
 NVRTC is installed); and with a C++ compiler its C++ on the CPU (tests/cuda_host.py, mma.sync emulated) against
 the reference (odd N, a last run cut short, groups of 128 and 256, bias, M = 1 and 3, x read only after the PDL
-wait), dequantizing exactly (one-hot rows), with fp16's largest activations, and its act·mul epilogue. `gpu` tests
+wait), dequantizing exactly (one-hot rows), with fp16's largest activations; its act·mul epilogue on the CPU is
+tested beside the CUDA GEMV's (tests/test_w4a16_gemv_cuda.py). `gpu` tests
 run the same checks at the 7B shapes on the GPU, and a CUDA-graph replay bit for bit.
 """
 
@@ -23,8 +24,7 @@ from vlmctl.runtime.kernels import cuda_rtc
 from vlmctl.runtime.kernels import w4a16 as W
 
 import cuda_host
-from test_w4a16_gemv_cuda import _act_mul_reference
-from w4a16_gpu_helpers import capture, random_packed, reference
+from w4a16_gpu_helpers import capture, check_exact_dequantization, on_host, random_packed, reference
 
 HAS_CUDA = torch.cuda.is_available()
 TOL16 = 2 * 2.0 ** -11
@@ -158,35 +158,17 @@ def test_on_the_host_gemv_tc_matches_reference(n, k, g, cfg, monkeypatch):
     for m in (1, 3):
         x = torch.randn(m, k, generator=gen).half()
         for bias in (None, torch.randn(n, generator=gen).half()):
-            outs = []
-            for seed in (n, n + 1):
-                rtc = cuda_host.HostRTC(guard=0, seed=seed)
-                monkeypatch.setattr(cuda_rtc, "load_kernel", rtc.load_kernel)
-                y = torch.empty(m, n, dtype=torch.float16)
-                W._launch_gemv_cuda(x, p, g, cfg, bias, y)
-                outs.append(y)
+            outs = on_host(W._launch_gemv_cuda, x, p, g, cfg, bias, n, monkeypatch, seeds=(n, n + 1))
             ref = reference(x, p, g, bias)
             assert float((outs[0].float() - ref).norm() / ref.norm()) <= TOL16, (m, bias is not None)
             assert torch.equal(outs[0], outs[1]), (m, bias is not None)
-    assert set(rtc.launched) == {W.gemv_tc_kernel_name(cfg, g, k)}
 
 
 @pytest.mark.skipif(HOST is not None, reason=f"the CUDA kernels cannot run on the host: {HOST}")
 def test_on_the_host_gemv_tc_dequantizes_exactly(monkeypatch):
     """One-hot activation rows pick single weights out: (8 + code / 128) - 8 - zero / 128 is exact in fp32, so
     each output must be dequantize(W).half() bit for bit."""
-    rtc = cuda_host.HostRTC(guard=0, seed=3)
-    monkeypatch.setattr(cuda_rtc, "load_kernel", rtc.load_kernel)
-    n, k, g = 32, 256, 128
-    p = random_packed(n, k, g, seed=7, device="cpu")
-    p["q4scales"] = p["q4scales"] * 700  # products that need the final rounding to fp16
-    wd = W.dequantize(p, g, torch.float16)
-    for k0 in range(0, k, 64):
-        x = torch.zeros(64, k, dtype=torch.float16)
-        x[torch.arange(64), k0 + torch.arange(64)] = 1
-        y = torch.empty(64, n, dtype=torch.float16)
-        W._launch_gemv_cuda(x, p, g, _cfg(2, 2, 1), None, y)
-        assert torch.equal(y, wd[:, k0:k0 + 64].T.contiguous()), f"columns {k0}..{k0 + 63}"
+    check_exact_dequantization(W._launch_gemv_cuda, _cfg(2, 2, 1), torch.float16, 64, monkeypatch, n=32)
 
 
 def _large_activation_case(n, k):
@@ -208,27 +190,6 @@ def test_on_the_host_gemv_tc_largest_activations(monkeypatch):
     y = torch.empty(1, 32, dtype=torch.float16)
     W._launch_gemv_cuda(x, p, 128, _cfg(2, 2, 2), None, y)
     assert bool(torch.isfinite(y).all()) and float(y.abs().max()) == 0.0
-
-
-@pytest.mark.skipif(HOST is not None, reason=f"the CUDA kernels cannot run on the host: {HOST}")
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("n,k,g,cfg", [(96, 512, 128, _cfg(2, 2, 2)), (192, 256, 256, _cfg(4, 1, 1))], ids=str)
-def test_on_the_host_gemv_tc_act_mul_epilogue(n, k, g, cfg, activation, monkeypatch):
-    """The gate_up epilogue: the block's tiles are gate rows and their up rows N / 2 below; against the act·mul
-    kernel's formula applied to the plain launch's output, equal up to one fp16 rounding of the activation. Bias."""
-    monkeypatch.setattr(cuda_rtc, "load_kernel", cuda_host.HostRTC(guard=0, seed=k).load_kernel)
-    gen = torch.Generator().manual_seed(n + k)
-    p = random_packed(n, k, g, seed=n * k, device="cpu")
-    for bias in (None, torch.randn(n, generator=gen).half()):
-        x = torch.randn(1, k, generator=gen).half()
-        plain = torch.empty(1, n, dtype=torch.float16)
-        W._launch_gemv_cuda(x, p, g, cfg, bias, plain)
-        want = _act_mul_reference(plain, activation)
-        got = torch.empty(1, n // 2, dtype=torch.float16)
-        W._launch_gemv_cuda(x, p, g, cfg, bias, got, act=activation)
-        ulp = torch.finfo(torch.float16).eps * want.float().abs().clamp_min(2.0 ** -14)
-        assert bool(((got.float() - want.float()).abs() <= ulp).all())
-        assert (got == want).float().mean() >= 0.9
 
 
 # ------------------------------------------------------------------------------------------ GPU
