@@ -1,5 +1,5 @@
-"""The batch-1 GEMV on the tensor cores ("gemv_tc", opt-in `VLMCTL_W4A16_GEMV_TC`) against what selection runs at
-batch 1 (the CUDA GEMV, this card's table or rule), at a 7B decoder's linears.
+"""The batch-1 GEMV on the tensor cores ("gemv_tc") against what selection runs at batch 1 (this card's table or
+rule: the CUDA GEMV, or gemv_tc where the table names it), at a 7B decoder's linears.
 
 Session 37 found the CUDA GEMV held by its arithmetic (its loads alone run at ~90 % of the copy bandwidth, with the
 arithmetic ~60 %), and session 51 the flow step's consumers likewise. gemv_tc takes the arithmetic to 1.25

@@ -1,5 +1,5 @@
-"""The batch-1 GEMV on the tensor cores ("gemv_tc", `w4a16_gemv_tc` in `runtime/kernels/w4a16_mma.cu`), opt-in
-through `VLMCTL_W4A16_GEMV_TC`.
+"""The batch-1 GEMV on the tensor cores ("gemv_tc", `w4a16_gemv_tc` in `runtime/kernels/w4a16_mma.cu`), which
+selection takes where the tuned table names it ("variant": "tc") or `VLMCTL_W4A16_GEMV_TC` forces it.
 
 Its arithmetic differs from every other W4A16 kernel's: codes enter mma.sync as magic + code / 128, and the magic
 and the zero point are taken out of each 128-k chunk's fp32 sum afterwards, through sums of x that a second mma

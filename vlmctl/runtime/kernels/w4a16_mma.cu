@@ -921,7 +921,8 @@ w4a16_mma_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__
 
 // ---------------------------------------------------------------------------------------------------
 // w4a16_gemv_tc: the batch-1 GEMV on the tensor cores, the zero point and the codes' magic folded out of the
-// K loop. Opt-in (VLMCTL_W4A16_GEMV_TC; docs/benchmarks.md, session 52).
+// K loop. Where the tuned table names it (an H100: a 7B decoder's qkv and gate_up) or VLMCTL_W4A16_GEMV_TC forces
+// it; docs/benchmarks.md, session 52.
 //
 // Why: w4a16_gemv spends 3.25 instructions a pair of weights on arithmetic (mask-or, subtract the zero point,
 // fp16 multiply-add) because its fp16 sums need each code cancelled against its magic before the products are
@@ -946,7 +947,7 @@ w4a16_mma_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__
 // Needs K % 128 == 0 and G % 128 == 0 (a step's 16 k come from all four lanes t, so a chunk lies in one group),
 // and N a multiple of a block's rows. K is a template argument, so that every load but the first of a run is at an
 // immediate offset from a base pointer: with run-time strides the compiler rebuilt each run's row addresses
-// (about 180 address instructions a run of 4 KB, twice the arithmetic's) and reloaded constants.
+// (about 180 address instructions a run of 4 KB) and reloaded constants.
 // PDL: the first run's weights, scales and zero points are loaded before griddepcontrol.wait, x after it.
 
 template <int T, int KS>
