@@ -103,3 +103,52 @@ def test_not_an_engine_dir(tmp_path, capsys):
 def test_stage_before_convert(tmp_path, capsys):
     code, _, err = cli("export-vision", tmp_path, capsys=capsys, expect=7)
     assert "vlmctl convert" in err
+
+
+def _command_that_a_signal_interrupts(sig, swallow: bool):
+    """A stand-in for typer's `app` whose work a signal interrupts inside library code that does not let the
+    handler's exception through: it raises its own from it (transformers' lazy imports: ModuleNotFoundError), or
+    swallows it and fails later on what it left half done (AttributeError, no chain)."""
+    import time
+
+    def app(args, standalone_mode):
+        try:
+            os.kill(os.getpid(), sig)
+            time.sleep(10)  # the handler's exception ends this at once
+            raise AssertionError("the signal's handler did not run")
+        except BaseException as e:
+            if isinstance(e, AssertionError):
+                raise
+            if not swallow:
+                raise ModuleNotFoundError("Could not import module 'GenerationMixin'") from e
+        raise AttributeError("partially initialized module 'x' has no attribute 'y'")
+
+    return app
+
+
+def test_a_signal_a_library_turns_into_its_own_error_still_exits_130_or_143(monkeypatch, capsys):
+    """SIGTERM (143) and Ctrl-C (130) stay one line and their exit code when a library raises its own exception
+    from the one the handler raised, or swallows it; without a signal the same exception is not relabelled; and
+    the handlers are restored afterwards."""
+    import signal
+
+    import pytest
+
+    from vlmctl.cli import main
+
+    before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
+    for sig, code, text in ((signal.SIGTERM, 143, "error: terminated (SIGTERM)"), (signal.SIGINT, 130,
+                                                                                   "error: interrupted")):
+        for swallow in (False, True):
+            monkeypatch.setattr(main, "app", _command_that_a_signal_interrupts(sig, swallow))
+            assert main.cli_main(["build"]) == code, (sig, swallow)
+            err = capsys.readouterr().err
+            assert err.strip() == text and "Traceback" not in err
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+    def no_signal(args, standalone_mode):
+        raise ModuleNotFoundError("a real bug")
+
+    monkeypatch.setattr(main, "app", no_signal)
+    with pytest.raises(ModuleNotFoundError, match="a real bug"):
+        main.cli_main(["build"])

@@ -61,8 +61,29 @@ class Terminated(BaseException):
     Exception` does not swallow it while stages still remove their temporary outputs on the way out."""
 
 
+_SIGNALLED: list[int] = []  # the SIGINT / SIGTERM that arrived during this `cli_main` run
+
+
 def _raise_terminated(signum, frame):
+    _SIGNALLED.append(signum)
     raise Terminated()
+
+
+def _raise_interrupted(signum, frame):
+    _SIGNALLED.append(signum)
+    raise KeyboardInterrupt()
+
+
+def _signal_exception(e: BaseException, reported: tuple) -> BaseException:
+    """What escaped the command; but where a signal arrived and what escaped is no error the CLI reports (one that
+    would print a traceback), the signal's exception: a library turned the handler's exception into its own. CI saw
+    it: SIGTERM during `convert`'s first import of a transformers model module surfaced as ModuleNotFoundError
+    ("Could not import module 'GenerationMixin'") and a traceback with exit 1, not 143."""
+    import signal
+
+    if not _SIGNALLED or isinstance(e, (KeyboardInterrupt, Terminated, *reported)):
+        return e
+    return Terminated() if _SIGNALLED[-1] == signal.SIGTERM else KeyboardInterrupt()
 
 
 def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
@@ -103,11 +124,20 @@ def cli_main(argv: list[str] | None = None) -> int:
     from ..errors import VlmctlError
 
     click_errors, exits, aborts = _click_exception_types()
-    previous = None
+    previous = {}
+    _SIGNALLED.clear()
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_terminated)}
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where SIGINT is ignored)
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_interrupted)
     try:
-        rv = app(args=argv, standalone_mode=False)
+        try:
+            rv = app(args=argv, standalone_mode=False)
+        except BaseException as e:
+            mapped = _signal_exception(e, (VlmctlError, *exits, *aborts, *click_errors, OSError))
+            if mapped is e:
+                raise
+            raise mapped from e
     except VlmctlError as e:
         sys.stderr.write(f"error: {_one_line(e.message)}\n")
         return e.exit_code
@@ -133,8 +163,8 @@ def cli_main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: {where}{e.strerror or _one_line(e)}\n")
         return 1
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     # In non-standalone mode typer *returns* the code of an Exit it caught, e.g. 130 for Ctrl-C.
     return _exit_code(rv) if isinstance(rv, int) and not isinstance(rv, bool) else 0
 
