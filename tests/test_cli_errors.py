@@ -136,15 +136,21 @@ def test_a_signal_a_library_turns_into_its_own_error_still_exits_130_or_143(monk
 
     from vlmctl.cli import main
 
-    before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
-    for sig, code, text in ((signal.SIGTERM, 143, "error: terminated (SIGTERM)"), (signal.SIGINT, 130,
-                                                                                   "error: interrupted")):
-        for swallow in (False, True):
-            monkeypatch.setattr(main, "app", _command_that_a_signal_interrupts(sig, swallow))
-            assert main.cli_main(["build"]) == code, (sig, swallow)
-            err = capsys.readouterr().err
-            assert err.strip() == text and "Traceback" not in err
-    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    # SIGINT at its default, as a terminal's shell starts programs, whatever this test run inherited (started in
+    # the background it has SIGINT ignored, and the CLI leaves an ignored SIGINT ignored)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
+        for sig, code, text in ((signal.SIGTERM, 143, "error: terminated (SIGTERM)"),
+                                (signal.SIGINT, 130, "error: interrupted")):
+            for swallow in (False, True):
+                monkeypatch.setattr(main, "app", _command_that_a_signal_interrupts(sig, swallow))
+                assert main.cli_main(["build"]) == code, (sig, swallow)
+                err = capsys.readouterr().err
+                assert err.strip() == text and "Traceback" not in err
+        assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
     def no_signal(args, standalone_mode):
         raise ModuleNotFoundError("a real bug")
