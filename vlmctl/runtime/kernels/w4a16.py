@@ -803,18 +803,24 @@ MMA_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may opt into on s
 def mma_source() -> str:
     """`w4a16_mma.cu`; with `VLMCTL_W4A16_GEMV_SCALE_PER_RUN=0` the batch-1 CUDA GEMV's arithmetic before session 29
     (each weight dequantized to fp16 before its product, instead of each group's scale applied once a run of
-    products; kept for A/B runs). Called on every launch: one string object per setting, so that
-    `cuda_rtc.load_kernel`'s key hashes it once."""
+    products; kept for A/B runs); with `VLMCTL_W4A16_GEMV_PRELOAD=2` the batch-1 GEMVs (CUDA and tensor-core) load
+    two batches of weights before their PDL wait instead of one (opt-in until measured on a GPU; the same outputs).
+    Called on every launch: one string object per setting, so that `cuda_rtc.load_kernel`'s key hashes it once."""
     knob = os.environ.get("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", "").strip().lower()
     knob = {"off": "0", "false": "0", "on": "1", "true": "1"}.get(knob, knob)  # the other switches' words
-    text = _MMA_TEXT.get(knob)
+    preload = os.environ.get("VLMCTL_W4A16_GEMV_PRELOAD", "").strip() or "1"
+    text = _MMA_TEXT.get((knob, preload))
     if text is None:
         if knob not in ("", "0", "1"):
             raise OptionError(f"VLMCTL_W4A16_GEMV_SCALE_PER_RUN={knob!r}: expected 1 (the default), 0, on or off")
+        if preload not in ("1", "2"):
+            raise OptionError(f"VLMCTL_W4A16_GEMV_PRELOAD={preload!r}: expected 1 (the default) or 2")
         text = MMA_SOURCE.read_text()
         if knob == "0":
             text = "#define W4A16_GEMV_SCALE_PER_RUN 0\n" + text
-        _MMA_TEXT[knob] = text
+        if preload == "2":
+            text = "#define W4A16_GEMV_PRELOAD 2\n" + text
+        _MMA_TEXT[(knob, preload)] = text
     return text
 
 

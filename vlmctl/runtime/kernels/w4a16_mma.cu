@@ -462,8 +462,8 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
 // lanes in fp32: 3.25 instructions a pair of weights. W4A16_GEMV_SCALE_PER_RUN=0 builds the arithmetic before,
 // the Triton half2 GEMV's ("gemv_h2"): every pair dequantized and rounded to fp16 first (dequant2), 4.75
 // instructions a pair; the AWQ batch-1 step was 2-4 % slower with it (docs/benchmarks.md, session 29).
-// PDL: weights, scales and zero points of the first batch are loaded before griddepcontrol.wait; x
-// after it, y at the end.
+// PDL: weights, scales and zero points of the first batch (W4A16_GEMV_PRELOAD=2: two batches) are loaded before
+// griddepcontrol.wait; x after it, y at the end.
 
 struct alignas(16) u32x4 { u32 x, y, z, w; };
 
@@ -472,6 +472,15 @@ struct alignas(16) u32x4 { u32 x, y, z, w; };
 // HFMA2.MMA each: 216 of w4a16_gemv<4, 2, 2, 128>'s 1,904 instructions, a third of w4a16_gemv_tc's loop); a
 // constant-bank operand it reads in place. W4A16_NIBBLE_MASK_IMMEDIATE (a measurement build,
 // benchmarks/w4a16_gemv_ablate_gpu.py) writes them as immediates, as before session 52.
+// How many of a warp's batches (w4a16_gemv) or runs (w4a16_gemv_tc) of weights are loaded before the PDL wait: 1 (the
+// default), or 2 (VLMCTL_W4A16_GEMV_PRELOAD=2, opt-in until a GPU measures it). Weights do not depend on the kernel
+// before; where K is only two of them a warp (o at 4 rows x 2 chunks, gemv_tc at 16 warps), the second one's HBM
+// trip otherwise starts after the wait. The sums are the same bits either way (same products, same order).
+#ifndef W4A16_GEMV_PRELOAD
+#define W4A16_GEMV_PRELOAD 1
+#endif
+constexpr bool kPreloadTwo = W4A16_GEMV_PRELOAD >= 2;
+
 __constant__ u32 kNibbleMask[2] = {0x000F000Fu, 0x00F000F0u};
 #ifdef W4A16_NIBBLE_MASK_IMMEDIATE
 #define NIBBLE_MASK(i) ((i) ? 0x00F000F0u : 0x000F000Fu)
@@ -516,8 +525,9 @@ __device__ __forceinline__ u32 x_pair(const u32x4& v, int t) {
 #ifdef W4A16_GEMV_ABLATE
 // Measurement build (benchmarks/w4a16_gemv_ablate_gpu.py): parts of the GEMV left out, to find which of them holds
 // it below its loads' ceiling (session 11). Bits: 1 x not loaded (a per-lane constant), 2 scales and zero points
-// not loaded, 4 no dequantize or multiply (the words XORed into the sums), 8 the first batch's weights loaded after
-// the PDL wait, 64 zero points not loaded (one small load a row and chunk instead of two).
+// not loaded, 4 no dequantize or multiply (the words XORed into the sums), 8 the first batch's weights (two
+// batches' with W4A16_GEMV_PRELOAD=2) loaded after the PDL wait, 64 zero points not loaded (one small load a row and
+// chunk instead of two).
 #define GEMV_ABL(bit) ((W4A16_GEMV_ABLATE) & (bit))
 #else
 #define GEMV_ABL(bit) 0
@@ -744,19 +754,32 @@ w4a16_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc,
 #pragma unroll
     for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
     GemvBatch<RPW, KS> a, b;
-    if constexpr (!GEMV_ABL(8)) gemv_load_weights<RPW, KS, G>(a, rows, srow, zrow, lane, KC);
+    if constexpr (!GEMV_ABL(8)) {
+        gemv_load_weights<RPW, KS, G>(a, rows, srow, zrow, lane, KC);
+        if constexpr (kPreloadTwo) gemv_load_weights<RPW, KS, G>(b, rows, srow, zrow, lane + 32 * KS, KC);
+    }
     GEMV_NEXT_AT(1);
     pdl_wait();
-    if constexpr (GEMV_ABL(8)) gemv_load_weights<RPW, KS, G>(a, rows, srow, zrow, lane, KC);
+    if constexpr (GEMV_ABL(8)) {
+        gemv_load_weights<RPW, KS, G>(a, rows, srow, zrow, lane, KC);
+        if constexpr (kPreloadTwo) gemv_load_weights<RPW, KS, G>(b, rows, srow, zrow, lane + 32 * KS, KC);
+    }
     gemv_load_x(a, xr, lane, KC);
+    if constexpr (kPreloadTwo) gemv_load_x(b, xr, lane + 32 * KS, KC);
     for (int c0 = lane; c0 < KC; c0 += 64 * KS) {  // two batches per trip: a and b take turns
-        gemv_load_weights<RPW, KS, G>(b, rows, srow, zrow, c0 + 32 * KS, KC);
-        gemv_load_x(b, xr, c0 + 32 * KS, KC);
+        if constexpr (!kPreloadTwo) {  // b's batch: here, or (preloading two) at the end of the trip before
+            gemv_load_weights<RPW, KS, G>(b, rows, srow, zrow, c0 + 32 * KS, KC);
+            gemv_load_x(b, xr, c0 + 32 * KS, KC);
+        }
         gemv_compute(a, acc, c0, KC);
         if (c0 + 32 * KS >= KC) break;
         gemv_load_weights<RPW, KS, G>(a, rows, srow, zrow, c0 + 64 * KS, KC);
         gemv_load_x(a, xr, c0 + 64 * KS, KC);
         gemv_compute(b, acc, c0 + 32 * KS, KC);
+        if constexpr (kPreloadTwo) {
+            gemv_load_weights<RPW, KS, G>(b, rows, srow, zrow, c0 + 96 * KS, KC);
+            gemv_load_x(b, xr, c0 + 96 * KS, KC);
+        }
     }
     GEMV_NEXT_AT(2);
     gemv_store_rows<RPW, ACT>(acc, lane, row0, N, bias, has_bias, y + (size_t)blockIdx.y * (ACT < 0 ? N : N / 2));
@@ -948,7 +971,8 @@ w4a16_mma_gemv(const u16* x, const u32* __restrict__ qw, const u16* __restrict__
 // and N a multiple of a block's rows. K is a template argument, so that every load but the first of a run is at an
 // immediate offset from a base pointer: with run-time strides the compiler rebuilt each run's row addresses
 // (about 180 address instructions a run of 4 KB) and reloaded constants.
-// PDL: the first run's weights, scales and zero points are loaded before griddepcontrol.wait, x after it.
+// PDL: the first run's weights, scales and zero points (W4A16_GEMV_PRELOAD=2: two runs') are loaded before
+// griddepcontrol.wait, x after it.
 
 template <int T, int KS>
 struct TcRun {
@@ -1082,17 +1106,25 @@ w4a16_gemv_tc(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ 
     TcRun<T, KS> ra, rb;
     int run = warp;
     tc_load_weights<T, KS, G, K, ACT>(ra, b, run * KS);
+    if constexpr (kPreloadTwo) tc_load_weights<T, KS, G, K, ACT>(rb, b, (run + NW) * KS);
     pdl_wait();
     tc_load_x<T, KS, K>(ra, b.x, run * KS);
+    if constexpr (kPreloadTwo) tc_load_x<T, KS, K>(rb, b.x, (run + NW) * KS);
     for (; run * KS < KC; run += 2 * NW) {  // two runs per trip: ra and rb take turns
         const int nb = run + NW;
-        tc_load_weights<T, KS, G, K, ACT>(rb, b, nb * KS);
-        tc_load_x<T, KS, K>(rb, b.x, nb * KS);
+        if constexpr (!kPreloadTwo) {  // rb's run: here, or (preloading two) at the end of the trip before
+            tc_load_weights<T, KS, G, K, ACT>(rb, b, nb * KS);
+            tc_load_x<T, KS, K>(rb, b.x, nb * KS);
+        }
         tc_compute<T, KS, K>(ra, tot, run * KS);
         if (nb * KS >= KC) break;
         tc_load_weights<T, KS, G, K, ACT>(ra, b, (nb + NW) * KS);
         tc_load_x<T, KS, K>(ra, b.x, (nb + NW) * KS);
         tc_compute<T, KS, K>(rb, tot, nb * KS);
+        if constexpr (kPreloadTwo) {
+            tc_load_weights<T, KS, G, K, ACT>(rb, b, (nb + 2 * NW) * KS);
+            tc_load_x<T, KS, K>(rb, b.x, (nb + 2 * NW) * KS);
+        }
     }
     if (t == 0) {
 #pragma unroll
