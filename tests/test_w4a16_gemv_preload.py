@@ -58,7 +58,7 @@ def test_preload_two_compiles_to_other_code(monkeypatch):
         monkeypatch.setenv("VLMCTL_W4A16_GEMV_PRELOAD", preload)
         ptx[preload] = {nm: cuda_rtc.compile_ptx(W.mma_source(), [nm], "sm_90")[0] for nm in names}
     for nm in names:
-        before = {p: t.split("griddepcontrol.wait")[0].count("ld.global") for p, t in ((p, ptx[p][nm]) for p in ptx)}
+        before = {p: ptx[p][nm].split("griddepcontrol.wait")[0].count("ld.global") for p in ptx}
         assert before["2"] > before["1"] > 0, (nm, before)
 
 
