@@ -54,6 +54,7 @@ def main() -> None:
 
     dev = torch.device("cuda")
     out_dir = os.environ.get("OUT", "/tmp")
+    os.makedirs(out_dir, exist_ok=True)  # docs/benchmarks.md runs it with OUT=p1, OUT=p2
     act = args.activation
     res = {"device": torch.cuda.get_device_name(dev), "copy_tb_s": copy_bandwidth() / 1e12, "selection": {},
            "rel_err": {}, "per_call_us": {}, "best": {}, "chain_ms": {}}
