@@ -804,7 +804,7 @@ def mma_source() -> str:
     """`w4a16_mma.cu`; with `VLMCTL_W4A16_GEMV_SCALE_PER_RUN=0` the batch-1 CUDA GEMV's arithmetic before session 29
     (each weight dequantized to fp16 before its product, instead of each group's scale applied once a run of
     products; kept for A/B runs); with `VLMCTL_W4A16_GEMV_PRELOAD=2` the batch-1 GEMVs (CUDA and tensor-core) load
-    two batches of weights before their PDL wait instead of one (opt-in until measured on a GPU; the same outputs).
+    two batches of weights before their PDL wait instead of one (opt-in: slower on an H100; the same outputs).
     Called on every launch: one string object per setting, so that `cuda_rtc.load_kernel`'s key hashes it once."""
     knob = os.environ.get("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", "").strip().lower()
     knob = {"off": "0", "false": "0", "on": "1", "true": "1"}.get(knob, knob)  # the other switches' words

@@ -473,9 +473,11 @@ struct alignas(16) u32x4 { u32 x, y, z, w; };
 // constant-bank operand it reads in place. W4A16_NIBBLE_MASK_IMMEDIATE (a measurement build,
 // benchmarks/w4a16_gemv_ablate_gpu.py) writes them as immediates, as before session 52.
 // How many of a warp's batches (w4a16_gemv) or runs (w4a16_gemv_tc) of weights are loaded before the PDL wait: 1 (the
-// default), or 2 (VLMCTL_W4A16_GEMV_PRELOAD=2, opt-in until a GPU measures it). Weights do not depend on the kernel
-// before; where K is only two of them a warp (o at 4 rows x 2 chunks, gemv_tc at 16 warps), the second one's HBM
-// trip otherwise starts after the wait. The sums are the same bits either way (same products, same order).
+// default), or 2 (VLMCTL_W4A16_GEMV_PRELOAD=2, opt-in). Weights do not depend on the kernel before; where K is only
+// two of them a warp (o at 4 rows x 2 chunks, gemv_tc at 16 warps), the second one's HBM trip otherwise starts after
+// the wait. The sums are the same bits either way (same products, same order). Measured on an H100 (session 55), 2
+// was 3.5 % slower on the AWQ batch-1 step and slower at every shipped linear: the early loads compete with the
+// kernel before for HBM, and some configs lose a block a multiprocessor to the extra registers.
 #ifndef W4A16_GEMV_PRELOAD
 #define W4A16_GEMV_PRELOAD 1
 #endif
