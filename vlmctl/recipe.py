@@ -38,8 +38,11 @@ def _settings_dir(path: Path, variable: str, what: str) -> Path:
     """RECIPES_DIR or CONFIGS_DIR where it is used: one that is not a directory (a typo in the VLMCTL_* variable
     that names it) is said as such (exit 2), not taken for an empty directory."""
     if not path.is_dir():
-        raise OptionError(f"{variable}={str(path)!r}: not a directory (it names the directory of {what}, in place "
-                          "of the bundled one)")
+        if os.environ.get(variable):
+            raise OptionError(f"{variable}={str(path)!r}: not a directory (it names the directory of {what}, in "
+                              "place of the bundled one)")
+        raise OptionError(f"the bundled {what} are missing ({path} is not a directory): this copy of vlmctl was "
+                          f"installed without them; reinstall it, or name a directory of {what} in {variable}")
     return path
 
 
