@@ -107,7 +107,8 @@ class Config:
     (the batch-1 GEMV on the tensor cores, fp16 x, where the table names it: `gemv_tc_mode`; block_n = 16 T
     weight rows a block, T 16-row tiles a warp, num_warps warps splitting K in runs of num_stages 128-k chunks;
     needs K and the group size multiples of 128 and N of block_n (with act·mul, N / 2 is then a multiple of its
-    block_n / 2 gate rows); compiled for each K).
+    block_n / 2 gate rows); compiled for each K; block_m 8: `w4a16_gemv_tc8`, the same for 2-8 rows of x, B's
+    columns the rows, no act·mul; `gemv_tc_batch_mode`).
     num_stages: Triton's software pipelining for "dot"; for the GEMVs, 2 means the kernel loads the
     next K block into registers while computing the current one, 1 that it does not."""
 
@@ -148,7 +149,7 @@ class Config:
                     and k % 128 == 0 and k % group_size == 0)
         if self.kernel == "gemv_tc":
             tiles, rem = divmod(self.block_n, 16)
-            return (rem == 0 and tiles in (1, 2, 4) and self.num_warps in (1, 2, 4, 8, 16)
+            return (rem == 0 and tiles in (1, 2, 4) and self.num_warps in (1, 2, 4, 8, 16) and self.block_m in (0, 8)
                     and self.num_stages in (1, 2, 4) and tiles * self.num_stages <= 4 and self.split_k == 1
                     and group_size % 128 == 0 and k % 128 == 0 and k % group_size == 0 and n % self.block_n == 0)
         if self.kernel == "gemv_cuda":
@@ -530,10 +531,18 @@ def select_config(m: int, n: int, k: int, group_size: int, dtype, device=None, *
         return c
     if cuda_gemv and (tc := gemv_tc_config(n, k, group_size, act_mul)) is not None:
         return tc
+    # 2-8 fp16 rows: w4a16_gemv_tc8 where forced or where the table names it (no act·mul: batched steps do not fuse)
+    tc8_ok = 2 <= bucket(m) <= 8 and _dtype_name(dtype) == "float16" and not act_mul and _gemv_cuda_ok(device)
+    if tc8_ok and (tc := gemv_tc_batch_config(n, k, group_size)) is not None:
+        return tc
     mma_gemv = _TUNED_MMA_GEMV.get(key) if _mma_gemv_ok(dtype, device) else None
     tc = _TUNED_TC.get(key) if cuda_gemv and gemv_tc_mode() == "auto" else None
     if tc is not None and act_mul and not _act_mul_tiles(tc):
         tc = None  # (a gate_up entry must pair gate tiles with up tiles to fuse its act·mul)
+    if tc8_ok and gemv_tc_batch_mode() == "auto" and (c := _TUNED_TC.get(key)) is not None and c.block_m == 8:
+        tc = c
+    if tc is not None and tc.block_m != (8 if bucket(m) > 1 else 0):
+        tc = None  # (an entry for the other kernel: batch 1 is w4a16_gemv_tc's, 2-8 rows w4a16_gemv_tc8's)
     measured = (tc, (_TUNED_CUDA.get(key) if cuda_gemv else None),
                 (_TUNED_H2.get(key) if half2 else None), mma_gemv, _TUNED.get(key))
     for c in measured:
@@ -884,13 +893,18 @@ def gemv_cuda_kernel_name(config: Config, group_size: int, act: str | None = Non
 
 def gemv_tc_kernel_name(config: Config, group_size: int, k: int, act: str | None = None) -> str:
     """The template instance of `w4a16_mma.cu`'s w4a16_gemv_tc that runs `config` at this K (act: with the
-    gate_up epilogue)."""
+    gate_up epilogue), or for block_m 8 its w4a16_gemv_tc8 (2-8 rows, no act·mul)."""
+    shape = f"{config.block_n // 16}, {config.num_warps}, {config.num_stages}, {group_size}, {k}"
+    if config.block_m == 8:
+        if act is not None:
+            raise ValueError("w4a16_gemv_tc8 has no act·mul epilogue")
+        return f"w4a16_gemv_tc8<{shape}>"
     tail = ""
     if act is not None:
         from .fused import ACTIVATIONS
 
         tail = f", {ACTIVATIONS[act]}"
-    return f"w4a16_gemv_tc<{config.block_n // 16}, {config.num_warps}, {config.num_stages}, {group_size}, {k}{tail}>"
+    return f"w4a16_gemv_tc<{shape}{tail}>"
 
 
 def gemv_tc_mode() -> str | tuple[int, int, int]:
@@ -898,7 +912,18 @@ def gemv_tc_mode() -> str | tuple[int, int, int]:
     (`w4a16_gemv_tc`) where this card's tuned table names it ("variant": "tc"), the CUDA GEMV elsewhere; "0"
     ("off") never; "1" ("on") everywhere it fits, with its rule's config; "T:W:S" everywhere it fits, with that
     config (T 16-row tiles a warp, W warps, S chunks a run; a gate_up with its act·mul takes T rounded up to even)."""
-    v = os.environ.get("VLMCTL_W4A16_GEMV_TC", "auto").strip().lower()
+    return _tc_mode("VLMCTL_W4A16_GEMV_TC")
+
+
+def gemv_tc_batch_mode() -> str | tuple[int, int, int]:
+    """`VLMCTL_W4A16_GEMV_TC_BATCH`: the same words for fp16 linears of 2-8 rows and `w4a16_gemv_tc8`: "auto" (the
+    default) where the tuned table names it (a "tc" entry of bucket 2-8 with block_m 8; none is shipped, so by
+    default those rows keep mma_gemv until a GPU has measured it), "0" never, "1" or "T:W:S" everywhere it fits."""
+    return _tc_mode("VLMCTL_W4A16_GEMV_TC_BATCH")
+
+
+def _tc_mode(variable: str) -> str | tuple[int, int, int]:
+    v = os.environ.get(variable, "auto").strip().lower()
     if v in ("", "auto"):
         return "auto"
     if v in ("0", "off", "false"):
@@ -910,7 +935,7 @@ def gemv_tc_mode() -> str | tuple[int, int, int]:
     except ValueError:
         tiles = warps = stages = 0
     if not Config("gemv_tc", block_n=16 * tiles, num_warps=warps, num_stages=stages).valid_for(128, 128, 128):
-        raise OptionError(f"VLMCTL_W4A16_GEMV_TC={v!r}: expected auto, 0, 1 or T:W:S (T 1, 2 or 4 tiles a warp, "
+        raise OptionError(f"{variable}={v!r}: expected auto, 0, 1 or T:W:S (T 1, 2 or 4 tiles a warp, "
                           "W 1-16 warps, S 1, 2 or 4 chunks a run, T x S <= 4)")
     return tiles, warps, stages
 
@@ -938,6 +963,17 @@ def gemv_tc_config(n: int, k: int, group_size: int, act_mul: bool = False) -> Co
     return c if c.valid_for(n, k, group_size) else None
 
 
+def gemv_tc_batch_config(n: int, k: int, group_size: int) -> Config | None:
+    """The `w4a16_gemv_tc8` config `VLMCTL_W4A16_GEMV_TC_BATCH` forces at this shape, or None (auto: the table
+    decides; off; or the shape does not fit). "1" takes the batch-1 rule's 2 tiles, 8 warps, 1 chunk a run."""
+    mode = gemv_tc_batch_mode()
+    if mode in ("auto", "off"):
+        return None
+    tiles, warps, stages = (2, 8, 1) if mode == "on" else mode
+    c = Config("gemv_tc", block_n=16 * tiles, block_m=8, num_warps=warps, num_stages=stages)
+    return c if c.valid_for(n, k, group_size) else None
+
+
 def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y, act: str | None = None) -> None:
     """The CUDA GEMV or (config.kernel "gemv_tc") the tensor-core GEMV. act: a gate_up weight whose epilogue
     stores act(gate) * up (y [M, N / 2]; each warp's rows, or each block's tiles, are gate rows and their up rows,
@@ -947,6 +983,12 @@ def _launch_gemv_cuda(x2, packed: dict, group_size: int, config: Config, bias, y
     qw, s, z = (packed[key] for key in KEYS)
     m, k = x2.shape
     n = qw.shape[0]
+    if config.kernel == "gemv_tc" and config.block_m == 8:
+        kern = cuda_rtc.load_kernel(mma_source(), gemv_tc_kernel_name(config, group_size, k, act), x2.device)
+        kern.launch((triton_cdiv(n, config.block_n), triton_cdiv(m, 8), 1), (32 * config.num_warps, 1, 1), 0,
+                    [x2, qw, s, z, bias, y, m, n, x2.stride(0), int(bias is not None)], x2.device,
+                    pdl=pdl.enabled(x2.device))
+        return
     if config.kernel == "gemv_tc":
         kern = cuda_rtc.load_kernel(mma_source(), gemv_tc_kernel_name(config, group_size, k, act), x2.device)
         rows = (n // 2, config.block_n // 2) if act is not None else (n, config.block_n)
@@ -1232,7 +1274,7 @@ def w4a16_linear(x, packed: dict, group_size: int, bias=None):
         cfg = select_config(x2.shape[0], n, k, group_size, x2.dtype, x2.device)
         if cfg.kernel in ("mma", "mma_gemv", "wgmma") and not (wgmma_runs if cfg.kernel == "wgmma" else mma_runs)(x2, qw):  # no NVRTC, or unaligned views: Triton
             cfg = heuristic_config(x2.shape[0], n, k, group_size, _sm_count(x2.device), mma=False)
-        elif cfg.kernel == "gemv_cuda" and not gemv_cuda_runs(x2, qw):  # an unaligned view: the half2 GEMV
+        elif cfg.kernel in ("gemv_cuda", "gemv_tc") and not gemv_cuda_runs(x2, qw):  # unaligned: the half2 GEMV
             cfg = (heuristic_h2_config(x2.shape[0], n, k, group_size, _sm_count(x2.device))
                    or heuristic_config(x2.shape[0], n, k, group_size, _sm_count(x2.device), mma=False))
         y = launch(x2, packed, group_size, cfg, bias)
@@ -1394,7 +1436,8 @@ def describe(config: Config) -> str:
     run = f" r{config.run_words}" if config.kernel == "gemv_h2" else ""
     km = " kmajor" if config.k_major else ""
     if config.kernel in ("gemv_cuda", "gemv_tc"):
-        return f"{config.kernel} bn{config.block_n} w{config.num_warps} s{config.num_stages}"
+        bm = " bm8" if config.kernel == "gemv_tc" and config.block_m == 8 else ""
+        return f"{config.kernel}{bm} bn{config.block_n} w{config.num_warps} s{config.num_stages}"
     if config.kernel == "wgmma":  # a persistent grid of one block per SM, stream-K
         return f"wgmma bn{config.block_n} bm{config.block_m} s{config.num_stages}"
     if config.kernel == "mma_gemv":  # 16 weight rows a block, no K blocking or split

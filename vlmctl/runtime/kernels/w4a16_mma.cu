@@ -1163,3 +1163,116 @@ w4a16_gemv_tc(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ 
         }
     }
 }
+
+
+// ---------------------------------------------------------------------------------------------------
+// w4a16_gemv_tc8: gemv_tc for 2-8 rows of x (a decode batch), opt-in (VLMCTL_W4A16_GEMV_TC_BATCH) until a GPU
+// measures it against w4a16_mma_gemv, which selection runs there. mma_gemv dequantizes every pair to fp16 before its
+// mma (about four instructions a pair); here the codes enter A as in gemv_tc (1.25 a pair) and B's eight columns
+// are eight rows of x: lane (g, t) loads row m0 + g (rows past M read row M - 1 and are not stored) at the same k
+// as gemv_tc's x, so B column g is that row. Lo and Hi differ by column now: one mma a 16-k step with constant A,
+// ones at the step's low-position columns (0-7) in rows 0-7 and at its high-position columns (8-15) in rows 8-15,
+// against the same B, leaves in every lane Lo and Hi of the two columns (2t, 2t + 1) whose sums it holds.
+// Weights, scales, zero points, the blocks' rows and the warps' runs are gemv_tc's.
+
+template <int T, int KS, int K>
+__device__ __forceinline__ void tc8_compute(const TcRun<T, KS>& r, float (&tot)[T][4], int c0) {
+    constexpr int KC = K / 128;
+    const u32 ones_lo_hi[4] = {0x3C003C00u, 0u, 0u, 0x3C003C00u};  // A: rows g / g + 8 x low / high columns
+#pragma unroll
+    for (int j = 0; j < KS; ++j) {
+        if (c0 + j < KC) {
+            float lh[4] = {0.f, 0.f, 0.f, 0.f};  // Lo of columns 2t, 2t + 1, then Hi of the same
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                mma16816(lh, ones_lo_hi, r.x[j][u].x, r.x[j][u].y);
+                mma16816(lh, ones_lo_hi, r.x[j][u].z, r.x[j][u].w);
+            }
+            float magic[2], per_zero[2];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                magic[c] = 8.f * lh[c] + 0.5f * lh[2 + c];                   // 8 Lo + 0.5 Hi
+                per_zero[c] = (lh[c] + lh[2 + c]) * (1.f / 128.f);          // (Lo + Hi) / 128, exact scaling
+            }
+#pragma unroll
+            for (int i = 0; i < T; ++i) {
+                const u32 wa[4] = {r.w[j][i][0].x, r.w[j][i][0].y, r.w[j][i][0].z, r.w[j][i][0].w};
+                const u32 wb[4] = {r.w[j][i][1].x, r.w[j][i][1].y, r.w[j][i][1].z, r.w[j][i][1].w};
+                float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const u32 a0[4] = {tc_low(wa[u]), tc_low(wb[u]), tc_high(wa[u]), tc_high(wb[u])};
+                    mma16816(acc, a0, r.x[j][u].x, r.x[j][u].y);
+                    const u32 ha = wa[u] >> 8, hb = wb[u] >> 8;
+                    const u32 a1[4] = {tc_low(ha), tc_low(hb), tc_high(ha), tc_high(hb)};
+                    mma16816(acc, a1, r.x[j][u].z, r.x[j][u].w);
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h)  // acc[2 h + c]: row g + 8 h, column 2t + c
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const float v = fmaf(-(float)r.z[j][i][h], per_zero[c], acc[2 * h + c] - magic[c]);
+                        tot[i][2 * h + c] = fmaf(half_to_float((u16)r.s[j][i][h]), v, tot[i][2 * h + c]);
+                    }
+            }
+        }
+    }
+}
+
+// Blocks as gemv_tc's without act·mul (blockIdx.x: 16 T weight rows; batched steps run the act·mul kernel after
+// their gate_up); blockIdx.y: x rows 8 blockIdx.y .. + 7.
+template <int T, int NW, int KS, int G, int K>
+__global__ void __launch_bounds__(NW * 32)
+w4a16_gemv_tc8(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ sc, const u8* __restrict__ zp,
+               const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int ldx, int has_bias) {
+    static_assert(G % 128 == 0 && K % G == 0, "a 128-k chunk lies in one group");
+    constexpr int KC = K / 128, KG = K / G;
+    __shared__ float red[NW][8][16 * T];  // [warp][x row of the block][weight row of the block]
+    pdl_release();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int m0 = 8 * blockIdx.y;
+    const int n = 16 * T * blockIdx.x + g;
+    TcBase b;
+    b.w[0] = (const char*)qw + (size_t)n * (K / 2) + 16 * t;
+    b.s[0] = sc + (size_t)n * KG;
+    b.z[0] = zp + (size_t)n * KG;
+    b.x = x + (size_t)min(m0 + g, M - 1) * ldx + 32 * t;
+    float tot[T][4];
+#pragma unroll
+    for (int i = 0; i < T; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) tot[i][e] = 0.f;
+    TcRun<T, KS> ra, rb;
+    int run = warp;
+    tc_load_weights<T, KS, G, K, -1>(ra, b, run * KS);
+    pdl_wait();
+    tc_load_x<T, KS, K>(ra, b.x, run * KS);
+    for (; run * KS < KC; run += 2 * NW) {  // two runs per trip, as in gemv_tc: ra and rb take turns
+        const int nb = run + NW;
+        tc_load_weights<T, KS, G, K, -1>(rb, b, nb * KS);
+        tc_load_x<T, KS, K>(rb, b.x, nb * KS);
+        tc8_compute<T, KS, K>(ra, tot, run * KS);
+        if (nb * KS >= KC) break;
+        tc_load_weights<T, KS, G, K, -1>(ra, b, (nb + NW) * KS);
+        tc_load_x<T, KS, K>(ra, b.x, (nb + NW) * KS);
+        tc8_compute<T, KS, K>(rb, tot, nb * KS);
+    }
+#pragma unroll
+    for (int i = 0; i < T; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) red[warp][2 * t + c][16 * i + g + 8 * h] = tot[i][2 * h + c];
+    __syncthreads();
+    for (int e = threadIdx.x; e < 8 * 16 * T; e += NW * 32) {
+        const int col = e / (16 * T), r = e % (16 * T);
+        const int m = m0 + col, row = 16 * T * blockIdx.x + r;
+        if (m < M) {
+            float v = 0.f;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) v += red[w][col][r];
+            y[(size_t)m * N + row] = f32_to_f16(128.f * v + (has_bias ? half_to_float(bias[row]) : 0.f));
+        }
+    }
+}
