@@ -1037,6 +1037,24 @@ __device__ __forceinline__ void tc_load_x(TcRun<T, KS>& r, const u16* xr, int c0
 __device__ __forceinline__ u32 tc_low(u32 w) { return (w & NIBBLE_MASK(0)) | 0x48004800u; }   // 8 + code / 128
 __device__ __forceinline__ u32 tc_high(u32 w) { return (w & NIBBLE_MASK(1)) | 0x38003800u; }  // 0.5 + code / 128
 
+// one tile's mma over chunk j of a run: acc = the sums of (magic + code / 128) x for its rows g / g + 8 (acc[0, 1] /
+// acc[2, 3]) and B's columns 2t, 2t + 1; gemv_tc's columns are all the one row of x, gemv_tc8's its rows
+template <int T, int KS>
+__device__ __forceinline__ void tc_tile_sum(const TcRun<T, KS>& r, int j, int i, float (&acc)[4]) {
+    const u32 wa[4] = {r.w[j][i][0].x, r.w[j][i][0].y, r.w[j][i][0].z, r.w[j][i][0].w};
+    const u32 wb[4] = {r.w[j][i][1].x, r.w[j][i][1].y, r.w[j][i][1].z, r.w[j][i][1].w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] = 0.f;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const u32 a0[4] = {tc_low(wa[u]), tc_low(wb[u]), tc_high(wa[u]), tc_high(wb[u])};
+        mma16816(acc, a0, r.x[j][u].x, r.x[j][u].y);  // step 2u: pairs at bits 0 / 16 and 4 / 20
+        const u32 ha = wa[u] >> 8, hb = wb[u] >> 8;
+        const u32 a1[4] = {tc_low(ha), tc_low(hb), tc_high(ha), tc_high(hb)};
+        mma16816(acc, a1, r.x[j][u].z, r.x[j][u].w);  // step 2u + 1: bits 8 / 24 and 12 / 28
+    }
+}
+
 // one run: each chunk's Lo / Hi, then every tile's rows, their chunk sums scaled into tot (tot holds sum / 128:
 // the power of two is applied once at the end)
 template <int T, int KS, int K>
@@ -1058,17 +1076,8 @@ __device__ __forceinline__ void tc_compute(const TcRun<T, KS>& r, float (&tot)[T
             const float per_zero = (lh[0] + lh[2]) * (1.f / 128.f);        // (Lo + Hi) / 128, exact scaling
 #pragma unroll
             for (int i = 0; i < T; ++i) {
-                const u32 wa[4] = {r.w[j][i][0].x, r.w[j][i][0].y, r.w[j][i][0].z, r.w[j][i][0].w};
-                const u32 wb[4] = {r.w[j][i][1].x, r.w[j][i][1].y, r.w[j][i][1].z, r.w[j][i][1].w};
-                float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const u32 a0[4] = {tc_low(wa[u]), tc_low(wb[u]), tc_high(wa[u]), tc_high(wb[u])};
-                    mma16816(acc, a0, r.x[j][u].x, r.x[j][u].y);  // step 2u: pairs at bits 0 / 16 and 4 / 20
-                    const u32 ha = wa[u] >> 8, hb = wb[u] >> 8;
-                    const u32 a1[4] = {tc_low(ha), tc_low(hb), tc_high(ha), tc_high(hb)};
-                    mma16816(acc, a1, r.x[j][u].z, r.x[j][u].w);  // step 2u + 1: bits 8 / 24 and 12 / 28
-                }
+                float acc[4];
+                tc_tile_sum(r, j, i, acc);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {  // acc[0]: row g, acc[2]: row g + 8 (every column alike)
                     const float v = fmaf(-(float)r.z[j][i][h], per_zero, acc[2 * h] - magic);
@@ -1196,17 +1205,8 @@ __device__ __forceinline__ void tc8_compute(const TcRun<T, KS>& r, float (&tot)[
             }
 #pragma unroll
             for (int i = 0; i < T; ++i) {
-                const u32 wa[4] = {r.w[j][i][0].x, r.w[j][i][0].y, r.w[j][i][0].z, r.w[j][i][0].w};
-                const u32 wb[4] = {r.w[j][i][1].x, r.w[j][i][1].y, r.w[j][i][1].z, r.w[j][i][1].w};
-                float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const u32 a0[4] = {tc_low(wa[u]), tc_low(wb[u]), tc_high(wa[u]), tc_high(wb[u])};
-                    mma16816(acc, a0, r.x[j][u].x, r.x[j][u].y);
-                    const u32 ha = wa[u] >> 8, hb = wb[u] >> 8;
-                    const u32 a1[4] = {tc_low(ha), tc_low(hb), tc_high(ha), tc_high(hb)};
-                    mma16816(acc, a1, r.x[j][u].z, r.x[j][u].w);
-                }
+                float acc[4];
+                tc_tile_sum(r, j, i, acc);
 #pragma unroll
                 for (int h = 0; h < 2; ++h)  // acc[2 h + c]: row g + 8 h, column 2t + c
 #pragma unroll
