@@ -123,8 +123,9 @@ inline void sync_warp() {
     f->wait_kind = 0;
 }
 
+// every lane of the warp reads lane src's v (src taken mod 32, as the hardware's index shuffle does)
 template <class T>
-inline T shfl_xor(unsigned mask, T v, int offset) {
+inline T shfl_from(unsigned mask, T v, int src) {
     static_assert(sizeof(T) <= 8, "shuffled values are at most 8 bytes");
     if (mask != 0xffffffffu) fail("a shuffle with a partial mask (not emulated)");
     Fiber* f = S.cur;
@@ -133,12 +134,15 @@ inline T shfl_xor(unsigned mask, T v, int offset) {
     memcpy(&bits, &v, sizeof(T));
     S.shfl[f->warp * 32 + f->lane] = bits;
     sync_warp();
-    const uint64_t got = S.shfl[f->warp * 32 + (f->lane ^ offset)];
+    const uint64_t got = S.shfl[f->warp * 32 + (src & 31)];
     sync_warp();
     T r;
     memcpy(&r, &got, sizeof(T));
     return r;
 }
+
+template <class T>
+inline T shfl_xor(unsigned mask, T v, int offset) { return shfl_from(mask, v, S.cur->lane ^ offset); }
 
 // a read of `bytes` global bytes at p by an emulated PTX load or copy: inside one argument's buffer
 inline void check_global(const void* p, int bytes, const char* what) {
@@ -419,6 +423,8 @@ inline bool run_block(int threads, size_t smem_bytes) {
 inline void __syncthreads() { cuda_host::sync_block(); }
 template <class T>
 inline T __shfl_xor_sync(unsigned mask, T v, int offset) { return cuda_host::shfl_xor(mask, v, offset); }
+template <class T>
+inline T __shfl_sync(unsigned mask, T v, int src) { return cuda_host::shfl_from(mask, v, src); }
 inline void __threadfence() {}  // one block runs at a time
 inline int atomicAdd(int* p, int v) { const int o = *p; *p = o + v; return o; }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned o = *p; *p = o + v; return o; }

@@ -106,6 +106,12 @@ __global__ void divergent_barrier(float* out) {
     out[threadIdx.x] = v;
 }
 
+// out[i] = x of lane (lane * 5 + 3) mod 32 of the same warp: an index shuffle (src taken mod 32)
+__global__ void lane_gather(const float* x, float* out) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    out[i] = __shfl_sync(0xffffffffu, x[i], (int)(threadIdx.x & 31) * 5 + 3);
+}
+
 // writes one element past the end of out
 __global__ void off_the_end(float* out, int n) {
     out[threadIdx.x + 1] = 2.f;
@@ -120,6 +126,16 @@ def test_block_sum_with_shuffles_and_shared_memory():
     out = torch.zeros(3)
     k.launch((3,), 128, 0, [x, out], seed=1)
     assert torch.allclose(out, x.view(3, 128).sum(1), atol=1e-5)
+
+
+def test_index_shuffle_reads_the_named_lane_of_its_own_warp():
+    x = torch.randn(2 * 64)
+    out = torch.zeros(2 * 64)
+    H.HostKernel(SOURCE, "lane_gather").launch((2,), 64, 0, [x, out], seed=3)
+    lanes = torch.arange(32)
+    src = (lanes * 5 + 3) % 32
+    expected = torch.cat([x[w * 32:(w + 1) * 32][src] for w in range(4)])
+    assert torch.equal(out, expected)
 
 
 def test_a_missing_barrier_shows_in_some_thread_order():

@@ -1179,29 +1179,32 @@ w4a16_gemv_tc(const u16* x, const u32* __restrict__ qw, const u16* __restrict__ 
 // measures it against w4a16_mma_gemv, which selection runs there. mma_gemv dequantizes every pair to fp16 before its
 // mma (about four instructions a pair); here the codes enter A as in gemv_tc (1.25 a pair) and B's eight columns
 // are eight rows of x: lane (g, t) loads row m0 + g (rows past M read row M - 1 and are not stored) at the same k
-// as gemv_tc's x, so B column g is that row. Lo and Hi differ by column now: one mma a 16-k step with constant A,
-// ones at the step's low-position columns (0-7) in rows 0-7 and at its high-position columns (8-15) in rows 8-15,
-// against the same B, leaves in every lane Lo and Hi of the two columns (2t, 2t + 1) whose sums it holds.
+// as gemv_tc's x, so B column g is that row. Lo and Hi differ by column now. gemv_tc's four mma a chunk (x as A,
+// ones as B) leave Lo and Hi of row m0 + g in every lane of group g; lane (g, t) sums columns 2t and 2t + 1, so it
+// takes their magic and zero sums from lanes 8t and 8t + 4 (four shuffles a chunk). Session 55's version made them
+// by eight mma a chunk against a constant A instead, which ptxas rebuilt with four moves before most of them (66
+// moves in tc8<2, 8, 1>'s loop of 470 instructions).
 // Weights, scales, zero points, the blocks' rows and the warps' runs are gemv_tc's.
 
 template <int T, int KS, int K>
-__device__ __forceinline__ void tc8_compute(const TcRun<T, KS>& r, float (&tot)[T][4], int c0) {
+__device__ __forceinline__ void tc8_compute(const TcRun<T, KS>& r, float (&tot)[T][4], int c0, int t) {
     constexpr int KC = K / 128;
-    const u32 ones_lo_hi[4] = {0x3C003C00u, 0u, 0u, 0x3C003C00u};  // A: rows g / g + 8 x low / high columns
 #pragma unroll
     for (int j = 0; j < KS; ++j) {
         if (c0 + j < KC) {
-            float lh[4] = {0.f, 0.f, 0.f, 0.f};  // Lo of columns 2t, 2t + 1, then Hi of the same
+            float lh[4] = {0.f, 0.f, 0.f, 0.f};  // Lo of this lane's x row (lh[0], lh[1]), then its Hi
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
-                mma16816(lh, ones_lo_hi, r.x[j][u].x, r.x[j][u].y);
-                mma16816(lh, ones_lo_hi, r.x[j][u].z, r.x[j][u].w);
+                const u32 xq[4] = {r.x[j][u].x, r.x[j][u].y, r.x[j][u].z, r.x[j][u].w};
+                mma16816(lh, xq, 0x3C003C00u, 0x3C003C00u);
             }
+            const float own_magic = 8.f * lh[0] + 0.5f * lh[2];             // 8 Lo + 0.5 Hi
+            const float own_per_zero = (lh[0] + lh[2]) * (1.f / 128.f);    // (Lo + Hi) / 128, exact scaling
             float magic[2], per_zero[2];
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                magic[c] = 8.f * lh[c] + 0.5f * lh[2 + c];                   // 8 Lo + 0.5 Hi
-                per_zero[c] = (lh[c] + lh[2 + c]) * (1.f / 128.f);          // (Lo + Hi) / 128, exact scaling
+            for (int c = 0; c < 2; ++c) {  // column 2t + c is x row m0 + 2t + c, whose sums lane 4 (2t + c) holds
+                magic[c] = __shfl_sync(0xffffffffu, own_magic, 8 * t + 4 * c);
+                per_zero[c] = __shfl_sync(0xffffffffu, own_per_zero, 8 * t + 4 * c);
             }
 #pragma unroll
             for (int i = 0; i < T; ++i) {
@@ -1252,11 +1255,11 @@ w4a16_gemv_tc8(const u16* x, const u32* __restrict__ qw, const u16* __restrict__
         const int nb = run + NW;
         tc_load_weights<T, KS, G, K, -1>(rb, b, nb * KS);
         tc_load_x<T, KS, K>(rb, b.x, nb * KS);
-        tc8_compute<T, KS, K>(ra, tot, run * KS);
+        tc8_compute<T, KS, K>(ra, tot, run * KS, t);
         if (nb * KS >= KC) break;
         tc_load_weights<T, KS, G, K, -1>(ra, b, (nb + NW) * KS);
         tc_load_x<T, KS, K>(ra, b.x, (nb + NW) * KS);
-        tc8_compute<T, KS, K>(rb, tot, nb * KS);
+        tc8_compute<T, KS, K>(rb, tot, nb * KS, t);
     }
 #pragma unroll
     for (int i = 0; i < T; ++i)
