@@ -23,7 +23,7 @@ from .fused_step import FusedStep, _bits, linear_table, mode
 from .settings import env_int
 
 SOURCE = Path(__file__).with_name("decode_flow.cu")
-_TEXT: list = []
+_TEXT: dict = {}  # by the source it extends (one per build of the A/B switches)
 SYNC_WORDS = 5  # a layer's stage counters before its KV heads' tickets (decode_flow.cu's FS_SYNC)
 # Block 0's marks a layer (decode_flow.cu, `trace`): each linear's stage start, its input's wait done, the input
 # staged, the block's tasks done and the block done; after qkv's, the end of the attention tasks.
@@ -35,11 +35,12 @@ TRACE_MARKS = ("qkv start", "qkv waited", "qkv staged", "qkv computed", "qkv don
 
 def source() -> str:
     """w4a16_mma.cu and decode_step.cu (whose helpers the step uses), then decode_flow.cu."""
-    if not _TEXT:
-        from .fused_step import source as ring_source
+    from .fused_step import source as ring_source
 
-        _TEXT.append(ring_source() + "\n" + SOURCE.read_text())
-    return _TEXT[0]
+    ring = ring_source()
+    if ring not in _TEXT:
+        _TEXT[ring] = ring + "\n" + SOURCE.read_text()
+    return _TEXT[ring]
 
 
 def chunks_per_lane(k: int) -> int:

@@ -34,7 +34,7 @@ SOURCE = Path(__file__).with_name("decode_step.cu")
 CONSUMER_WARPS = 8
 SLOT_CAP = 48 * 1024  # a tile of 16 rows if it fits in this, else 8 rows
 SMEM_MAX = 227 * 1024  # dynamic shared memory one block may opt into on sm_90
-_TEXT: list = []
+_TEXT: dict = {}  # by the source it extends (one per build of the A/B switches)
 
 
 def mode() -> str:
@@ -52,12 +52,13 @@ def enabled() -> bool:
 
 
 def source() -> str:
-    """w4a16_mma.cu (whose helpers the step uses) followed by decode_step.cu."""
-    if not _TEXT:
-        from .w4a16 import mma_source
+    """w4a16_mma.cu (whose helpers the step uses; as `w4a16.mma_source` builds it now) followed by decode_step.cu."""
+    from .w4a16 import mma_source
 
-        _TEXT.append(mma_source() + "\n" + SOURCE.read_text())
-    return _TEXT[0]
+    mma = mma_source()
+    if mma not in _TEXT:
+        _TEXT[mma] = mma + "\n" + SOURCE.read_text()
+    return _TEXT[mma]
 
 
 # What block 0 finished at each trace mark of a layer (decode_step.cu's MARK()s).

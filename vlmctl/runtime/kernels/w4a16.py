@@ -810,26 +810,34 @@ MMA_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may opt into on s
 
 
 def mma_source() -> str:
-    """`w4a16_mma.cu`; with `VLMCTL_W4A16_GEMV_SCALE_PER_RUN=0` the batch-1 CUDA GEMV's arithmetic before session 29
-    (each weight dequantized to fp16 before its product, instead of each group's scale applied once a run of
-    products; kept for A/B runs); with `VLMCTL_W4A16_GEMV_PRELOAD=2` the batch-1 GEMVs (CUDA and tensor-core) load
-    two batches of weights before their PDL wait instead of one (opt-in: slower on an H100; the same outputs).
+    """`w4a16_mma.cu`, built by three A/B switches (each kept for measuring it again; outputs are the same bits
+    except for SCALE_PER_RUN=0): `VLMCTL_W4A16_GEMV_SCALE_PER_RUN=0`, the batch-1 CUDA GEMV's arithmetic before
+    session 29 (each weight dequantized to fp16 before its product, instead of each group's scale applied once a run
+    of products); `VLMCTL_W4A16_GEMV_PRELOAD=2`, the batch-1 GEMVs (CUDA and tensor-core) load two batches of weights
+    before their PDL wait instead of one (opt-in: slower on an H100); `VLMCTL_W4A16_DEQUANT_MASK=immediate`, the
+    batched kernels' dequantization (dequant2: mma, mma_gemv, wgmma, the fused steps) with its nibble mask as an
+    immediate, as before session 56, instead of from constant memory.
     Called on every launch: one string object per setting, so that `cuda_rtc.load_kernel`'s key hashes it once."""
     knob = os.environ.get("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", "").strip().lower()
     knob = {"off": "0", "false": "0", "on": "1", "true": "1"}.get(knob, knob)  # the other switches' words
     preload = os.environ.get("VLMCTL_W4A16_GEMV_PRELOAD", "").strip() or "1"
-    text = _MMA_TEXT.get((knob, preload))
+    mask = os.environ.get("VLMCTL_W4A16_DEQUANT_MASK", "").strip().lower() or "constant"
+    text = _MMA_TEXT.get((knob, preload, mask))
     if text is None:
         if knob not in ("", "0", "1"):
             raise OptionError(f"VLMCTL_W4A16_GEMV_SCALE_PER_RUN={knob!r}: expected 1 (the default), 0, on or off")
         if preload not in ("1", "2"):
             raise OptionError(f"VLMCTL_W4A16_GEMV_PRELOAD={preload!r}: expected 1 (the default) or 2")
+        if mask not in ("constant", "immediate"):
+            raise OptionError(f"VLMCTL_W4A16_DEQUANT_MASK={mask!r}: expected constant (the default) or immediate")
         text = MMA_SOURCE.read_text()
         if knob == "0":
             text = "#define W4A16_GEMV_SCALE_PER_RUN 0\n" + text
         if preload == "2":
             text = "#define W4A16_GEMV_PRELOAD 2\n" + text
-        _MMA_TEXT[(knob, preload)] = text
+        if mask == "immediate":
+            text = "#define W4A16_DEQUANT_MASK_IMMEDIATE\n" + text
+        _MMA_TEXT[(knob, preload, mask)] = text
     return text
 
 
@@ -1074,13 +1082,13 @@ _WGMMA_TEXT: dict = {}
 
 
 def wgmma_source(defines: str = "") -> str:
-    """`w4a16_wgmma.cu` after the source of `w4a16_mma.cu`, whose helpers it uses, after `defines` (its build
-    options). One string object per build: the kernel cache hashes it on every launch, and a str caches its hash."""
-    text = _WGMMA_TEXT.get(defines)
+    """`w4a16_wgmma.cu` after the source of `w4a16_mma.cu` (as `mma_source` builds it now), whose helpers it uses,
+    after `defines` (its build options). One string object per build: the kernel cache hashes it on every launch,
+    and a str caches its hash."""
+    mma = mma_source()
+    text = _WGMMA_TEXT.get((mma, defines))
     if text is None:
-        base = _WGMMA_TEXT.get("") or mma_source() + "\n" + WGMMA_SOURCE.read_text()
-        _WGMMA_TEXT[""] = base
-        text = _WGMMA_TEXT.setdefault(defines, defines + base)
+        text = _WGMMA_TEXT.setdefault((mma, defines), defines + mma + "\n" + WGMMA_SOURCE.read_text())
     return text
 
 

@@ -86,9 +86,29 @@ __device__ __forceinline__ u32 mul_f16x2(u32 a, u32 b) {
     return d;
 }
 
+// The nibble masks of a word's pairs as constants in memory. LOP3 takes one immediate (the magic goes there), so
+// the mask is a register, and under the kernels' register pressure ptxas rebuilt it before most LOP3s (a MOV or an
+// HFMA2.MMA each: 216 of w4a16_gemv<4, 2, 2, 128>'s 1,904 instructions, a third of w4a16_gemv_tc's loop; 29 of
+// w4a16_mma_gemv<8, 1, 1, 128, 0>'s loop of 207); a constant-bank operand it reads in place. The batch-1 GEMVs
+// since session 52 (measured: 2 % off their 128 linears on an H100); dequant2, the batched kernels', since session 56
+// (static counts only, docs/benchmarks.md). Measurement builds write them as immediates, as before:
+// W4A16_NIBBLE_MASK_IMMEDIATE all of them (benchmarks/w4a16_gemv_ablate_gpu.py), W4A16_DEQUANT_MASK_IMMEDIATE
+// dequant2's (VLMCTL_W4A16_DEQUANT_MASK=immediate).
+__constant__ u32 kNibbleMask[2] = {0x000F000Fu, 0x00F000F0u};
+#ifdef W4A16_NIBBLE_MASK_IMMEDIATE
+#define NIBBLE_MASK(i) ((i) ? 0x00F000F0u : 0x000F000Fu)
+#else
+#define NIBBLE_MASK(i) kNibbleMask[i]
+#endif
+#if defined(W4A16_NIBBLE_MASK_IMMEDIATE) || defined(W4A16_DEQUANT_MASK_IMMEDIATE)
+#define DEQUANT_MASK 0x000F000Fu
+#else
+#define DEQUANT_MASK kNibbleMask[0]
+#endif
+
 // two fp16 weights (code - zero) * scale from the pair of codes at bits 4t and 4t + 16 of w
 __device__ __forceinline__ u32 dequant2(u32 w, int shift, u32 zf2, u32 s2) {
-    const u32 v = ((w >> shift) & 0x000F000Fu) | 0x64006400u;
+    const u32 v = ((w >> shift) & DEQUANT_MASK) | 0x64006400u;
     return mul_f16x2(sub_f16x2(v, zf2), s2);
 }
 
@@ -125,7 +145,7 @@ __device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
 // two bf16 weights from the pair of codes at bits 4t and 4t + 16 of w: nz2 is -(128 + zero) twice,
 // sh2 / sl2 the scale's bf16 head and tail twice
 __device__ __forceinline__ u32 dequant2_bf16(u32 w, int shift, u32 nz2, u32 sh2, u32 sl2) {
-    const u32 v = ((w >> shift) & 0x000F000Fu) | 0x43004300u;
+    const u32 v = ((w >> shift) & DEQUANT_MASK) | 0x43004300u;
     const u32 d = fma_bf16x2(v, 0x3F803F80u, nz2);       // code - zero, exact
     const u32 t = fma_bf16x2(d, sl2, 0x80008000u);       // (code - zero) * tail, exact (+ -0)
     return fma_bf16x2(d, sh2, t);                        // one rounding of (code - zero) * scale
@@ -467,11 +487,6 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
 
 struct alignas(16) u32x4 { u32 x, y, z, w; };
 
-// The nibble masks of a word's pairs as constants in memory. LOP3 takes one immediate (the magic goes there), so
-// the mask is a register, and under the GEMVs' register pressure ptxas rebuilt it before most LOP3s (a MOV or an
-// HFMA2.MMA each: 216 of w4a16_gemv<4, 2, 2, 128>'s 1,904 instructions, a third of w4a16_gemv_tc's loop); a
-// constant-bank operand it reads in place. W4A16_NIBBLE_MASK_IMMEDIATE (a measurement build,
-// benchmarks/w4a16_gemv_ablate_gpu.py) writes them as immediates, as before session 52.
 // How many of a warp's batches (w4a16_gemv) or runs (w4a16_gemv_tc) of weights are loaded before the PDL wait: 1 (the
 // default), or 2 (VLMCTL_W4A16_GEMV_PRELOAD=2, opt-in). Weights do not depend on the kernel before; where K is only
 // two of them a warp (o at 4 rows x 2 chunks, gemv_tc at 16 warps), the second one's HBM trip otherwise starts after
@@ -482,13 +497,6 @@ struct alignas(16) u32x4 { u32 x, y, z, w; };
 #define W4A16_GEMV_PRELOAD 1
 #endif
 constexpr bool kPreloadTwo = W4A16_GEMV_PRELOAD >= 2;
-
-__constant__ u32 kNibbleMask[2] = {0x000F000Fu, 0x00F000F0u};
-#ifdef W4A16_NIBBLE_MASK_IMMEDIATE
-#define NIBBLE_MASK(i) ((i) ? 0x00F000F0u : 0x000F000Fu)
-#else
-#define NIBBLE_MASK(i) kNibbleMask[i]
-#endif
 
 __device__ __forceinline__ u32x4 ld_stream16(const void* p) {  // weights: read once, not kept in L1
     u32x4 v;
