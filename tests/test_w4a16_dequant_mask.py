@@ -1,11 +1,11 @@
-"""dequant2's nibble mask from constant memory (session 56): the batched W4A16 kernels (mma, mma_gemv, wgmma, the
-fused steps) AND each word with 0x000F000F before the magic; as an immediate, ptxas rebuilt that mask in a register
-before most LOP3s. `VLMCTL_W4A16_DEQUANT_MASK=immediate` builds it as before, for A/B runs on a GPU. The value is
-the same, so the outputs must be the same bits either way.
+"""dequant2's nibble mask from constant memory (session 56, opt-in): the batched W4A16 kernels (mma, mma_gemv, wgmma,
+the fused steps) AND each word with 0x000F000F before the magic; as an immediate (the default), ptxas rebuilds that
+mask in a register before most LOP3s. `VLMCTL_W4A16_DEQUANT_MASK=constant` reads it from constant memory, as the
+batch-1 GEMVs do, until a GPU measures it. The value is the same, so the outputs must be the same bits either way.
 
 Without a GPU: the switch and its errors; that it reaches every source built on `w4a16_mma.cu` (the wgmma source and
 the fused steps' once kept the first build for the whole process); where NVRTC is installed, that the default build
-reads the mask from constant memory in mma_gemv, mma and wgmma and the switch's does not; with a C++ compiler, both
+build does not read the mask from constant memory in mma_gemv, mma and wgmma and the switch's does; with a C++ compiler, both
 builds of mma_gemv and mma on the CPU (tests/cuda_host.py) against each other and the fp32 reference. A `gpu` test
 compares the two builds at the 7B shapes.
 """
@@ -38,14 +38,14 @@ def plain_env(monkeypatch):
 
 def test_switch_builds_its_own_source_and_rejects_bad_values(plain_env):
     plain = W.mma_source()
-    assert "W4A16_DEQUANT_MASK_IMMEDIATE" not in plain.split("\n", 1)[0]
-    plain_env.setenv(SWITCH, "constant")
+    assert "W4A16_DEQUANT_MASK_CONSTANT" not in plain.split("\n", 1)[0]
+    plain_env.setenv(SWITCH, "immediate")
     assert W.mma_source() is plain
-    plain_env.setenv(SWITCH, "Immediate")
-    imm = W.mma_source()
-    assert imm is W.mma_source() and imm == "#define W4A16_DEQUANT_MASK_IMMEDIATE\n" + plain
+    plain_env.setenv(SWITCH, "Constant")
+    const = W.mma_source()
+    assert const is W.mma_source() and const == "#define W4A16_DEQUANT_MASK_CONSTANT\n" + plain
     plain_env.setenv("VLMCTL_W4A16_GEMV_PRELOAD", "2")  # the switches combine
-    assert W.mma_source().split("\n")[:2] == ["#define W4A16_DEQUANT_MASK_IMMEDIATE", "#define W4A16_GEMV_PRELOAD 2"]
+    assert W.mma_source().split("\n")[:2] == ["#define W4A16_DEQUANT_MASK_CONSTANT", "#define W4A16_GEMV_PRELOAD 2"]
     plain_env.delenv("VLMCTL_W4A16_GEMV_PRELOAD")
     for bad in ("0", "const", "imm"):
         plain_env.setenv(SWITCH, bad)
@@ -56,7 +56,7 @@ def test_switch_builds_its_own_source_and_rejects_bad_values(plain_env):
 def test_sources_built_on_the_mma_source_follow_the_switch(plain_env):
     """Each of them extends the mma source as built now, whichever was built first in the process."""
     builds = {}
-    for value in ("constant", "immediate", "constant"):
+    for value in ("immediate", "constant", "immediate"):
         plain_env.setenv(SWITCH, value)
         mma = W.mma_source()
         got = (W.wgmma_source(), W.wgmma_source("#define X 1\n"), fused_step.source(), flow_step.source())
@@ -86,11 +86,11 @@ def _const_loads(ptx: str, lowered_name: str) -> int:
 
 
 @pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not installed (pip install nvidia-cuda-nvrtc)")
-def test_default_reads_the_mask_from_constant_memory_and_the_switch_does_not(plain_env):
+def test_switch_reads_the_mask_from_constant_memory_and_the_default_does_not(plain_env):
     names = _instances()
     wg = W.wgmma_kernel_name(W.heuristic_wgmma_config(32), 128)
     loads = {}
-    for value in ("constant", "immediate"):
+    for value in ("immediate", "constant"):
         plain_env.setenv(SWITCH, value)
         ptx, lowered = cuda_rtc.compile_ptx(W.mma_source(), names, "sm_90")
         wptx, wlow = cuda_rtc.compile_ptx(W.wgmma_source(W.wgmma_build_defines(True)), [wg], "sm_90a")

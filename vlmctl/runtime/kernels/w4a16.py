@@ -814,14 +814,15 @@ def mma_source() -> str:
     except for SCALE_PER_RUN=0): `VLMCTL_W4A16_GEMV_SCALE_PER_RUN=0`, the batch-1 CUDA GEMV's arithmetic before
     session 29 (each weight dequantized to fp16 before its product, instead of each group's scale applied once a run
     of products); `VLMCTL_W4A16_GEMV_PRELOAD=2`, the batch-1 GEMVs (CUDA and tensor-core) load two batches of weights
-    before their PDL wait instead of one (opt-in: slower on an H100); `VLMCTL_W4A16_DEQUANT_MASK=immediate`, the
-    batched kernels' dequantization (dequant2: mma, mma_gemv, wgmma, the fused steps) with its nibble mask as an
-    immediate, as before session 56, instead of from constant memory.
+    before their PDL wait instead of one (opt-in: slower on an H100); `VLMCTL_W4A16_DEQUANT_MASK=constant`, the
+    batched kernels' dequantization (dequant2: mma, mma_gemv, wgmma, the fused steps) with its nibble mask read from
+    constant memory instead of built as an immediate (session 56: fewer instructions; opt-in until a GPU measures
+    it).
     Called on every launch: one string object per setting, so that `cuda_rtc.load_kernel`'s key hashes it once."""
     knob = os.environ.get("VLMCTL_W4A16_GEMV_SCALE_PER_RUN", "").strip().lower()
     knob = {"off": "0", "false": "0", "on": "1", "true": "1"}.get(knob, knob)  # the other switches' words
     preload = os.environ.get("VLMCTL_W4A16_GEMV_PRELOAD", "").strip() or "1"
-    mask = os.environ.get("VLMCTL_W4A16_DEQUANT_MASK", "").strip().lower() or "constant"
+    mask = os.environ.get("VLMCTL_W4A16_DEQUANT_MASK", "").strip().lower() or "immediate"
     text = _MMA_TEXT.get((knob, preload, mask))
     if text is None:
         if knob not in ("", "0", "1"):
@@ -829,14 +830,14 @@ def mma_source() -> str:
         if preload not in ("1", "2"):
             raise OptionError(f"VLMCTL_W4A16_GEMV_PRELOAD={preload!r}: expected 1 (the default) or 2")
         if mask not in ("constant", "immediate"):
-            raise OptionError(f"VLMCTL_W4A16_DEQUANT_MASK={mask!r}: expected constant (the default) or immediate")
+            raise OptionError(f"VLMCTL_W4A16_DEQUANT_MASK={mask!r}: expected immediate (the default) or constant")
         text = MMA_SOURCE.read_text()
         if knob == "0":
             text = "#define W4A16_GEMV_SCALE_PER_RUN 0\n" + text
         if preload == "2":
             text = "#define W4A16_GEMV_PRELOAD 2\n" + text
-        if mask == "immediate":
-            text = "#define W4A16_DEQUANT_MASK_IMMEDIATE\n" + text
+        if mask == "constant":
+            text = "#define W4A16_DEQUANT_MASK_CONSTANT\n" + text
         _MMA_TEXT[(knob, preload, mask)] = text
     return text
 

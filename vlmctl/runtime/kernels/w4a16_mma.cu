@@ -90,20 +90,20 @@ __device__ __forceinline__ u32 mul_f16x2(u32 a, u32 b) {
 // the mask is a register, and under the kernels' register pressure ptxas rebuilt it before most LOP3s (a MOV or an
 // HFMA2.MMA each: 216 of w4a16_gemv<4, 2, 2, 128>'s 1,904 instructions, a third of w4a16_gemv_tc's loop; 29 of
 // w4a16_mma_gemv<8, 1, 1, 128, 0>'s loop of 207); a constant-bank operand it reads in place. The batch-1 GEMVs
-// since session 52 (measured: 2 % off their 128 linears on an H100); dequant2, the batched kernels', since session 56
-// (static counts only, docs/benchmarks.md). Measurement builds write them as immediates, as before:
-// W4A16_NIBBLE_MASK_IMMEDIATE all of them (benchmarks/w4a16_gemv_ablate_gpu.py), W4A16_DEQUANT_MASK_IMMEDIATE
-// dequant2's (VLMCTL_W4A16_DEQUANT_MASK=immediate).
+// since session 52 (measured: 2 % off their 128 linears on an H100). dequant2, the batched kernels', reads it so only
+// in the W4A16_DEQUANT_MASK_CONSTANT build (VLMCTL_W4A16_DEQUANT_MASK=constant, session 56: the same bits, fewer
+// instructions, not yet measured on a GPU; docs/benchmarks.md). W4A16_NIBBLE_MASK_IMMEDIATE (a measurement build,
+// benchmarks/w4a16_gemv_ablate_gpu.py) writes every mask as an immediate, as before session 52.
 __constant__ u32 kNibbleMask[2] = {0x000F000Fu, 0x00F000F0u};
 #ifdef W4A16_NIBBLE_MASK_IMMEDIATE
 #define NIBBLE_MASK(i) ((i) ? 0x00F000F0u : 0x000F000Fu)
 #else
 #define NIBBLE_MASK(i) kNibbleMask[i]
 #endif
-#if defined(W4A16_NIBBLE_MASK_IMMEDIATE) || defined(W4A16_DEQUANT_MASK_IMMEDIATE)
-#define DEQUANT_MASK 0x000F000Fu
-#else
+#if defined(W4A16_DEQUANT_MASK_CONSTANT) && !defined(W4A16_NIBBLE_MASK_IMMEDIATE)
 #define DEQUANT_MASK kNibbleMask[0]
+#else
+#define DEQUANT_MASK 0x000F000Fu
 #endif
 
 // two fp16 weights (code - zero) * scale from the pair of codes at bits 4t and 4t + 16 of w
