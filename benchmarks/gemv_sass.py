@@ -64,7 +64,7 @@ def main_loop(sass: str) -> list[str]:
         if m:
             labels[m.group(1)] = len(ins)
             continue
-        m = re.match(r"\s*/\*([0-9a-f]{4})\*/\s+(.*?);", line)
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:
             ins.append(m.group(2).strip())
     for i, text in enumerate(ins):

@@ -3,7 +3,8 @@
 //
 // Compiled after w4a16_mma.cu and decode_step.cu (flow_step.py puts the sources together), whose helpers it
 // uses: the batch-1 CUDA GEMV's chunk arithmetic (gemv_chunk, the same products and sums per row), the
-// uncached loads, rotary and the StepLinear / StepLayer tables.
+// uncached loads, rotary, an attention tile's steps (stage_rotated_q, append_new_kv, tile_partials) and the
+// StepLinear / StepLayer tables.
 //
 // Why: kernel by kernel, each linear of a batch-1 step starts its weight stream only when the kernel before it
 // has ended (PDL lets its resident blocks load one batch early), and the attention between qkv and o leaves
@@ -547,86 +548,11 @@ __device__ __forceinline__ void flow_attn(const StepLayer& ly, const u16* qkv, u
     const float c0 = h2f(f2h(cs[lane])), c1 = h2f(f2h(cs[lane + 32]));
     const float s0 = h2f(f2h(cs[64 + lane])), s1 = h2f(f2h(cs[64 + lane + 32]));
     flow_wait(wait_c, wait_target, wait_key, known);
-    for (int j = 0; j < grp; ++j) {
-        const u16* qh = qkv + (size_t)(kvh * grp + j) * 128;
-        const float x0 = h2f(ld_cg_u16(qh + lane)), x1 = h2f(ld_cg_u16(qh + lane + 32));
-        const float y0 = h2f(ld_cg_u16(qh + lane + 64)), y1 = h2f(ld_cg_u16(qh + lane + 96));
-        u16 o1, o2, o3, o4;
-        rope_pair(x0, y0, c0, s0, o1, o2);
-        rope_pair(x1, y1, c1, s1, o3, o4);
-        const u32 q = qs + (u32)(j * 256);
-        asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane), "h"(o1) : "memory");
-        asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane + 64), "h"(o3) : "memory");
-        asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane + 128), "h"(o2) : "memory");
-        asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane + 192), "h"(o4) : "memory");
-    }
-    if (newtile) {
-        const u16* kh = qkv + (size_t)(n_heads + kvh) * 128;
-        const u16* vh = qkv + (size_t)(n_heads + n_kv + kvh) * 128;
-        u16* kd = ly.kc + ((size_t)slot * n_kv + kvh) * 128;
-        u16* vd = ly.vc + ((size_t)slot * n_kv + kvh) * 128;
-        u16 o[4];
-        rope_pair(h2f(ld_cg_u16(kh + lane)), h2f(ld_cg_u16(kh + lane + 64)), c0, s0, o[0], o[2]);
-        rope_pair(h2f(ld_cg_u16(kh + lane + 32)), h2f(ld_cg_u16(kh + lane + 96)), c1, s1, o[1], o[3]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const u16 v = ld_cg_u16(vh + lane + 32 * i);
-            kd[lane + 32 * i] = o[i];
-            vd[lane + 32 * i] = v;
-            asm volatile("st.shared.u16 [%0], %1;" :: "r"(knew + 2 * (lane + 32 * i)), "h"(o[i]) : "memory");
-            asm volatile("st.shared.u16 [%0], %1;" :: "r"(vnew + 2 * (lane + 32 * i)), "h"(v) : "memory");
-        }
-    }
+    stage_rotated_q(qkv, kvh, grp, lane, c0, s0, c1, s1, qs);
+    if (newtile) append_new_kv(ly, qkv, kvh, n_heads, n_kv, slot, lane, c0, s0, c1, s1, knew, vnew);
     __syncwarp();
-    if (newtile && lane == newu) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) kr[i] = lds16(knew + 16u * i);
-    }
-    u32x2 vn = u32x2{0u, 0u};
-    if (newtile) asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(vn.x), "=r"(vn.y) : "r"(vnew + 8u * lane));
-    for (int j = 0; j < grp; ++j) {
-        float sc = 0.f;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const u32x4 qv = lds16(qs + (u32)(j * 256 + 16 * i));
-            const u32 qa[4] = {qv.x, qv.y, qv.z, qv.w}, ka[4] = {kr[i].x, kr[i].y, kr[i].z, kr[i].w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) sc += lo_f(qa[e]) * lo_f(ka[e]) + hi_f(qa[e]) * hi_f(ka[e]);
-        }
-        sc = valid ? sc * scale_log2 : NEG_INF;
-        float m = sc;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        const float p = valid ? exp2f(sc - m) : 0.f;
-        float lsum = p;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
-        const u32 p16 = f2h(p);
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int u = 0; u < 32; ++u) {
-            const float pu = h2f((u16)__shfl_sync(0xffffffffu, p16, u));
-            u32x2 v;
-            if constexpr (VPRE) {
-                v = vv[u];
-            } else {
-                const long long ru = __shfl_sync(0xffffffffu, row, u);
-                v = ld_cg8(ly.vc + ((size_t)ru * n_kv + kvh) * 128 + 4 * lane);
-            }
-            if (newtile && u == newu) v = vn;
-            acc[0] += pu * lo_f(v.x);
-            acc[1] += pu * hi_f(v.x);
-            acc[2] += pu * lo_f(v.y);
-            acc[3] += pu * hi_f(v.y);
-        }
-        float* pp = part + ((size_t)(kvh * grp + j) * max_tiles + tile) * 132;
-        asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(pp + 4 * lane), "f"(acc[0]), "f"(acc[1]),
-                     "f"(acc[2]), "f"(acc[3]) : "memory");
-        if (lane == 0) {
-            pp[128] = m;
-            pp[129] = lsum;
-        }
-    }
+    tile_partials<VPRE>(kr, vv, ly, row, kvh, n_kv, grp, tile, valid, newtile, newu, scale_log2, qs, knew, vnew, part,
+                        max_tiles, lane);
     __syncwarp();
     u32 old = 0;
     if (lane == 0) old = atom_acq_rel_add(ticket + kvh, 1u);

@@ -402,11 +402,113 @@ __device__ __forceinline__ void rope_pair(float x1, float x2, float c, float s, 
     o2 = f2h(h2f(f2h(x2 * c)) + h2f(f2h(x1 * s)));
 }
 
-// Attention partials: one warp per (KV head, 32-token tile); lane = token for the scores, dims 4 lane .. + 3 for V.
-// The tile with the new token rotates its K and appends K and V to the cache, and reads them from shared
-// memory instead of the cache (so no load waits for that store). Partials: [head][tile] records of 132 floats
-// (un-normalized output [128], max, sum), log2 domain. Per warp in the x buffer: the rotated q of its heads
-// (grp x 256 bytes), then the new token's K and V (256 bytes each).
+// The rotated q of KV head kvh's grp query heads into shared memory at qs, 256 bytes a head: lane's pair (d, d + 64)
+// at 2 lane and 2 lane + 128, its pair (d + 32, d + 96) at 2 lane + 64 and 2 lane + 192 (c0 / s0, c1 / s1: the
+// rotary's cos / sin of dims lane and lane + 32).
+__device__ __forceinline__ void stage_rotated_q(const u16* qkv, int kvh, int grp, int lane, float c0, float s0,
+                                                float c1, float s1, u32 qs) {
+    for (int j = 0; j < grp; ++j) {
+        const u16* qh = qkv + (size_t)(kvh * grp + j) * 128;
+        const float x0 = h2f(ld_cg_u16(qh + lane)), x1 = h2f(ld_cg_u16(qh + lane + 32));
+        const float y0 = h2f(ld_cg_u16(qh + lane + 64)), y1 = h2f(ld_cg_u16(qh + lane + 96));
+        u16 o1, o2, o3, o4;
+        rope_pair(x0, y0, c0, s0, o1, o2);
+        rope_pair(x1, y1, c1, s1, o3, o4);
+        const u32 q = qs + (u32)(j * 256);
+        asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane), "h"(o1) : "memory");
+        asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane + 64), "h"(o3) : "memory");
+        asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane + 128), "h"(o2) : "memory");
+        asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane + 192), "h"(o4) : "memory");
+    }
+}
+
+// The new token's K (rotated) and V of KV head kvh appended to the cache at `slot`, and kept in shared memory
+// (knew, vnew: 256 bytes each, in dim order) for the tile that holds the token.
+__device__ __forceinline__ void append_new_kv(const StepLayer& ly, const u16* qkv, int kvh, int n_heads, int n_kv,
+                                              int slot, int lane, float c0, float s0, float c1, float s1, u32 knew,
+                                              u32 vnew) {
+    const u16* kh = qkv + (size_t)(n_heads + kvh) * 128;
+    const u16* vh = qkv + (size_t)(n_heads + n_kv + kvh) * 128;
+    u16* kd = ly.kc + ((size_t)slot * n_kv + kvh) * 128;
+    u16* vd = ly.vc + ((size_t)slot * n_kv + kvh) * 128;
+    u16 o[4];
+    rope_pair(h2f(ld_cg_u16(kh + lane)), h2f(ld_cg_u16(kh + lane + 64)), c0, s0, o[0], o[2]);
+    rope_pair(h2f(ld_cg_u16(kh + lane + 32)), h2f(ld_cg_u16(kh + lane + 96)), c1, s1, o[1], o[3]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u16 v = ld_cg_u16(vh + lane + 32 * i);
+        kd[lane + 32 * i] = o[i];
+        vd[lane + 32 * i] = v;
+        asm volatile("st.shared.u16 [%0], %1;" :: "r"(knew + 2 * (lane + 32 * i)), "h"(o[i]) : "memory");
+        asm volatile("st.shared.u16 [%0], %1;" :: "r"(vnew + 2 * (lane + 32 * i)), "h"(v) : "memory");
+    }
+}
+
+// One 32-token tile's attention partials for the grp query heads of KV head kvh, after stage_rotated_q (and, in the
+// tile with the new token, append_new_kv and a warp sync): lane = token for the scores, dims 4 lane .. + 3 for V.
+// kr: the lane's cached K row; its V rows are vv (VPRE, loaded earlier) or loaded here, token u's from cache row
+// `row` of lane u. The new token (lane newu of the last tile) takes K and V from shared memory instead of the cache,
+// so no load waits for that step's store. Partials: [head][tile] records of 132 floats (un-normalized output [128],
+// max, sum), log2 domain.
+template <bool VPRE>
+__device__ __forceinline__ void tile_partials(u32x4 (&kr)[16], const u32x2 (&vv)[32], const StepLayer& ly,
+                                              long long row, int kvh, int n_kv, int grp, int tile, bool valid,
+                                              bool newtile, int newu, float scale_log2, u32 qs, u32 knew, u32 vnew,
+                                              float* part, int max_tiles, int lane) {
+    if (newtile && lane == newu) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) kr[i] = lds16(knew + 16u * i);
+    }
+    u32x2 vn = u32x2{0u, 0u};
+    if (newtile) asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(vn.x), "=r"(vn.y) : "r"(vnew + 8u * lane));
+    for (int j = 0; j < grp; ++j) {
+        float sc = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const u32x4 qv = lds16(qs + (u32)(j * 256 + 16 * i));
+            const u32 qa[4] = {qv.x, qv.y, qv.z, qv.w}, ka[4] = {kr[i].x, kr[i].y, kr[i].z, kr[i].w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sc += lo_f(qa[e]) * lo_f(ka[e]) + hi_f(qa[e]) * hi_f(ka[e]);
+        }
+        sc = valid ? sc * scale_log2 : NEG_INF;
+        float m = sc;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        const float p = valid ? exp2f(sc - m) : 0.f;
+        float lsum = p;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
+        const u32 p16 = f2h(p);
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int u = 0; u < 32; ++u) {
+            const float pu = h2f((u16)__shfl_sync(0xffffffffu, p16, u));
+            u32x2 v;
+            if constexpr (VPRE) {
+                v = vv[u];
+            } else {
+                const long long ru = __shfl_sync(0xffffffffu, row, u);
+                v = ld_cg8(ly.vc + ((size_t)ru * n_kv + kvh) * 128 + 4 * lane);
+            }
+            if (newtile && u == newu) v = vn;
+            acc[0] += pu * lo_f(v.x);
+            acc[1] += pu * hi_f(v.x);
+            acc[2] += pu * lo_f(v.y);
+            acc[3] += pu * hi_f(v.y);
+        }
+        float* pp = part + ((size_t)(kvh * grp + j) * max_tiles + tile) * 132;
+        asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(pp + 4 * lane), "f"(acc[0]), "f"(acc[1]),
+                     "f"(acc[2]), "f"(acc[3]) : "memory");
+        if (lane == 0) {
+            pp[128] = m;
+            pp[129] = lsum;
+        }
+    }
+}
+
+// Attention partials: one warp per (KV head, 32-token tile) item, its q rotated into shared memory, the tile with the
+// new token rotating its K and appending K and V to the cache, then the tile's partials (tile_partials). Per warp in
+// the x buffer: the rotated q of its heads (grp x 256 bytes), then the new token's K and V (256 bytes each).
 template <int NC>
 __device__ void attention_phase(const StepLayer& ly, const u16* qkv, float* part, int pos, int slot, int ctx,
                                 const int* bt, const float* cos_sin, int n_heads, int n_kv, int block_size,
@@ -424,38 +526,10 @@ __device__ void attention_phase(const StepLayer& ly, const u16* qkv, float* part
         const int tok = tile * 32 + lane;
         const bool valid = tok < ctx;
         const int blk = valid ? bt[tok / block_size] : 0;  // issued with the q loads below
-        for (int j = 0; j < grp; ++j) {
-            const u16* qh = qkv + (size_t)(kvh * grp + j) * 128;
-            const float x0 = h2f(ld_cg_u16(qh + lane)), x1 = h2f(ld_cg_u16(qh + lane + 32));
-            const float y0 = h2f(ld_cg_u16(qh + lane + 64)), y1 = h2f(ld_cg_u16(qh + lane + 96));
-            u16 o1, o2, o3, o4;
-            rope_pair(x0, y0, c0, s0, o1, o2);
-            rope_pair(x1, y1, c1, s1, o3, o4);
-            const u32 q = qs + (u32)(j * 256);
-            asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane), "h"(o1) : "memory");
-            asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane + 64), "h"(o3) : "memory");
-            asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane + 128), "h"(o2) : "memory");
-            asm volatile("st.shared.u16 [%0], %1;" :: "r"(q + 2 * lane + 192), "h"(o4) : "memory");
-        }
+        stage_rotated_q(qkv, kvh, grp, lane, c0, s0, c1, s1, qs);
         const bool newtile = tile == ntiles - 1;
         const int newu = ctx - 1 - tile * 32;  // the new token's lane in its tile
-        if (newtile) {
-            const u16* kh = qkv + (size_t)(n_heads + kvh) * 128;
-            const u16* vh = qkv + (size_t)(n_heads + n_kv + kvh) * 128;
-            u16* kd = ly.kc + ((size_t)slot * n_kv + kvh) * 128;
-            u16* vd = ly.vc + ((size_t)slot * n_kv + kvh) * 128;
-            u16 o[4];
-            rope_pair(h2f(ld_cg_u16(kh + lane)), h2f(ld_cg_u16(kh + lane + 64)), c0, s0, o[0], o[2]);
-            rope_pair(h2f(ld_cg_u16(kh + lane + 32)), h2f(ld_cg_u16(kh + lane + 96)), c1, s1, o[1], o[3]);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const u16 v = ld_cg_u16(vh + lane + 32 * i);
-                kd[lane + 32 * i] = o[i];
-                vd[lane + 32 * i] = v;
-                asm volatile("st.shared.u16 [%0], %1;" :: "r"(knew + 2 * (lane + 32 * i)), "h"(o[i]) : "memory");
-                asm volatile("st.shared.u16 [%0], %1;" :: "r"(vnew + 2 * (lane + 32 * i)), "h"(v) : "memory");
-            }
-        }
+        if (newtile) append_new_kv(ly, qkv, kvh, n_heads, n_kv, slot, lane, c0, s0, c1, s1, knew, vnew);
         __syncwarp();
         // tokens past the context read block 0's first row (never handed out) and get p = 0
         const long long row = valid ? (long long)blk * block_size + tok % block_size : 0;
@@ -469,48 +543,8 @@ __device__ void attention_phase(const StepLayer& ly, const u16* qkv, float* part
             const long long ru = __shfl_sync(0xffffffffu, row, u);
             vv[u] = ld_cg8(ly.vc + ((size_t)ru * n_kv + kvh) * 128 + 4 * lane);
         }
-        if (newtile && lane == newu) {
-#pragma unroll
-            for (int i = 0; i < 16; ++i) kr[i] = lds16(knew + 16u * i);
-        }
-        u32x2 vn = u32x2{0u, 0u};
-        if (newtile) asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(vn.x), "=r"(vn.y) : "r"(vnew + 8u * lane));
-        for (int j = 0; j < grp; ++j) {
-            float sc = 0.f;
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                const u32x4 qv = lds16(qs + (u32)(j * 256 + 16 * i));
-                const u32 qa[4] = {qv.x, qv.y, qv.z, qv.w}, ka[4] = {kr[i].x, kr[i].y, kr[i].z, kr[i].w};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) sc += lo_f(qa[e]) * lo_f(ka[e]) + hi_f(qa[e]) * hi_f(ka[e]);
-            }
-            sc = valid ? sc * scale_log2 : NEG_INF;
-            float m = sc;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-            const float p = valid ? exp2f(sc - m) : 0.f;
-            float lsum = p;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
-            const u32 p16 = f2h(p);
-            float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int u = 0; u < 32; ++u) {
-                const float pu = h2f((u16)__shfl_sync(0xffffffffu, p16, u));
-                const u32x2 v = (newtile && u == newu) ? vn : vv[u];
-                acc[0] += pu * lo_f(v.x);
-                acc[1] += pu * hi_f(v.x);
-                acc[2] += pu * lo_f(v.y);
-                acc[3] += pu * hi_f(v.y);
-            }
-            float* pp = part + ((size_t)(kvh * grp + j) * max_tiles + tile) * 132;
-            asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(pp + 4 * lane), "f"(acc[0]), "f"(acc[1]),
-                         "f"(acc[2]), "f"(acc[3]) : "memory");
-            if (lane == 0) {
-                pp[128] = m;
-                pp[129] = lsum;
-            }
-        }
+        tile_partials<true>(kr, vv, ly, row, kvh, n_kv, grp, tile, valid, newtile, newu, scale_log2, qs, knew, vnew,
+                            part, max_tiles, lane);
         __syncwarp();
     }
 }
