@@ -1,5 +1,5 @@
 """The CUDA W4A16 kernels that selection picks on GPUs other than the H100 / H200 the tables were measured on compile
-for those GPUs. An engine compiles them at load (`precompile_selected`) for the card it runs on, so an instance that
+for those GPUs (Ampere, Ada, Hopper, Blackwell). An engine compiles them at load (`precompile_selected`) for the card it runs on, so an instance that
 does not compile for, say, an A100's sm_80 would stop every AWQ engine there at load; no GPU here is such a card.
 
 Without a GPU: the device's compute capability, name and multiprocessor count are given to selection as those cards
@@ -19,14 +19,28 @@ pytestmark = pytest.mark.skipif(not cuda_rtc.available(), reason="NVRTC not inst
 
 # compute capability -> (the name torch reports, multiprocessors)
 CARDS = {(8, 0): ("NVIDIA A100-SXM4-80GB", 108), (8, 6): ("NVIDIA RTX A6000", 84), (8, 9): ("NVIDIA L40S", 142),
-         (9, 0): ("NVIDIA H100 80GB HBM3", 132)}
+         (9, 0): ("NVIDIA H100 80GB HBM3", 132), (10, 0): ("NVIDIA B200", 148),
+         (12, 0): ("NVIDIA GeForce RTX 5090", 170)}
 SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]  # qkv, o, gate_up, down
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 512]
+
+
+def _nvrtc_archs() -> set:
+    import ctypes
+
+    lib = cuda_rtc.nvrtc_library()
+    n = ctypes.c_int()
+    lib.nvrtcGetNumSupportedArchs(ctypes.byref(n))
+    archs = (ctypes.c_int * n.value)()
+    lib.nvrtcGetSupportedArchs(archs)
+    return set(archs)
 
 
 @pytest.fixture
 def card(monkeypatch, tmp_path, request):
     cap = request.param
+    if 10 * cap[0] + cap[1] not in _nvrtc_archs():
+        pytest.skip(f"NVRTC {cuda_rtc.nvrtc_version()} does not compile for sm_{cap[0]}{cap[1]}")
     name, sms = CARDS[cap]
     monkeypatch.setenv("VLMCTL_CACHE_DIR", str(tmp_path))
     for var in ("VLMCTL_W4A16_TABLE", "VLMCTL_W4A16_GEMV_TC", "VLMCTL_W4A16_GEMV_TC_BATCH", "VLMCTL_W4A16_WGMMA",
