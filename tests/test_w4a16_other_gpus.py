@@ -4,7 +4,8 @@ does not compile for, say, an A100's sm_80 would stop every AWQ engine there at 
 
 Without a GPU: the device's compute capability, name and multiprocessor count are given to selection as those cards
 report them, and the load-time pass compiles what it picks with NVRTC for that architecture (into a temporary kernel
-cache) at a 7B decoder's shapes, rows 1-512, fp16 and bf16, groups 64 and 128.
+cache) at a 7B decoder's shapes, rows 1-512, fp16 and bf16, groups 64 and 128. And such a GPU gets one line in
+the load log saying that the table holds nothing for it.
 """
 
 from __future__ import annotations
@@ -81,3 +82,21 @@ def test_selected_kernels_compile_for_the_card(card, dtype):
         gemvs = [n for n in names if n.startswith(("w4a16_gemv<", "w4a16_gemv_tc<"))]
         assert any(n.count(",") == (3 if n.startswith("w4a16_gemv<") else 4) for n in gemvs), names
         assert any(n.count(",") == (4 if n.startswith("w4a16_gemv<") else 5) for n in gemvs), names
+
+
+def test_untuned_gpu_gets_one_load_log_line(monkeypatch):
+    """An engine on a GPU the table has no entries for says so at load (the rules then pick every config)."""
+    monkeypatch.delenv("VLMCTL_W4A16_TABLE", raising=False)
+    shipped = W.tuned_devices()
+    assert {"NVIDIA H200", "NVIDIA H100 80GB HBM3"} <= shipped  # the cards the shipped table was measured on
+    cuda = torch.device("cuda", 0)
+    for name, untuned in (("NVIDIA H200", False), ("NVIDIA H100 80GB HBM3", False), ("NVIDIA L40S", True)):
+        monkeypatch.setattr(W, "_device_name", lambda device, name=name: name)
+        note = W.untuned_device_note(cuda)
+        assert (note is not None) == untuned, (name, note)
+        if untuned:
+            assert name in note and "w4a16_tuned.json" in note and "docs/awq.md" in note
+    assert W.untuned_device_note(torch.device("cpu")) is None
+    monkeypatch.setenv("VLMCTL_W4A16_TABLE", "off")
+    monkeypatch.setattr(W, "_device_name", lambda device: "NVIDIA H200")
+    assert W.tuned_devices() == set() and "VLMCTL_W4A16_TABLE=off" in W.untuned_device_note(cuda)

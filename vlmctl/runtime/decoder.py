@@ -929,8 +929,10 @@ class TorchDecoder:
         nvrtc = None
         packed = self._packed_per_shape()
         if packed and compile_ahead.available():
-            from .kernels.w4a16 import PACK, precompile_selected, prefill_buckets
+            from .kernels.w4a16 import PACK, precompile_selected, prefill_buckets, untuned_device_note
 
+            if (note := untuned_device_note(self.device)) is not None:
+                logging.getLogger("vlmctl.runtime").info("%s", note)
             shapes, gate_up, group_size = packed
             dims = {(p["q4weight"].shape[0], p["q4weight"].shape[1] * PACK) for p, _ in shapes}
             gate_up_dims = {(p["q4weight"].shape[0], p["q4weight"].shape[1] * PACK) for p, _ in gate_up}

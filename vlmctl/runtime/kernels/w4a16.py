@@ -481,6 +481,27 @@ def _load_tuned_table() -> None:
             raise OptionError(f"{what} is not a W4A16 tuned table ({type(e).__name__}: {e})") from None
 
 
+def tuned_devices() -> set:
+    """The GPU names (as torch reports them) that the tuned table in use holds entries for."""
+    _load_tuned_table()
+    return {key[0] for table in (_TUNED, *_VARIANT_TABLES.values()) for key in table}
+
+
+def untuned_device_note(device) -> str | None:
+    """One line for an engine's load log where the table in use holds nothing for this GPU (the rules then pick
+    every config, timed on other cards), else None."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    name = _device_name(device)
+    if name == "cpu" or name in tuned_devices():
+        return None
+    source = tuned_table_source()
+    if not source:
+        return "W4A16 kernels: no tuned table (VLMCTL_W4A16_TABLE=off); the rules pick every config"
+    return (f"W4A16 kernels: {source} has no entries measured on {name!r}; the rules timed on H100/H200 pick the "
+            f"configs (docs/awq.md, 'The W4A16 kernel', says how to tune a GPU)")
+
+
 def load_tuned(path) -> int:
     """Merge a tuned table (JSON written by `save_tuned`) into the one in use; return how many entries it held."""
     _load_tuned_table()  # first, so that loading the table in use later does not drop these entries
