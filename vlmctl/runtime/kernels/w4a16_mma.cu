@@ -1063,6 +1063,22 @@ __device__ __forceinline__ void tc_tile_sum(const TcRun<T, KS>& r, int j, int i,
     }
 }
 
+// Chunk j's sums of this lane's x that fold the magic and the zero point out: magic = 8 Lo + 0.5 Hi and
+// per_zero = (Lo + Hi) / 128. A lane's x quad of word u, read as an A fragment, puts that word's low-position pairs
+// (k + 0, 1 and k + 4, 5) in row g and its high-position pairs in row g + 8, the same in every lane of a t; against
+// B = ones each row sums them over the four lanes t, and four such mma a chunk.
+template <int T, int KS>
+__device__ __forceinline__ void tc_fold_sums(const TcRun<T, KS>& r, int j, float& magic, float& per_zero) {
+    float lh[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const u32 xq[4] = {r.x[j][u].x, r.x[j][u].y, r.x[j][u].z, r.x[j][u].w};
+        mma16816(lh, xq, 0x3C003C00u, 0x3C003C00u);
+    }
+    magic = 8.f * lh[0] + 0.5f * lh[2];
+    per_zero = (lh[0] + lh[2]) * (1.f / 128.f);  // exact scaling
+}
+
 // one run: each chunk's Lo / Hi, then every tile's rows, their chunk sums scaled into tot (tot holds sum / 128:
 // the power of two is applied once at the end)
 template <int T, int KS, int K>
@@ -1071,17 +1087,8 @@ __device__ __forceinline__ void tc_compute(const TcRun<T, KS>& r, float (&tot)[T
 #pragma unroll
     for (int j = 0; j < KS; ++j) {
         if (c0 + j < KC) {
-            // Lo and Hi: a lane's x quad of word u, read as an A fragment, puts that word's low-position pairs
-            // (k + 0, 1 and k + 4, 5) in row g and its high-position pairs in row g + 8, the same in every lane
-            // of a t; against B = ones each row sums them over the four lanes t, and four such mma a chunk
-            float lh[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const u32 xq[4] = {r.x[j][u].x, r.x[j][u].y, r.x[j][u].z, r.x[j][u].w};
-                mma16816(lh, xq, 0x3C003C00u, 0x3C003C00u);
-            }
-            const float magic = 8.f * lh[0] + 0.5f * lh[2];                 // 8 Lo + 0.5 Hi
-            const float per_zero = (lh[0] + lh[2]) * (1.f / 128.f);        // (Lo + Hi) / 128, exact scaling
+            float magic, per_zero;
+            tc_fold_sums(r, j, magic, per_zero);
 #pragma unroll
             for (int i = 0; i < T; ++i) {
                 float acc[4];
@@ -1200,14 +1207,8 @@ __device__ __forceinline__ void tc8_compute(const TcRun<T, KS>& r, float (&tot)[
 #pragma unroll
     for (int j = 0; j < KS; ++j) {
         if (c0 + j < KC) {
-            float lh[4] = {0.f, 0.f, 0.f, 0.f};  // Lo of this lane's x row (lh[0], lh[1]), then its Hi
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const u32 xq[4] = {r.x[j][u].x, r.x[j][u].y, r.x[j][u].z, r.x[j][u].w};
-                mma16816(lh, xq, 0x3C003C00u, 0x3C003C00u);
-            }
-            const float own_magic = 8.f * lh[0] + 0.5f * lh[2];             // 8 Lo + 0.5 Hi
-            const float own_per_zero = (lh[0] + lh[2]) * (1.f / 128.f);    // (Lo + Hi) / 128, exact scaling
+            float own_magic, own_per_zero;  // of this lane's row of x, m0 + g
+            tc_fold_sums(r, j, own_magic, own_per_zero);
             float magic[2], per_zero[2];
 #pragma unroll
             for (int c = 0; c < 2; ++c) {  // column 2t + c is x row m0 + 2t + c, whose sums lane 4 (2t + c) holds
