@@ -499,7 +499,7 @@ def untuned_device_note(device) -> str | None:
     if not source:
         return "W4A16 kernels: no tuned table (VLMCTL_W4A16_TABLE=off); the rules pick every config"
     return (f"W4A16 kernels: {source} has no entries measured on {name!r}; the rules timed on H100/H200 pick the "
-            f"configs (docs/awq.md, 'The W4A16 kernel', says how to tune a GPU)")
+            f"configs (docs/awq.md, 'The W4A16 kernel': a source checkout's benchmarks tune a GPU)")
 
 
 def load_tuned(path) -> int:
