@@ -5,9 +5,9 @@ batch-1 GEMVs do, until a GPU measures it. The value is the same, so the outputs
 
 Without a GPU: the switch and its errors; that it reaches every source built on `w4a16_mma.cu` (the wgmma source and
 the fused steps' once kept the first build for the whole process); where NVRTC is installed, that the default build
-build does not read the mask from constant memory in mma_gemv, mma and wgmma and the switch's does; with a C++ compiler, both
-builds of mma_gemv and mma on the CPU (tests/cuda_host.py) against each other and the fp32 reference. A `gpu` test
-compares the two builds at the 7B shapes.
+does not read the mask from constant memory in mma_gemv, mma and wgmma and the switch's does; with a C++ compiler,
+both builds of mma_gemv and mma on the CPU (tests/cuda_host.py) against each other and the fp32 reference. A `gpu`
+test compares the two builds at the 7B shapes.
 """
 
 from __future__ import annotations
